@@ -1,0 +1,7 @@
+"""Dense multi-head attention: every head, equal weight. The baseline the routed variants are measured against."""
+from .registry import register_attention
+
+
+@register_attention("mha")
+class MHA:
+    """Mixin that leaves the kernel as it is: ``build_attention("mha", ...)`` is the kernel's own dense attention."""

@@ -1,0 +1,141 @@
+"""Routing helpers shared by the routed variants: head budgets, top-k gates, losses, statistics."""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+
+from moh_vision.errors import ConfigError
+
+Tensor = torch.Tensor
+
+
+def check_ratio(activation_ratio: float) -> float:
+    ratio = float(activation_ratio)
+    if not 0.0 < ratio <= 1.0:
+        raise ConfigError(f"activation_ratio={activation_ratio} is outside (0, 1]; it is the fraction of heads a token uses")
+    return ratio
+
+
+def active_heads_for_ratio(num_heads: int, activation_ratio: float) -> int:
+    """Heads a token uses at ``activation_ratio``: ``round(ratio * h)`` clamped to [1, h]."""
+    ratio = check_ratio(activation_ratio)
+    return min(num_heads, max(1, int(round(ratio * num_heads))))
+
+
+def resolve_moh_heads(num_heads: int, shared_heads: Optional[int] = None, topk: Optional[int] = None,
+                      activation_ratio: Optional[float] = None) -> Tuple[int, int]:
+    """Turn the user's options into ``(shared_heads, topk)`` for one layer of ``num_heads`` heads.
+
+    Explicit ``shared_heads`` + ``topk`` (the official ``routed_head``) are used as given.
+    Otherwise the activation-ratio policy applies:
+
+    * ``a = clamp(round(ratio * h), 1, h)`` heads are active per token, so the realised ratio
+      ``a / h`` is within ``1 / (2h)`` of the request;
+    * ``a == h`` (e.g. ratio 1.0) gives a dense-weighted layer: every head shared, ``topk = 0``;
+    * otherwise ``shared_heads = a // 2`` (or the given value) and ``topk = a - shared_heads``,
+      i.e. about half of the active heads are always on and half are routed, as in the
+      official presets.
+    """
+    if num_heads < 1:
+        raise ConfigError(f"num_heads={num_heads} must be at least 1")
+    if activation_ratio is not None and topk is not None:
+        raise ConfigError("give MoH either activation_ratio or topk (with shared_heads), not both")
+    if topk is None:
+        active = active_heads_for_ratio(num_heads, 0.75 if activation_ratio is None else activation_ratio)
+        if active == num_heads:
+            if shared_heads is not None and shared_heads != num_heads:
+                raise ConfigError(
+                    f"activation_ratio={activation_ratio} activates all {num_heads} heads, so shared_heads must be "
+                    f"{num_heads} (got {shared_heads})")
+            return num_heads, 0
+        if shared_heads is None:
+            shared_heads = active // 2
+        if not 0 <= shared_heads < active:
+            raise ConfigError(
+                f"shared_heads={shared_heads} leaves no routed head at activation_ratio={activation_ratio} "
+                f"({active} of {num_heads} heads active); allowed 0..{active - 1}")
+        topk = active - shared_heads
+    shared_heads = num_heads if shared_heads is None and topk == 0 else shared_heads
+    if shared_heads is None:
+        raise ConfigError("MoH with an explicit topk also needs shared_heads")
+    shared_heads, topk = int(shared_heads), int(topk)
+    if not 0 <= shared_heads <= num_heads:
+        raise ConfigError(f"shared_heads={shared_heads} is outside 0..num_heads={num_heads}")
+    routed = num_heads - shared_heads
+    if not 0 <= topk <= routed:
+        raise ConfigError(
+            f"topk={topk} exceeds the routed pool num_heads - shared_heads = {num_heads} - {shared_heads} = {routed}; "
+            f"allowed 0..{routed}")
+    if topk == 0 and shared_heads != num_heads:
+        raise ConfigError(
+            f"topk=0 routes nothing, so shared_heads must be num_heads={num_heads} (got {shared_heads}); "
+            f"otherwise {routed} heads would never be used")
+    return shared_heads, topk
+
+
+def topk_mask(probs: Tensor, k: int) -> Tuple[Tensor, Tensor]:
+    """Indices ``[..., k]`` of the k largest entries and the matching 0/1 mask (no gradient)."""
+    index = probs.topk(k, dim=-1).indices
+    mask = torch.zeros_like(probs).scatter_(-1, index, 1.0)
+    return index, mask
+
+
+def renormalised_topk_gates(probs: Tensor, mask: Tensor, k: int) -> Tensor:
+    """Keep the selected probabilities, renormalise them to sum 1, multiply by k (official MoH)."""
+    kept = probs * mask
+    denom = kept.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(kept.dtype).eps)
+    return kept / denom * k
+
+
+def load_balance_loss(probs: Tensor, mask: Tensor) -> Tensor:
+    """MoH's per-layer loss ``E * sum_i me_i * ce_i``.
+
+    ``me``: mean router probability per routed head over all tokens (before top-k);
+    ``ce``: fraction of tokens that selected each head (no gradient). Per device, not all-reduced.
+    """
+    num_experts = probs.shape[-1]
+    me = probs.reshape(-1, num_experts).float().mean(dim=0)
+    ce = mask.reshape(-1, num_experts).float().mean(dim=0).detach()
+    return num_experts * (me * ce).sum()
+
+
+def mean_entropy(probs: Tensor) -> Tensor:
+    """Mean over tokens of the entropy (nats) of a distribution over the last dim."""
+    p = probs.float()
+    return -(p * p.clamp_min(1e-12).log()).sum(dim=-1).mean()
+
+
+class RoutedMixin:
+    """Bookkeeping every routed variant shares: the aux loss and statistics of the last forward.
+
+    They live on the module instance (never on the class), so two models never see each other's
+    losses. ``record_selection = True`` additionally keeps the per-token head mask of the last
+    forward (``last_selection``, [B, N, h] bool) for routing analysis.
+    """
+
+    is_routed = True
+
+    def init_routing_state(self) -> None:
+        self.aux_loss: Optional[Tensor] = None
+        self.routing_stats: Optional[dict] = None
+        self.record_selection = False
+        self.last_selection: Optional[Tensor] = None
+
+    @torch.no_grad()
+    def _active_load(self, active: Tensor) -> Tensor:
+        """Fraction of tokens that used each head; ``active`` is [..., h] of 0/1."""
+        return active.reshape(-1, active.shape[-1]).float().mean(dim=0)
+
+    def store_routing(self, active: Tensor, probs: Optional[Tensor], loss: Optional[Tensor]) -> None:
+        """Keep what this forward decided: [..., h] active mask, router probabilities, aux loss."""
+        self.aux_loss = loss if self.training else None
+        with torch.no_grad():
+            self.routing_stats = {
+                "load": self._active_load(active),
+                "entropy": None if probs is None else mean_entropy(probs),
+                "num_heads": active.shape[-1],
+                "shared_heads": getattr(self, "shared_heads", 0),
+                "topk": getattr(self, "topk", 0),
+            }
+            self.last_selection = active.detach().bool() if self.record_selection else None
