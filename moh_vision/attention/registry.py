@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
-from typing import Any, Callable, Dict, List, Optional, Type
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 from torch import nn

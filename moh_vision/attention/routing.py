@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 
 from moh_vision.errors import ConfigError
 
@@ -77,7 +78,7 @@ def resolve_moh_heads(num_heads: int, shared_heads: Optional[int] = None, topk: 
 def topk_mask(probs: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     """Indices ``[..., k]`` of the k largest entries and the matching 0/1 mask (no gradient)."""
     index = probs.topk(k, dim=-1).indices
-    mask = torch.zeros_like(probs).scatter_(-1, index, 1.0)
+    mask = F.one_hot(index, num_classes=probs.shape[-1]).sum(dim=-2).to(probs.dtype)  # traceable (fvcore)
     return index, mask
 
 

@@ -1,0 +1,491 @@
+"""DiT (Peebles & Xie, 2023) and MoH-DiT (Jin et al., ICML 2025) with pluggable attention.
+
+A DiT is a plain transformer over latent patches whose blocks are conditioned with adaLN-Zero:
+the timestep and class embeddings give, per block, a shift/scale for each LayerNorm and a gate for
+each residual branch, all produced by a zero-initialised Linear, so a fresh block is the identity and
+a fresh model predicts exactly zero.
+
+Attention comes from the registry (``attention="mha" | "moh" | "moa"``, plus that variant's options,
+each a scalar or one value per block). The attention input is the adaLN-modulated normed token, so a
+MoH/MoA router sees the timestep and the class without any extra wiring.
+
+State-dict keys and shapes equal those of the official checkpoints: facebookresearch/DiT for the
+dense models (``attention="mha"``) and SkyworkAI/MoH ``MoH-DiT`` for the MoH presets (routers
+``attn.wg``, ``attn.wg_0``, ``attn.wg_1``), so released weights load through ``checkpoint_path=``
+after ``tools/convert_checkpoint.py``.
+
+Registered with timm: ``dit_{s,b,l,xl}_{2,4,8}``, ``moh_dit_{s,b,l,xl}_2_{90,75}`` (the official
+per-layer presets) and ``dit_tiny_2`` (pixel-space diffusion on 16x16 digits on a CPU).
+"""
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+from timm.layers import Mlp, PatchEmbed
+from timm.models import register_model
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from moh_vision.errors import ConfigError
+from .vit import build_attention_stack, to_2tuple_size
+from .factory import preset_arguments
+
+Tensor = torch.Tensor
+
+__all__ = ["DiT", "DiTBlock", "FinalLayer", "TimestepEmbedder", "LabelEmbedder", "modulate",
+           "sincos_pos_embed_2d", "DIT_PRESETS"]
+
+
+def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
+    """adaLN: ``x * (1 + scale) + shift`` with per-sample ``[B, C]`` shift/scale over tokens ``[B, N, C]``."""
+    return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Fixed 2-D sine-cosine position embedding
+# ---------------------------------------------------------------------------------------------
+def _sincos_1d(dim: int, positions: Tensor) -> Tensor:
+    """``[M] -> [M, dim]``: sines of ``pos * omega`` then cosines, ``omega_i = 10000^(-i / (dim/2))``."""
+    omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64) / (dim / 2.0))
+    angles = positions.to(torch.float64)[:, None] * omega[None]
+    return torch.cat([angles.sin(), angles.cos()], dim=1)
+
+
+def sincos_pos_embed_2d(dim: int, grid_size: Union[int, Tuple[int, int]]) -> Tensor:
+    """``[H*W, dim]`` float32 embedding of a row-major ``H x W`` token grid.
+
+    The first half of the channels encodes a token's column, the second half its row: the
+    layout of the official DiT/MAE tables, so checkpoints trained with them keep their meaning.
+    Computed in float64 and rounded once, like the official numpy version.
+    """
+    grid_h, grid_w = to_2tuple_size(grid_size)
+    if dim % 4:
+        raise ConfigError(f"a 2-D sin-cos position embedding needs a width divisible by 4 (got {dim})")
+    rows = torch.arange(grid_h).repeat_interleave(grid_w)
+    cols = torch.arange(grid_w).repeat(grid_h)
+    return torch.cat([_sincos_1d(dim // 2, cols), _sincos_1d(dim // 2, rows)], dim=1).float()
+
+
+# ---------------------------------------------------------------------------------------------
+# Conditioning: timesteps and class labels
+# ---------------------------------------------------------------------------------------------
+class TimestepEmbedder(nn.Module):
+    """Scalar (possibly fractional) timesteps -> 256-dim sinusoidal features -> MLP (``mlp.0``, SiLU, ``mlp.2``)."""
+
+    def __init__(self, hidden_size: int, frequency_embedding_size: int = 256):
+        super().__init__()
+        self.frequency_embedding_size = frequency_embedding_size
+        self.mlp = nn.Sequential(
+            nn.Linear(frequency_embedding_size, hidden_size),
+            nn.SiLU(),
+            nn.Linear(hidden_size, hidden_size),
+        )
+
+    @staticmethod
+    def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
+        """``[N] -> [N, dim]``: cosines then sines of ``t * f_i``, ``f_i = max_period^(-i / half)``.
+
+        Frequencies are float32 as in the reference, so a given ``t`` embeds to the same bits.
+        """
+        half = dim // 2
+        freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
+        args = t[:, None].float() * freqs[None]
+        emb = torch.cat([args.cos(), args.sin()], dim=-1)
+        if dim % 2:
+            emb = torch.cat([emb, torch.zeros_like(emb[:, :1])], dim=-1)
+        return emb
+
+    def forward(self, t: Tensor) -> Tensor:
+        t_freq = self.timestep_embedding(t, self.frequency_embedding_size)
+        return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
+
+
+class LabelEmbedder(nn.Module):
+    """Class labels -> vectors, with label dropout for classifier-free guidance.
+
+    With ``dropout_prob > 0`` the table has one extra row, the null class ``num_classes``: while
+    training each label is replaced by it with probability ``dropout_prob``, and passing label
+    ``num_classes`` (or ``force_drop_ids == 1``) asks for the unconditional prediction.
+    """
+
+    def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float):
+        super().__init__()
+        self.num_classes = num_classes
+        self.dropout_prob = dropout_prob
+        self.embedding_table = nn.Embedding(num_classes + int(dropout_prob > 0), hidden_size)
+
+    @property
+    def has_null_class(self) -> bool:
+        return self.dropout_prob > 0
+
+    def token_drop(self, labels: Tensor, force_drop_ids: Optional[Tensor] = None) -> Tensor:
+        if not self.has_null_class:
+            raise ConfigError("dropping labels needs a null class: build the model with class_dropout_prob > 0")
+        if force_drop_ids is None:
+            drop = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
+        else:
+            drop = force_drop_ids == 1
+        return torch.where(drop, torch.full_like(labels, self.num_classes), labels)
+
+    def forward(self, labels: Tensor, train: bool, force_drop_ids: Optional[Tensor] = None) -> Tensor:
+        if (train and self.has_null_class) or force_drop_ids is not None:
+            labels = self.token_drop(labels, force_drop_ids)
+        return self.embedding_table(labels)
+
+
+# ---------------------------------------------------------------------------------------------
+# Blocks
+# ---------------------------------------------------------------------------------------------
+class DiTBlock(nn.Module):
+    """Pre-norm transformer block with adaLN-Zero: ``x += gate * f(modulate(norm(x), shift, scale))``."""
+
+    def __init__(self, hidden_size: int, attn: nn.Module, mlp_ratio: float = 4.0):
+        super().__init__()
+        self.norm1 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.attn = attn
+        self.norm2 = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.mlp = Mlp(hidden_size, int(hidden_size * mlp_ratio), act_layer=lambda: nn.GELU(approximate="tanh"))
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 6 * hidden_size))
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = self.adaLN_modulation(c).chunk(6, dim=1)
+        x = x + gate_msa.unsqueeze(1) * self.attn(modulate(self.norm1(x), shift_msa, scale_msa))
+        x = x + gate_mlp.unsqueeze(1) * self.mlp(modulate(self.norm2(x), shift_mlp, scale_mlp))
+        return x
+
+
+class FinalLayer(nn.Module):
+    """adaLN-modulated LayerNorm, then a Linear to ``patch_size**2 * out_channels`` per token."""
+
+    def __init__(self, hidden_size: int, patch_size: int, out_channels: int):
+        super().__init__()
+        self.norm_final = nn.LayerNorm(hidden_size, elementwise_affine=False, eps=1e-6)
+        self.linear = nn.Linear(hidden_size, patch_size * patch_size * out_channels)
+        self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(hidden_size, 2 * hidden_size))
+
+    def forward(self, x: Tensor, c: Tensor) -> Tensor:
+        shift, scale = self.adaLN_modulation(c).chunk(2, dim=1)
+        return self.linear(modulate(self.norm_final(x), shift, scale))
+
+
+# ---------------------------------------------------------------------------------------------
+# DiT
+# ---------------------------------------------------------------------------------------------
+class DiT(nn.Module):
+    """Class-conditional diffusion transformer predicting epsilon (and, with ``learn_sigma``, the
+    variance interpolation) for ``[B, C, H, W]`` inputs.
+
+    Args:
+        input_size: spatial side of the input (latent) grid, int or (H, W); 32 for 256px SD latents.
+        patch_size: side of a patch; must divide ``input_size``.
+        num_heads: heads per block, an int or one value per block (MoH-DiT-XL/L).
+        head_dim: width of one head (``None``: ``hidden_size // num_heads``), int or per block.
+        class_dropout_prob: label dropout while training; > 0 adds the null class ``num_classes``.
+        learn_sigma: output ``2 * in_channels`` channels (epsilon, then the variance values).
+        attention: registry name of the attention variant; ``attention_options`` go to
+            ``build_attention`` (lists/tuples of length ``depth`` are per block).
+    """
+
+    def __init__(
+        self,
+        input_size: Union[int, Tuple[int, int]] = 32,
+        patch_size: int = 2,
+        in_channels: int = 4,
+        hidden_size: int = 1152,
+        depth: int = 28,
+        num_heads: Union[int, Sequence[int]] = 16,
+        head_dim: Union[None, int, Sequence[Optional[int]]] = None,
+        mlp_ratio: float = 4.0,
+        class_dropout_prob: float = 0.1,
+        num_classes: int = 1000,
+        learn_sigma: bool = True,
+        attention: str = "mha",
+        **attention_options: Any,
+    ):
+        super().__init__()
+        size = to_2tuple_size(input_size)
+        if patch_size < 1 or size[0] % patch_size or size[1] % patch_size:
+            raise ConfigError(f"DiT input_size={input_size} is not divisible by patch_size={patch_size}; "
+                              f"use a multiple of {patch_size}")
+        if hidden_size % 4:
+            raise ConfigError(f"DiT hidden_size={hidden_size} must be divisible by 4 (2-D sin-cos position embedding)")
+        if in_channels < 1 or num_classes < 1:
+            raise ConfigError(f"DiT needs in_channels >= 1 and num_classes >= 1 (got {in_channels}, {num_classes})")
+        if not 0.0 <= class_dropout_prob < 1.0:
+            raise ConfigError(f"class_dropout_prob={class_dropout_prob} is outside [0, 1)")
+
+        self.input_size = size
+        self.patch_size = patch_size
+        self.in_channels = in_channels
+        self.learn_sigma = learn_sigma
+        self.out_channels = in_channels * 2 if learn_sigma else in_channels
+        self.hidden_size = hidden_size
+        self.num_classes = num_classes
+        self.attention = attention
+        self.grid_size = (size[0] // patch_size, size[1] // patch_size)
+        self.grad_checkpointing = False
+
+        self.x_embedder = PatchEmbed(size, patch_size, in_channels, hidden_size, bias=True)
+        self.t_embedder = TimestepEmbedder(hidden_size)
+        self.y_embedder = LabelEmbedder(num_classes, hidden_size, class_dropout_prob)
+        # Fixed, not learned; a Parameter (not a buffer) so the key matches the official checkpoints.
+        self.pos_embed = nn.Parameter(torch.zeros(1, self.x_embedder.num_patches, hidden_size), requires_grad=False)
+
+        attns = build_attention_stack(attention, hidden_size, depth, num_heads, head_dim, attention_options,
+                                      defaults=dict(qkv_bias=True), owner="DiT")
+        self.num_heads = [a.num_heads for a in attns]
+        self.blocks = nn.ModuleList([DiTBlock(hidden_size, a, mlp_ratio) for a in attns])
+        self.final_layer = FinalLayer(hidden_size, patch_size, self.out_channels)
+        self.initialize_weights()
+
+    # --- init ------------------------------------------------------------------------------------
+    def initialize_weights(self) -> None:
+        """The official DiT init, then each attention variant's own router init where it has one."""
+        def basic(module: nn.Module) -> None:
+            if isinstance(module, nn.Linear):  # includes MoH routers, as in MoH-DiT
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+        self.apply(basic)
+        with torch.no_grad():
+            self.pos_embed.copy_(sincos_pos_embed_2d(self.hidden_size, self.grid_size).unsqueeze(0))
+        # patch embedding initialised like a Linear over the flattened patch
+        w = self.x_embedder.proj.weight
+        nn.init.xavier_uniform_(w.view(w.shape[0], -1))
+        nn.init.zeros_(self.x_embedder.proj.bias)
+        nn.init.normal_(self.y_embedder.embedding_table.weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[0].weight, std=0.02)
+        nn.init.normal_(self.t_embedder.mlp[2].weight, std=0.02)
+        # adaLN-Zero: every residual branch and the output start at exactly zero
+        for block in self.blocks:
+            nn.init.zeros_(block.adaLN_modulation[-1].weight)
+            nn.init.zeros_(block.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].weight)
+        nn.init.zeros_(self.final_layer.adaLN_modulation[-1].bias)
+        nn.init.zeros_(self.final_layer.linear.weight)
+        nn.init.zeros_(self.final_layer.linear.bias)
+        # variants whose method prescribes a router init (MoA: zero, i.e. uniform routing) keep it
+        for module in self.modules():
+            if hasattr(module, "reset_router"):
+                module.reset_router()
+
+    # --- shapes ------------------------------------------------------------------------------------
+    def unpatchify(self, x: Tensor) -> Tensor:
+        """``[B, T, p*p*C_out]`` tokens -> ``[B, C_out, H, W]`` image."""
+        B = x.shape[0]
+        (h, w), p, c = self.grid_size, self.patch_size, self.out_channels
+        if x.shape[1] != h * w:
+            raise ValueError(f"unpatchify expected {h * w} tokens, got {x.shape[1]}")
+        x = x.reshape(B, h, w, p, p, c)
+        return torch.einsum("nhwpqc->nchpwq", x).reshape(B, c, h * p, w * p)
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute block activations in the backward pass (less memory, ~30% more compute)."""
+        self.grad_checkpointing = enable
+
+    # --- forward -----------------------------------------------------------------------------------
+    def forward(self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None) -> Tensor:
+        """``x``: [B, C, H, W] noisy input; ``t``: [B] (or scalar) timesteps; ``y``: [B] labels
+        (``num_classes`` = null class). Returns [B, C_out, H, W]."""
+        if t.ndim == 0:
+            t = t.expand(x.shape[0])
+        tokens = self.x_embedder(x) + self.pos_embed
+        c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
+        for block in self.blocks:
+            if self.grad_checkpointing and torch.is_grad_enabled():
+                tokens = checkpoint(block, tokens, c, use_reentrant=False)
+            else:
+                tokens = block(tokens, c)
+        return self.unpatchify(self.final_layer(tokens, c))
+
+    def forward_with_cfg(self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float,
+                         guidance_channels: Optional[int] = None) -> Tensor:
+        """Classifier-free guidance in one batched pass.
+
+        The batch is ``[conditional half; unconditional half]`` (second half of ``y`` = null class);
+        only the first half of ``x`` is used, for both halves. The guided epsilon
+        ``uncond + cfg_scale * (cond - uncond)`` is returned in both halves.
+
+        ``guidance_channels=None`` guides all ``in_channels`` epsilon channels (the standard
+        method); ``3`` reproduces the official DiT sampling quirk (only the first three channels of
+        the 4-channel latent are guided, the rest keep each half's own prediction).
+        """
+        n = guidance_channels if guidance_channels is not None else self.in_channels
+        if not 1 <= n <= self.in_channels:
+            raise ConfigError(f"guidance_channels={guidance_channels} is outside 1..in_channels={self.in_channels}")
+        if x.shape[0] % 2:
+            raise ValueError(f"forward_with_cfg needs an even batch [cond; uncond], got {x.shape[0]}")
+        half = x[: x.shape[0] // 2]
+        out = self.forward(torch.cat([half, half], dim=0), t, y)
+        eps, rest = out[:, :n], out[:, n:]
+        cond, uncond = eps.chunk(2, dim=0)
+        guided = uncond + cfg_scale * (cond - uncond)
+        return torch.cat([torch.cat([guided, guided], dim=0), rest], dim=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets and timm registration
+# ---------------------------------------------------------------------------------------------
+def _runs(*pairs: Tuple[int, int]) -> List[int]:
+    """``_runs((8, 9), (16, 10))`` = ``[8]*9 + [16]*10``: per-layer values written as in the paper tables."""
+    return [value for value, count in pairs for _ in range(count)]
+
+
+_SIZES = {  # depth, hidden_size, num_heads (DiT paper, Table 1)
+    "s": dict(depth=12, hidden_size=384, num_heads=6),
+    "b": dict(depth=12, hidden_size=768, num_heads=12),
+    "l": dict(depth=24, hidden_size=1024, num_heads=16),
+    "xl": dict(depth=28, hidden_size=1152, num_heads=16),
+}
+
+# MoH-DiT presets (SkyworkAI/MoH, MoH-DiT/models.py): per-layer heads, shared heads, routed top-k.
+# XL and L widen attention with depth at a fixed head_dim; S and B keep the DiT heads.
+_MOH_PRESETS = {
+    "xl_2_90": dict(depth=28, hidden_size=1152, head_dim=72, num_heads=_runs((8, 9), (16, 10), (24, 9)),
+                    shared_heads=_runs((8, 9), (16, 10), (16, 9)), topk=_runs((0, 19), (3, 9))),
+    "xl_2_75": dict(depth=28, hidden_size=1152, head_dim=72, num_heads=_runs((8, 9), (16, 10), (24, 9)),
+                    shared_heads=_runs((8, 9), (10, 10), (14, 9)), topk=_runs((0, 9), (2, 19))),
+    "l_2_90": dict(depth=24, hidden_size=1024, head_dim=64, num_heads=_runs((8, 8), (16, 8), (24, 8)),
+                   shared_heads=_runs((8, 8), (16, 16)), topk=_runs((0, 16), (3, 8))),
+    "l_2_75": dict(depth=24, hidden_size=1024, head_dim=64, num_heads=_runs((8, 8), (16, 8), (24, 8)),
+                   shared_heads=_runs((8, 16), (12, 8)), topk=_runs((0, 8), (4, 16))),
+    "b_2_90": dict(depth=12, hidden_size=768, num_heads=12,
+                   shared_heads=_runs((6, 5), (7, 5), (12, 2)), topk=_runs((4, 10), (0, 2))),
+    "b_2_75": dict(depth=12, hidden_size=768, num_heads=12,
+                   shared_heads=_runs((4, 2), (6, 8), (12, 2)), topk=_runs((2, 2), (3, 8), (0, 2))),
+    "s_2_90": dict(depth=12, hidden_size=384, num_heads=6,
+                   shared_heads=_runs((3, 8), (6, 4)), topk=_runs((2, 8), (0, 4))),
+    "s_2_75": dict(depth=12, hidden_size=384, num_heads=6,
+                   shared_heads=_runs((2, 2), (3, 8), (6, 2)), topk=_runs((1, 6), (2, 4), (0, 2))),
+}
+
+
+def _all_presets() -> Dict[str, Dict[str, Any]]:
+    presets = {}
+    for size, cfg in _SIZES.items():
+        for patch in (2, 4, 8):
+            presets[f"dit_{size}_{patch}"] = dict(cfg, patch_size=patch)
+    for name, cfg in _MOH_PRESETS.items():
+        presets[f"moh_dit_{name}"] = dict(cfg, patch_size=2, attention="moh")
+    # CPU-sized, for pixel-space diffusion on 16x16 scikit-learn digits (1 channel, 10 classes):
+    # 64 tokens, 6 blocks of width 128 with 4 heads of 32, about 1.9M parameters.
+    presets["dit_tiny_2"] = dict(depth=6, hidden_size=128, num_heads=4, patch_size=2, input_size=16,
+                                 in_channels=1, num_classes=10)
+    return presets
+
+
+# Every registered name -> the DiT arguments it stands for (user kwargs override them).
+DIT_PRESETS: Dict[str, Dict[str, Any]] = _all_presets()
+
+def create_dit(name: str, pretrained: bool = False, **kwargs: Any) -> DiT:
+    """Build preset ``name`` with ``kwargs`` overriding it; what the timm entry points call."""
+    return DiT(**preset_arguments(name, pretrained, DIT_PRESETS[name], kwargs))
+
+
+@register_model
+def dit_s_2(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("dit_s_2", pretrained, **kwargs)
+
+
+@register_model
+def dit_s_4(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("dit_s_4", pretrained, **kwargs)
+
+
+@register_model
+def dit_s_8(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("dit_s_8", pretrained, **kwargs)
+
+
+@register_model
+def dit_b_2(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("dit_b_2", pretrained, **kwargs)
+
+
+@register_model
+def dit_b_4(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("dit_b_4", pretrained, **kwargs)
+
+
+@register_model
+def dit_b_8(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("dit_b_8", pretrained, **kwargs)
+
+
+@register_model
+def dit_l_2(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("dit_l_2", pretrained, **kwargs)
+
+
+@register_model
+def dit_l_4(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("dit_l_4", pretrained, **kwargs)
+
+
+@register_model
+def dit_l_8(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("dit_l_8", pretrained, **kwargs)
+
+
+@register_model
+def dit_xl_2(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("dit_xl_2", pretrained, **kwargs)
+
+
+@register_model
+def dit_xl_4(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("dit_xl_4", pretrained, **kwargs)
+
+
+@register_model
+def dit_xl_8(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("dit_xl_8", pretrained, **kwargs)
+
+
+@register_model
+def moh_dit_s_2_90(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("moh_dit_s_2_90", pretrained, **kwargs)
+
+
+@register_model
+def moh_dit_s_2_75(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("moh_dit_s_2_75", pretrained, **kwargs)
+
+
+@register_model
+def moh_dit_b_2_90(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("moh_dit_b_2_90", pretrained, **kwargs)
+
+
+@register_model
+def moh_dit_b_2_75(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("moh_dit_b_2_75", pretrained, **kwargs)
+
+
+@register_model
+def moh_dit_l_2_90(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("moh_dit_l_2_90", pretrained, **kwargs)
+
+
+@register_model
+def moh_dit_l_2_75(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("moh_dit_l_2_75", pretrained, **kwargs)
+
+
+@register_model
+def moh_dit_xl_2_90(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("moh_dit_xl_2_90", pretrained, **kwargs)
+
+
+@register_model
+def moh_dit_xl_2_75(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("moh_dit_xl_2_75", pretrained, **kwargs)
+
+
+@register_model
+def dit_tiny_2(pretrained: bool = False, **kwargs: Any) -> DiT:
+    return create_dit("dit_tiny_2", pretrained, **kwargs)
