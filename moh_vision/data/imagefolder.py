@@ -1,0 +1,468 @@
+"""Real-image classification data: class-folder trees (``ImageFolderData``) and ImageNet-1K (``ImageNetData``).
+
+Layout (the one torchvision's ``ImageFolder`` reads)::
+
+    root/train/<class>/**/<image>.{jpg,jpeg,png,ppm,bmp,pgm,tif,tiff,webp}   (any case)
+    root/val/<class>/**/<image>...
+
+Class indices are the sorted class-folder names (the torchvision order, so ImageNet wnids get the
+standard indices). Hidden files and folders (``.name``) are ignored. Everything is checked at
+construction; a problem raises ``ConfigError`` with one line naming the path and what was expected.
+
+Batch format. ``collate_fn`` of a data module (used for train and val loaders) returns::
+
+    (images: float32 [B', C, H, W], labels: int64 [B'], skipped: int)
+
+where ``B'`` = items in the batch minus ``skipped``, the number of unreadable images dropped from it
+(``on_bad_image="skip"``). ``B'`` can be odd, or 0 (then ``images`` is ``[0, C, H, W]``): skip such a
+step. ``skipped`` is a plain int inside the batch, so it survives DataLoader worker processes; sum it
+to count unreadable images per epoch. Each unreadable file is logged once per process (the main
+process with ``num_workers=0``, else each worker; non-persistent workers start afresh every epoch) with
+a warning on ``logging.getLogger("moh_vision.data.imagefolder")``. ``on_bad_image="raise"`` raises
+``BadImageError`` naming the file instead.
+
+Images are converted to RGB (``in_chans=3``) or L (``in_chans=1``): grayscale, CMYK, RGBA (alpha
+dropped, as torchvision's loader does), palette and 16-bit images all load.
+"""
+from __future__ import annotations
+
+import csv
+import logging
+import os
+from dataclasses import dataclass
+from typing import List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import Dataset, default_collate
+
+from ..errors import ConfigError
+from .transforms import (
+    IMAGENET_DEFAULT_MEAN,
+    IMAGENET_DEFAULT_STD,
+    build_eval_transform,
+    build_mixup,
+    build_train_transform,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "IMG_EXTENSIONS",
+    "BadImage",
+    "BadImageError",
+    "ImageFileDataset",
+    "ImageFolderData",
+    "ImageNetData",
+    "SkipBadImagesCollate",
+    "load_image",
+    "scan_class_folders",
+]
+
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+_SHOW = 5  # how many names an error message lists before "..."
+
+
+def _names(items: Sequence[str]) -> str:
+    items = list(items)
+    return ", ".join(items[:_SHOW]) + (f", ... ({len(items)} in all)" if len(items) > _SHOW else "")
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading one image
+# --------------------------------------------------------------------------------------------------
+
+
+class BadImageError(RuntimeError):
+    """An image file that cannot be read or decoded (raised with ``on_bad_image="raise"``)."""
+
+
+@dataclass(frozen=True)
+class BadImage:
+    """What the dataset returns in place of ``(image, label)`` for an unreadable file (skip mode)."""
+
+    path: str
+    reason: str
+
+
+def _to_mode(img: Image.Image, mode: str) -> Image.Image:
+    if img.mode == mode:
+        return img
+    if img.mode.startswith("I;16") or img.mode == "I":
+        # 16-bit grayscale: PIL's convert clips at 255, so rescale to 8 bits first.
+        arr = np.asarray(img, dtype=np.float32) / 257.0
+        img = Image.fromarray(np.clip(np.rint(arr), 0, 255).astype(np.uint8), "L")
+    elif img.mode in ("P", "PA"):
+        img = img.convert("RGBA")  # palette transparency must be expanded before dropping it
+    return img if img.mode == mode else img.convert(mode)
+
+
+def load_image(path: str, mode: str = "RGB") -> Image.Image:
+    """Read and fully decode ``path`` into a PIL image of ``mode`` ("RGB" or "L").
+
+    Decoding happens here (not lazily in a transform), so truncated files fail in this call.
+    """
+    with open(path, "rb") as f:
+        img = Image.open(f)
+        img.load()
+        return _to_mode(img, mode)
+
+
+# --------------------------------------------------------------------------------------------------
+# Scanning folders
+# --------------------------------------------------------------------------------------------------
+
+
+def _is_image(name: str) -> bool:
+    return not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS)
+
+
+def _subfolders(folder: str) -> List[str]:
+    return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
+
+
+def _images_under(folder: str, relative_to: str) -> List[str]:
+    """Image files below ``folder`` (recursively, sorted), as paths relative to ``relative_to``."""
+    found = []
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
+        found += [os.path.relpath(os.path.join(dirpath, f), relative_to) for f in sorted(filenames) if _is_image(f)]
+    return found
+
+
+def _require_dir(path: str, expected: str) -> None:
+    if not os.path.isdir(path):
+        what = "is not a folder" if os.path.exists(path) else "does not exist"
+        raise ConfigError(f"{path} {what}; expected {expected}")
+
+
+def scan_class_folders(split_dir: str) -> Tuple[List[str], List[str], List[int]]:
+    """``(classes, image paths relative to split_dir, labels)`` of a class-folder tree."""
+    _require_dir(split_dir, "a folder with one sub-folder of images per class")
+    classes = _subfolders(split_dir)
+    if not classes:
+        loose = [f for f in os.listdir(split_dir) if _is_image(f)]
+        hint = f" (it holds {len(loose)} images directly)" if loose else ""
+        raise ConfigError(f"{split_dir} has no class folders{hint}; expected one sub-folder of images per class")
+    paths: List[str] = []
+    labels: List[int] = []
+    empty = []
+    for index, name in enumerate(classes):
+        found = _images_under(os.path.join(split_dir, name), split_dir)
+        if not found:
+            empty.append(name)
+        paths += found
+        labels += [index] * len(found)
+    if not paths:
+        raise ConfigError(
+            f"{split_dir} holds no images in its {len(classes)} class folders; "
+            f"expected files ending in {'/'.join(IMG_EXTENSIONS)}"
+        )
+    if empty:
+        raise ConfigError(
+            f"class folder {os.path.join(split_dir, empty[0])} has no images"
+            f"{f' (nor do {len(empty) - 1} more: {_names(empty[1:])})' if len(empty) > 1 else ''}; "
+            f"expected at least one file ending in {'/'.join(IMG_EXTENSIONS)} per class folder"
+        )
+    return classes, paths, labels
+
+
+# --------------------------------------------------------------------------------------------------
+# Dataset and collate
+# --------------------------------------------------------------------------------------------------
+
+
+class ImageFileDataset(Dataset):
+    """``(transform(image), label)`` for image files under ``root``; a ``BadImage`` for unreadable ones.
+
+    Paths and labels are kept in numpy arrays rather than Python lists, so DataLoader workers forked
+    from the main process do not copy them page by page (refcount writes) over an epoch.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        paths: Sequence[str],
+        labels: Sequence[int],
+        classes: Sequence[str],
+        transform=None,
+        mode: str = "RGB",
+        on_bad_image: str = "skip",
+    ):
+        if on_bad_image not in ("skip", "raise"):
+            raise ConfigError(f"on_bad_image={on_bad_image!r}; expected 'skip' or 'raise'")
+        self.root = root
+        self._paths = np.array([os.fsencode(p) for p in paths])
+        self.targets = np.asarray(labels, dtype=np.int64)
+        self.classes = list(classes)
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        self.transform = transform
+        self.mode = mode
+        self.on_bad_image = on_bad_image
+        self._warned: set = set()
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def path(self, index: int) -> str:
+        return os.path.join(self.root, os.fsdecode(self._paths[index]))
+
+    @property
+    def samples(self) -> List[Tuple[str, int]]:
+        """``[(path, label), ...]`` as in torchvision's ``ImageFolder`` (built on demand)."""
+        return [(self.path(i), int(t)) for i, t in enumerate(self.targets)]
+
+    def __getitem__(self, index: int):
+        path, label = self.path(index), int(self.targets[index])
+        try:
+            img = load_image(path, self.mode)
+        except Exception as exc:  # PIL raises many types on corrupt data (OSError, SyntaxError, ...)
+            reason = f"{type(exc).__name__}: {exc}"
+            if self.on_bad_image == "raise":
+                raise BadImageError(f"cannot read image {path}: {reason}") from exc
+            if path not in self._warned:
+                self._warned.add(path)
+                logger.warning("skipping unreadable image %s (%s)", path, reason)
+            return BadImage(path, reason)
+        return (self.transform(img) if self.transform is not None else img), label
+
+
+class SkipBadImagesCollate:
+    """Batch ``(image, label)`` items into ``(images, labels, skipped)``, dropping ``BadImage`` markers.
+
+    A top-level class (not a closure) so it pickles into spawned DataLoader workers.
+    """
+
+    def __init__(self, image_shape: Tuple[int, int, int]):
+        self.image_shape = tuple(image_shape)
+
+    def __call__(self, batch):
+        good = [item for item in batch if not isinstance(item, BadImage)]
+        skipped = len(batch) - len(good)
+        if good:
+            images, labels = default_collate(good)
+        else:
+            images, labels = torch.empty((0, *self.image_shape)), torch.empty(0, dtype=torch.long)
+        return images, labels, skipped
+
+    def __repr__(self) -> str:
+        return f"SkipBadImagesCollate(image_shape={self.image_shape})"
+
+
+# --------------------------------------------------------------------------------------------------
+# Data modules
+# --------------------------------------------------------------------------------------------------
+
+Split = Tuple[str, List[str], List[int]]  # (folder, image paths relative to it, labels)
+
+
+class ImageFolderData:
+    """Train/val class-folder tree with the TransNeXt / DeiT augmentation recipe.
+
+    The data-module contract: ``num_classes, in_chans, img_size, train, val, collate_fn, mixup,
+    repeated_aug, label_smoothing, describe()``. Every augmentation knob switches off with 0 / None
+    (``auto_augment``, ``color_jitter``, ``re_prob``, ``mixup``, ``cutmix``, ``label_smoothing``,
+    ``repeated_aug`` -> 1, ``eval_crop_pct`` -> squash resize without crop). ``label_smoothing`` is built
+    into ``mixup`` when that is on; the loss uses ``label_smoothing`` only when ``mixup`` is None.
+    """
+
+    def __init__(
+        self,
+        root: str,
+        img_size: int = 224,
+        in_chans: int = 3,
+        auto_augment: Optional[str] = "rand-m9-mstd0.5-inc1",
+        color_jitter: Optional[float] = 0.4,
+        interpolation: str = "bicubic",
+        re_prob: Optional[float] = 0.25,
+        mixup: Optional[float] = 0.8,
+        cutmix: Optional[float] = 1.0,
+        mixup_switch_prob: float = 0.5,
+        mixup_prob: float = 1.0,
+        label_smoothing: Optional[float] = 0.1,
+        repeated_aug: Optional[int] = 3,
+        eval_crop_pct: Optional[float] = 0.875,
+        mean: Sequence[float] = IMAGENET_DEFAULT_MEAN,
+        std: Sequence[float] = IMAGENET_DEFAULT_STD,
+        on_bad_image: str = "skip",
+    ):
+        if in_chans not in (1, 3):
+            raise ConfigError(f"in_chans={in_chans}; image folders load as RGB (3) or grayscale (1)")
+        if int(img_size) != img_size or img_size <= 0:
+            raise ConfigError(f"img_size={img_size}; expected a positive integer")
+        if on_bad_image not in ("skip", "raise"):
+            raise ConfigError(f"on_bad_image={on_bad_image!r}; expected 'skip' or 'raise'")
+        repeated_aug = 1 if not repeated_aug else int(repeated_aug)
+        if repeated_aug < 1:
+            raise ConfigError(f"repeated_aug={repeated_aug}; expected an integer >= 1 (1 = off)")
+
+        self.root = os.path.expanduser(str(root))
+        self.img_size, self.in_chans = int(img_size), int(in_chans)
+        self.repeated_aug = repeated_aug
+        self.label_smoothing = float(label_smoothing or 0.0)
+        self.on_bad_image = on_bad_image
+        self._recipe = dict(auto_augment=auto_augment, color_jitter=color_jitter, re_prob=re_prob,
+                            interpolation=interpolation, eval_crop_pct=eval_crop_pct)
+
+        # Transforms and mixing first: a bad knob fails before the (possibly slow) folder scan.
+        self.train_transform = build_train_transform(
+            self.img_size, self.in_chans, auto_augment=auto_augment, color_jitter=color_jitter,
+            interpolation=interpolation, re_prob=re_prob, mean=mean, std=std,
+        )
+        self.eval_transform = build_eval_transform(
+            self.img_size, self.in_chans, crop_pct=eval_crop_pct, interpolation=interpolation, mean=mean, std=std,
+        )
+
+        classes, train_split, val_split = self._scan()
+        self.classes = classes
+        self.class_to_idx = {name: i for i, name in enumerate(classes)}
+        self.num_classes = len(classes)
+        self.mixup = build_mixup(
+            self.num_classes, mixup=mixup, cutmix=cutmix, switch_prob=mixup_switch_prob,
+            label_smoothing=label_smoothing, prob=mixup_prob,
+        )
+        mode = "RGB" if self.in_chans == 3 else "L"
+        self.train = ImageFileDataset(*train_split, classes, self.train_transform, mode, on_bad_image)
+        self.val = ImageFileDataset(*val_split, classes, self.eval_transform, mode, on_bad_image)
+        self.collate_fn = SkipBadImagesCollate((self.in_chans, self.img_size, self.img_size))
+
+    # -- layout ------------------------------------------------------------------------------------
+
+    def _split_dirs(self) -> Tuple[str, str]:
+        expected = "a folder with train/ and val/ sub-folders, each holding one folder of images per class"
+        _require_dir(self.root, expected)
+        train_dir, val_dir = (os.path.join(self.root, s) for s in ("train", "val"))
+        for d in (train_dir, val_dir):
+            _require_dir(d, f"{os.path.basename(d)}/ inside {self.root}: {expected}")
+        return train_dir, val_dir
+
+    def _scan(self) -> Tuple[List[str], Split, Split]:
+        """``(classes, train split, val split)``; checks that train and val have the same classes."""
+        train_dir, val_dir = self._split_dirs()
+        classes, train_paths, train_labels = scan_class_folders(train_dir)
+        val_classes, val_paths, val_labels = scan_class_folders(val_dir)
+        _check_same_classes(classes, val_classes, train_dir, val_dir)
+        return classes, (train_dir, train_paths, train_labels), (val_dir, val_paths, val_labels)
+
+    # -- reporting ---------------------------------------------------------------------------------
+
+    def describe(self) -> str:
+        r = self._recipe
+        aug = r["auto_augment"] or "off"
+        jitter = "off (RandAugment on)" if r["auto_augment"] and r["color_jitter"] else (r["color_jitter"] or "off")
+        crop = r["eval_crop_pct"]
+        if crop:
+            eval_desc = f"resize {int(self.img_size / float(crop))} -> crop {self.img_size}"
+        else:
+            eval_desc = f"squash to {self.img_size}"
+        mix = (f"mixup {self.mixup.mixup_alpha} cutmix {self.mixup.cutmix_alpha} switch {self.mixup.switch_prob}"
+               if self.mixup is not None else "mixup off")
+        return (
+            f"{type(self).__name__}: {self.root} | {self.num_classes} classes, {len(self.train)} train / "
+            f"{len(self.val)} val images | {self.in_chans}x{self.img_size}x{self.img_size} | "
+            f"train: aa {aug}, color jitter {jitter}, {r['interpolation']}, random erasing {r['re_prob'] or 0}, "
+            f"{mix}, label smoothing {self.label_smoothing}, repeated aug x{self.repeated_aug} | "
+            f"eval: {eval_desc} | bad images: {self.on_bad_image}"
+        )
+
+    def __repr__(self) -> str:
+        return self.describe()
+
+
+def _check_same_classes(train_classes, val_classes, train_dir: str, val_dir: str) -> None:
+    if list(train_classes) == list(val_classes):
+        return
+    only_train = sorted(set(train_classes) - set(val_classes))
+    only_val = sorted(set(val_classes) - set(train_classes))
+    parts = ([f"only in train: {_names(only_train)}"] if only_train else []) + (
+        [f"only in val: {_names(only_val)}"] if only_val else []
+    )
+    raise ConfigError(
+        f"class folders of {train_dir} and {val_dir} differ ({'; '.join(parts)}); "
+        f"expected the same class folders in both"
+    )
+
+
+# --------------------------------------------------------------------------------------------------
+# ImageNet-1K
+# --------------------------------------------------------------------------------------------------
+
+VAL_SOLUTION_CSV = "LOC_val_solution.csv"
+
+
+class ImageNetData(ImageFolderData):
+    """ImageNet-1K with the TransNeXt recipe (the defaults of ``ImageFolderData``); checks 1000 classes.
+
+    ``root`` may be either
+      * ``root/{train,val}/<wnid>/*.JPEG`` (the class-folder layout; what ``torchvision.datasets.ImageNet``
+        unpacks the ILSVRC2012 tars + devkit into, and what the common ``valprep.sh`` produces), or
+      * the ILSVRC layout of the Kaggle download: ``root/ILSVRC/Data/CLS-LOC/train/<wnid>/*.JPEG``,
+        a flat ``.../CLS-LOC/val/*.JPEG``, and ``root/LOC_val_solution.csv`` (``ImageId,PredictionString``,
+        the first word of the prediction string is the wnid). ``root`` may also point at ``CLS-LOC``.
+    """
+
+    expected_classes = 1000
+
+    def _base(self) -> str:
+        _require_dir(self.root, "the ImageNet folder holding train/ and val/ (or ILSVRC/Data/CLS-LOC/)")
+        for base in (self.root, os.path.join(self.root, "ILSVRC", "Data", "CLS-LOC"),
+                     os.path.join(self.root, "Data", "CLS-LOC")):
+            if os.path.isdir(os.path.join(base, "train")):
+                return base
+        raise ConfigError(
+            f"no ImageNet train/ folder under {self.root}; expected {self.root}/train and {self.root}/val with one "
+            f"folder per wnid, or the ILSVRC layout {self.root}/ILSVRC/Data/CLS-LOC/{{train,val}}"
+        )
+
+    def _scan(self) -> Tuple[List[str], Split, Split]:
+        base = self._base()
+        train_dir, val_dir = os.path.join(base, "train"), os.path.join(base, "val")
+        _require_dir(val_dir, f"val/ next to {train_dir}, with one folder per wnid or the flat ILSVRC val images")
+        classes, train_paths, train_labels = scan_class_folders(train_dir)
+        if _subfolders(val_dir):
+            val_classes, val_paths, val_labels = scan_class_folders(val_dir)
+            _check_same_classes(classes, val_classes, train_dir, val_dir)
+        else:
+            val_paths, val_labels = self._flat_val(base, val_dir, classes)
+            present = sorted({classes[i] for i in val_labels})
+            _check_same_classes(classes, present, train_dir, val_dir)
+        if len(classes) != self.expected_classes:
+            raise ConfigError(
+                f"{train_dir} has {len(classes)} class folders; ImageNet-1K expects {self.expected_classes} "
+                f"(use data=imagefolder for other class counts)"
+            )
+        return classes, (train_dir, train_paths, train_labels), (val_dir, val_paths, val_labels)
+
+    def _flat_val(self, base: str, val_dir: str, classes: List[str]) -> Tuple[List[str], List[int]]:
+        """Labels of a flat ``val/`` from ``LOC_val_solution.csv``."""
+        images = _images_under(val_dir, val_dir)
+        if not images:
+            raise ConfigError(f"{val_dir} holds no images; expected one folder per wnid or the flat ILSVRC val images")
+        searched = list(dict.fromkeys(os.path.normpath(d) for d in (
+            self.root, base, os.path.dirname(base), os.path.join(base, "..", "..", ".."))))
+        csv_path = next((os.path.join(d, VAL_SOLUTION_CSV) for d in searched
+                         if os.path.isfile(os.path.join(d, VAL_SOLUTION_CSV))), None)
+        if csv_path is None:
+            raise ConfigError(
+                f"{val_dir} holds images without class folders and no {VAL_SOLUTION_CSV} was found in "
+                f"{', '.join(searched)}; expected that file, or val/ sorted into one folder per wnid"
+            )
+        wnid_of = {}
+        with open(csv_path, newline="") as f:
+            for row in csv.reader(f):
+                if len(row) >= 2 and row[0] != "ImageId" and row[1].split():
+                    wnid_of[row[0]] = row[1].split()[0]
+        class_to_idx = {name: i for i, name in enumerate(classes)}
+        labels = []
+        for rel in images:
+            image_id = os.path.splitext(os.path.basename(rel))[0]
+            wnid = wnid_of.get(image_id)
+            if wnid is None:
+                raise ConfigError(f"{os.path.join(val_dir, rel)} has no row in {csv_path}; expected one per val image")
+            if wnid not in class_to_idx:
+                raise ConfigError(
+                    f"{csv_path} labels {image_id} as {wnid}, which is not a class folder of {base}/train"
+                )
+            labels.append(class_to_idx[wnid])
+        return images, labels
