@@ -1,0 +1,102 @@
+"""Image classification: batch -> loss dict, and top-1/top-5 evaluation."""
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from moh_vision.attention import collect_aux_loss
+from moh_vision.models import build_model
+from moh_vision.models.factory import unwrap_model
+
+Tensor = torch.Tensor
+
+
+def split_batch(batch) -> Tuple[Tensor, Tensor, int]:
+    """(images, labels, bad images skipped by the loader) from a 2- or 3-element batch."""
+    if len(batch) == 3:
+        x, y, skipped = batch
+        return x, y, int(skipped)
+    x, y = batch
+    return x, y, 0
+
+
+class ClassificationTask:
+    """Cross-entropy (soft targets under mixup/cutmix, label smoothing otherwise) plus the routed
+    layers' auxiliary loss times ``aux_loss_weight``."""
+
+    name = "classification"
+    primary_metric, primary_mode = "val/acc1", "max"
+
+    def __init__(self, model: Mapping[str, Any], attention: Optional[Mapping[str, Any]] = None,
+                 aux_loss_weight: Optional[float] = None):
+        self.model_cfg = dict(model)
+        self.attention_cfg = dict(attention or {})
+        weight = self.attention_cfg.get("aux_loss_weight", 0.01) if aux_loss_weight is None else aux_loss_weight
+        self.aux_loss_weight = float(weight)
+        self.mixup = None
+        self.label_smoothing = 0.0
+
+    # --- setup ----------------------------------------------------------------------------------
+    def build_model(self, data) -> nn.Module:
+        cfg = self.model_cfg
+        self.mixup, self.label_smoothing = data.mixup, float(getattr(data, "label_smoothing", 0.0))
+        return build_model(cfg["name"], attention=self.attention_cfg, checkpoint_path=cfg.get("checkpoint_path"),
+                           num_classes=data.num_classes, in_chans=data.in_chans, img_size=data.img_size,
+                           **dict(cfg.get("kwargs") or {}))
+
+    @staticmethod
+    def input_shape(data) -> Tuple[int, ...]:
+        return (data.in_chans, data.img_size, data.img_size)
+
+    # --- training ----------------------------------------------------------------------------
+    def training_step(self, model: nn.Module, batch, device: torch.device) -> Dict[str, Tensor]:
+        x, y, skipped = split_batch(batch)
+        if x.shape[0] == 0:  # every image of this batch was unreadable and skipped by the loader
+            return {"loss": None, "num_samples": 0, "skipped": skipped}
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        if self.mixup is not None:
+            x, target = self.mixup(x, y)
+            logits = model(x)
+            ce = torch.sum(-target * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
+        else:
+            logits = model(x)
+            ce = F.cross_entropy(logits.float(), y, label_smoothing=self.label_smoothing)
+        aux = collect_aux_loss(unwrap_model(model), coef=self.aux_loss_weight)
+        return {"loss": ce + aux, "ce": ce.detach(), "aux": aux.detach(), "num_samples": x.shape[0],
+                "skipped": skipped}
+
+    # --- evaluation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, loader, device: torch.device, amp=None) -> Dict[str, float]:
+        """Sums over this rank's share of the val set: loss, top-1 and top-5 hits, count, skipped."""
+        model.eval()
+        sums = {"loss": 0.0, "acc1": 0.0, "acc5": 0.0, "count": 0.0, "skipped": 0.0}
+        for batch in loader:
+            x, y, skipped = split_batch(batch)
+            sums["skipped"] += skipped
+            if x.shape[0] == 0:
+                continue
+            x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+            with amp():
+                logits = model(x).float()
+            k = min(5, logits.shape[-1])
+            top = logits.topk(k, dim=-1).indices
+            hit = top == y[:, None]
+            sums["loss"] += F.cross_entropy(logits, y, reduction="sum").item()
+            sums["acc1"] += hit[:, 0].sum().item()
+            sums["acc5"] += hit.any(dim=-1).sum().item()
+            sums["count"] += y.numel()
+        return sums
+
+    @staticmethod
+    def finalize(sums: Dict[str, float], prefix: str = "val") -> Dict[str, float]:
+        n = max(sums["count"], 1.0)
+        out = {f"{prefix}/loss": sums["loss"] / n, f"{prefix}/acc1": 100.0 * sums["acc1"] / n,
+               f"{prefix}/acc5": 100.0 * sums["acc5"] / n, f"{prefix}/count": sums["count"]}
+        if sums.get("skipped"):
+            out[f"{prefix}/skipped_images"] = sums["skipped"]
+        return out
+

@@ -1,0 +1,32 @@
+"""Run the real entry points in subprocesses, as a user would, with shrunk settings."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Dict, Optional, Sequence
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A short classification run on the embedded digits: the real configs, shrunk.
+FAST_TRAIN = ("trainer.epochs=1", "trainer.max_steps=3", "trainer.batch_size=32", "trainer.progress=false",
+              "trainer.log_every=1", "trainer.num_workers=0")
+
+
+def run_entry(script: str, *args: str, env: Optional[Dict[str, str]] = None, timeout: int = 600,
+              check: bool = True, launcher: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    """``python <script> <args>`` from the repository root; raises with the output on failure."""
+    full_env = {**os.environ, "WANDB_MODE": "disabled", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
+                "HYDRA_FULL_ERROR": "1", **(env or {})}
+    cmd = [*launcher, str(REPO / script), *args] if launcher else [sys.executable, str(REPO / script), *args]
+    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
+                             f"--- stderr\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_summary(run_dir: Path) -> dict:
+    return json.loads((Path(run_dir) / "summary.json").read_text())
