@@ -1,0 +1,208 @@
+"""Class-conditional diffusion (DiT / MoH-DiT): batch -> loss dict, validation loss, sample grids and metrics."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import torch
+from torch import nn
+
+from moh_vision.attention import collect_aux_loss
+from moh_vision.diffusion import create_diffusion, guided_model_fn
+from moh_vision.errors import ConfigError
+from moh_vision.models import build_model
+from moh_vision.models.factory import unwrap_model
+from .classification import split_batch
+
+log = logging.getLogger(__name__)
+
+Tensor = torch.Tensor
+
+DEFAULT_SAMPLE = {"every_epochs": 0, "steps": "100", "sampler": "ddpm", "cfg_scale": 1.5, "guidance_channels": None,
+                  "per_class": 8, "grid_classes": 10, "eval_per_class": 0, "clip_denoised": None, "seed": 0,
+                  "batch_size": 250, "decode_batch_size": 32}
+
+
+class DiffusionTask:
+    """DiT's training objective (epsilon MSE + variational bound with learned sigma, uniform t)
+    plus the routed layers' aux loss. Validation reports the same loss at fixed t and noise.
+
+    ``sample`` controls the grids (rows = classes) written every ``every_epochs`` epochs and at the
+    end, and the sample metrics (``sample/class_acc``, ``sample/fd_digits``) on ``eval_per_class``
+    samples per class when the data are the digits.
+    """
+
+    name = "diffusion"
+    primary_metric, primary_mode = "val/loss", "min"
+
+    def __init__(self, model: Mapping[str, Any], attention: Optional[Mapping[str, Any]] = None,
+                 aux_loss_weight: Optional[float] = None, diffusion_steps: int = 1000, noise_schedule: str = "linear",
+                 learn_sigma: bool = True, class_dropout_prob: float = 0.1,
+                 sample: Optional[Mapping[str, Any]] = None, vae: Optional[Mapping[str, Any]] = None):
+        self.model_cfg, self.attention_cfg = dict(model), dict(attention or {})
+        weight = self.attention_cfg.get("aux_loss_weight", 0.01) if aux_loss_weight is None else aux_loss_weight
+        self.aux_loss_weight = float(weight)
+        self.learn_sigma, self.class_dropout_prob = bool(learn_sigma), float(class_dropout_prob)
+        self.diffusion = create_diffusion("", noise_schedule=noise_schedule, learn_sigma=learn_sigma,
+                                          diffusion_steps=diffusion_steps)
+        self.diffusion_args = dict(noise_schedule=noise_schedule, learn_sigma=learn_sigma,
+                                   diffusion_steps=diffusion_steps)
+        unknown = set(sample or {}) - set(DEFAULT_SAMPLE)
+        if unknown:
+            raise ConfigError(f"task.sample got unknown option(s) {sorted(unknown)}; known: {sorted(DEFAULT_SAMPLE)}")
+        self.sample_cfg = {**DEFAULT_SAMPLE, **dict(sample or {})}
+        self.vae_cfg = {"path": None, "scale_factor": 0.18215, **dict(vae or {})}
+        self._classifier = None
+
+    # --- setup ----------------------------------------------------------------------------------
+    def build_model(self, data) -> nn.Module:
+        name = self.model_cfg["name"]
+        if "dit" not in name:
+            raise ConfigError(f"task=diffusion needs a DiT model (dit_*, moh_dit_*); got model={name}")
+        self.data = data
+        self.null_class = data.num_classes
+        self._resolve_vae(data)
+        return build_model(name, attention=self.attention_cfg, checkpoint_path=self.model_cfg.get("checkpoint_path"),
+                           input_size=data.img_size, in_channels=data.in_chans, num_classes=data.num_classes,
+                           learn_sigma=self.learn_sigma, class_dropout_prob=self.class_dropout_prob,
+                           **dict(self.model_cfg.get("kwargs") or {}))
+
+    def _resolve_vae(self, data) -> None:
+        """Latent data need their VAE to decode samples: ``task.vae.path``, else the one the latents
+        were extracted with (recorded in their index) when it exists on this machine."""
+        if not hasattr(data, "scale_factor"):  # pixel data
+            return
+        if not self.vae_cfg["path"]:
+            recorded = getattr(data, "vae_path", None)
+            if not recorded or not Path(recorded).is_dir():
+                raise ConfigError(f"latent data need task.vae.path=<local AutoencoderKL dir> to decode samples "
+                                  f"(the latents were extracted with {recorded or 'an unrecorded VAE'})")
+            self.vae_cfg["path"] = recorded
+        self.vae_cfg["scale_factor"] = float(data.scale_factor)
+
+    @staticmethod
+    def input_shape(data) -> Tuple[int, ...]:
+        return (data.in_chans, data.img_size, data.img_size)
+
+    @property
+    def flops_kwargs(self) -> Dict[str, Tensor]:
+        """Extra forward inputs for FLOP counting: one timestep and one class label."""
+        return {"t": torch.zeros(1, dtype=torch.long), "y": torch.zeros(1, dtype=torch.long)}
+
+    # --- training ----------------------------------------------------------------------------
+    def training_step(self, model: nn.Module, batch, device: torch.device) -> Dict[str, Any]:
+        x, y, skipped = split_batch(batch)
+        if x.shape[0] == 0:
+            return {"loss": None, "num_samples": 0, "skipped": skipped}
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        t = torch.randint(0, self.diffusion.num_timesteps, (x.shape[0],), device=device)
+        terms = self.diffusion.training_losses(model, x, t, model_kwargs={"y": y})
+        aux = collect_aux_loss(unwrap_model(model), coef=self.aux_loss_weight)
+        out = {"loss": terms["loss"].mean() + aux, "aux": aux.detach(), "num_samples": x.shape[0], "skipped": skipped,
+               "log/mse": terms["mse"].mean().detach() if "mse" in terms else None}
+        if "vb" in terms:
+            out["log/vb"] = terms["vb"].mean().detach()
+        return {k: v for k, v in out.items() if v is not None}
+
+    # --- evaluation ------------------------------------------------------------------------------
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, loader, device: torch.device, amp=None) -> Dict[str, float]:
+        """Diffusion loss on the validation images at timesteps and noise fixed by a seed (comparable across runs)."""
+        model.eval()
+        g = torch.Generator(device="cpu").manual_seed(1234)
+        sums = {"loss": 0.0, "mse": 0.0, "vb": 0.0, "count": 0.0, "skipped": 0.0}
+        for batch in loader:
+            x, y, skipped = split_batch(batch)
+            sums["skipped"] += skipped
+            if x.shape[0] == 0:
+                continue
+            t = torch.randint(0, self.diffusion.num_timesteps, (x.shape[0],), generator=g).to(device)
+            noise = torch.randn(x.shape, generator=g).to(device)
+            with amp():
+                terms = self.diffusion.training_losses(model, x.to(device), t, model_kwargs={"y": y.to(device)},
+                                                       noise=noise)
+            for key in ("loss", "mse", "vb"):
+                if key in terms:
+                    sums[key] += terms[key].float().sum().item()
+            sums["count"] += x.shape[0]
+        return sums
+
+    @staticmethod
+    def finalize(sums: Dict[str, float], prefix: str = "val") -> Dict[str, float]:
+        n = max(sums["count"], 1.0)
+        out = {f"{prefix}/{k}": sums[k] / n for k in ("loss", "mse", "vb") if sums.get(k)}
+        out[f"{prefix}/count"] = sums["count"]
+        if sums.get("skipped"):
+            out[f"{prefix}/skipped_images"] = sums["skipped"]
+        return out
+
+    # --- sampling ----------------------------------------------------------------------------
+    def sample(self, model: nn.Module, labels: Tensor, device: torch.device, seed: int = 0,
+               progress: bool = False) -> Tensor:
+        """Class-conditional samples for ``labels`` (in data space, before any VAE decoding)."""
+        cfg = self.sample_cfg
+        diffusion = create_diffusion(str(cfg["steps"]), **self.diffusion_args)
+        fn = guided_model_fn(model, float(cfg["cfg_scale"]), self.null_class, cfg["guidance_channels"])
+        clip = cfg["clip_denoised"]
+        if clip is None:  # clip to [-1, 1] in pixel space, never for latents
+            clip = not self.vae_cfg["path"]
+        c, s = self.data.in_chans, self.data.img_size
+        outs = []
+        g = torch.Generator(device=device).manual_seed(seed)
+        for chunk in labels.split(int(cfg["batch_size"])):
+            chunk = chunk.to(device)
+            noise = torch.randn((len(chunk), c, s, s), generator=g, device=device)
+            outs.append(diffusion.sample(fn, noise.shape, model_kwargs={"y": chunk}, sampler=cfg["sampler"],
+                                         noise=noise, clip_denoised=bool(clip), progress=progress,
+                                         device=device, generator=g))
+        return torch.cat(outs)
+
+    def on_epoch_end(self, trainer, last_epoch: bool) -> Dict[str, float]:
+        """Write a labelled grid every ``sample.every_epochs`` epochs and at the end; metrics at the end."""
+        cfg = self.sample_cfg
+        every = int(cfg["every_epochs"] or 0)
+        if not last_epoch and not (every and (trainer.epoch + 1) % every == 0):
+            return {}
+        if not trainer.dist.is_main:
+            return {}
+        model = (trainer.ema.module if trainer.ema is not None else unwrap_model(trainer.model)).eval()
+        device = trainer.device
+        per_class, classes = int(cfg["per_class"]), min(int(cfg["grid_classes"]), self.data.num_classes)
+        if per_class > 0 and classes > 0:
+            from moh_vision.analysis.grids import save_class_grid
+            labels = torch.arange(classes).repeat_interleave(per_class)
+            images = self.decode(self.sample(model, labels, device, seed=int(cfg["seed"])))
+            path = trainer.out_dir / "samples" / f"epoch_{trainer.epoch:04d}.png"
+            save_class_grid(images, labels, path, per_row=per_class)
+            trainer.loggers.log_image("samples/grid", path, step=trainer.step, caption=f"epoch {trainer.epoch}")
+        metrics: Dict[str, float] = {}
+        if last_epoch and int(cfg["eval_per_class"]) > 0 and self.is_digits:
+            metrics = self.digits_metrics(model, device, trainer.out_dir)
+            log.info("sample metrics: %s", ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        return metrics
+
+    @property
+    def is_digits(self) -> bool:
+        return type(self.data).__name__ == "DigitsData"
+
+    def digits_metrics(self, model: nn.Module, device: torch.device, out_dir: Path) -> Dict[str, float]:
+        """Class accuracy and classifier-feature Frechet distance of ``eval_per_class`` samples per class."""
+        from moh_vision.analysis.metrics import digits_sample_metrics, load_or_train_classifier, real_digits
+        classifier = load_or_train_classifier(Path(out_dir) / "digits_classifier.pt", self.data.img_size)
+        labels = torch.arange(self.data.num_classes).repeat_interleave(int(self.sample_cfg["eval_per_class"]))
+        samples = self.sample(model, labels, device, seed=int(self.sample_cfg["seed"]) + 1)
+        reference, _ = real_digits(self.data.val)
+        return digits_sample_metrics(classifier, samples, labels, reference)
+
+    def decode(self, x: Tensor) -> Tensor:
+        """Data space -> images in [-1, 1]: identity for pixel data; for latents the VAE decoder,
+        ``decode_batch_size`` at a time (a 256px decode is memory-hungry)."""
+        if not self.vae_cfg.get("path"):
+            return x
+        from moh_vision.data.latents import load_vae
+        vae = load_vae(self.vae_cfg["path"], device=x.device)
+        scale = float(self.vae_cfg["scale_factor"])
+        with torch.no_grad():
+            return torch.cat([vae.decode(chunk / scale).sample.clamp(-1, 1)
+                              for chunk in x.split(int(self.sample_cfg["decode_batch_size"]))])

@@ -1,0 +1,135 @@
+"""tools/sample.py: class-conditional sampling from a trainer checkpoint, the ADM .npz, guidance,
+rank sharding, and the digits proxy metrics."""
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
+from helpers import REPO, run_entry
+from moh_vision.analysis.metrics import DigitsClassifier
+from moh_vision.engine.distributed import DistInfo
+from moh_vision.errors import ConfigError
+from tools import sample as sample_tool
+
+NUM_CLASSES = 10
+
+
+def compose_config(name, overrides):
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return compose(name, overrides=overrides)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A checkpoint as the trainer writes it (model, model_ema, config) for the digits diffusion default,
+    with random weights in place of training (DiT's zero-init output would make guidance a no-op)."""
+    from hydra.utils import instantiate
+
+    run = tmp_path_factory.mktemp("digits_run")
+    cfg = compose_config("train", ["task=diffusion"])
+    config = OmegaConf.to_container(cfg, resolve=True)
+    data = instantiate(cfg.data)
+    task = instantiate(cfg.task, model=config["model"], attention=config["attention"], _recursive_=False)
+    torch.manual_seed(0)
+    model = task.build_model(data)
+    weights = {}
+    for name in ("model", "model_ema"):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.05)
+        weights[name] = {k: v.clone() for k, v in model.state_dict().items()}
+    path = run / "checkpoints" / "last.pt"
+    path.parent.mkdir()
+    torch.save({**weights, "config": config, "step": 7, "epoch": 0}, path)
+    # The proxy-metric classifier the training run would have left (avoids training one here).
+    torch.manual_seed(1)
+    torch.save({"model": DigitsClassifier().state_dict(), "img_size": 16}, run / "digits_classifier.pt")
+    return path
+
+
+def sampling(ckpt, *overrides):
+    cfg = compose_config("sample", [f"ckpt={ckpt}", "progress=false", *overrides])
+    task, model, data, info = sample_tool.load_model(cfg, torch.device("cpu"))
+    return cfg, task, model, data, info
+
+
+def test_cli_writes_adm_npz_grid_labels_and_digits_metrics(checkpoint, tmp_path):
+    run_entry("tools/sample.py", f"ckpt={checkpoint}", "num_samples=23", "steps=3", "cfg_scale=2", "batch_size=8",
+              f"out={tmp_path}", "progress=false")
+    with np.load(tmp_path / "samples.npz") as npz:
+        assert npz.files == ["arr_0"]
+        arr = npz["arr_0"]
+    assert arr.dtype == np.uint8 and arr.shape == (23, 16, 16, 3)  # grayscale digits repeated to RGB
+    assert (arr[..., 0] == arr[..., 2]).all() and arr.std() > 0
+    labels = np.load(tmp_path / "labels.npy")
+    assert labels.tolist() == sorted(labels.tolist()) and np.bincount(labels).tolist() == [3, 3, 3] + [2] * 7
+    assert (tmp_path / "samples.png").is_file() and not list(tmp_path.glob(".parts-*"))
+    info = json.loads((tmp_path / "sample.json").read_text())
+    assert info["weights"] == "model_ema" and info["step"] == 7 and info["model"] == "dit_tiny_2"
+    assert (info["cfg_scale"], info["steps"], info["sampler"], info["num_samples"]) == (2, 3, "ddpm", 23)
+    assert info["guidance_channels"] is None and info["space"] == "pixel"
+    assert 0 <= info["metrics"]["sample/class_acc"] <= 100 and info["metrics"]["sample/fd_digits"] > 0
+
+
+def test_guidance_weights_and_seed_decide_the_samples(checkpoint, tmp_path):
+    def draw(*overrides):
+        cfg, task, model, _, _ = sampling(checkpoint, "steps=2", *overrides)
+        labels = sample_tool.balanced_labels(10, task.null_class)
+        return task.sample(model, labels, torch.device("cpu"), seed=int(cfg.seed))
+
+    plain = draw("cfg_scale=1")
+    assert torch.equal(plain, draw("cfg_scale=1")), "same seed, same samples"
+    assert not torch.allclose(plain, draw("cfg_scale=2")), "guidance changes the samples"
+    assert not torch.allclose(plain, draw("cfg_scale=1", "seed=1"))
+    assert not torch.allclose(plain, draw("cfg_scale=1", "ema=false")), "EMA weights by default"
+
+
+def test_ranks_split_batches_without_changing_the_samples(checkpoint, tmp_path):
+    cfg, task, model, _, _ = sampling(checkpoint, "steps=2", "batch_size=4", "cfg_scale=2")
+    cpu = torch.device("cpu")
+    single = sample_tool.sample_images(task, model, 10, 0, cpu, tmp_path / "one", DistInfo(), progress=False)
+    labels = sample_tool.balanced_labels(10, NUM_CLASSES)
+    for rank in (1, 0):  # batches 0..2 of 4, 4, 2 samples; rank 0 takes 0 and 2, rank 1 takes 1
+        sample_tool.sample_batches(task, model, labels, range(rank, 3, 2), 0, cpu, _mkdir(tmp_path / "two"))
+    images, merged_labels = sample_tool.merge_parts(tmp_path / "two", 3)
+    assert np.array_equal(images, single[0]) and np.array_equal(merged_labels, single[1])
+
+
+def _mkdir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def test_shape_from_weights_matches_the_data(checkpoint):
+    _, task, model, data, _ = sampling(checkpoint)
+    shape = sample_tool.shape_from_weights(model.state_dict(), task.class_dropout_prob)
+    assert (shape.num_classes, shape.in_chans, shape.img_size) == (data.num_classes, data.in_chans, data.img_size)
+
+
+def test_bad_requests_fail_before_sampling(checkpoint, tmp_path):
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    del state["model_ema"]
+    torch.save(state, tmp_path / "no_ema.pt")
+    with pytest.raises(ConfigError, match="no EMA weights.*ema=false"):
+        sampling(tmp_path / "no_ema.pt")
+    with pytest.raises(ConfigError, match="does not exist"):
+        sampling(tmp_path / "missing.pt")
+    with pytest.raises(ConfigError, match="need Inception weights"):
+        sample_tool.check_metric_inputs(compose_config("sample", ["ckpt=x", f"fid_ref={tmp_path}"]))
+    with pytest.raises(ConfigError, match="not both"):
+        sample_tool.sample_count(compose_config("sample", ["ckpt=x", "num_samples=4", "per_class=2"]), 10)
+    _, task, _, _, _ = sampling(checkpoint, f"vae={tmp_path / 'no_vae'}")
+    with pytest.raises(ConfigError, match="VAE path .* does not exist"):
+        task.decode(torch.zeros(1, 1, 16, 16))
