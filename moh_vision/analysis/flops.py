@@ -1,0 +1,463 @@
+"""FLOP counting: dense-equivalent and active GFLOPs of a model, built on fvcore.
+
+Convention (one for the whole project: ``summary.json``, ``tools/flops.py``, the README)
+-----------------------------------------------------------------------------------------
+* **fvcore's**: one fused multiply-add is one flop (so "GFLOPs" are GMACs, as in the TransNeXt,
+  DiT and MoH papers); forward pass only; one input (batch 1); the model in eval mode.
+* ``gflops`` (dense-equivalent): every head of every layer computed, as the official MoH code and
+  ``impl="masked"`` do. It counts the multiply-add work: ``linear``, convolutions, ``matmul`` /
+  ``bmm`` / ``einsum``, attention cores (``scaled_dot_product_attention``: ``QK^T`` and ``AV``,
+  which fvcore skips), plus fvcore's own per-element estimates for normalisation layers and
+  pooling. This is what papers publish; the routers' linear layers are included.
+* ``pointwise_gflops``: element-wise and reduction arithmetic (adds, gates, softmax, GELU,
+  L2-normalisation, top-k, ...) that the convention leaves out of ``gflops``. It is counted (one
+  flop per output element; reductions one per input element; softmax three per element) and
+  reported beside ``gflops``, so that no cost is hidden, but it is not part of it.
+* Ops that cost no arithmetic (views, copies, gathers, allocations; :data:`FREE_OPS`, each group
+  with its reason) count zero. Any other op is *unknown*: it is listed in ``uncounted_ops``, logged
+  as a warning, and fails the tests of every registered model family.
+
+Active GFLOPs (what the activated heads need)
+---------------------------------------------
+A trace sees one input, so the data-dependent routing is counted from each routed layer's
+configuration: a layer with ``a`` of ``h`` heads active per token (MoH: ``shared_heads + topk``;
+MoA: ``topk`` experts) has active fraction ``f = a / h``, and
+
+    active = dense - (1 - f) * per_head_query_work
+
+where *per-head query work* is the part that an exact sparse execution (``impl="sparse"``) does
+only for the selected (token, head) pairs:
+
+* the query projection (``q``, ``q_proj``, and the query rows of a fused ``qkv``; ``q_norm``);
+* the attention core of every query: the layer's own ``scaled_dot_product_attention`` /
+  ``matmul`` / ``bmm`` / ``einsum`` ops (``QK^T``, ``AV``; TransNeXt's local window, pooled
+  keys and learnable-token terms);
+* the output projection ``proj`` (head ``i`` contributes ``H_i W_O^i`` only where it is active).
+
+What does not scale: keys and values for every token and head (any query may attend to any key),
+the pooled features of aggregated attention (``sr``, ``norm``, pooling) and its position-bias MLP
+(``cpb_*``), the routers (``wg*``, ``w_gate``), and everything outside the attention (MLPs,
+embeddings, norms, heads). A dense model's active GFLOPs equal its GFLOPs. At batch 1 the sparse
+path's own trace gives exactly this number (the tests check it).
+
+Extending: a custom op (``torch.library`` op or ``autograd.Function``, seen by the trace as
+``prim::PythonOp.<ClassName>``) gets a handle with :func:`register_op_handle`; the sparse MoH
+path's Functions are registered below.
+"""
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+Handle = Callable[[List[Any], List[Any]], Any]
+
+POINTWISE_PREFIX = "pointwise."  # op-count keys under this prefix go to ``pointwise_gflops``
+
+
+# ----------------------------------------------------------------------------------------------
+# Shapes of traced values
+# ----------------------------------------------------------------------------------------------
+def _shape(value) -> Optional[List[int]]:
+    """Sizes of a traced tensor value, or None (not a tensor, or sizes unknown)."""
+    try:
+        return list(value.type().sizes()) if value.isCompleteTensor() else None
+    except RuntimeError:
+        return None
+
+
+def _numel(value) -> int:
+    shape = _shape(value)
+    return math.prod(shape) if shape is not None else 0
+
+
+# ----------------------------------------------------------------------------------------------
+# Multiply-add handles (counted in ``gflops``)
+# ----------------------------------------------------------------------------------------------
+def matmul_flops(inputs, outputs) -> Counter:
+    """``matmul`` / ``mm`` / ``bmm``: output elements x contraction length (any broadcasting)."""
+    a = _shape(inputs[0])
+    out = _shape(outputs[0])
+    return Counter({"matmul": math.prod(out) * a[-1]})
+
+
+def baddbmm_flops(inputs, outputs) -> Counter:
+    """``baddbmm(input, a, b)``: the batched product plus one add per output element."""
+    a, out = _shape(inputs[1]), _shape(outputs[0])
+    return Counter({"matmul": math.prod(out) * a[-1], POINTWISE_PREFIX + "add": math.prod(out)})
+
+
+def sdpa_flops(inputs, outputs) -> Counter:
+    """``scaled_dot_product_attention(q, k, v, attn_mask, ...)``: ``QK^T`` and ``AV`` multiply-adds
+    (``batch * L * S * (E + Ev)``); scaling, mask and softmax are point-wise."""
+    q, k, v = _shape(inputs[0]), _shape(inputs[1]), _shape(inputs[2])
+    batch, L, E = math.prod(q[:-2]), q[-2], q[-1]
+    S, Ev = k[-2], v[-1]
+    scores = batch * L * S
+    has_mask = len(inputs) > 3 and _shape(inputs[3]) is not None
+    pointwise = scores * (1 + 3 + int(has_mask))  # scale, softmax (3), mask add
+    return Counter({"scaled_dot_product_attention": scores * (E + Ev), POINTWISE_PREFIX + "attention_softmax": pointwise})
+
+
+def gathered_projection_flops(inputs, outputs) -> Counter:
+    """sparse MoH ``GatheredHeadProjection``: ``[R, C] -> [R, d]`` rows, one head each."""
+    x, out = _shape(inputs[0]), _shape(outputs[0])
+    return Counter({"linear": math.prod(out) * x[-1]})
+
+
+def scattered_projection_flops(inputs, outputs) -> Counter:
+    """sparse MoH ``ScatteredHeadProjection``: ``[R, d]`` head rows projected to ``C`` and added."""
+    y, o = _shape(inputs[0]), _shape(inputs[1])
+    rows = o[0]
+    return Counter({"linear": math.prod(o) * y[-1], POINTWISE_PREFIX + "index_add": rows * y[-1]})
+
+
+def routed_flash_attention_flops(inputs, outputs) -> Counter:
+    """Triton ``RoutedFlashAttention(q [R, d], k [B, E, N, d], v)``: every packed query row against
+    the N keys of its head (at batch 1 there are no padded rows, so this is exact)."""
+    q, k = _shape(inputs[0]), _shape(inputs[1])
+    rows, d, N = q[0], q[-1], k[-2]
+    return Counter({"scaled_dot_product_attention": 2 * rows * N * d, POINTWISE_PREFIX + "attention_softmax": 4 * rows * N})
+
+
+def einsum_flops(inputs, outputs) -> Counter:
+    """``einsum``: one operand is a permutation (free) or a reduction (point-wise); two or more
+    operands are counted by fvcore (optimal contraction path, multiply-adds)."""
+    from fvcore.nn.jit_handles import einsum_flop_jit
+
+    operands = list(inputs[1].node().inputs())
+    if len(operands) > 1:
+        return Counter({"einsum": einsum_flop_jit(inputs, outputs)})
+    equation = inputs[0].toIValue().replace(" ", "")
+    source, _, target = equation.partition("->")
+    if sorted(source) == sorted(target):
+        return Counter()
+    return Counter({POINTWISE_PREFIX + "einsum_sum": _numel(operands[0])})
+
+
+def _fvcore_handles() -> Dict[str, Handle]:
+    from fvcore.nn.jit_handles import (addmm_flop_jit, batchnorm_flop_jit, conv_flop_jit, elementwise_flop_counter,
+                                       linear_flop_jit, norm_flop_counter)
+    return {
+        "aten::addmm": addmm_flop_jit,
+        "aten::linear": linear_flop_jit,
+        "aten::_convolution": conv_flop_jit,
+        "aten::batch_norm": batchnorm_flop_jit,
+        "aten::group_norm": norm_flop_counter(2),
+        "aten::layer_norm": norm_flop_counter(2),
+        "aten::instance_norm": norm_flop_counter(1),
+        "aten::upsample_nearest2d": elementwise_flop_counter(0, 1),
+        "aten::upsample_bilinear2d": elementwise_flop_counter(0, 4),
+        "aten::adaptive_avg_pool1d": elementwise_flop_counter(1, 0),
+        "aten::adaptive_avg_pool2d": elementwise_flop_counter(1, 0),
+        "aten::avg_pool2d": elementwise_flop_counter(1, 0),
+        "aten::grid_sampler": elementwise_flop_counter(0, 4),
+    }
+
+
+# ----------------------------------------------------------------------------------------------
+# Point-wise handles (counted in ``pointwise_gflops``)
+# ----------------------------------------------------------------------------------------------
+def _per_output(name: str, scale: float = 1) -> Handle:
+    def handle(inputs, outputs) -> Counter:
+        return Counter({POINTWISE_PREFIX + name: scale * _numel(outputs[0])})
+    return handle
+
+
+def _per_input(name: str, scale: float = 1) -> Handle:
+    def handle(inputs, outputs) -> Counter:
+        return Counter({POINTWISE_PREFIX + name: scale * _numel(inputs[0])})
+    return handle
+
+
+ELEMENTWISE_OPS = (
+    "add", "add_", "sub", "sub_", "rsub", "mul", "mul_", "div", "div_", "neg", "reciprocal", "abs", "sign",
+    "exp", "log", "log2", "log1p", "sqrt", "rsqrt", "pow", "square", "sin", "cos", "erf",
+    "relu", "relu_", "gelu", "silu", "silu_", "sigmoid", "tanh", "softplus", "hardtanh", "leaky_relu",
+    "clamp", "clamp_", "clamp_min", "clamp_min_", "clamp_max", "maximum", "minimum", "lerp", "addcmul",
+    "masked_fill", "masked_fill_", "where", "eq", "ne", "lt", "le", "gt", "ge", "logical_not", "logical_and",
+    "logical_or", "bitwise_not", "__and__", "__or__", "floor", "ceil", "round", "remainder", "fmod",
+    "floor_divide", "index_add", "index_add_",
+)
+REDUCTION_OPS = ("sum", "mean", "amax", "amin", "max", "min", "argmax", "argmin", "linalg_vector_norm", "norm",
+                 "frobenius_norm", "logsumexp", "var", "std", "cumsum", "prod", "topk", "sort", "any", "all")
+SOFTMAX_OPS = ("softmax", "_softmax", "log_softmax", "_log_softmax")
+
+
+def _pointwise_handles() -> Dict[str, Handle]:
+    handles: Dict[str, Handle] = {}
+    for op in ELEMENTWISE_OPS:
+        handles[f"aten::{op}"] = _per_output(op.strip("_"))
+    for op in REDUCTION_OPS:
+        handles[f"aten::{op}"] = _per_input(op)
+    for op in SOFTMAX_OPS:
+        handles[f"aten::{op}"] = _per_input("softmax", 3)  # exp, sum, divide per element
+    return handles
+
+
+# ----------------------------------------------------------------------------------------------
+# Ops that cost no arithmetic, by reason
+# ----------------------------------------------------------------------------------------------
+_FREE_GROUPS = {
+    "metadata only (a view of the same memory, or a shape query)": (
+        "view", "view_as", "reshape", "_reshape_alias", "flatten", "unflatten", "permute", "transpose", "t",
+        "squeeze", "unsqueeze", "unsqueeze_", "expand", "expand_as", "split", "split_with_sizes", "chunk",
+        "unbind", "select", "slice", "narrow", "movedim", "unfold", "alias", "detach", "size", "numel", "dim",
+        "Int", "Float", "ScalarImplicit", "IntImplicit", "FloatImplicit", "Bool", "lift_fresh", "resolve_conj",
+        "resolve_neg"),
+    "data movement without arithmetic (copies, concatenation, gathers, scatters, padding, im2col)": (
+        "contiguous", "clone", "copy_", "to", "type_as", "cat", "stack", "index", "index_select", "gather",
+        "scatter", "scatter_", "index_put", "index_put_", "repeat", "repeat_interleave", "constant_pad_nd", "pad",
+        "im2col", "roll", "flip", "one_hot", "embedding", "masked_select", "nonzero"),
+    "allocation or constants (no input data read)": (
+        "zeros", "zeros_like", "ones", "ones_like", "full", "full_like", "empty", "empty_like", "new_zeros",
+        "new_ones", "new_empty", "new_full", "arange", "linspace", "tensor", "scalar_tensor"),
+    "identity at inference (eval mode)": ("dropout", "dropout_", "feature_dropout", "alpha_dropout"),
+}
+
+#: ``aten`` op -> why it counts zero flops.
+FREE_OPS: Dict[str, str] = {f"aten::{op}": reason for reason, ops in _FREE_GROUPS.items() for op in ops}
+
+
+# ----------------------------------------------------------------------------------------------
+# The handle table and its extension point
+# ----------------------------------------------------------------------------------------------
+_EXTRA_HANDLES: Dict[str, Handle] = {}
+
+
+def register_op_handle(op: str, handle: Handle) -> None:
+    """Count ``op`` (a traced op name: ``aten::...``, ``ns::custom_op``, ``prim::PythonOp.<Function>``)
+    with ``handle(inputs, outputs)``, which returns a number of multiply-adds or a ``Counter``; keys
+    starting with ``"pointwise."`` go to ``pointwise_gflops``."""
+    _EXTRA_HANDLES[op] = handle
+
+
+def op_handles() -> Dict[str, Handle]:
+    """Every handle :func:`flop_report` uses."""
+    handles = {**_pointwise_handles(), **_fvcore_handles()}
+    handles.update({
+        "aten::matmul": matmul_flops,
+        "aten::mm": matmul_flops,
+        "aten::bmm": matmul_flops,
+        "aten::baddbmm": baddbmm_flops,
+        "aten::einsum": einsum_flops,
+        "aten::scaled_dot_product_attention": sdpa_flops,
+        # the exact sparse MoH path (moh_vision.attention.sparse / triton_moh)
+        "prim::PythonOp.GatheredHeadProjection": gathered_projection_flops,
+        "prim::PythonOp.ScatteredHeadProjection": scattered_projection_flops,
+        "prim::PythonOp.RoutedFlashAttention": routed_flash_attention_flops,
+    })
+    handles.update(_EXTRA_HANDLES)
+    return handles
+
+
+def _analysis_class():
+    from fvcore.nn.jit_analysis import JitModelAnalysis
+
+    class FlopAnalysis(JitModelAnalysis):
+        """fvcore's analysis with this module's handles and free-op list (instead of fvcore's
+        defaults, which skip sdpa and silently ignore some ops that do cost, e.g. ``relu``)."""
+
+        def __init__(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...]):
+            super().__init__(model, inputs)
+            self._ignored_ops = set(FREE_OPS)
+            self.set_op_handle(**op_handles())
+            self.unsupported_ops_warnings(False).uncalled_modules_warnings(False)
+
+    return FlopAnalysis
+
+
+# ----------------------------------------------------------------------------------------------
+# Which parts of a routed attention layer scale with its active fraction
+# ----------------------------------------------------------------------------------------------
+QUERY_SIDE_CHILDREN = ("q", "q_proj", "q_norm", "proj")  # per (token, head): scale with f
+FUSED_QKV_CHILD = "qkv"  # only its query rows scale
+FIXED_CHILDREN = ("kv", "kv_proj", "k_norm", "sr", "norm", "act", "cpb_fc1", "cpb_act", "cpb_fc2", "wg", "wg_0", "wg_1",
+                  "w_gate", "w_noise", "proj_drop", "attn_drop")
+QUERY_WISE_OPS = ("scaled_dot_product_attention", "matmul", "bmm", "einsum", "mm")  # the layer's own attention core
+
+
+def active_heads(module: nn.Module) -> Tuple[int, int]:
+    """``(active heads per token, heads)`` of an attention module: MoH ``shared_heads + topk``, MoA
+    ``topk`` experts, a dense module all of them."""
+    h = int(module.num_heads)
+    if not getattr(module, "is_routed", False):
+        return h, h
+    if hasattr(module, "active_heads"):
+        return int(module.active_heads), h
+    return int(module.topk), h
+
+
+@dataclass
+class LayerFlops:
+    """One routed attention layer: dense multiply-adds, the part that scales, and the active count."""
+
+    name: str
+    num_heads: int
+    active_heads: int
+    dense: float
+    scaled: float
+
+    @property
+    def fraction(self) -> float:
+        return self.active_heads / self.num_heads
+
+    @property
+    def active(self) -> float:
+        return self.dense - (1.0 - self.fraction) * self.scaled
+
+
+@dataclass
+class FlopReport:
+    params: int
+    flops: float  # multiply-adds, dense-equivalent
+    pointwise: float
+    layers: List[LayerFlops] = field(default_factory=list)
+    by_operator: Dict[str, float] = field(default_factory=dict)
+    uncounted_ops: Dict[str, int] = field(default_factory=dict)
+    notes: List[str] = field(default_factory=list)
+
+    @property
+    def active_flops(self) -> float:
+        return self.flops - sum(layer.dense - layer.active for layer in self.layers)
+
+    def as_dict(self) -> Dict[str, Any]:
+        out: Dict[str, Any] = {
+            "params": self.params,
+            "gflops": self.flops / 1e9,
+            "active_gflops": self.active_flops / 1e9,
+            "pointwise_gflops": self.pointwise / 1e9,
+            "routed_layers": sum(1 for layer in self.layers if layer.active_heads < layer.num_heads),
+        }
+        if self.uncounted_ops:
+            out["uncounted_ops"] = ", ".join(f"{op} x{n}" for op, n in sorted(self.uncounted_ops.items()))
+        return out
+
+
+def _macs(counter: Counter) -> float:
+    return float(sum(v for k, v in counter.items() if not k.startswith(POINTWISE_PREFIX)))
+
+
+def _layer_flops(name: str, module: nn.Module, counts: Dict[str, Counter], notes: List[str]) -> LayerFlops:
+    total = counts.get(name, Counter())
+    own = Counter(total)
+    scaled = 0.0
+    for child_name, child in module.named_children():
+        child_counts = counts.get(f"{name}.{child_name}" if name else child_name, Counter())
+        own.subtract(child_counts)
+        macs = _macs(child_counts)
+        if child_name in QUERY_SIDE_CHILDREN:
+            scaled += macs
+        elif child_name == FUSED_QKV_CHILD:
+            q_rows = module.num_heads * module.head_dim
+            scaled += macs * q_rows / child.out_features
+        elif child_name not in FIXED_CHILDREN and macs:
+            notes.append(f"{name}.{child_name}: unknown part of a routed layer, counted as not scaling")
+    scaled += float(sum(v for k, v in own.items() if k in QUERY_WISE_OPS))
+    heads_active, heads = active_heads(module)
+    return LayerFlops(name, heads, heads_active, _macs(total), scaled)
+
+
+# ----------------------------------------------------------------------------------------------
+# Tracing
+# ----------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def moh_execution(model: nn.Module, impl: Optional[str]) -> Iterator[None]:
+    """Run MoH layers with ``impl`` (``"masked"``: every head, the dense-equivalent count) while
+    tracing; ``None`` leaves each layer's own choice."""
+    changed = []
+    if impl is not None:
+        for module in model.modules():
+            if getattr(module, "attention_name", None) == "moh" and hasattr(module, "impl"):
+                changed.append((module, module.impl))
+                module.impl = impl
+    try:
+        yield
+    finally:
+        for module, previous in changed:
+            module.impl = previous
+
+
+class _CallWithKeywords(nn.Module):
+    """Lets the trace pass keyword inputs that cannot be given by position."""
+
+    def __init__(self, model: nn.Module, names: Sequence[str]):
+        super().__init__()
+        self.model, self.names = model, tuple(names)
+
+    def forward(self, x, *values):
+        return self.model(x, **dict(zip(self.names, values)))
+
+
+def _trace_inputs(model: nn.Module, x: torch.Tensor, model_kwargs: Dict[str, Any]) -> Tuple[nn.Module, tuple, str]:
+    """(module to trace, positional inputs, prefix of the model's module names in the trace)."""
+    if not model_kwargs:
+        return model, (x,), ""
+    try:
+        bound = inspect.signature(model.forward).bind(x, **model_kwargs)
+        if not bound.kwargs:
+            return model, tuple(bound.args), ""
+    except TypeError:
+        pass
+    return _CallWithKeywords(model, list(model_kwargs)), (x, *model_kwargs.values()), "model."
+
+
+def flop_report(model: nn.Module, input_shape: Sequence[int], model_kwargs: Optional[Dict[str, Any]] = None,
+                moh_impl: Optional[str] = "masked") -> FlopReport:
+    """Trace one forward of ``model`` on a batch-1 input of ``input_shape`` (C, H, W) and count it.
+
+    ``moh_impl="masked"`` counts every head (dense-equivalent); ``"sparse"`` traces the exact sparse
+    MoH path instead (its count is the active count of that input). ``model_kwargs`` are the other
+    forward inputs (DiT: ``{"t": ..., "y": ...}``), batch 1, moved to the model's device.
+    """
+    from moh_vision.attention import reset_routing
+
+    param = next(model.parameters())
+    dtype = param.dtype if param.is_floating_point() else torch.float32
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(1, *input_shape, generator=generator).to(param.device, dtype)
+    kwargs = {k: (v.to(param.device) if torch.is_tensor(v) else v) for k, v in (model_kwargs or {}).items()
+              if v is not None}  # a trace takes tensors only; None means "the default" anyway
+    target, inputs, prefix = _trace_inputs(model, x, kwargs)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with moh_execution(model, moh_impl), torch.no_grad():
+            analysis = _analysis_class()(target, inputs)
+            counts = {name[len(prefix):] if name.startswith(prefix) else name: c
+                      for name, c in analysis.by_module_and_operator().items()}
+            total = analysis.by_operator()
+            unsupported = dict(analysis.unsupported_ops())
+    finally:
+        model.train(was_training)
+        reset_routing(model)
+
+    notes: List[str] = []
+    layers = [_layer_flops(name, module, counts, notes) for name, module in model.named_modules()
+              if getattr(module, "is_routed", False)]
+    report = FlopReport(params=sum(p.numel() for p in model.parameters()), flops=_macs(total),
+                        pointwise=float(sum(v for k, v in total.items() if k.startswith(POINTWISE_PREFIX))),
+                        layers=layers, by_operator={k: float(v) for k, v in total.items()},
+                        uncounted_ops=unsupported, notes=notes)
+    for note in notes:
+        log.warning("FLOPs: %s", note)
+    if unsupported:
+        log.warning("FLOPs: ops with no flop handle were not counted: %s", report.as_dict()["uncounted_ops"])
+    return report
+
+
+def count_flops(model: nn.Module, input_shape: Sequence[int], model_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """``params``, ``gflops`` (dense-equivalent), ``active_gflops``, ``pointwise_gflops`` and
+    ``routed_layers`` of one forward pass on one input of ``input_shape`` (C, H, W); the module
+    docstring defines each. ``uncounted_ops`` appears only if an op had no handle."""
+    return flop_report(model, input_shape, model_kwargs).as_dict()

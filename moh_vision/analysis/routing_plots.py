@@ -1,0 +1,223 @@
+"""Figures of how routed attention layers use their heads (matplotlib, Agg backend, PNG files).
+
+Every function takes per-layer statistics in the format of
+:meth:`moh_vision.analysis.routing.RoutingMeter.averages` (what the trainer dumps to
+``routing.json`` each epoch)::
+
+    {layer_name: {"load": [h floats], "entropy": float | None, "shared_heads": int, "topk": int,
+                  "gate_mass": [h floats] (optional)}, ...}
+
+``load[i]`` is the fraction of tokens that used head ``i`` (1 for a shared head, so a layer's loads
+sum to its active heads per token); ``gate_mass[i]`` the mean gate head ``i`` received per token (0
+where unselected). Layers keep their order (depth). Routed heads are indices ``shared_heads..h-1``.
+"""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any, Dict, List, Mapping, Optional, Sequence
+
+import numpy as np
+
+Stats = Mapping[str, Mapping[str, Any]]
+
+
+def _pyplot():
+    import matplotlib
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def _short(name: str) -> str:
+    """``blocks.3.attn`` -> ``blocks.3``; ``block3.12.attn`` -> ``block3.12``."""
+    return name[:-5] if name.endswith(".attn") else name
+
+
+def _save(fig, path: Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    _pyplot().close(fig)
+    return path
+
+
+def routed_layers(stats: Stats) -> List[str]:
+    """Layers that route something (``topk > 0``)."""
+    return [name for name, s in stats.items() if int(s.get("topk", 0)) > 0]
+
+
+# ----------------------------------------------------------------------------------------------
+# Head load: layers x heads
+# ----------------------------------------------------------------------------------------------
+def plot_head_load(stats: Stats, path: Path, key: str = "load", title: Optional[str] = None) -> Path:
+    """Heatmap of ``stats[layer][key]`` (layers x heads; blank where a layer has fewer heads).
+    Shared heads are marked ``s``; each row is annotated with its active heads per token."""
+    plt = _pyplot()
+    names = list(stats)
+    width = max(len(s[key]) for s in stats.values())
+    grid = np.full((len(names), width), np.nan)
+    for row, name in enumerate(names):
+        values = np.asarray(stats[name][key], dtype=float)
+        grid[row, :len(values)] = values
+    vmax = 1.0 if key == "load" else max(float(np.nanmax(grid)), 1e-9)
+    fig, ax = plt.subplots(figsize=(min(2 + 0.42 * width, 16), min(1.5 + 0.32 * len(names), 30)))
+    image = ax.imshow(np.ma.masked_invalid(grid), aspect="auto", cmap="viridis", vmin=0.0, vmax=vmax,
+                      interpolation="nearest")
+    small = width * len(names) <= 600
+    for row, name in enumerate(names):
+        shared = int(stats[name].get("shared_heads", 0))
+        for col in range(shared):
+            ax.text(col, row, "s", ha="center", va="center", color="white", fontsize=7, fontweight="bold")
+        if small:
+            for col in range(shared, len(stats[name][key])):
+                ax.text(col, row, f"{grid[row, col]:.2f}", ha="center", va="center", fontsize=6,
+                        color="white" if grid[row, col] < 0.6 * vmax else "black")
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels([f"{_short(n)} ({int(stats[n].get('shared_heads', 0))}+{int(stats[n].get('topk', 0))})"
+                        for n in names], fontsize=7)
+    ax.set_xticks(range(width))
+    ax.set_xticklabels([str(i) for i in range(width)], fontsize=7)
+    ax.set_xlabel("head (s = shared, always on)")
+    ax.set_ylabel("layer (shared + top-k)")
+    default = "fraction of tokens using each head" if key == "load" else "mean gate per token"
+    ax.set_title(title or default, fontsize=10)
+    fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Router entropy per layer
+# ----------------------------------------------------------------------------------------------
+def plot_router_entropy(stats: Stats, path: Path, title: Optional[str] = None) -> Path:
+    """Mean router entropy (nats) of each routed layer, with the uniform-router maximum
+    ``log(routed heads)`` as a tick: low bars = confident (or collapsed) routers."""
+    plt = _pyplot()
+    names = routed_layers(stats)
+    fig, ax = plt.subplots(figsize=(min(3 + 0.35 * max(len(names), 1), 18), 3.6))
+    if not names:
+        ax.text(0.5, 0.5, "no routed layer (topk = 0 everywhere)", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return _save(fig, path)
+    entropy = [float(stats[n].get("entropy") or 0.0) for n in names]
+    ceiling = [math.log(len(stats[n]["load"]) - int(stats[n].get("shared_heads", 0))) for n in names]
+    x = np.arange(len(names))
+    ax.bar(x, entropy, color="tab:blue", label="router entropy")
+    ax.scatter(x, ceiling, marker="_", s=200, color="tab:red", label="uniform router (log E)", zorder=3)
+    ax.set_xticks(x)
+    ax.set_xticklabels([_short(n) for n in names], rotation=90, fontsize=7)
+    ax.set_ylabel("nats")
+    ax.set_ylim(0, 1.3 * max(entropy + ceiling + [1e-3]))
+    ax.set_title(title or "router entropy per routed layer", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", ncol=2)
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Head utility ranking (MoA-style)
+# ----------------------------------------------------------------------------------------------
+def utility_ranking(stat: Mapping[str, Any]) -> List[Dict[str, Any]]:
+    """One layer's routed heads ranked by how often they are selected (ties: by gate mass):
+    ``[{"rank", "head", "selected", "selected_share", "gate_mass", "gate_share"}, ...]``.
+    ``selected_share`` / ``gate_share`` are fractions of the layer's routed total."""
+    shared = int(stat.get("shared_heads", 0))
+    load = [float(v) for v in stat["load"]][shared:]
+    gate = [float(v) for v in stat.get("gate_mass") or [math.nan] * (len(load) + shared)][shared:]
+    total_load = sum(load) or 1.0
+    total_gate = sum(g for g in gate if not math.isnan(g)) or 1.0
+    order = sorted(range(len(load)), key=lambda j: (-load[j], -(0.0 if math.isnan(gate[j]) else gate[j]), j))
+    return [{"rank": r + 1, "head": shared + j, "selected": load[j], "selected_share": load[j] / total_load,
+             "gate_mass": gate[j], "gate_share": gate[j] / total_gate}
+            for r, j in enumerate(order)]
+
+
+def plot_head_utility(stats: Stats, path: Path, title: Optional[str] = None) -> Path:
+    """Per routed layer, the routed heads ranked by selection share (left) and by gate-mass share
+    (right): a flat curve at 1/E is a balanced layer, a cliff after k heads a collapsed one."""
+    plt = _pyplot()
+    names = routed_layers(stats)
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=False)
+    if not names:
+        for ax in axes:
+            ax.set_axis_off()
+        axes[0].text(0.5, 0.5, "no routed layer", ha="center", va="center", transform=axes[0].transAxes)
+        return _save(fig, path)
+    cmap = _pyplot().get_cmap("viridis")
+    for i, name in enumerate(names):
+        ranking = utility_ranking(stats[name])
+        color = cmap(i / max(len(names) - 1, 1))
+        ranks = [r["rank"] for r in ranking]
+        axes[0].plot(ranks, [r["selected_share"] for r in ranking], color=color, marker=".", lw=1)
+        for ax in axes:  # a perfectly balanced layer: every routed head gets 1/E
+            ax.hlines(1.0 / len(ranking), 1, len(ranking), colors=[color], linestyles=":", lw=0.8)
+        if not any(math.isnan(r["gate_share"]) for r in ranking):
+            axes[1].plot(sorted(ranks), sorted((r["gate_share"] for r in ranking), reverse=True), color=color,
+                         marker=".", lw=1)
+    for ax, label in zip(axes, ("share of selections", "share of gate mass")):
+        ax.set_xlabel("head rank within layer")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    sm = _pyplot().cm.ScalarMappable(cmap=cmap, norm=_pyplot().Normalize(0, max(len(names) - 1, 1)))
+    bar = fig.colorbar(sm, ax=axes, fraction=0.03, pad=0.02)
+    bar.set_label("routed layer (depth order; dotted: balanced 1/E)")
+    ticks = sorted(set(np.linspace(0, len(names) - 1, min(len(names), 6)).round().astype(int).tolist()))
+    bar.set_ticks(ticks)
+    bar.set_ticklabels([_short(names[i]) for i in ticks], fontsize=6)
+    fig.suptitle(title or "head utility: routed heads ranked per layer", fontsize=10)
+    return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Per-token head choice over the token grid
+# ----------------------------------------------------------------------------------------------
+def _image_for_display(image: np.ndarray) -> np.ndarray:
+    """[C, H, W] (any normalisation) -> [H, W] or [H, W, 3] in [0, 1]."""
+    image = np.asarray(image, dtype=float)
+    image = image[:3] if image.shape[0] >= 3 else image[:1]
+    lo, hi = float(image.min()), float(image.max())
+    image = (image - lo) / (hi - lo if hi > lo else 1.0)
+    return image[0] if image.shape[0] == 1 else np.transpose(image, (1, 2, 0))
+
+
+def plot_token_heads(image: Optional[np.ndarray], layers: Sequence[Mapping[str, Any]], path: Path,
+                     title: Optional[str] = None) -> Path:
+    """Which heads the tokens of one image chose, layer by layer, on each layer's token grid.
+
+    ``layers``: ``[{"name", "grid": (H, W), "shared_heads", "selection": [H*W, h] bool,
+    "gates": [H*W, h] float or None}]``. Row per layer: the dominant routed head of each token
+    (largest gate among its selected routed heads), then one map per routed head (bright = the
+    token chose it).
+    """
+    plt = _pyplot()
+    rows = max(len(layers), 1)
+    routed = [int(np.asarray(l["selection"]).shape[-1]) - int(l.get("shared_heads", 0)) for l in layers] or [0]
+    cols = 2 + max(routed)
+    fig, axes = plt.subplots(rows, cols, figsize=(1.25 * cols + 0.6, 1.5 * rows + 0.6), squeeze=False)
+    for ax in axes.ravel():
+        ax.set_xticks([])
+        ax.set_yticks([])
+        ax.set_frame_on(False)
+    palette = 10 if max(routed) <= 10 else 20  # tab10 contrasts better; tab20 for wide layers
+    categorical = plt.get_cmap(f"tab{palette}")
+    from matplotlib.colors import ListedColormap
+    for row, layer in enumerate(layers):
+        H, W = layer["grid"]
+        shared = int(layer.get("shared_heads", 0))
+        selection = np.asarray(layer["selection"], dtype=bool)[:, shared:]  # [N, E]
+        gates = layer.get("gates")
+        weights = np.asarray(gates, dtype=float)[:, shared:] if gates is not None else selection.astype(float)
+        dominant = np.where(selection, weights, -np.inf).argmax(axis=-1)
+        if image is not None and row == 0:
+            shown = _image_for_display(image)
+            axes[row, 0].imshow(shown, cmap="gray" if shown.ndim == 2 else None)
+            axes[row, 0].set_title("input", fontsize=7)
+        axes[row, 1].imshow(dominant.reshape(H, W), cmap=categorical, vmin=0, vmax=palette - 1, interpolation="nearest")
+        axes[row, 1].set_title(f"{_short(layer['name'])}\ndominant head", fontsize=6)
+        for e in range(selection.shape[1]):
+            ax = axes[row, 2 + e]
+            chosen = ListedColormap(["#eeeeee", categorical(e % palette)])  # light: not chosen; head colour: chosen
+            ax.imshow(selection[:, e].reshape(H, W), cmap=chosen, vmin=0, vmax=1, interpolation="nearest")
+            ax.set_frame_on(True)
+            ax.set_title(f"h{shared + e}: {100 * selection[:, e].mean():.0f}%", fontsize=6)
+    fig.suptitle(title or "routed heads chosen by each token", fontsize=9)
+    return _save(fig, path)
