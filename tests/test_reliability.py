@@ -1,0 +1,233 @@
+"""Crashes, preemption, bad numbers and bad input: the run comes back exactly or stops with one clear line."""
+import csv
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import REPO, read_summary, run_entry
+from moh_vision.analysis.routing import RoutingMeter
+
+# Deterministic, checkpoint every step, log every step.
+CLS = ("trainer.deterministic=true", "trainer.ckpt_every_steps=1", "trainer.log_every=1", "trainer.progress=false",
+       "trainer.num_workers=0", "trainer.epochs=2", "trainer.batch_size=256", "trainer.count_flops=false")
+DIFF = ("task=diffusion", "data.img_size=8", "trainer.deterministic=true", "trainer.ckpt_every_steps=1",
+        "trainer.log_every=1", "trainer.progress=false", "trainer.num_workers=0", "trainer.epochs=2",
+        "trainer.batch_size=256", "trainer.count_flops=false", "task.sample.per_class=1",
+        "task.sample.eval_per_class=0", "task.sample.steps=5", "task.sample.every_epochs=0")
+ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg",
+       "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+
+
+def start(args, out_dir, **popen):
+    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args, f"hydra.run.dir={out_dir}"], cwd=REPO,
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def logged_step(out_dir: Path) -> int:
+    try:
+        rows = list(csv.DictReader(open(out_dir / "metrics.csv")))
+    except (FileNotFoundError, csv.Error):
+        return -1
+    steps = [int(float(r["step"])) for r in rows if r.get("step")]
+    return max(steps, default=-1)
+
+
+def wait_for_step(proc, out_dir: Path, step: int, timeout: float = 300) -> None:
+    end = time.time() + timeout
+    while time.time() < end and proc.poll() is None:
+        if logged_step(out_dir) >= step:
+            return
+        time.sleep(0.05)
+
+
+def weights(out_dir: Path):
+    state = torch.load(out_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    return state
+
+
+def assert_same_run(a: Path, b: Path) -> None:
+    sa, sb = weights(a), weights(b)
+    assert sa["step"] == sb["step"]
+    for part in ("model", "model_ema"):
+        if part in sa:
+            for k in sa[part]:
+                assert torch.equal(sa[part][k], sb[part][k]), f"{part}.{k} differs after kill + resume"
+    for k, v in sa["optimizer"]["state"].items():
+        for name, t in v.items():
+            assert torch.equal(t, sb["optimizer"]["state"][k][name]), f"optimizer state {k}.{name} differs"
+    ra, rb = read_summary(a), read_summary(b)
+    for key in ra:
+        if key.startswith(("val", "best", "train/epoch", "sample")):
+            assert ra[key] == rb[key], f"{key}: {ra[key]} vs {rb[key]}"
+
+
+def kill_and_resume(args, out_dir: Path, kill_steps) -> None:
+    for step in kill_steps:
+        proc = start(args, out_dir)
+        wait_for_step(proc, out_dir, step)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    run_entry("train.py", *args, f"hydra.run.dir={out_dir}", env={"PYTHONPATH": ENV["PYTHONPATH"]})
+
+
+@pytest.mark.parametrize("args,total", [(CLS, 10), (DIFF, 10)], ids=["classification", "diffusion"])
+def test_sigkill_then_resume_is_bit_identical(tmp_path, args, total):
+    ref = tmp_path / "uninterrupted"
+    run_entry("train.py", *args, f"hydra.run.dir={ref}")
+    killed = tmp_path / "killed"
+    kill_and_resume(args, killed, [random.Random(0).randint(2, total - 2)])
+    assert read_summary(killed)["steps"] == total
+    assert_same_run(ref, killed)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,total", [(CLS, 10), (DIFF, 10)], ids=["classification", "diffusion"])
+def test_repeated_random_kills_match_uninterrupted_run(tmp_path, args, total):
+    ref = tmp_path / "uninterrupted"
+    run_entry("train.py", *args, f"hydra.run.dir={ref}")
+    rng = random.Random(1)
+    kills = sorted(rng.sample(range(1, total), 4))
+    out = tmp_path / "killed"
+    kill_and_resume(args, out, kills)
+    assert_same_run(ref, out)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+def test_preemption_signal_saves_and_exits_for_requeue(tmp_path, sig):
+    proc = start(CLS, tmp_path)
+    wait_for_step(proc, tmp_path, 3)
+    proc.send_signal(sig)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 124, out[-3000:]
+    assert "stopped by" in out and "resume with" in out
+    stopped_at = weights(tmp_path)["step"]
+    assert 3 <= stopped_at < 10
+    run_entry("train.py", *CLS, f"hydra.run.dir={tmp_path}")
+    assert read_summary(tmp_path)["steps"] == 10
+
+
+def test_corrupt_last_checkpoint_falls_back_to_previous(tmp_path):
+    run_entry("train.py", *CLS, "trainer.max_steps=4", f"hydra.run.dir={tmp_path}")
+    last = tmp_path / "checkpoints" / "last.pt"
+    previous = weights(tmp_path)["step"]
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 3])  # truncated mid-write by a crash
+    proc = run_entry("train.py", *CLS, f"hydra.run.dir={tmp_path}")
+    log = proc.stdout + proc.stderr
+    assert "last.pt is unreadable" in log and "last.prev.pt" in log
+    assert f"at step {previous - 1}" in log or f"at step {previous}" in log
+    assert read_summary(tmp_path)["steps"] == 10
+
+
+def _limit_file_size(limit):
+    def preexec():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return preexec
+
+
+def test_full_disk_during_save_keeps_previous_checkpoint(tmp_path):
+    run_entry("train.py", *CLS, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}")
+    before = weights(tmp_path)
+    size = (tmp_path / "checkpoints" / "last.pt").stat().st_size
+    proc = start(CLS, tmp_path, preexec_fn=_limit_file_size(size // 2))  # the next save cannot fit
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 1, out[-3000:]
+    last_line = out.strip().splitlines()[-1]
+    assert last_line.startswith("error: could not write checkpoint") and "previous checkpoint is intact" in last_line
+    after = weights(tmp_path)
+    assert after["step"] == before["step"]
+    assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
+
+
+def test_nonfinite_steps_are_skipped_then_stop_with_last_good_checkpoint(tmp_path):
+    run_entry("train.py", *CLS, "trainer.max_steps=3", f"hydra.run.dir={tmp_path}")
+    good = weights(tmp_path)
+    proc = run_entry("train.py", *CLS, "data._target_=nan_data.NaNDigits", "+data.nan_from=0",
+                     "trainer.max_nonfinite_in_a_row=3", f"hydra.run.dir={tmp_path}",
+                     env={"PYTHONPATH": ENV["PYTHONPATH"]}, check=False)
+    assert proc.returncode == 1
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert "3 non-finite steps in a row" in last_line and "at step" in last_line and "last.pt" in last_line
+    assert "nan" in last_line
+    after = weights(tmp_path)
+    assert all(torch.equal(after["model"][k], good["model"][k]) for k in good["model"]), "weights stay good"
+    assert after["counters"]["nonfinite_skipped"] == 2  # saved after the 2nd skipped step; the 3rd stops the run
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert any(r.get("train/nonfinite_skipped") for r in rows), "skips are logged"
+
+
+def test_a_few_nonfinite_steps_are_skipped_and_training_goes_on(tmp_path):
+    # a handful of NaN images (8 of 1438): the batches that hold one are skipped, the run finishes
+    run_entry("train.py", *CLS, "data._target_=nan_data.NaNDigits", "+data.nan_from=1430",
+              "trainer.batch_size=64", "trainer.epochs=1", f"hydra.run.dir={tmp_path}",
+              env={"PYTHONPATH": ENV["PYTHONPATH"]})
+    summary = read_summary(tmp_path)
+    assert 1 <= summary["nonfinite_skipped"] < summary["steps"]
+    assert summary["val/acc1"] > 0
+
+
+BAD = [
+    ("attention=moa attention.activation_ratio=null attention.topk=3", "MoA topk=3 is outside 1..num_experts=1"),
+    ("attention.activation_ratio=null attention.shared_heads=1 attention.topk=7", "exceeds the routed pool"),
+    ("data=imagefolder data.root=/nonexistent/images", "/nonexistent/images"),
+    ("trainer.resume=/nonexistent/last.pt", "no such checkpoint"),
+]
+
+
+@pytest.mark.parametrize("override,fragment", BAD)
+def test_bad_input_one_line_nonzero_and_nothing_destroyed(tmp_path, override, fragment):
+    proc = run_entry("train.py", *override.split(), *CLS, f"hydra.run.dir={tmp_path}", check=False)
+    assert proc.returncode == 2
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: ") and fragment in last_line, proc.stderr[-2000:]
+    assert not (tmp_path / "checkpoints").exists()
+
+
+def test_data_root_without_images_and_empty_class(tmp_path):
+    root = tmp_path / "data"
+    for split in ("train", "val"):
+        (root / split / "a").mkdir(parents=True)
+    proc = run_entry("train.py", "data=imagefolder", f"data.root={root}", *CLS, f"hydra.run.dir={tmp_path / 'r'}",
+                     check=False)
+    assert proc.returncode == 2 and "error: " in proc.stderr.strip().splitlines()[-1]
+
+
+def test_resume_or_eval_with_a_checkpoint_of_another_model(tmp_path):
+    run_entry("train.py", *CLS, "trainer.max_steps=1", f"hydra.run.dir={tmp_path}")
+    before = (tmp_path / "checkpoints" / "last.pt").read_bytes()
+    config_before = (tmp_path / "config.yaml").read_text()
+    proc = run_entry("train.py", *CLS, "model=plain_vit_nano", f"hydra.run.dir={tmp_path}", check=False)
+    assert proc.returncode == 2
+    last_line = proc.stderr.strip().splitlines()[-1]
+    assert "cannot resume" in last_line and "transnext_nano" in last_line and "plain_vit_nano" in last_line
+    assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == before, "the good checkpoint is untouched"
+    assert (tmp_path / "config.yaml").read_text() == config_before, "and so is its config"
+
+
+def test_routing_health_flags_collapse_and_starvation():
+    meter = RoutingMeter()
+
+    class FakeLayer(torch.nn.Module):
+        is_routed = True
+
+        def __init__(self, load):
+            super().__init__()
+            self.aux_loss = None
+            self.routing_stats = {"load": torch.tensor(load), "entropy": torch.tensor(0.5), "num_heads": len(load),
+                                  "shared_heads": 2, "topk": 1}
+
+    model = torch.nn.ModuleDict({"healthy": FakeLayer([1.0, 1.0, 0.3, 0.4, 0.3]),
+                                 "collapsed": FakeLayer([1.0, 1.0, 0.995, 0.005, 0.0])})
+    meter.update(model)
+    warnings = meter.health_warnings()
+    assert any("collapsed: routed head 2" in w and "collapse" in w for w in warnings)
+    assert any("collapsed: routed head 4 was never chosen" in w for w in warnings)
+    assert not any(w.startswith("healthy") for w in warnings)
