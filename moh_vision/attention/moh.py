@@ -16,6 +16,7 @@ load-balance loss ``E * sum_i me_i ce_i`` per routed layer (``collect_aux_loss``
 """
 from __future__ import annotations
 
+import math
 from typing import Optional, Tuple
 
 import torch
@@ -24,10 +25,62 @@ from torch import nn
 from moh_vision.errors import ConfigError
 from .registry import register_attention
 from .routing import (RoutedMixin, load_balance_loss, renormalised_topk_gates, resolve_moh_heads, topk_mask)
+from .sparse import SPARSE_KERNELS, sparse_flops_ratio, sparse_moh_forward
 
 Tensor = torch.Tensor
 
-MOH_IMPLS = ("auto", "masked")
+MOH_IMPLS = ("auto", "masked", "sparse", "triton")
+
+
+# ----------------------------------------------------------------------------------------------
+# impl="auto": when the sparse path pays
+#
+# Sparse MoH costs about its FLOP bound (``sparse_flops_ratio``: keys/values for every head plus
+# queries, attention and output projection of the active heads, over dense) plus an overhead
+# (gathers, scatters, one call per routed head) that shrinks as sequences grow; masked MoH costs
+# ~1.00-1.05x dense. ``auto`` runs sparse when ``bound + overhead(tokens) <= 0.95``: predicted to
+# beat masked by a margin larger than the noise of the measurements below.
+#
+# Measured on CPU only: 2-core AMD EPYC VM (AVX-512), torch 2.14.1, fp32, 1 thread, process CPU
+# time (the machine was shared with other jobs, so wall time was useless), with
+#   python tools/bench_attention.py --threads 1 --clock cpu --seqlens 64 196 576 1024 \
+#       --ratios 0.5 0.6 0.67 0.75 0.83 0.9          (and --seqlens 4096 --ratios 0.5 0.75 0.9)
+# for (dim, heads) = (768, 12), (384, 6) [seqlens 64 256 1024], (1152, 16) [seqlens 256 1024],
+# ~2048 tokens per batch, forward and forward+backward. Overhead = the largest
+# ``sparse/dense - bound`` seen at that length (forward was the worse mode; noise about +-0.03),
+# outliers aside; between lengths it is interpolated in log(tokens). Shorter than 64 tokens,
+# narrower than dim 384 or head_dim 64 (outside the measurements): masked.
+# CUDA: no GPU was available, so nothing is picked there but the reference path until
+# ``tools/bench_attention.py --device cuda`` has been run and a table like this one added.
+# ----------------------------------------------------------------------------------------------
+CPU_SPARSE_OVERHEAD = ((64, 0.18), (196, 0.15), (576, 0.12), (1024, 0.12), (4096, 0.04))
+SPARSE_MAX_PREDICTED = 0.95
+MEASURED_MIN_DIM, MEASURED_MIN_HEAD_DIM = 384, 64
+
+
+def sparse_overhead(tokens: int, table=CPU_SPARSE_OVERHEAD) -> Optional[float]:
+    """Measured overhead of the sparse path at ``tokens`` per image (None below the table)."""
+    if tokens < table[0][0]:
+        return None
+    for (n0, o0), (n1, o1) in zip(table, table[1:]):
+        if tokens <= n1:
+            t = (math.log(tokens) - math.log(n0)) / (math.log(n1) - math.log(n0))
+            return o0 + t * (o1 - o0)
+    return table[-1][1]
+
+
+def choose_impl(device: str, tokens: int, dim: int, num_heads: int, head_dim: int, shared_heads: int,
+                topk: int) -> str:
+    """``"sparse"`` or ``"masked"`` for an MoH layer over ``sdpa`` (what ``impl="auto"`` runs)."""
+    if topk == 0 or device != "cpu":
+        return "masked"
+    if dim < MEASURED_MIN_DIM or head_dim < MEASURED_MIN_HEAD_DIM:  # outside what was measured
+        return "masked"
+    overhead = sparse_overhead(tokens)
+    if overhead is None:
+        return "masked"
+    bound = sparse_flops_ratio(dim, num_heads, head_dim, tokens, shared_heads, topk)
+    return "sparse" if bound + overhead <= SPARSE_MAX_PREDICTED else "masked"
 
 
 @register_attention("moh")
@@ -39,8 +92,13 @@ class MoH(RoutedMixin):
         topk: routed heads each token selects (the official ``routed_head``).
         activation_ratio: alternative to ``topk``: fraction of heads a token uses; see
             :func:`~moh_vision.attention.routing.resolve_moh_heads` for the policy.
-        impl: ``"masked"`` computes every head and zeroes unselected ones (the official
-            reference); ``"auto"`` picks the fastest exact path available.
+        impl: how the heads are executed; every choice gives the same outputs and gradients.
+            ``"masked"`` computes every head and zeroes unselected ones (the official reference,
+            any kernel); ``"sparse"`` computes queries, attention and output projection only for
+            the selected (token, head) pairs (pure PyTorch, ``sdpa`` kernel only, see
+            :mod:`~moh_vision.attention.sparse`); ``"triton"`` is ``sparse`` with a Triton
+            attention kernel for the routed heads (CUDA; on CPU only under ``TRITON_INTERPRET=1``);
+            ``"auto"`` picks per call from measured thresholds (:func:`choose_impl`).
     """
 
     def __init__(self, dim: int, num_heads: int, *, shared_heads: Optional[int] = None, topk: Optional[int] = None,
@@ -49,6 +107,12 @@ class MoH(RoutedMixin):
         if impl not in MOH_IMPLS:
             raise ConfigError(f"MoH impl '{impl}' is unknown; allowed: {', '.join(MOH_IMPLS)}")
         self.impl = impl
+        if impl in ("sparse", "triton") and self.kernel_name not in SPARSE_KERNELS:
+            raise ConfigError(f"MoH impl '{impl}' supports kernel(s) {', '.join(SPARSE_KERNELS)}, not "
+                              f"'{self.kernel_name}'; use impl=auto or impl=masked")
+        if impl == "triton" and self.attn_drop > 0:
+            raise ConfigError(f"MoH impl 'triton' has no attention dropout (attn_drop={self.attn_drop}); "
+                              "use impl=sparse or impl=auto")
         self.shared_heads, self.topk = resolve_moh_heads(self.num_heads, shared_heads, topk, activation_ratio)
         routed = self.num_heads - self.shared_heads
         if self.topk > 0:
@@ -88,8 +152,25 @@ class MoH(RoutedMixin):
         return gates, index
 
     def forward(self, x: Tensor) -> Tensor:
-        gates, _ = self.route(x)
-        return self.output(self.heads(x), gates)
+        gates, index = self.route(x)
+        impl = self.execution_path(x)
+        if impl == "masked":
+            return self.output(self.heads(x), gates)
+        if impl == "triton":
+            from .triton_moh import triton_routed_attention  # imports triton only when asked for
+            return sparse_moh_forward(self, x, gates, index, triton_routed_attention())
+        return sparse_moh_forward(self, x, gates, index)
+
+    def execution_path(self, x: Tensor) -> str:
+        """The path this call runs: ``masked``, ``sparse`` or ``triton`` (resolves ``auto``)."""
+        if self.topk == 0:  # dense-weighted layer: nothing to skip, masked is the exact computation
+            return "masked"
+        if self.impl != "auto":
+            return self.impl
+        if self.kernel_name not in SPARSE_KERNELS:
+            return "masked"
+        return choose_impl(x.device.type, x.shape[1], self.dim, self.num_heads, self.head_dim, self.shared_heads,
+                           self.topk)
 
     def extra_repr(self) -> str:
         return (f"{super().extra_repr()}, shared_heads={self.shared_heads}, topk={self.topk}, "

@@ -1,0 +1,407 @@
+"""Exact sparse execution of MoH over the ``sdpa`` kernel: compute only what the gates keep.
+
+The official MoH code (and ``impl="masked"``) computes every head for every token and multiplies
+the unselected ones by zero, so the activation ratio saves nothing. Here a token's query, its
+attention and its share of the output projection are computed only for the heads it uses:
+
+=====================  =========================  ============================================
+stage                  masked (official)          sparse (this file)
+=====================  =========================  ============================================
+keys / values          all heads, all tokens      all heads, all tokens (any query may need
+                                                  any key, so nothing can be skipped)
+queries                all heads, all tokens      shared heads: all tokens (one GEMM);
+                                                  routed head e: only the tokens that chose e
+attention core         all heads, all tokens      shared: one dense SDPA call; routed: per
+                                                  head, over the tokens that chose it
+output projection      all heads, all tokens      shared: one GEMM; routed: per head, only the
+                                                  tokens that chose it, added to their rows
+=====================  =========================  ============================================
+
+At 1024 tokens, dim 768, 12 heads the projections are ~60% of the dense FLOPs, so sparsifying
+only the attention core could not pay; queries and the output projection are sparse too.
+
+Packing (:func:`build_dispatch`): every selected (token, routed head) pair is one row of a flat
+``[R, d]`` buffer, ``R = B * N * topk``, ordered by head, then image, then token. Projections
+work on these rows exactly. Only the routed SDPA needs a rectangular batch: it pads each head's
+rows to ``[B, L_e]`` (``L_e``: the longest list of that head over the batch; or, in one call
+for all heads, to the longest list of any head, see :func:`one_call_for_all_heads`) with a cheap
+``d``-wide gather and drops the padding again afterwards (:func:`padded_layout`). The Triton
+kernel needs no padding at all.
+
+Gradients are ordinary autograd except for two small ``autograd.Function``\\ s that gather
+inputs / scatter outputs head by head through one reused buffer (:class:`GatheredHeadProjection`,
+:class:`ScatteredHeadProjection`): the packed copies of ``x`` and of the output rows are
+``topk`` times the size of ``x``, and keeping them for backward would cost memory and time.
+Outputs and gradients (router weights and input included) are those of the masked path up to
+float summation order.
+
+``routed_attention`` is the one step a faster kernel can replace (``triton_moh`` does, on CUDA):
+it receives the packed queries, the routed heads' keys/values and the :class:`Dispatch`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from .kernels import dot_product_attention
+
+Tensor = torch.Tensor
+
+# Kernels whose per-head attention is plain scaled dot-product attention over the ``qkv``/``proj``
+# layout of :class:`~moh_vision.attention.kernels.DotProductAttention`; only they can run sparse.
+SPARSE_KERNELS = ("sdpa",)
+
+
+@dataclass
+class Dispatch:
+    """Which token each packed row reads: rows are grouped by routed head, then image.
+
+    ``rows[r]``: the row of ``x.reshape(B * N, C)`` that packed row ``r`` reads; ``heads[r]``: its
+    routed head. ``counts[e, b]``: tokens of image b that chose head e; their rows start at
+    ``offsets[e, b]``. Head e owns rows ``segments[e] = (start, stop)``; ``lengths[e]`` is its
+    longest list over the batch (python ints: the layout's shape).
+    """
+
+    rows: Tensor  # [R] int64
+    heads: Tensor  # [R] int64
+    counts: Tensor  # [E, B] int64
+    offsets: Tensor  # [E, B] int64
+    segments: Tuple[Tuple[int, int], ...]
+    lengths: Tuple[int, ...]
+    tokens: int  # N
+
+    @property
+    def batch(self) -> int:
+        return self.counts.shape[1]
+
+    @property
+    def num_rows(self) -> int:
+        return self.rows.shape[0]
+
+
+def sparse_flops_ratio(dim: int, num_heads: int, head_dim: int, tokens: int, shared_heads: int, topk: int) -> float:
+    """Analytic lower bound of the sparse path: its multiply-adds per token over dense attention's.
+
+    Dense: q/k/v and output projections plus ``QK^T`` and ``AV`` for every head. Sparse: the router,
+    keys and values for every head, and queries, attention and output projection only for the
+    ``shared_heads + topk`` active heads. The ratio holds for forward and backward alike.
+    """
+    inner = num_heads * head_dim
+    per_head = 2 * dim * head_dim + 2 * tokens * head_dim  # query + output projection, QK^T + AV
+    dense = 2 * dim * inner + num_heads * per_head  # + keys and values
+    routed = num_heads - shared_heads
+    router = dim * ((routed if topk else 0) + (2 if shared_heads and topk else 0) + (shared_heads if shared_heads > 1 else 0))
+    sparse = 2 * dim * inner + (shared_heads + topk) * per_head + router
+    return sparse / dense
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 1: from the router's top-k indices to per-head token lists
+# ----------------------------------------------------------------------------------------------
+def build_dispatch(index: Tensor, num_routed: int) -> Dispatch:
+    """Per routed head and image, the ordered list of tokens that selected it (see :class:`Dispatch`).
+
+    ``index``: ``[B, N, k]`` routed heads each token selected (relative to the routed pool).
+    Linear time: a running count gives every selected (token, head) pair its slot in its list,
+    one scatter writes the pairs to their rows. One host sync reads the per-head sizes.
+    """
+    B, N, k = index.shape
+    E, device = num_routed, index.device
+    num_rows = B * N * k  # every token selects exactly k distinct heads
+    chosen = torch.zeros(B, N, E, dtype=torch.bool, device=device).scatter_(-1, index, True)
+    chosen = chosen.permute(2, 0, 1)  # [E, B, N]
+    slot = chosen.cumsum(-1) - 1  # slot of a selected token within its (head, image) list
+    counts = slot[..., -1] + 1
+    offsets = (counts.reshape(-1).cumsum(0) - counts.reshape(-1)).view(E, B)
+    dest = torch.where(chosen, offsets.unsqueeze(-1) + slot, num_rows)  # unselected -> a dump row
+    source = (torch.arange(B, device=device).view(1, B, 1) * N + torch.arange(N, device=device)).expand(E, B, N)
+    rows = torch.empty(num_rows + 1, dtype=torch.long, device=device).scatter_(0, dest.reshape(-1), source.reshape(-1))
+
+    per_head = counts.sum(1)
+    heads = torch.repeat_interleave(torch.arange(E, device=device), per_head, output_size=num_rows)
+    sizes, lengths = torch.stack([per_head, counts.amax(1)]).tolist()
+    bounds = [0]
+    for n in sizes:
+        bounds.append(bounds[-1] + n)
+    segments = tuple(zip(bounds[:-1], bounds[1:]))
+    return Dispatch(rows[:num_rows], heads, counts, offsets, segments, tuple(lengths), N)
+
+
+def padded_layout(dispatch: Dispatch, lengths: Optional[Tuple[int, ...]] = None) -> Tuple[Tensor, Tensor]:
+    """Indices between packed rows and a padded layout where head e's rows form ``[B, L_e]``.
+
+    ``lengths``: the ``L_e`` (default: each head's longest list, ``dispatch.lengths``; each must be
+    at least that). Returns ``(source, position)``: padded row ``p`` reads packed row
+    ``source[p]`` (padding reads row 0 and is dropped again), packed row ``r`` sits at padded row
+    ``position[r]``.
+    """
+    lengths = dispatch.lengths if lengths is None else lengths
+    B, device = dispatch.batch, dispatch.rows.device
+    lengths_t = torch.tensor(lengths, device=device)
+    head_start = B * (lengths_t.cumsum(0) - lengths_t)  # first padded row of each head
+    image = dispatch.rows // dispatch.tokens
+    slot = torch.arange(dispatch.num_rows, device=device) - dispatch.offsets[dispatch.heads, image]
+    position = head_start[dispatch.heads] + image * lengths_t[dispatch.heads] + slot
+    source = torch.zeros(B * sum(lengths), dtype=torch.long, device=device)
+    source.scatter_(0, position, torch.arange(dispatch.num_rows, device=device))
+    return source, position
+
+
+# ----------------------------------------------------------------------------------------------
+# Head-by-head gather/scatter projections (autograd Functions)
+# ----------------------------------------------------------------------------------------------
+def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+
+class GatheredHeadProjection(torch.autograd.Function):
+    """``out[r] = x[rows[r]] @ weight_e^T + bias_e`` for the rows ``r`` of each head segment ``e``.
+
+    ``x``: [T, C]; ``weight``: [E * d, C] (head e = rows ``e*d:(e+1)*d``); ``bias``: [E * d] or
+    None. The gathered inputs are never stored: backward gathers again, head by head.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, rows, segments):
+        E = len(segments)
+        d, C = weight.shape[0] // E, x.shape[1]
+        out = x.new_empty(rows.shape[0], d)
+        buf = x.new_empty(max(stop - start for start, stop in segments), C)
+        for e, (start, stop) in enumerate(segments):
+            gathered = torch.index_select(x, 0, rows[start:stop], out=buf[:stop - start])
+            w = weight[e * d:(e + 1) * d]
+            if bias is None:
+                torch.mm(gathered, w.t(), out=out[start:stop])
+            else:
+                torch.addmm(bias[e * d:(e + 1) * d], gathered, w.t(), out=out[start:stop])
+        ctx.save_for_backward(x, weight, rows)
+        ctx.segments, ctx.has_bias = segments, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight, rows = ctx.saved_tensors
+        segments = ctx.segments
+        d = weight.shape[0] // len(segments)
+        grad_out = grad_out.contiguous()
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = torch.zeros_like(x) if need_x else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        grad_b = weight.new_empty(weight.shape[0]) if need_b and ctx.has_bias else None
+        buf = x.new_empty(max(stop - start for start, stop in segments), x.shape[1])
+        for e, (start, stop) in enumerate(segments):
+            g, heads = grad_out[start:stop], slice(e * d, (e + 1) * d)
+            if grad_w is not None:
+                gathered = torch.index_select(x, 0, rows[start:stop], out=buf[:stop - start])
+                torch.mm(g.t(), gathered, out=grad_w[heads])
+            if grad_b is not None:
+                torch.sum(g, dim=0, out=grad_b[heads])
+            if grad_x is not None:
+                grad_x.index_add_(0, rows[start:stop], torch.mm(g, weight[heads], out=buf[:stop - start]))
+        return grad_x, grad_w, grad_b, None, None
+
+
+class ScatteredHeadProjection(torch.autograd.Function):
+    """``y + sum over rows r of o[r] @ weight_e^T`` added at row ``rows[r]``, head segment by segment.
+
+    ``y``: [T, C]; ``o``: [R, d]; ``weight``: [C, E * d] (head e = columns ``e*d:(e+1)*d``). Rows
+    repeat across heads (a token uses several), so outputs are accumulated with ``index_add_``.
+    """
+
+    @staticmethod
+    def forward(ctx, y, o, weight, rows, segments):
+        d = o.shape[1]
+        out = y.clone()
+        buf = o.new_empty(max(stop - start for start, stop in segments), y.shape[1])
+        for e, (start, stop) in enumerate(segments):
+            contrib = torch.mm(o[start:stop], weight[:, e * d:(e + 1) * d].t(), out=buf[:stop - start])
+            out.index_add_(0, rows[start:stop], contrib)
+        ctx.save_for_backward(o, weight, rows)
+        ctx.segments = segments
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        o, weight, rows = ctx.saved_tensors
+        d = o.shape[1]
+        grad_out = grad_out.contiguous()
+        need_y, need_o, need_w = ctx.needs_input_grad[:3]
+        grad_o = torch.empty_like(o) if need_o else None
+        grad_w = torch.empty_like(weight) if need_w else None
+        buf = grad_out.new_empty(max(stop - start for start, stop in ctx.segments), grad_out.shape[1])
+        for e, (start, stop) in enumerate(ctx.segments):
+            heads = slice(e * d, (e + 1) * d)
+            g = torch.index_select(grad_out, 0, rows[start:stop], out=buf[:stop - start])
+            if grad_o is not None:
+                torch.mm(g, weight[:, heads], out=grad_o[start:stop])
+            if grad_w is not None:
+                grad_w[:, heads] = g.t() @ o[start:stop]
+        return grad_out if need_y else None, grad_o, grad_w, None, None
+
+
+def _run_projection(fn, *args):
+    """Apply a head-projection Function under autocast the way ``F.linear`` would: cast the
+    floating inputs to the autocast dtype, then run with autocast off (the ``out=`` buffers
+    must match)."""
+    device_type = args[0].device.type
+    dtype = _autocast_dtype(device_type)
+    if dtype is not None:
+        args = [a.to(dtype) if isinstance(a, Tensor) and a.is_floating_point() else a for a in args]
+    with torch.autocast(device_type=device_type, enabled=False):
+        return fn.apply(*args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 2: projections. Rows of ``qkv.weight`` are laid out (q|k|v, head, d), so shared queries,
+# routed queries and keys+values are three contiguous row blocks. They are taken with one
+# ``split`` (not three slices) so that backward assembles the weight gradient with one ``cat``
+# instead of zero-filling a full-size gradient per slice.
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class QKVWeights:
+    shared_q: Tensor  # [h_s*d, C]
+    routed_q: Tensor  # [E*d, C]
+    kv: Tensor  # [2*h*d, C]
+    shared_q_bias: Optional[Tensor]
+    routed_q_bias: Optional[Tensor]
+    kv_bias: Optional[Tensor]
+
+
+def split_qkv(m) -> QKVWeights:
+    sizes = [m.shared_heads * m.head_dim, (m.num_heads - m.shared_heads) * m.head_dim, 2 * m.inner_dim]
+    weights = m.qkv.weight.split(sizes)
+    biases = m.qkv.bias.split(sizes) if m.qkv.bias is not None else (None, None, None)
+    return QKVWeights(*weights, *biases)
+
+
+def project_keys_values(m, x: Tensor, w: QKVWeights):
+    """Keys and values of every head for every token (one GEMM), split into shared and routed
+    heads: ``(k_shared, v_shared), (k_routed, v_routed)``, each ``[B, heads, N, d]``."""
+    B, N, _ = x.shape
+    kv = F.linear(x, w.kv, w.kv_bias).view(B, N, 2, m.num_heads, m.head_dim).permute(2, 0, 3, 1, 4)
+    shared, routed = kv.split([m.shared_heads, m.num_heads - m.shared_heads], dim=2)
+    return shared.unbind(0), routed.unbind(0)
+
+
+def project_shared_queries(m, x: Tensor, w: QKVWeights) -> Tensor:
+    """Queries of the shared heads for every token: ``[B, h_s, N, d]``."""
+    B, N, _ = x.shape
+    return F.linear(x, w.shared_q, w.shared_q_bias).view(B, N, m.shared_heads, m.head_dim).transpose(1, 2)
+
+
+def project_routed_queries(x: Tensor, w: QKVWeights, dispatch: Dispatch) -> Tensor:
+    """Queries of routed head e only for the tokens that chose it: packed ``[R, d]``."""
+    B, N, C = x.shape
+    return _run_projection(GatheredHeadProjection, x.reshape(B * N, C), w.routed_q, w.routed_q_bias,
+                           dispatch.rows, dispatch.segments)
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 3: attention. Shared heads: one SDPA call. Routed heads: ``routed_attention``.
+# ----------------------------------------------------------------------------------------------
+# (packed queries [R, d], keys [B, E, N, d], values [B, E, N, d], dispatch) -> packed outputs [R, d];
+# queries and keys arrive already through the kernel's q/k norms.
+RoutedAttention = Callable[[Tensor, Tensor, Tensor, Dispatch], Tensor]
+
+
+def one_call_for_all_heads(q: Tensor, batch: int) -> bool:
+    """Whether to attend for all routed heads in one SDPA call (padded to the longest list of any
+    head) instead of one call per head (padded per head: less padding). PyTorch's CPU flash
+    attention parallelises its backward over batch x heads only, so per-head calls keep every
+    thread busy only when the batch divides evenly among the threads; on GPUs one launch is
+    better anyway."""
+    return q.device.type != "cpu" or batch % torch.get_num_threads() != 0
+
+
+def sdpa_routed_attention(m) -> RoutedAttention:
+    """Scaled dot-product attention as the kernel runs it (dropout, fused flag) over the routed
+    heads' queries, padded to rectangles with cheap ``d``-wide gathers; the padding is dropped
+    after."""
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, dispatch: Dispatch) -> Tensor:
+        B, E, d = dispatch.batch, k.shape[1], q.shape[-1]
+        dropout = m.attn_drop if m.training else 0.0
+        if one_call_for_all_heads(q, B):
+            L = max(dispatch.lengths)
+            source, position = padded_layout(dispatch, (L,) * E)
+            q_padded = q.index_select(0, source).view(E, B, L, d).transpose(0, 1)
+            o = dot_product_attention(q_padded, k, v, dropout, m.fused_attn)
+            return o.transpose(0, 1).reshape(-1, d).index_select(0, position)
+        source, position = padded_layout(dispatch)
+        # split, not slicing: backward then assembles dq/dk/dv with one cat, not a zero-fill per head
+        qs = q.index_select(0, source).split([B * length for length in dispatch.lengths])
+        ks, vs = k.split(1, dim=1), v.split(1, dim=1)
+        outputs = [dot_product_attention(q_e.view(B, 1, length, d), k_e, v_e, dropout, m.fused_attn).reshape(-1, d)
+                   if length else q_e  # a head no token chose: nothing to attend
+                   for q_e, k_e, v_e, length in zip(qs, ks, vs, dispatch.lengths)]
+        return torch.cat(outputs).index_select(0, position)
+
+    return attend
+
+
+# ----------------------------------------------------------------------------------------------
+# Stage 4: gates and the output projection
+# ----------------------------------------------------------------------------------------------
+def split_proj(m) -> Tuple[Tensor, Tensor]:
+    """Columns of ``proj.weight`` that read the shared heads and the routed heads (one ``split``)."""
+    h_s, d = m.shared_heads, m.head_dim
+    return m.proj.weight.split([h_s * d, (m.num_heads - h_s) * d], dim=1)
+
+
+def shared_output(m, o_shared: Tensor, gates: Tensor, w_shared: Tensor) -> Tensor:
+    """``sum over shared heads of g_i H_i W_O^i`` plus the projection bias: ``[B, N, C]``."""
+    h_s, d = m.shared_heads, m.head_dim
+    B, _, N, _ = o_shared.shape
+    o = o_shared * gates[..., :h_s].transpose(1, 2).unsqueeze(-1).to(o_shared.dtype)
+    return F.linear(o.transpose(1, 2).reshape(B, N, h_s * d), w_shared, m.proj.bias)
+
+
+def packed_gates(m, gates: Tensor, dispatch: Dispatch) -> Tensor:
+    """The routed gate of every packed row, ``[R]``."""
+    routed = gates[..., m.shared_heads:]
+    flat = routed.reshape(-1)  # [(b * N + token) * E + e]
+    return flat.gather(0, dispatch.rows * routed.shape[-1] + dispatch.heads)
+
+
+def add_routed_output(m, y: Tensor, o_routed: Tensor, gates: Tensor, w_routed: Tensor, dispatch: Dispatch) -> Tensor:
+    """``y + sum over chosen routed heads of g_i H_i W_O^i``: each head's packed rows are projected
+    with that head's columns of ``proj`` and added to the rows of their tokens."""
+    B, N, C = y.shape
+    o = o_routed * packed_gates(m, gates, dispatch).unsqueeze(-1).to(o_routed.dtype)
+    out = _run_projection(ScatteredHeadProjection, y.reshape(B * N, C), o, w_routed, dispatch.rows, dispatch.segments)
+    return out.view(B, N, C)
+
+
+# ----------------------------------------------------------------------------------------------
+# The whole forward
+# ----------------------------------------------------------------------------------------------
+def sparse_moh_forward(m, x: Tensor, gates: Tensor, index: Tensor,
+                       routed_attention: Optional[RoutedAttention] = None) -> Tensor:
+    """MoH output for ``x`` given the router's ``gates`` [B, N, h] and ``index`` [B, N, k].
+
+    ``m`` is an MoH module over the ``sdpa`` kernel with ``topk > 0``. Equals
+    ``m.output(m.heads(x), gates)`` (the masked path) in value and gradient.
+    """
+    B, N, C = x.shape
+    h_s = m.shared_heads
+    w_qkv = split_qkv(m)
+    w_out_shared, w_out_routed = split_proj(m)
+    (k_shared, v_shared), (k_routed, v_routed) = project_keys_values(m, x, w_qkv)
+
+    if h_s > 0:
+        o_shared = m.attend(project_shared_queries(m, x, w_qkv), k_shared, v_shared)
+        y = shared_output(m, o_shared, gates, w_out_shared)
+    else:  # no shared head: the routed heads start from the bias alone
+        y = torch.zeros(B, N, C, dtype=k_routed.dtype, device=x.device)
+        if m.proj.bias is not None:
+            y = y + m.proj.bias.to(y.dtype)
+
+    dispatch = build_dispatch(index, m.num_heads - h_s)
+    q_routed = project_routed_queries(x, w_qkv, dispatch)
+    attend = routed_attention or sdpa_routed_attention(m)
+    o_routed = attend(m.q_norm(q_routed), m.k_norm(k_routed), v_routed, dispatch)
+    y = add_routed_output(m, y, o_routed, gates, w_out_routed, dispatch)
+    return m.proj_drop(y)

@@ -1,0 +1,241 @@
+"""FLOP counting: fvcore counts equal hand-written formulas, active FLOPs follow the routing
+configuration, and no op of any registered model family escapes the count."""
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+import timm
+import torch
+
+import moh_vision  # noqa: F401  (registers the models)
+from moh_vision.analysis.flops import FREE_OPS, count_flops, flop_report, op_handles
+from moh_vision.attention import build_attention, routed_modules
+
+REPO_TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+def load_tool(name):
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", REPO_TOOLS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ---------------------------------------------------------------------------------------------
+# Hand-written multiply-add counts of one attention layer on N tokens of width C (batch 1)
+# ---------------------------------------------------------------------------------------------
+def query_work(N, C, h, d):
+    """What scales with the active heads: queries, QK^T and AV per query, output projection."""
+    return N * C * h * d + 2 * h * N * N * d + N * h * d * C
+
+
+def mha_flops(N, C, h, d):
+    return N * C * 3 * h * d + 2 * h * N * N * d + N * h * d * C
+
+
+def moh_router_flops(N, C, h, shared, topk):
+    routed = h - shared
+    return N * C * (routed * (topk > 0) + 2 * (topk > 0 and shared > 0) + shared * (shared > 1))
+
+
+def moa_flops(N, C, E, d):
+    # per-expert queries and outputs, ONE key/value head (expanded to every expert), the router
+    return N * C * E * d + N * C * 2 * d + 2 * E * N * N * d + N * E * d * C + N * C * E
+
+
+N, C, H = 50, 64, 8
+D = C // H
+
+
+def test_mha_matches_formula():
+    m = build_attention("mha", C, H)
+    out = count_flops(m, (N, C))
+    assert out["gflops"] * 1e9 == mha_flops(N, C, H, D)
+    assert out["active_gflops"] == out["gflops"] and out["routed_layers"] == 0
+    assert out["params"] == sum(p.numel() for p in m.parameters())
+    assert "uncounted_ops" not in out
+
+
+@pytest.mark.parametrize("shared,topk", [(2, 2), (4, 3), (1, 5), (0, 4), (8, 0)])
+def test_moh_matches_formula(shared, topk):
+    m = build_attention("moh", C, H, shared_heads=shared, topk=topk)
+    out = count_flops(m, (N, C))
+    dense = mha_flops(N, C, H, D) + moh_router_flops(N, C, H, shared, topk)
+    assert out["gflops"] * 1e9 == dense
+    f = (shared + topk) / H
+    assert out["active_gflops"] * 1e9 == pytest.approx(dense - (1 - f) * query_work(N, C, H, D), rel=1e-12)
+
+
+@pytest.mark.parametrize("topk", [1, 3, 8])
+def test_moa_matches_formula(topk):
+    m = build_attention("moa", C, H, topk=topk)
+    out = count_flops(m, (N, C))
+    dense = moa_flops(N, C, H, D)
+    assert out["gflops"] * 1e9 == dense
+    f = topk / H
+    assert out["active_gflops"] * 1e9 == pytest.approx(dense - (1 - f) * query_work(N, C, H, D), rel=1e-12)
+
+
+def test_masked_count_ignores_the_layers_execution_path():
+    """The dense-equivalent count is the masked path's even when the layer would run sparse."""
+    m = build_attention("moh", C, H, shared_heads=2, topk=2, impl="sparse")
+    assert count_flops(m, (N, C))["gflops"] * 1e9 == mha_flops(N, C, H, D) + moh_router_flops(N, C, H, 2, 2)
+    assert m.impl == "sparse"
+
+
+def test_sparse_path_trace_equals_the_active_count():
+    """At batch 1 the exact sparse path does exactly the active work (no padded rows when every
+    routed head is chosen by some token), so tracing it through the registered handles gives the
+    active count of the masked trace."""
+    torch.manual_seed(0)
+    m = build_attention("moh", C, H, shared_heads=2, topk=3, impl="sparse").eval()
+    m.record_selection = True
+    with torch.no_grad():
+        m(torch.randn(1, N, C))
+    assert m.last_selection.any(dim=(0, 1)).all(), "seeded so that every head is used"
+    masked = flop_report(m, (N, C), moh_impl="masked")
+    try:
+        sparse = flop_report(m, (N, C), moh_impl=None)
+    except RuntimeError as err:  # torch.jit.trace of the sparse path; see the FLOPs report to the lead
+        pytest.xfail(f"the sparse MoH path cannot be traced yet: {str(err)[:120]}")
+    assert not sparse.uncounted_ops
+    assert sparse.flops == pytest.approx(masked.active_flops, rel=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+FAMILIES = {  # small member of every registered family, its input, extra forward inputs
+    "transnext_nano": ((1, 32, 32), None),
+    "dit_tiny_2": ((1, 16, 16), {"t": torch.tensor([10]), "y": torch.tensor([3])}),
+    "plain_vit_nano": ((3, 32, 32), None),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("attention", ["mha", "moh", "moa"])
+def test_every_op_of_every_family_is_counted_or_known_free(family, attention):
+    shape, kwargs = FAMILIES[family]
+    model = timm.create_model(family, attention=attention, in_chans=shape[0]) if "dit" not in family \
+        else timm.create_model(family, attention=attention)
+    report = flop_report(model, shape, kwargs)
+    assert report.uncounted_ops == {}, f"ops with no flop handle: {report.uncounted_ops}"
+    assert report.notes == []
+    assert report.flops > 0 and report.pointwise > 0
+    if attention == "mha":
+        assert report.active_flops == report.flops
+    else:
+        assert report.active_flops < report.flops
+        assert len(report.layers) == len(list(routed_modules(model)))
+
+
+@pytest.mark.parametrize("ratio", [0.25, 0.5, 0.75, 1.0])
+def test_active_flops_follow_the_activation_ratio(ratio):
+    """plain_vit_nano cut to 2 blocks: 65 tokens (class token + 8x8 patches), width 128, 4 heads of 32."""
+    model = timm.create_model("plain_vit_nano", attention="moh", activation_ratio=ratio, depth=2)
+    out = count_flops(model, (3, 32, 32))
+    f = {0.25: 1, 0.5: 2, 0.75: 3, 1.0: 4}[ratio] / 4
+    per_layer = query_work(65, 128, 4, 32)
+    assert out["active_gflops"] * 1e9 == pytest.approx(out["gflops"] * 1e9 - 2 * (1 - f) * per_layer, rel=1e-12)
+    assert out["routed_layers"] == (2 if ratio < 1 else 0)
+    if ratio == 1.0:  # every head active: a dense-weighted layer, nothing to skip
+        assert out["active_gflops"] == out["gflops"]
+
+
+def test_dit_counts_with_its_extra_inputs_and_matches_the_paper():
+    """DiT-S/8 at 256 px (32x32 latent): the DiT paper's 0.36 GFLOPs (Table 4)."""
+    model = timm.create_model("dit_s_8")
+    out = count_flops(model, (4, 32, 32), {"t": torch.tensor([500]), "y": torch.tensor([1])})
+    assert round(out["gflops"], 2) == 0.36
+    # analytic: 12 blocks of (12 C^2 N + 2 N^2 C) + adaLN 6 C^2 per block, N = 16 tokens, C = 384
+    blocks = 12 * (12 * 384 ** 2 * 16 + 2 * 16 ** 2 * 384 + 6 * 384 ** 2)
+    assert out["gflops"] * 1e9 == pytest.approx(blocks, rel=0.02)
+
+
+def test_keyword_only_inputs_and_layer_names():
+    """Inputs that can only be passed by keyword go through a wrapper; routed layers keep their names."""
+    class KeywordModel(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.attn = build_attention("moh", C, H, shared_heads=2, topk=2)
+
+        def forward(self, x, *, scale):
+            return self.attn(x * scale)
+
+    report = flop_report(KeywordModel(), (N, C), {"scale": torch.tensor(2.0), "unused": None})
+    assert [layer.name for layer in report.layers] == ["attn"]
+    assert report.flops == mha_flops(N, C, H, D) + moh_router_flops(N, C, H, 2, 2)
+    assert report.active_flops == pytest.approx(report.flops - 0.5 * query_work(N, C, H, D), rel=1e-12)
+
+
+def test_training_mode_and_routing_state_are_restored():
+    model = timm.create_model("plain_vit_nano", attention="moh").train()
+    count_flops(model, (3, 32, 32))
+    assert model.training
+    assert all(m.routing_stats is None for _, m in routed_modules(model))
+
+
+def test_a_custom_op_is_reported_until_it_has_a_handle(monkeypatch):
+    """An op the counter does not know (here an autograd.Function) is never silently dropped."""
+    from moh_vision.analysis import flops
+
+    class Cube(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return x * x * x
+
+        @staticmethod
+        def backward(ctx, grad):
+            return grad
+
+    class Model(torch.nn.Module):
+        def forward(self, x):
+            return Cube.apply(x)
+
+    report = flop_report(torch.nn.Sequential(torch.nn.Linear(C, C), Model()), (N, C))
+    assert report.uncounted_ops == {"prim::PythonOp.Cube": 1}
+    assert "prim::PythonOp.Cube x1" in report.as_dict()["uncounted_ops"]
+    monkeypatch.setitem(flops._EXTRA_HANDLES, "prim::PythonOp.Cube", lambda inputs, outputs: 2 * N * C)
+    report = flop_report(torch.nn.Sequential(torch.nn.Linear(C, C), Model()), (N, C))
+    assert report.uncounted_ops == {} and report.flops == N * C * C + 2 * N * C
+
+
+def test_free_ops_and_handles_do_not_overlap():
+    assert not set(FREE_OPS) & set(op_handles())
+    assert "aten::scaled_dot_product_attention" in op_handles()
+    assert all(reason for reason in FREE_OPS.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# tools/flops.py
+# ---------------------------------------------------------------------------------------------
+def test_tool_table(capsys, tmp_path):
+    tool = load_tool("flops")
+    rows = tool.main(["model=dit_tiny_2,plain_vit_nano", "attention=moh", "attention.activation_ratio=0.5",
+                      f"out={tmp_path / 't.md'}"])
+    printed = capsys.readouterr().out
+    assert "| dit_tiny_2 | moh @0.5 | 16px |" in printed and "| plain_vit_nano | moh @0.5 | 32px |" in printed
+    assert (tmp_path / "t.md").read_text() == printed
+    for row in rows:
+        assert 0 < row["active_ratio"] < 1 and row["active_gflops"] < row["gflops"]
+    csv_text = tool.format_table(rows, "csv")
+    assert csv_text.splitlines()[0] == ",".join(tool.COLUMNS) and len(csv_text.splitlines()) == 3
+
+
+def test_tool_errors():
+    from moh_vision.errors import ConfigError
+    tool = load_tool("flops")
+    with pytest.raises(ConfigError, match="key=value"):
+        tool.parse_args(["dit_b_2"])
+    with pytest.raises(ConfigError, match="needs attention"):
+        tool.parse_args(["model=dit_b_2", "attention.activation_ratio=0.5"])
+    with pytest.raises(ConfigError, match="no option"):
+        tool.attention_config("moh", {"bogus": 1})
+
+
+def test_published_table_covers_dense_models_only():
+    tool = load_tool("flops")
+    assert set(tool.PUBLISHED_GFLOPS) <= set(tool.all_models())
+    assert not any(name.startswith("moh_") for name in tool.PUBLISHED_GFLOPS)
+    assert math.isclose(tool.PUBLISHED_GFLOPS["dit_xl_2"], 118.64)

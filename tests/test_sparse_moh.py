@@ -1,0 +1,352 @@
+"""MoH execution paths (sparse gather/scatter, Triton) against the masked reference.
+
+Every path must give the masked path's outputs AND gradients (input, every parameter, the router
+weights included), and leave the same aux loss and routing statistics. Triton runs here in its
+CPU interpreter (small shapes) and, on a GPU machine, compiled (``-m gpu``).
+"""
+import importlib.util
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moh_vision.attention import build_attention, collect_aux_loss, register_kernel
+from moh_vision.attention import registry as registry_module
+from moh_vision.attention.kernels import DotProductAttention
+from moh_vision.attention.moh import choose_impl
+from moh_vision.attention import sparse as sparse_module
+from moh_vision.attention.sparse import build_dispatch, padded_layout, sparse_moh_forward
+from moh_vision.errors import ConfigError
+
+ROUTERS = ("wg", "wg_0", "wg_1")
+
+
+def make_pair(dim, heads, impl="sparse", seed=0, router_scale=1.0, **opts):
+    """A masked reference and an ``impl`` module with identical weights (random routers and biases)."""
+    torch.manual_seed(seed)
+    ref = build_attention("moh", dim, heads, impl="masked", **opts)
+    with torch.no_grad():
+        for name in ROUTERS:
+            if hasattr(ref, name):
+                getattr(ref, name).weight.normal_(0, router_scale)
+        for bias in (ref.qkv.bias, ref.proj.bias):
+            if bias is not None:
+                bias.normal_(0, 0.1)
+    other = build_attention("moh", dim, heads, impl=impl, **opts)
+    other.load_state_dict(ref.state_dict())
+    return ref, other
+
+
+def run(m, x, grad_out, train):
+    """Forward + backward of ``sum(y * grad_out) + aux``; returns what must match."""
+    m.train(train)
+    m.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    y = m(x)
+    loss = (y * grad_out).sum() + collect_aux_loss(m, coef=1.0)
+    loss.backward()
+    grads = {name: p.grad for name, p in m.named_parameters()}
+    return y.detach(), x.grad, grads, m.aux_loss, m.routing_stats
+
+
+def assert_same(ref_run, other_run, rtol=1e-4, atol=1e-5):
+    y_ref, gx_ref, grads_ref, aux_ref, stats_ref = ref_run
+    y, gx, grads, aux, stats = other_run
+    torch.testing.assert_close(y, y_ref, rtol=rtol, atol=atol)
+    torch.testing.assert_close(gx, gx_ref, rtol=rtol, atol=atol)
+    assert grads.keys() == grads_ref.keys()
+    for name, g_ref in grads_ref.items():
+        assert (g_ref is None) == (grads[name] is None), name
+        if g_ref is not None:
+            torch.testing.assert_close(grads[name], g_ref, rtol=rtol, atol=atol, msg=lambda m: f"{name}: {m}")
+    if aux_ref is None:
+        assert aux is None
+    else:
+        torch.testing.assert_close(aux, aux_ref)
+    assert torch.equal(stats["load"], stats_ref["load"])
+    if stats_ref["entropy"] is not None:
+        torch.testing.assert_close(stats["entropy"], stats_ref["entropy"])
+    for key in ("num_heads", "shared_heads", "topk"):
+        assert stats[key] == stats_ref[key]
+
+
+def check_equal(impl, batch, tokens, dim, heads, opts, train, **pair_kwargs):
+    ref, other = make_pair(dim, heads, impl=impl, **opts, **pair_kwargs)
+    x = torch.randn(batch, tokens, dim)
+    grad_out = torch.randn(batch, tokens, dim)
+    assert_same(run(ref, x, grad_out, train), run(other, x, grad_out, train))
+    return other
+
+
+# ---------------------------------------------------------------------------------------------
+# Sparse (pure PyTorch) == masked
+# ---------------------------------------------------------------------------------------------
+CASES = [
+    # batch, tokens, dim, heads, options
+    (2, 13, 32, 4, dict(shared_heads=1, topk=2)),  # one shared head: its gate is the mix weight
+    (3, 17, 48, 6, dict(shared_heads=0, topk=3)),  # no shared head, no wg_0
+    (2, 9, 32, 8, dict(shared_heads=3, topk=2)),
+    (1, 33, 64, 4, dict(shared_heads=2, topk=1)),  # batch 1, one routed head per token
+    (2, 50, 96, 12, dict(activation_ratio=0.5)),  # the activation-ratio policy (3 shared + 3 routed)
+    (2, 7, 40, 5, dict(shared_heads=2, topk=3, head_dim=8)),  # top-k = whole pool; inner dim != dim
+    (2, 11, 32, 4, dict(shared_heads=1, topk=2, qkv_bias=False)),
+    (2, 11, 32, 4, dict(shared_heads=2, topk=1, qk_norm=True)),
+    (2, 11, 32, 4, dict(shared_heads=1, topk=2, fused_attn=False)),
+]
+
+
+@pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
+@pytest.mark.parametrize("batch,tokens,dim,heads,opts", CASES)
+def test_sparse_equals_masked(batch, tokens, dim, heads, opts, train):
+    m = check_equal("sparse", batch, tokens, dim, heads, opts, train)
+    assert m.execution_path(torch.zeros(1, tokens, dim)) == "sparse"
+
+
+@pytest.mark.parametrize("one_call", [True, False], ids=["one-sdpa-call", "call-per-head"])
+@pytest.mark.parametrize("batch,tokens,dim,heads,opts", [CASES[0], CASES[1], CASES[4]])
+def test_both_routed_attention_layouts_equal_masked(monkeypatch, batch, tokens, dim, heads, opts, one_call):
+    monkeypatch.setattr(sparse_module, "one_call_for_all_heads", lambda q, b: one_call)
+    check_equal("sparse", batch, tokens, dim, heads, opts, True)
+
+
+def test_sparse_equals_masked_with_tied_router_probabilities():
+    # a zero router gives every routed head the same probability: top-k breaks ties by index,
+    # identically for both paths because routing is shared code
+    check_equal("sparse", 2, 15, 32, 8, dict(shared_heads=2, topk=3), True, router_scale=0.0)
+
+
+def test_sparse_equals_masked_with_attention_dropout_in_eval():
+    check_equal("sparse", 2, 12, 32, 4, dict(shared_heads=1, topk=2, attn_drop=0.1), False)
+
+
+@pytest.mark.parametrize("opts", [dict(activation_ratio=1.0), dict(shared_heads=4, topk=0)])
+def test_dense_weighted_layer_falls_back_to_masked(opts):
+    m = check_equal("sparse", 2, 10, 32, 4, opts, True)
+    assert m.topk == 0 and m.execution_path(torch.zeros(2, 10, 32)) == "masked"
+
+
+def test_sparse_under_bfloat16_autocast_matches_masked():
+    ref, sparse = make_pair(32, 4, shared_heads=1, topk=2)
+    x = torch.randn(2, 10, 32)
+    outs = []
+    for m in (ref, sparse):
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m.train()(xi)
+        assert y.dtype == torch.bfloat16
+        y.float().square().mean().backward()
+        assert torch.isfinite(xi.grad).all()
+        outs.append(y.float())
+    torch.testing.assert_close(outs[1], outs[0], rtol=0.05, atol=0.05)
+
+
+def test_dispatch_lists_each_heads_tokens_in_order():
+    torch.manual_seed(0)
+    B, N, E, k = 3, 23, 5, 2
+    index = torch.stack([torch.randperm(E)[:k] for _ in range(B * N)]).view(B, N, k)
+    d = build_dispatch(index, E)
+    assert d.num_rows == B * N * k and d.segments[-1][1] == d.num_rows
+    for e, (start, stop) in enumerate(d.segments):
+        assert torch.all(d.heads[start:stop] == e)
+        for b in range(B):
+            expected = (index[b] == e).any(-1).nonzero().flatten() + b * N
+            first, count = int(d.offsets[e, b]), int(d.counts[e, b])
+            assert count == len(expected) and start <= first and first + count <= stop
+            assert torch.equal(d.rows[first:first + count], expected)
+        assert d.lengths[e] == int(d.counts[e].max())
+    source, position = padded_layout(d)
+    assert torch.equal(source[position], torch.arange(d.num_rows))
+    assert len(source) == B * sum(d.lengths)
+
+
+def test_a_routed_head_nobody_chose():
+    """Gates and indices handed straight to both paths: routed head 0 is never selected."""
+    torch.manual_seed(1)
+    ref, m = make_pair(36, 6, shared_heads=2, topk=2)
+    B, N, E = 2, 9, 4
+    x = torch.randn(B, N, 36, requires_grad=True)
+    index = torch.stack([torch.randperm(E - 1)[:2] + 1 for _ in range(B * N)]).view(B, N, 2)
+    routed = torch.zeros(B, N, E).scatter_(-1, index, torch.rand(B, N, 2) + 0.5)
+    gates = torch.cat([torch.rand(B, N, 2) + 0.5, routed], dim=-1).requires_grad_(True)
+    y_ref = ref.output(ref.heads(x), gates)
+    y = sparse_moh_forward(m, x, gates, index)
+    torch.testing.assert_close(y, y_ref, rtol=1e-4, atol=1e-5)
+    grad_out = torch.randn_like(y)
+    g_ref = torch.autograd.grad(y_ref, [x, gates, ref.qkv.weight], grad_out)
+    g = torch.autograd.grad(y, [x, gates, m.qkv.weight], grad_out)
+    torch.testing.assert_close(g[0], g_ref[0], rtol=1e-4, atol=1e-5)
+    mask = torch.cat([torch.ones(B, N, 2), (routed > 0).float()], -1)  # unselected gates: unused
+    torch.testing.assert_close(g[1] * mask, g_ref[1] * mask, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(g[2], g_ref[2], rtol=1e-4, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------------------------
+# Choosing a path
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def foreign_kernel():
+    """A registered kernel that is not ``sdpa`` (like TransNeXt's), removed afterwards."""
+
+    @register_kernel("test_foreign")
+    class Foreign(DotProductAttention):
+        pass
+
+    yield "test_foreign"
+    registry_module._KERNELS.pop("test_foreign")
+    for key in [key for key in registry_module._COMPOSED if key[1] is Foreign]:
+        registry_module._COMPOSED.pop(key)
+
+
+def test_sparse_on_another_kernel_is_a_one_line_config_error(foreign_kernel):
+    for impl in ("sparse", "triton"):
+        with pytest.raises(ConfigError) as err:
+            build_attention("moh", 32, 4, kernel=foreign_kernel, shared_heads=1, topk=2, impl=impl)
+        assert "supports kernel(s) sdpa" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_auto_uses_masked_on_another_kernel(foreign_kernel):
+    m = build_attention("moh", 768, 12, kernel=foreign_kernel, activation_ratio=0.5)
+    assert m.impl == "auto" and m.execution_path(torch.zeros(1, 1024, 768)) == "masked"
+
+
+def test_unknown_impl_and_triton_with_attention_dropout_are_rejected():
+    with pytest.raises(ConfigError, match="allowed: auto, masked, sparse, triton"):
+        build_attention("moh", 32, 4, shared_heads=1, topk=2, impl="gather")
+    with pytest.raises(ConfigError, match="no attention dropout"):
+        build_attention("moh", 32, 4, shared_heads=1, topk=2, impl="triton", attn_drop=0.1)
+
+
+def test_auto_choice_follows_measured_thresholds():
+    # CPU, dim 768, 12 heads of 64: half the heads pays at 196 and 1024 tokens; 11 of 12 does not;
+    # very short sequences stay masked
+    assert choose_impl("cpu", 1024, 768, 12, 64, 3, 3) == "sparse"
+    assert choose_impl("cpu", 196, 768, 12, 64, 3, 3) == "sparse"
+    assert choose_impl("cpu", 1024, 768, 12, 64, 5, 6) == "masked"
+    assert choose_impl("cpu", 16, 768, 12, 64, 3, 3) == "masked"
+    assert choose_impl("cpu", 1024, 768, 12, 64, 12, 0) == "masked"
+    # CUDA: nothing was verified on a GPU, so the reference path
+    for shape in [(1024, 768, 12, 64, 3, 3), (4096, 1152, 16, 72, 4, 4)]:
+        assert choose_impl("cuda", *shape) == "masked"
+
+
+def test_auto_module_runs_the_chosen_path():
+    m = build_attention("moh", 384, 6, activation_ratio=0.5)  # impl defaults to auto
+    assert m.impl == "auto" and (m.shared_heads, m.topk) == (1, 2)
+    assert m.execution_path(torch.zeros(1, 1024, 384)) == "sparse"
+    assert m.execution_path(torch.zeros(2, 10, 384)) == "masked"  # too short to pay
+    narrow = build_attention("moh", 96, 12, activation_ratio=0.5)  # head_dim 8: never measured
+    assert narrow.execution_path(torch.zeros(1, 1024, 96)) == "masked"
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernel: interpreter on CPU (always tried) and compiled on a GPU (-m gpu)
+# ---------------------------------------------------------------------------------------------
+def triton_interpreter_usable() -> bool:
+    try:
+        from moh_vision.attention.triton_moh import triton_available
+        if not triton_available():
+            return False
+        from triton.runtime.interpreter import InterpretedFunction  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+needs_interpreter = pytest.mark.skipif(not triton_interpreter_usable(), reason="Triton CPU interpreter not available")
+
+# Triton decides when it is imported whether its standard library (tl.sum, tl.max, ...) is
+# interpreted, so the interpreter runs in a fresh process with TRITON_INTERPRET=1 from the start.
+INTERPRETER_SCRIPT = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("sparse_tests", sys.argv[1])
+tests = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(tests)
+for batch, tokens, dim, heads, opts in tests.INTERPRETER_CASES:
+    tests.check_equal("triton", batch, tokens, dim, heads, opts, True)
+print("triton interpreter: all equal")
+"""
+INTERPRETER_CASES = [
+    (2, 21, 32, 4, dict(shared_heads=1, topk=2)),  # head_dim 8: padded to a 16-wide tile
+    (1, 37, 48, 6, dict(shared_heads=0, topk=2)),  # lists longer than one 16-row block
+]
+
+
+@needs_interpreter
+def test_triton_interpreter_equals_masked():
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT, __file__], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "all equal" in done.stdout
+
+
+@needs_interpreter
+def test_triton_on_cpu_without_interpreter_is_a_config_error(monkeypatch):
+    _, m = make_pair(32, 4, impl="triton", shared_heads=1, topk=2)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="needs CUDA tensors"):
+        m(torch.randn(1, 5, 32))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # too late: triton is already imported uninterpreted
+    from moh_vision.attention.triton_moh import tl
+    if not isinstance(tl.sum, type(tl.full)):
+        with pytest.raises(ConfigError, match="before Python starts"):
+            m(torch.randn(1, 5, 32))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("impl", ["sparse", "triton"])
+@pytest.mark.parametrize("opts", [dict(activation_ratio=0.5), dict(shared_heads=0, topk=3), dict(shared_heads=1, topk=4)])
+def test_gpu_paths_equal_masked(impl, opts):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    ref, other = make_pair(256, 8, impl=impl, **opts)
+    ref, other = ref.cuda(), other.cuda()
+    x = torch.randn(2, 301, 256, device="cuda")
+    grad_out = torch.randn_like(x)
+    assert_same(run(ref, x, grad_out, True), run(other, x, grad_out, True), rtol=1e-3, atol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_triton_bfloat16_autocast_close_to_masked():
+    ref, other = make_pair(256, 8, impl="triton", activation_ratio=0.5)
+    ref, other = ref.cuda(), other.cuda()
+    x = torch.randn(2, 1024, 256, device="cuda")
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        y_ref, y = ref(x), other(x)
+    torch.testing.assert_close(y.float(), y_ref.float(), rtol=0.05, atol=0.05)
+
+
+# ---------------------------------------------------------------------------------------------
+# The benchmark tool
+# ---------------------------------------------------------------------------------------------
+def load_bench():
+    path = Path(__file__).resolve().parents[1] / "tools" / "bench_attention.py"
+    spec = importlib.util.spec_from_file_location("bench_attention", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_lower_bound_at_the_target_point():
+    bench = load_bench()
+    # 1024 tokens, dim 768, 12 heads, 3 shared + 3 routed: keys/values for all 12 heads stay
+    bound = bench.flops_ratio_bound(768, 12, 64, 1024, 3, 3)
+    assert math.isclose(bound, 0.65, abs_tol=0.01)
+    assert bench.flops_ratio_bound(768, 12, 64, 1024, 12, 0) > 1.0  # all heads + router > dense
+
+
+def test_bench_quick_run_writes_a_table(tmp_path, capsys):
+    bench = load_bench()
+    out = tmp_path / "bench.csv"
+    assert bench.main(["--quick", "--device", "cpu", "--out", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "sparse_fwdbwd" in table and "auto_fwd_pick" in table
+    header = out.read_text().splitlines()[0]
+    assert header.startswith("seqlen,batch,ratio")
