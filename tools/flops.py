@@ -190,12 +190,12 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     args = parse_args(list(sys.argv[1:] if argv is None else argv))
     models = all_models() if args["model"] == ["all"] else args["model"]
     attention = attention_config(args.get("attention"), args["attention_options"])
-    torch.set_grad_enabled(False)
     rows = []
-    for name in models:
-        start = time.time()
-        rows.append(count_row(name, attention, args.get("img_size"), args.get("device", "cpu")))
-        print(f"counted {name} in {time.time() - start:.1f}s", file=sys.stderr)
+    with torch.no_grad():
+        for name in models:
+            start = time.time()
+            rows.append(count_row(name, attention, args.get("img_size"), args.get("device", "cpu")))
+            print(f"counted {name} in {time.time() - start:.1f}s", file=sys.stderr)
     table = format_table(rows, args.get("format", "md"))
     print(table, end="")
     if args.get("out"):
