@@ -231,3 +231,31 @@ def test_routing_health_flags_collapse_and_starvation():
     assert any("collapsed: routed head 2" in w and "collapse" in w for w in warnings)
     assert any("collapsed: routed head 4 was never chosen" in w for w in warnings)
     assert not any(w.startswith("healthy") for w in warnings)
+
+
+LAUNCHER_HANDLER = r"""
+import os, runpy, signal, sys
+def requeue(signum, frame):  # stands in for submitit's checkpoint-and-requeue handler
+    open(os.environ["MARKER"], "w").write(signal.Signals(signum).name)
+    sys.exit(0)
+signal.signal(signal.SIGUSR2, requeue)
+sys.argv = [sys.argv[1]] + sys.argv[2:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_preemption_hands_the_signal_to_the_launchers_handler_after_saving(tmp_path):
+    """Under submitit, USR2 reaches our handler first: we save, then submitit's handler requeues."""
+    wrapper = tmp_path / "launcher.py"
+    wrapper.write_text(LAUNCHER_HANDLER)
+    marker = tmp_path / "requeued"
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, str(wrapper), str(REPO / "train.py"), *CLS, f"hydra.run.dir={run_dir}"],
+                            cwd=REPO, env={**ENV, "MARKER": str(marker)}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    wait_for_step(proc, run_dir, 2)
+    proc.send_signal(signal.SIGUSR2)
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0 and marker.read_text() == "SIGUSR2", out[-3000:]
+    assert "handing SIGUSR2 to the launcher's handler" in out
+    assert 2 <= weights(run_dir)["step"] < 10

@@ -116,32 +116,24 @@ def load_run(ckpt: str, data_overrides: Sequence[str], weights: str):
 # Recording what the routed layers chose
 # ----------------------------------------------------------------------------------------------
 class Recorder:
-    """Turns on ``record_selection`` on every routed layer and also keeps the gates each forward
-    returned (by wrapping the layer's ``route`` on the instance; undone by :meth:`close`)."""
+    """Turns on ``record_selection`` on every routed layer (which then keep ``last_selection`` and
+    ``last_gates``); :meth:`close` turns it off again."""
 
     def __init__(self, model: torch.nn.Module):
         from moh_vision.attention import routed_modules
 
         self.layers = list(routed_modules(model))
-        self.gates: Dict[str, Optional[torch.Tensor]] = {}
-        for name, module in self.layers:
+        for _, module in self.layers:
             module.record_selection = True
-            if hasattr(module, "route"):
-                module.route = self._wrap(name, module.route)
 
-    def _wrap(self, name: str, route):
-        def recording_route(x):
-            gates, index = route(x)
-            self.gates[name] = gates.detach()
-            return gates, index
-        return recording_route
+    @property
+    def gates(self) -> Dict[str, Optional[torch.Tensor]]:
+        return {name: module.last_gates for name, module in self.layers}
 
     def close(self) -> None:
         for _, module in self.layers:
             module.record_selection = False
-            module.last_selection = None
-            if "route" in vars(module):
-                del module.route
+            module.last_selection = module.last_gates = None
 
 
 def token_grid(model: torch.nn.Module, module: torch.nn.Module, tokens: int) -> Tuple[Tuple[int, int], int]:

@@ -115,7 +115,7 @@ class MoA(RoutedMixin):
             loss = self.switch_weight * switch_loss(probs, mask) + self.zloss_weight * z_loss(logits)
             if self.cv_weight:
                 loss = loss + self.cv_weight * cv_squared_loss(gates)
-        self.store_routing(mask, probs, loss)
+        self.store_routing(mask, probs, loss, gates=gates)
         return gates, index
 
     def forward(self, x: Tensor) -> Tensor:

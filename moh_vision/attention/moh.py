@@ -136,7 +136,7 @@ class MoH(RoutedMixin):
         else:
             shared = x.new_ones(*x.shape[:-1], h_s)
         if k == 0:
-            self.store_routing(torch.ones_like(shared), None, None)
+            self.store_routing(torch.ones_like(shared), None, None, gates=shared)
             return shared, None
 
         probs = self.wg(x).softmax(dim=-1)
@@ -148,7 +148,7 @@ class MoH(RoutedMixin):
         else:
             gates = routed
         active = torch.cat([torch.ones_like(shared), mask], dim=-1)
-        self.store_routing(active, probs, load_balance_loss(probs, mask) if self.training else None)
+        self.store_routing(active, probs, load_balance_loss(probs, mask) if self.training else None, gates=gates)
         return gates, index
 
     def forward(self, x: Tensor) -> Tensor:

@@ -112,7 +112,8 @@ class RoutedMixin:
 
     They live on the module instance (never on the class), so two models never see each other's
     losses. ``record_selection = True`` additionally keeps the per-token head mask of the last
-    forward (``last_selection``, [B, N, h] bool) for routing analysis.
+    forward (``last_selection``, [B, N, h] bool) and the gates it applied (``last_gates``,
+    [B, N, h]) for routing analysis.
     """
 
     is_routed = True
@@ -122,14 +123,16 @@ class RoutedMixin:
         self.routing_stats: Optional[dict] = None
         self.record_selection = False
         self.last_selection: Optional[Tensor] = None
+        self.last_gates: Optional[Tensor] = None
 
     @torch.no_grad()
     def _active_load(self, active: Tensor) -> Tensor:
         """Fraction of tokens that used each head; ``active`` is [..., h] of 0/1."""
         return active.reshape(-1, active.shape[-1]).float().mean(dim=0)
 
-    def store_routing(self, active: Tensor, probs: Optional[Tensor], loss: Optional[Tensor]) -> None:
-        """Keep what this forward decided: [..., h] active mask, router probabilities, aux loss."""
+    def store_routing(self, active: Tensor, probs: Optional[Tensor], loss: Optional[Tensor],
+                      gates: Optional[Tensor] = None) -> None:
+        """Keep what this forward decided: [..., h] active mask, router probabilities, aux loss, gates."""
         self.aux_loss = loss if self.training else None
         with torch.no_grad():
             self.routing_stats = {
@@ -140,3 +143,4 @@ class RoutedMixin:
                 "topk": getattr(self, "topk", 0),
             }
             self.last_selection = active.detach().bool() if self.record_selection else None
+            self.last_gates = gates.detach() if self.record_selection and gates is not None else None

@@ -36,8 +36,20 @@ def pick_device(name: str = "auto", local_rank: int = 0) -> torch.device:
     return torch.device(name)
 
 
+def _export_submitit_env() -> None:
+    """Under the submitit SLURM launcher (one task per GPU) set the env:// variables torchrun would."""
+    if "WORLD_SIZE" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    if "SUBMITIT_EXECUTOR" not in os.environ and "SUBMITIT_FOLDER" not in os.environ:
+        return
+    from submitit.helpers import TorchDistributedEnvironment
+    TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
+
+
 def init_distributed(device: str = "auto") -> DistInfo:
-    """Join the process group when launched by torchrun (WORLD_SIZE > 1); NCCL on GPU, gloo on CPU."""
+    """Join the process group when launched by torchrun or the submitit launcher (WORLD_SIZE > 1);
+    NCCL on GPU, gloo on CPU."""
+    _export_submitit_env()
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -81,6 +81,17 @@ def shared_output_dir(out_dir: Path, dist) -> Path:
     return shared
 
 
+def requeue_slurm_job() -> None:
+    """Inside a plain sbatch job (not submitit, which requeues itself): ``scontrol requeue`` this job,
+    so it restarts and resumes from last.pt (needs ``#SBATCH --requeue``)."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job or "SUBMITIT_EXECUTOR" in os.environ or shutil.which("scontrol") is None:
+        return
+    import subprocess
+    result = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
+    log.warning("scontrol requeue %s: %s", job, "ok" if result.returncode == 0 else result.stderr.strip())
+
+
 def train(cfg: DictConfig) -> Dict[str, Any]:
     dist = init_distributed(cfg.trainer.get("device", "auto"))
     out_dir = shared_output_dir(hydra_output_dir(), dist)
@@ -96,6 +107,8 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
         summary = trainer.fit(task, data)
     except Preempted as stop:
         loggers.finish(exit_code=REQUEUE_EXIT_CODE)
+        if dist.is_main and cfg.trainer.get("requeue_on_preempt", True):
+            requeue_slurm_job()
         log.warning("stopped by %s at step %d; checkpoint saved to %s; resume with trainer.resume=auto "
                     "(same output dir) or trainer.resume=%s", stop, trainer.step, trainer.last_good_checkpoint,
                     trainer.last_good_checkpoint)

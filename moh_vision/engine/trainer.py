@@ -31,7 +31,9 @@ from .sampler import EpochSampler, SeededItems
 
 log = logging.getLogger(__name__)
 
-PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1")
+# SLURM sends SIGTERM on preemption and, with --signal, SIGUSR1/SIGUSR2 before a time limit
+# (the submitit launcher uses SIGUSR2 and requeues the job from its own handler).
+PREEMPT_SIGNALS = ("SIGTERM", "SIGUSR1", "SIGUSR2")
 
 
 class Preempted(Exception):
@@ -221,6 +223,18 @@ class Trainer:
                     pass
         return previous
 
+    def _hand_over_signal(self) -> None:
+        """After saving, let a handler that was there before us (submitit's checkpoint-and-requeue)
+        deal with the signal as it would have without us."""
+        sig = getattr(signal, self._stop_signal or "", None)
+        previous = self._previous_handlers.get(sig)
+        if sig is None or not callable(previous) or previous in (signal.SIG_DFL, signal.SIG_IGN):
+            return
+        for s, handler in self._previous_handlers.items():
+            signal.signal(s, handler)
+        log.warning("checkpoint saved; handing %s to the launcher's handler", self._stop_signal)
+        previous(sig, None)
+
     def _stop_requested(self) -> bool:
         flag = torch.tensor([1.0 if self._stop_signal else 0.0], device=self.device)
         return bool(all_reduce_sum(flag, self.dist).item() > 0)
@@ -256,7 +270,7 @@ class Trainer:
         if self.dist.is_main:
             log.info("%s | %s | %.2fM params | %s", self.model_name, data.describe(), self.params / 1e6,
                      flops_text(self.flops))
-        previous_handlers = self._install_signal_handlers()
+        self._previous_handlers = previous_handlers = self._install_signal_handlers()
         start = time.time()
         self.train_time, self.train_samples = 0.0, 0
         try:
@@ -340,6 +354,7 @@ class Trainer:
                 self.save()
             if self._stop_requested():
                 self.save()
+                self._hand_over_signal()
                 raise Preempted(self._stop_signal or "signal")
             if self.step >= total_steps:
                 break

@@ -65,10 +65,17 @@ def check_model_name(name: str) -> None:
 
 
 def build_model(name: str, attention: Optional[Mapping[str, Any]] = None, checkpoint_path: Optional[str] = None,
-                **kwargs: Any) -> nn.Module:
-    """``timm.create_model(name, attention=..., **options, **kwargs)`` with one-line errors for bad input."""
+                init_from: Optional[str] = None, **kwargs: Any) -> nn.Module:
+    """``timm.create_model(name, attention=..., **options, **kwargs)`` with one-line errors for bad input.
+
+    ``checkpoint_path`` loads this very model's weights strictly; ``init_from`` starts a MoH model from a
+    dense checkpoint of the same backbone (continue-tuning, :mod:`moh_vision.models.continue_tuning`).
+    """
     import moh_vision.models  # noqa: F401  (registers our models with timm)
 
+    if checkpoint_path and init_from:
+        raise ConfigError("give model.checkpoint_path (this model's own weights) or model.init_from (a dense "
+                          "checkpoint to continue-tune from), not both")
     check_model_name(name)
     kwargs = {**kwargs, **attention_kwargs(attention)}
     try:
@@ -77,6 +84,9 @@ def build_model(name: str, attention: Optional[Mapping[str, Any]] = None, checkp
         raise ConfigError(f"model '{name}' rejected its arguments: {err}") from err
     if checkpoint_path:
         load_weights(model, checkpoint_path)
+    elif init_from:
+        from .continue_tuning import init_from_dense
+        init_from_dense(model, init_from)
     return model
 
 

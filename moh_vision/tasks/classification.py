@@ -44,6 +44,7 @@ class ClassificationTask:
         cfg = self.model_cfg
         self.mixup, self.label_smoothing = data.mixup, float(getattr(data, "label_smoothing", 0.0))
         return build_model(cfg["name"], attention=self.attention_cfg, checkpoint_path=cfg.get("checkpoint_path"),
+                           init_from=cfg.get("init_from"),
                            num_classes=data.num_classes, in_chans=data.in_chans, img_size=data.img_size,
                            **dict(cfg.get("kwargs") or {}))
 

@@ -64,6 +64,7 @@ class DiffusionTask:
         self.null_class = data.num_classes
         self._resolve_vae(data)
         return build_model(name, attention=self.attention_cfg, checkpoint_path=self.model_cfg.get("checkpoint_path"),
+                           init_from=self.model_cfg.get("init_from"),
                            input_size=data.img_size, in_channels=data.in_chans, num_classes=data.num_classes,
                            learn_sigma=self.learn_sigma, class_dropout_prob=self.class_dropout_prob,
                            **dict(self.model_cfg.get("kwargs") or {}))
