@@ -1,0 +1,115 @@
+"""experiment=compare_attention: the arms, MoA's matched compute, a shrunk multirun and its report."""
+import csv
+import importlib.util
+import json
+import logging
+
+import pytest
+import yaml
+from hydra import compose, initialize_config_dir
+
+from helpers import REPO, run_entry
+
+ARMS = ("mha", "moh_50", "moh_75", "moh_90", "moa_matched")
+DIGITS = dict(num_classes=10, in_chans=1, img_size=32)  # what the classification task passes for the digits
+
+
+def arm_config(arm):
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        return compose("train", overrides=["experiment=compare_attention", f"+compare={arm}"])
+
+
+def test_experiment_is_one_multirun_over_arms_and_seeds():
+    text = yaml.safe_load((REPO / "configs" / "experiment" / "compare_attention.yaml").read_text())
+    assert text["hydra"]["mode"] == "MULTIRUN"
+    params = text["hydra"]["sweeper"]["params"]
+    assert params["+compare"].split(",") == list(ARMS) and params["seed"].split(",") == ["0", "1", "2"]
+    assert sorted(p.stem for p in (REPO / "configs" / "compare").glob("*.yaml")) == sorted(ARMS)
+
+
+def test_arms_share_backbone_data_and_recipe_and_differ_in_attention():
+    cfgs = {arm: arm_config(arm) for arm in ARMS}
+    for arm, cfg in cfgs.items():
+        assert cfg.model.name == "plain_vit_nano" and cfg.model.kwargs.num_heads == 8, arm
+        assert cfg.data._target_.endswith("DigitsData") and cfg.trainer == cfgs["mha"].trainer, arm
+        assert cfg.optim == cfgs["mha"].optim and cfg.sched == cfgs["mha"].sched, arm
+    assert [cfgs[a].attention.name for a in ARMS] == ["mha", "moh", "moh", "moh", "moa"]
+    assert [cfgs[a].attention.get("activation_ratio") for a in ARMS[1:4]] == [0.5, 0.75, 0.9]
+    assert cfgs["moa_matched"].attention.topk == 4 and cfgs["moa_matched"].model.kwargs.head_dim == 32
+
+
+def active_gflops(cfg):
+    from moh_vision.analysis.flops import count_flops
+    from moh_vision.models import build_model
+
+    model = build_model(cfg.model.name, attention=dict(cfg.attention), **dict(cfg.model.kwargs), **DIGITS)
+    return count_flops(model, (1, 32, 32))["active_gflops"]
+
+
+def test_moa_matches_the_active_compute_of_moh_50(caplog):
+    caplog.set_level(logging.ERROR)
+    flops = {arm: active_gflops(arm_config(arm)) for arm in ("mha", "moh_50", "moh_75", "moa_matched")}
+    assert flops["moa_matched"] == pytest.approx(flops["moh_50"], rel=2e-3)   # 0.074655 vs 0.074705
+    assert flops["moh_50"] < flops["moh_75"] < flops["mha"]
+
+
+def test_shrunk_multirun_and_report(tmp_path):
+    """2 arms x 1 seed, two steps each, through the real experiment; then the report."""
+    arms = 'hydra.sweeper.params={+compare:"moh_50,moa_matched",seed:"0"}'
+    run_entry("train.py", "experiment=compare_attention", arms, "trainer.epochs=1", "trainer.max_steps=2",
+              "trainer.batch_size=32", "trainer.progress=false", f"hydra.sweep.dir={tmp_path}")
+    assert len(list(tmp_path.rglob("summary.json"))) == 2
+    proc = run_entry("tools/sweep_report.py", str(tmp_path))
+    rows = {r["arm"]: r for r in csv.DictReader(open(tmp_path / "sweep_report.csv"))}
+    assert sorted(rows) == ["moa_matched", "moh_50"]
+    assert rows["moh_50"]["attention"] == "moh" and rows["moa_matched"]["attention"] == "moa"
+    assert all(r["seeds"] == "1" and float(r["active_gflops mean"]) > 0 for r in rows.values())
+    assert float(rows["moa_matched"]["active_gflops mean"]) == pytest.approx(
+        float(rows["moh_50"]["active_gflops mean"]), rel=2e-3)
+    assert all(float(r["images_per_sec mean"]) > 0 for r in rows.values())
+    assert (tmp_path / "sweep_report.png").is_file() and "| moa_matched | plain_vit_nano | moa |" in proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# sweep_report's grouping, on hand-made job directories (no training)
+# ---------------------------------------------------------------------------------------------
+def fake_job(root, name, attention, acc, seed, overrides=None, gflops=0.08):
+    job = root / name
+    job.mkdir(parents=True)
+    (job / "summary.json").write_text(json.dumps({"val/acc1": acc, "active_gflops": gflops, "gflops": 0.084,
+                                                  "params": 1000, "images_per_sec": 100.0 + seed}))
+    (job / "config.yaml").write_text(yaml.safe_dump({"model": {"name": "plain_vit_nano", "kwargs": {}},
+                                                     "attention": attention, "seed": seed}))
+    if overrides is not None:
+        (job / ".hydra").mkdir()
+        (job / ".hydra" / "overrides.yaml").write_text(yaml.safe_dump(overrides))
+
+
+def report_rows(root):
+    spec = importlib.util.spec_from_file_location("sweep_report", REPO / "tools" / "sweep_report.py")
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    assert tool.main([str(root)]) == 0
+    return {r["arm"]: r for r in csv.DictReader(open(root / "sweep_report.csv"))}
+
+
+def test_report_groups_seeds_into_arms_and_never_merges_two_moh_arms(tmp_path):
+    moh = {"name": "moh", "activation_ratio": 0.5}
+    for seed in (0, 1):
+        fake_job(tmp_path / "sweep", f"a{seed}", moh, 90.0 + seed, seed, ["+compare=moh_50", f"seed={seed}"])
+        fake_job(tmp_path / "sweep", f"b{seed}", {**moh, "activation_ratio": 0.75}, 95.0 + seed, seed,
+                 ["+compare=moh_75", f"seed={seed}"])
+        fake_job(tmp_path / "sweep", f"c{seed}", {"name": "mha"}, 97.0, seed, ["+compare=mha", f"seed={seed}"])
+    rows = report_rows(tmp_path / "sweep")
+    assert sorted(rows) == ["mha", "moh_50", "moh_75"]
+    assert [rows[a]["seeds"] for a in sorted(rows)] == ["2", "2", "2"]
+    assert float(rows["moh_50"]["val/acc1 mean"]) == 90.5 and float(rows["moh_75"]["val/acc1 mean"]) == 95.5
+    assert float(rows["moh_50"]["val/acc1 std"]) == pytest.approx(0.7071, abs=1e-4)
+
+    # no Hydra records: two MoH configs with explicit heads (no ratio) are still two arms
+    for seed in (0, 1):
+        fake_job(tmp_path / "plain", f"x{seed}", {"name": "moh", "shared_heads": 2, "topk": 2}, 90.0, seed)
+        fake_job(tmp_path / "plain", f"y{seed}", {"name": "moh", "shared_heads": 1, "topk": 3}, 80.0, seed)
+    rows = report_rows(tmp_path / "plain")
+    assert len(rows) == 2 and all(r["seeds"] == "2" for r in rows.values())
+    assert sorted(float(r["val/acc1 mean"]) for r in rows.values()) == [80.0, 90.0]
