@@ -11,6 +11,8 @@ layer records which heads every token selected (``record_selection``) and the ga
 Written to ``out`` (default: ``<run dir>/routing_analysis``):
 
 * ``head_load.png``: layers x heads, fraction of tokens using each head (``s`` = shared head);
+* ``shared_heads.png`` (only when some layer learns its shared heads, ``attention.shared_heads=learned``):
+  layers x heads, the heads each layer shares (``S``), learned or fixed, frozen or still in warm-up;
 * ``gate_mass.png``: layers x heads, mean gate per token;
 * ``router_entropy.png``: mean router entropy per routed layer, against the uniform maximum;
 * ``head_utility.png``: routed heads ranked per layer by selections and by gate mass (MoA-style);
@@ -43,6 +45,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from moh_vision.analysis import routing_plots  # noqa: E402
+from moh_vision.analysis.routing import routed_loads_of  # noqa: E402
 from moh_vision.errors import ConfigError  # noqa: E402
 
 log = logging.getLogger("analyze_routing")
@@ -85,31 +88,19 @@ def parse_args(argv: Sequence[str]) -> Tuple[Dict[str, Any], List[str]]:
 def load_run(ckpt: str, data_overrides: Sequence[str], weights: str):
     """(state, saved config container, data, task, model with the checkpoint's weights) as eval does."""
     from hydra import compose, initialize_config_dir
-    from hydra.utils import instantiate
-    from omegaconf import OmegaConf
 
-    from moh_vision.engine import checkpoint as ckpt_io
+    from moh_vision.engine.run import rebuild_run, weights_of
 
-    state, used = ckpt_io.load_with_fallback(ckpt)
-    saved = OmegaConf.create(state.get("config") or {})
-    if "task" not in saved or "model" not in saved:
-        raise ConfigError(f"{used} carries no training config (was it written by train.py?)")
+    data_cfg = None
     if data_overrides:
         if not any(o.startswith("data=") for o in data_overrides):  # eval.yaml has no data group: add keys
             data_overrides = [f"+{o}" if o.startswith("data.") else o for o in data_overrides]
         with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-            cfg = compose(config_name="eval", overrides=[f"ckpt={used}", *data_overrides])
-        if cfg.get("data") is not None:
-            saved.data = OmegaConf.merge(saved.data, cfg.data) if "_target_" not in cfg.data else cfg.data
-    data = instantiate(saved.data)
-    container = OmegaConf.to_container(saved, resolve=True)
-    task = instantiate(saved.task, model=container["model"], attention=container["attention"], _recursive_=False)
-    model = task.build_model(data)
-    key = "model_ema" if weights == "ema" else "model"
-    if key not in state:
-        raise ConfigError(f"weights={weights} but {used} has no EMA weights (trainer.ema.enabled was false)")
-    model.load_state_dict(state[key])
-    return state, used, container, data, task, model
+            data_cfg = compose(config_name="eval", overrides=[f"ckpt={ckpt}", *data_overrides]).get("data")
+    run = rebuild_run(ckpt, data_cfg)
+    model = run.task.build_model(run.data)
+    model.load_state_dict(weights_of(run, weights == "ema", off_switch="weights=model"))
+    return run.state, run.path, run.config, run.data, run.task, model
 
 
 # ----------------------------------------------------------------------------------------------
@@ -203,6 +194,9 @@ def analyse(task, model, loader, device, opts: Dict[str, Any]):
                 s["load"] = s["load"] + selection.sum(dim=(0, 1)).cpu()
                 if gates is not None:
                     s["gate"] = s["gate"] + gates.sum(dim=(0, 1)).cpu()
+                if stats.get("shared_mask") is not None:  # a layer that learns its shared heads
+                    s["shared_mask"] = [bool(v) for v in stats["shared_mask"].tolist()]
+                    s["shared_frozen"] = bool(stats.get("shared_frozen", False))
                 if stats.get("entropy") is not None:  # the batch mean; weighted by tokens
                     s["entropy"] += float(stats["entropy"]) * n
                 if keep_maps:
@@ -234,6 +228,8 @@ def layer_statistics(model, sums: Dict[str, Dict[str, Any]]) -> Dict[str, Dict[s
             "active_heads_per_token": float(sum(load)), "tokens": s["tokens"],
             "grid": [H, W], "prefix_tokens": prefix,
         }
+        if s.get("shared_mask") is not None:
+            entry.update(shared_mask=s["shared_mask"], shared_frozen=s["shared_frozen"])
         entry["utility"] = routing_plots.utility_ranking(entry) if s["topk"] > 0 else []
         stats[name] = entry
     return stats
@@ -258,6 +254,8 @@ def write_outputs(out: Path, stats, maps, images, opts) -> Dict[str, str]:
         "router_entropy": routing_plots.plot_router_entropy(stats, out / "router_entropy.png"),
         "head_utility": routing_plots.plot_head_utility(stats, out / "head_utility.png"),
     }
+    if routing_plots.has_learned_shared_heads(stats):
+        files["shared_heads"] = routing_plots.plot_shared_heads(stats, out / "shared_heads.png")
     if all(s["gate_mass"] is not None for s in stats.values()):
         files["gate_mass"] = routing_plots.plot_head_load(stats, out / "gate_mass.png", key="gate_mass")
     arrays = {}
@@ -274,6 +272,7 @@ def write_outputs(out: Path, stats, maps, images, opts) -> Dict[str, str]:
             prefix = s["prefix_tokens"]
             gates = arrays.get(f"gates/{name}")
             rows.append({"name": name, "grid": tuple(s["grid"]), "shared_heads": s["shared_heads"],
+                         "shared_mask": s.get("shared_mask"),
                          "selection": arrays[f"selection/{name}"][i, prefix:],
                          "gates": gates[i, prefix:].astype(np.float32) if gates is not None else None})
         files[f"token_heads_{i}"] = routing_plots.plot_token_heads(image, rows, out / f"token_heads_{i}.png",
@@ -307,7 +306,7 @@ def log_to_wandb(mode: str, container: Dict[str, Any], state: Dict[str, Any], ou
     row = {}
     for layer, s in stats.items():
         if s["topk"] > 0:
-            routed = s["load"][s["shared_heads"]:]
+            routed = routed_loads_of(s)
             row[f"routing/{layer}/entropy"] = s["entropy"]
             row[f"routing/{layer}/max_load"] = max(routed)
             row[f"routing/{layer}/min_load"] = min(routed)

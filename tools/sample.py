@@ -34,6 +34,7 @@ from typing import Any, Dict, Iterable, Optional, Tuple
 import hydra
 import numpy as np
 import torch
+from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from moh_vision.cli import run_cli
@@ -83,27 +84,21 @@ def shape_from_weights(weights: Dict[str, torch.Tensor], class_dropout_prob: flo
 
 def load_model(cfg: DictConfig, device: torch.device):
     """(task, model, data, checkpoint info) from ``cfg.ckpt``, with the sampling overrides applied."""
-    from hydra.utils import instantiate
+    from moh_vision.engine.run import rebuild_run, weights_of
 
-    from moh_vision.engine.checkpoint import load_with_fallback
-
-    state, used = load_with_fallback(Path(str(cfg.ckpt)).expanduser())
-    saved = OmegaConf.create(state.get("config") or {})
-    if "task" not in saved or "model" not in saved or "diffusion" not in str(saved.task.get("_target_", "")).lower():
+    run = rebuild_run(cfg.ckpt, build_data=False)
+    state, used, container, task = run.state, run.path, run.config, run.task
+    if "diffusion" not in str(container["task"].get("_target_", "")).lower():
         raise ConfigError(f"{used} is not a diffusion training checkpoint (no task=diffusion config inside)")
     key = "model_ema" if cfg.ema else "model"
-    if key not in state:
-        raise ConfigError(f"{used} has no EMA weights (trainer.ema.enabled was false); sample with ema=false")
-    container = OmegaConf.to_container(saved, resolve=True)
-    container["model"]["checkpoint_path"] = None  # the weights come from this checkpoint
-    task = instantiate(saved.task, model=container["model"], attention=container["attention"], _recursive_=False)
+    weights = weights_of(run, bool(cfg.ema), off_switch="ema=false")
     try:
-        data = instantiate(saved.data)
+        data = instantiate(OmegaConf.create(container["data"]))
     except Exception as err:  # e.g. the latents directory lives on another machine: only the shape is needed
         log.warning("data of the checkpoint unavailable (%s); taking the shape from the weights", err)
-        data = shape_from_weights(state[key], task.class_dropout_prob)
+        data = shape_from_weights(weights, task.class_dropout_prob)
     model = task.build_model(data)
-    model.load_state_dict(state[key])
+    model.load_state_dict(weights)
     apply_overrides(task, cfg)
     info = {"checkpoint": str(used), "step": state.get("step"), "model": container["model"]["name"],
             "weights": key, "attention": (container.get("attention") or {}).get("name") or "preset"}

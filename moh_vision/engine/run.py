@@ -6,6 +6,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Dict, Optional
 
 import torch
@@ -127,28 +128,56 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
     return summary
 
 
+class RebuiltRun(SimpleNamespace):
+    """What a checkpoint's own config rebuilds: ``state``, ``path``, ``config`` (plain dict), ``task``
+    and ``data`` (None when ``build_data=False``)."""
+
+
+def rebuild_run(ckpt: str, data: Optional[DictConfig] = None, build_data: bool = True) -> RebuiltRun:
+    """Load ``ckpt`` and rebuild its task (and data) from the config inside it, as it was trained.
+
+    ``data`` replaces the saved data config (a full group config with ``_target_``) or updates it
+    (single keys). The model's ``checkpoint_path``/``init_from`` are cleared: the weights come from
+    this checkpoint, and the files that seeded the run need not exist any more.
+    """
+    state, used = ckpt_io.load_with_fallback(Path(str(ckpt)).expanduser())
+    saved = OmegaConf.create(state.get("config") or {})
+    if "task" not in saved or "model" not in saved:
+        raise ConfigError(f"{used} carries no training config (was it written by train.py?); load its weights "
+                          f"with timm.create_model(..., checkpoint_path=)")
+    if data is not None:
+        saved.data = OmegaConf.merge(saved.data, data) if "_target_" not in data else data
+    config = OmegaConf.to_container(saved, resolve=True)
+    config["model"]["checkpoint_path"] = None
+    config["model"]["init_from"] = None
+    task = instantiate(OmegaConf.create(config["task"]), model=config["model"], attention=config["attention"],
+                       _recursive_=False)
+    return RebuiltRun(state=state, path=used, config=config, task=task,
+                      data=instantiate(OmegaConf.create(config["data"])) if build_data else None)
+
+
+def weights_of(run: RebuiltRun, use_ema: bool, off_switch: str = "eval.use_ema=false") -> Dict[str, torch.Tensor]:
+    """The checkpoint's EMA or raw weights; ``off_switch`` names the option that asks for raw ones."""
+    key = "model_ema" if use_ema else "model"
+    if key not in run.state:
+        raise ConfigError(f"EMA weights requested, but {run.path} has no EMA weights (trainer.ema.enabled was "
+                          f"false); use {off_switch}")
+    return run.state[key]
+
+
 def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     """Top-1/top-5 (or the diffusion task's metrics) of a checkpoint; its config travels inside it."""
     from moh_vision.engine.distributed import pick_device
 
-    path = Path(str(cfg.ckpt))
-    state, used = ckpt_io.load_with_fallback(path)
-    saved = OmegaConf.create(state.get("config") or {})
-    if "task" not in saved or "model" not in saved:
-        raise ConfigError(f"{used} carries no training config; evaluate it with timm.create_model(..., checkpoint_path=)")
-    if cfg.get("data") is not None:
-        saved.data = OmegaConf.merge(saved.data, cfg.data) if "_target_" not in cfg.data else cfg.data
+    run = rebuild_run(cfg.ckpt, cfg.get("data"))
     out_dir = hydra_output_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
     device = pick_device(cfg.eval.device)
-    data = instantiate(saved.data)
-    container = OmegaConf.to_container(saved, resolve=True)
-    task = instantiate(saved.task, model=container["model"], attention=container["attention"], _recursive_=False)
-    model = task.build_model(data).to(device)
+    data, task, container, state, used = run.data, run.task, run.config, run.state, run.path
     use_ema = bool(cfg.eval.use_ema)
-    if use_ema and "model_ema" not in state:
-        raise ConfigError(f"eval.use_ema=true but {used} has no EMA weights (trainer.ema.enabled was false)")
-    model.load_state_dict(state["model_ema"] if use_ema else state["model"])
+    model = task.build_model(data)
+    model.load_state_dict(weights_of(run, use_ema))
+    model = model.to(device)
     trainer_like = _EvalRunner(cfg, device, data, task)
     metrics = trainer_like.run(model)
     summary = {"checkpoint": str(used), "use_ema": use_ema, "model": container["model"]["name"],
