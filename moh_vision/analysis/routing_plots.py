@@ -9,7 +9,10 @@ Every function takes per-layer statistics in the format of
 
 ``load[i]`` is the fraction of tokens that used head ``i`` (1 for a shared head, so a layer's loads
 sum to its active heads per token); ``gate_mass[i]`` the mean gate head ``i`` received per token (0
-where unselected). Layers keep their order (depth). Routed heads are indices ``shared_heads..h-1``.
+where unselected). Layers keep their order (depth). Routed heads are indices ``shared_heads..h-1``,
+except in layers that learn their shared heads (``attention.shared_heads=learned``): their stats carry
+``shared_mask`` ([h] bools; optional ``shared_frozen``, ``shared_frac``, ``routed_load``) and shared
+means that mask (:func:`~moh_vision.analysis.routing.shared_mask_of`).
 """
 from __future__ import annotations
 
@@ -18,6 +21,8 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
+
+from moh_vision.analysis.routing import routed_heads_of, routed_loads_of, shared_mask_of
 
 Stats = Mapping[str, Mapping[str, Any]]
 
@@ -66,16 +71,15 @@ def plot_head_load(stats: Stats, path: Path, key: str = "load", title: Optional[
                       interpolation="nearest")
     small = width * len(names) <= 600
     for row, name in enumerate(names):
-        shared = int(stats[name].get("shared_heads", 0))
-        for col in range(shared):
-            ax.text(col, row, "s", ha="center", va="center", color="white", fontsize=7, fontweight="bold")
-        if small:
-            for col in range(shared, len(stats[name][key])):
+        for col, shared in enumerate(shared_mask_of(stats[name])):
+            if shared:
+                ax.text(col, row, "s", ha="center", va="center", color="white", fontsize=7, fontweight="bold")
+            elif small:
                 ax.text(col, row, f"{grid[row, col]:.2f}", ha="center", va="center", fontsize=6,
                         color="white" if grid[row, col] < 0.6 * vmax else "black")
     ax.set_yticks(range(len(names)))
-    ax.set_yticklabels([f"{_short(n)} ({int(stats[n].get('shared_heads', 0))}+{int(stats[n].get('topk', 0))})"
-                        for n in names], fontsize=7)
+    ax.set_yticklabels([f"{_short(n)} ({int(stats[n].get('shared_heads', 0))}+{int(stats[n].get('topk', 0))}"
+                        f"{', learned' if stats[n].get('shared_mask') is not None else ''})" for n in names], fontsize=7)
     ax.set_xticks(range(width))
     ax.set_xticklabels([str(i) for i in range(width)], fontsize=7)
     ax.set_xlabel("head (s = shared, always on)")
@@ -120,13 +124,14 @@ def utility_ranking(stat: Mapping[str, Any]) -> List[Dict[str, Any]]:
     """One layer's routed heads ranked by how often they are selected (ties: by gate mass):
     ``[{"rank", "head", "selected", "selected_share", "gate_mass", "gate_share"}, ...]``.
     ``selected_share`` / ``gate_share`` are fractions of the layer's routed total."""
-    shared = int(stat.get("shared_heads", 0))
-    load = [float(v) for v in stat["load"]][shared:]
-    gate = [float(v) for v in stat.get("gate_mass") or [math.nan] * (len(load) + shared)][shared:]
+    heads = routed_heads_of(stat)
+    load = routed_loads_of(stat)
+    all_gates = stat.get("gate_mass") or [math.nan] * len(stat["load"])
+    gate = [float(all_gates[i]) for i in heads]
     total_load = sum(load) or 1.0
     total_gate = sum(g for g in gate if not math.isnan(g)) or 1.0
     order = sorted(range(len(load)), key=lambda j: (-load[j], -(0.0 if math.isnan(gate[j]) else gate[j]), j))
-    return [{"rank": r + 1, "head": shared + j, "selected": load[j], "selected_share": load[j] / total_load,
+    return [{"rank": r + 1, "head": heads[j], "selected": load[j], "selected_share": load[j] / total_load,
              "gate_mass": gate[j], "gate_share": gate[j] / total_gate}
             for r, j in enumerate(order)]
 
@@ -184,13 +189,19 @@ def plot_token_heads(image: Optional[np.ndarray], layers: Sequence[Mapping[str, 
     """Which heads the tokens of one image chose, layer by layer, on each layer's token grid.
 
     ``layers``: ``[{"name", "grid": (H, W), "shared_heads", "selection": [H*W, h] bool,
-    "gates": [H*W, h] float or None}]``. Row per layer: the dominant routed head of each token
-    (largest gate among its selected routed heads), then one map per routed head (bright = the
-    token chose it).
+    "gates": [H*W, h] float or None, "shared_mask": [h] bools (optional: learned shared heads)}]``.
+    Row per layer: the dominant routed head of each token (largest gate among its selected routed
+    heads), then one map per routed head (bright = the token chose it).
     """
     plt = _pyplot()
     rows = max(len(layers), 1)
-    routed = [int(np.asarray(l["selection"]).shape[-1]) - int(l.get("shared_heads", 0)) for l in layers] or [0]
+
+    def routed_columns(layer) -> List[int]:
+        heads = int(np.asarray(layer["selection"]).shape[-1])
+        return routed_heads_of({"load": [0.0] * heads, "shared_heads": layer.get("shared_heads", 0),
+                                "shared_mask": layer.get("shared_mask")})
+
+    routed = [len(routed_columns(l)) for l in layers] or [0]
     cols = 2 + max(routed)
     fig, axes = plt.subplots(rows, cols, figsize=(1.25 * cols + 0.6, 1.5 * rows + 0.6), squeeze=False)
     for ax in axes.ravel():
@@ -202,10 +213,10 @@ def plot_token_heads(image: Optional[np.ndarray], layers: Sequence[Mapping[str, 
     from matplotlib.colors import ListedColormap
     for row, layer in enumerate(layers):
         H, W = layer["grid"]
-        shared = int(layer.get("shared_heads", 0))
-        selection = np.asarray(layer["selection"], dtype=bool)[:, shared:]  # [N, E]
+        columns = routed_columns(layer)
+        selection = np.asarray(layer["selection"], dtype=bool)[:, columns]  # [N, E]
         gates = layer.get("gates")
-        weights = np.asarray(gates, dtype=float)[:, shared:] if gates is not None else selection.astype(float)
+        weights = np.asarray(gates, dtype=float)[:, columns] if gates is not None else selection.astype(float)
         dominant = np.where(selection, weights, -np.inf).argmax(axis=-1)
         if image is not None and row == 0:
             shown = _image_for_display(image)
@@ -218,6 +229,80 @@ def plot_token_heads(image: Optional[np.ndarray], layers: Sequence[Mapping[str, 
             chosen = ListedColormap(["#eeeeee", categorical(e % palette)])  # light: not chosen; head colour: chosen
             ax.imshow(selection[:, e].reshape(H, W), cmap=chosen, vmin=0, vmax=1, interpolation="nearest")
             ax.set_frame_on(True)
-            ax.set_title(f"h{shared + e}: {100 * selection[:, e].mean():.0f}%", fontsize=6)
+            ax.set_title(f"h{columns[e]}: {100 * selection[:, e].mean():.0f}%", fontsize=6)
     fig.suptitle(title or "routed heads chosen by each token", fontsize=9)
     return _save(fig, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared heads: which heads each layer shares (learned or fixed)
+# ----------------------------------------------------------------------------------------------
+def _per_epoch(stats: Mapping[str, Any]) -> Dict[str, Stats]:
+    """``{epoch: {layer: stat}}`` from either that or one epoch's ``{layer: stat}``."""
+    first = next(iter(stats.values()), None)
+    if first is not None and "load" not in first:  # keyed by epoch (routing.json)
+        return {str(e): stats[e] for e in sorted(stats, key=lambda e: int(e))}
+    return {"": stats}
+
+
+def plot_shared_heads(stats: Mapping[str, Any], path: Path, title: Optional[str] = None) -> Path:
+    """Layers x heads: which heads each routed layer shares. Accepts one epoch's stats
+    (``{layer: stat}``) or ``routing.json`` (``{epoch: {layer: stat}}``).
+
+    ``S`` marks the shared heads of the last epoch (a learned layer's mask, else the first
+    ``shared_heads``). Colour: fraction of the recorded forwards (over every epoch given) in which the
+    head was shared, so a head the learned partition moved shows between 0 and 1. Learned layers are
+    labelled ``learned`` (``frozen`` once the mask is fixed); layers without routing (``topk = 0``)
+    are left out.
+    """
+    plt = _pyplot()
+    epochs = _per_epoch(stats)
+    last = list(epochs.values())[-1] if epochs else {}
+    names = routed_layers(last)
+    fig_h = min(1.6 + 0.32 * max(len(names), 1), 30)
+    if not names:
+        fig, ax = plt.subplots(figsize=(4, 2))
+        ax.text(0.5, 0.5, "no routed layer", ha="center", va="center", transform=ax.transAxes)
+        ax.set_axis_off()
+        return _save(fig, path)
+    width = max(len(last[n]["load"]) for n in names)
+    frac = np.full((len(names), width), np.nan)
+    for row, name in enumerate(names):
+        seen = [ep[name] for ep in epochs.values() if name in ep]
+        per_epoch = [np.asarray(s.get("shared_frac") or shared_mask_of(s), dtype=float) for s in seen]
+        frac[row, :len(per_epoch[-1])] = np.mean(per_epoch, axis=0)
+    fig, ax = plt.subplots(figsize=(min(2.5 + 0.42 * width, 16), fig_h))
+    cmap = plt.get_cmap("Blues").copy()
+    cmap.set_bad("#d9d9d9")  # grey: the layer has fewer heads
+    image = ax.imshow(np.ma.masked_invalid(frac), aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0,
+                      interpolation="nearest")
+    for row, name in enumerate(names):
+        for col, shared in enumerate(shared_mask_of(last[name])):
+            if shared:
+                ax.text(col, row, "S", ha="center", va="center", color="white", fontsize=8, fontweight="bold")
+
+    def label(name: str) -> str:
+        s = last[name]
+        kind = "fixed"
+        if s.get("shared_mask") is not None:
+            kind = "learned, frozen" if s.get("shared_frozen") else "learned, warm-up"
+        return f"{_short(name)} ({int(s.get('shared_heads', 0))}+{int(s.get('topk', 0))}, {kind})"
+
+    ax.set_yticks(range(len(names)))
+    ax.set_yticklabels([label(n) for n in names], fontsize=7)
+    ax.set_xticks(range(width))
+    ax.set_xticklabels([str(i) for i in range(width)], fontsize=7)
+    ax.set_xlabel("head (S = shared at the last epoch)")
+    ax.set_ylabel("layer (shared + top-k)")
+    span = [e for e in epochs if e != ""]
+    default = "shared heads" + (f", epochs {span[0]}..{span[-1]}" if len(span) > 1 else
+                                (f", epoch {span[0]}" if span else ""))
+    ax.set_title(title or default, fontsize=10)
+    bar = fig.colorbar(image, ax=ax, fraction=0.04, pad=0.02)
+    bar.set_label("fraction of forwards shared", fontsize=7)
+    return _save(fig, path)
+
+
+def has_learned_shared_heads(stats: Mapping[str, Any]) -> bool:
+    """Whether any layer of ``stats`` (one epoch or ``{epoch: ...}``) learns its shared heads."""
+    return any(s.get("shared_mask") is not None for ep in _per_epoch(stats).values() for s in ep.values())

@@ -376,6 +376,37 @@ def add_routed_output(m, y: Tensor, o_routed: Tensor, gates: Tensor, w_routed: T
 
 
 # ----------------------------------------------------------------------------------------------
+# Learned shared heads: the module seen with its heads reordered, shared ones first
+# ----------------------------------------------------------------------------------------------
+class _Weights:
+    def __init__(self, weight: Tensor, bias: Optional[Tensor]):
+        self.weight, self.bias = weight, bias
+
+
+class HeadPermutedView:
+    """``m`` with its heads in the order ``order`` (``[h]``: head ``order[j]`` becomes head ``j``).
+
+    An MoH layer that learns its shared heads (``shared_heads="learned"``) passes the order "shared
+    heads first, then routed heads" (each ascending), so every function above, which assumes the
+    shared heads are ``0..h_s-1``, runs it exactly. Only ``qkv`` and ``proj`` are replaced: their
+    rows / columns are gathered per call (differentiably, one ``index_select`` each); every other
+    attribute (head-shared q/k norms, dropout, ``attend``) is the module's own.
+    """
+
+    def __init__(self, m, order: Tensor):
+        self._module = m
+        d, inner = m.head_dim, m.inner_dim
+        rows = (order.view(-1, 1) * d + torch.arange(d, device=order.device)).reshape(-1)  # [h * d]
+        qkv_rows = torch.cat([rows + part * inner for part in range(3)])
+        self.qkv = _Weights(m.qkv.weight.index_select(0, qkv_rows),
+                            m.qkv.bias.index_select(0, qkv_rows) if m.qkv.bias is not None else None)
+        self.proj = _Weights(m.proj.weight.index_select(1, rows), m.proj.bias)
+
+    def __getattr__(self, name):
+        return getattr(self._module, name)
+
+
+# ----------------------------------------------------------------------------------------------
 # The whole forward
 # ----------------------------------------------------------------------------------------------
 def sparse_moh_forward(m, x: Tensor, gates: Tensor, index: Tensor,

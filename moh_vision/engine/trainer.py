@@ -476,10 +476,17 @@ class Trainer:
             self.save("best.pt")
 
     def _routing_artifacts(self) -> None:
-        """routing.json (per-layer head loads and entropy, every epoch) and a head-load heatmap."""
+        """routing.json (per-layer head loads and entropy, every epoch; learned shared-head masks), a
+        head-load heatmap (wandb), and when a layer learns its shared heads, routing_shared_heads.png."""
         if not self.routing.layers:
             return
         self.routing.dump(self.out_dir / "routing.json", self.epoch)
+        from moh_vision.analysis import routing_plots
+        if routing_plots.has_learned_shared_heads(self.routing.averages()):
+            import json
+            epochs = json.loads((self.out_dir / "routing.json").read_text())
+            path = routing_plots.plot_shared_heads(epochs, self.out_dir / "routing_shared_heads.png")
+            self.loggers.log_image("routing/shared_heads", path, step=self.step, caption=f"epoch {self.epoch}")
         if self.loggers.wandb is None:
             return
         from moh_vision.analysis.routing_plots import plot_head_load
