@@ -139,3 +139,22 @@ def test_bad_config_fails_with_one_line(tmp_path, override, fragment):
     assert proc.returncode != 0
     err = proc.stderr.strip().splitlines()
     assert err and fragment in (err[-1] if proc.returncode == 2 else proc.stderr), proc.stderr[-2000:]
+
+
+def test_ema_warmup_decay_forgets_the_init_and_counts_updates():
+    from torch import nn
+
+    from moh_vision.engine.ema import EMA
+    model = nn.Linear(2, 1, bias=False)
+    nn.init.zeros_(model.weight)
+    plain, warm = EMA(model, 0.999), EMA(model, 0.999, warmup=True)
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    for ema in (plain, warm):
+        ema.update(model)
+    # update 0 with warm-up: d = min(0.999, 1/10) = 0.1, so the EMA moves 90% of the way at once
+    assert torch.allclose(warm.module.weight, torch.full((1, 2), 0.9))
+    assert torch.allclose(plain.module.weight, torch.full((1, 2), 0.001))
+    assert warm.updates == 1 and abs(warm.current_decay() - 2 / 11) < 1e-12
+    warm.updates = 10 ** 6
+    assert warm.current_decay() == 0.999

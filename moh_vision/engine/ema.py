@@ -9,21 +9,33 @@ from torch import nn
 
 
 class EMA:
-    """``ema = decay * ema + (1 - decay) * model`` for floating parameters; buffers are copied."""
+    """``ema = d * ema + (1 - d) * model`` for floating parameters; buffers are copied.
 
-    def __init__(self, model: nn.Module, decay: float = 0.9999):
-        self.decay = float(decay)
+    ``warmup=True`` uses ``d = min(decay, (1 + n) / (10 + n))`` at update ``n``, so a short run is not
+    dominated by its random initialisation (DiT's 0.9999 assumes hundreds of thousands of steps).
+    """
+
+    def __init__(self, model: nn.Module, decay: float = 0.9999, warmup: bool = False):
+        self.decay, self.warmup = float(decay), bool(warmup)
+        self.updates = 0
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
+
+    def current_decay(self) -> float:
+        if not self.warmup:
+            return self.decay
+        return min(self.decay, (1 + self.updates) / (10 + self.updates))
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
         ema_params = [p for p in self.module.parameters()]
         params = [p.detach() for p in model.parameters()]
         floating = [(e, p) for e, p in zip(ema_params, params) if e.dtype.is_floating_point]
+        decay = self.current_decay()
         if floating:
-            torch._foreach_lerp_([e for e, _ in floating], [p for _, p in floating], 1.0 - self.decay)
+            torch._foreach_lerp_([e for e, _ in floating], [p for _, p in floating], 1.0 - decay)
         for e, b in zip(self.module.buffers(), model.buffers()):
             e.copy_(b)
+        self.updates += 1
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return self.module.state_dict()

@@ -152,6 +152,7 @@ class Trainer:
         }
         if self.ema is not None:
             state["model_ema"] = self.ema.state_dict()
+            state["ema_updates"] = self.ema.updates
         return state
 
     def save(self, name: str = "last.pt") -> None:
@@ -178,6 +179,7 @@ class Trainer:
             self.scaler.load_state_dict(state["scaler"])
         if self.ema is not None and "model_ema" in state:
             self.ema.load_state_dict(state["model_ema"])
+            self.ema.updates = int(state.get("ema_updates", 0))
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.best, self.counters = dict(state.get("best", {})), {**self.counters, **state.get("counters", {})}
         self.load_meters(state.get("meters", {}))
@@ -193,7 +195,7 @@ class Trainer:
     # meters (saved in checkpoints so epoch averages survive a mid-epoch resume)
     # ------------------------------------------------------------------------------------------
     def reset_meters(self) -> None:
-        self.sums: Dict[str, float] = {"loss": 0.0, "ce": 0.0, "aux": 0.0, "count": 0.0}
+        self.sums: Dict[str, float] = {"loss": 0.0, "count": 0.0}
         self.routing = RoutingMeter()
 
     def meters_state(self) -> Dict[str, Any]:
@@ -259,7 +261,8 @@ class Trainer:
         self.amp = self.amp_context()
         self.scaler = torch.amp.GradScaler(self.device.type) if self.cfg.get("amp") == "fp16" else None
         ema_cfg = self.cfg.get("ema") or {}
-        self.ema = EMA(model, float(ema_cfg.get("decay", 0.9999))) if ema_cfg.get("enabled") else None
+        self.ema = EMA(model, float(ema_cfg.get("decay", 0.9999)), bool(ema_cfg.get("warmup", False))) \
+            if ema_cfg.get("enabled") else None
         self.model = model
         self.reset_meters()
         self._resume()
@@ -446,7 +449,8 @@ class Trainer:
         n = max(sums.get("count", 0.0), 1.0)
         row: Dict[str, Any] = {"epoch": self.epoch}
         for key in ("loss", "ce", "aux"):
-            row[f"train/epoch_{key}"] = sums.get(key, 0.0) / n
+            if key in sums:
+                row[f"train/epoch_{key}"] = sums[key] / n
         for key, value in sums.items():
             if key.startswith("log/"):
                 row[f"train/{key[4:]}"] = value / n
