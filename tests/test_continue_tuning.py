@@ -253,6 +253,10 @@ def test_train_continues_from_a_dense_checkpoint(digits_dense, tmp_path):
     assert "copied 162 dense tensors" in proc.stderr + proc.stdout
     summary = read_summary(tmp_path)
     assert summary["steps"] == 2 and summary["attention"] == "moh" and summary["activation_ratio"] == 0.5
+    # val_at_start=auto: the converted model is validated before its first step (epoch -1, step 0)
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    assert rows[0]["epoch"] == "-1" and rows[0]["step"] == "0" and float(rows[0]["val/acc1"]) > 0
+    assert summary["start/val/acc1"] == pytest.approx(float(rows[0]["val/acc1"]))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -133,6 +133,7 @@ def test_wandb_logger_works_offline(tmp_path):
     ("attention=nonexistent", "Could not find 'attention/nonexistent'"),
     ("data.img_size=40", "multiple of 32"),
     ("trainer.resume=/nonexistent/last.pt", "no such checkpoint"),
+    ("trainer.val_at_start=sometimes", "trainer.val_at_start='sometimes'; allowed: auto, true, false"),
 ])
 def test_bad_config_fails_with_one_line(tmp_path, override, fragment):
     proc = run_entry("train.py", *override.split(), *FAST_TRAIN, f"hydra.run.dir={tmp_path}", check=False)

@@ -259,6 +259,8 @@ class Trainer:
         self.schedule = Schedule(sched.pop("name", "cosine"), self.optim_cfg["lr"], self._total_steps(),
                                  warmup_steps=warmup_steps, **sched)
         self.amp = self.amp_context()
+        if self.cfg.get("val_at_start", "auto") not in ("auto", True, False):
+            raise ConfigError(f"trainer.val_at_start={self.cfg.get('val_at_start')!r}; allowed: auto, true, false")
         self.scaler = torch.amp.GradScaler(self.device.type) if self.cfg.get("amp") == "fp16" else None
         ema_cfg = self.cfg.get("ema") or {}
         self.ema = EMA(model, float(ema_cfg.get("decay", 0.9999)), bool(ema_cfg.get("warmup", False))) \
@@ -276,7 +278,9 @@ class Trainer:
         self._previous_handlers = previous_handlers = self._install_signal_handlers()
         start = time.time()
         self.train_time, self.train_samples = 0.0, 0
+        self.start_row: Dict[str, Any] = {}
         try:
+            self._validate_before_training(task)
             self._run(task)
         except Preempted:
             raise
@@ -444,6 +448,24 @@ class Trainer:
         sums = reduce_sums(sums, self.dist, self.device)
         return self.task.finalize(sums, prefix=prefix)
 
+    def _validate_before_training(self, task) -> None:
+        """``val_at_start``: validate the initial weights once, at step 0 of a fresh run, logged as
+        epoch -1 and kept in the summary as ``start/val/...``. ``auto`` (default) does it when the
+        model starts from other weights (``model.init_from``, ``model.checkpoint_path``), where the
+        starting accuracy is the baseline a continue-tuning run is judged against."""
+        when = self.cfg.get("val_at_start", "auto")
+        if when == "auto":
+            when = bool(task.model_cfg.get("init_from") or task.model_cfg.get("checkpoint_path"))
+        if not when or self.step > 0 or self.batch_in_epoch > 0:
+            return
+        row: Dict[str, Any] = {"epoch": -1}
+        row.update(self.evaluate_model(self.model, "val"))
+        self.start_row = {f"start/{k}": v for k, v in row.items() if k != "epoch"}
+        if self.dist.is_main:
+            self.loggers.log_epoch(row, step=0)
+            log.info("before training: %s", ", ".join(f"{k}={v:.4g}" for k, v in row.items()
+                                                        if isinstance(v, float)))
+
     def _end_epoch(self, task) -> None:
         sums = reduce_sums(self.sums, self.dist, self.device)
         n = max(sums.get("count", 0.0), 1.0)
@@ -535,6 +557,8 @@ class Trainer:
         for key, value in getattr(self, "last_row", {}).items():
             if key.startswith(("val", "sample", "train/epoch")) and not isinstance(value, (list, dict)):
                 summary[key] = value
+        summary.update({k: v for k, v in getattr(self, "start_row", {}).items()
+                        if not isinstance(v, (list, dict))})
         if self.best:
             summary[f"best/{self.best['metric']}"] = self.best["value"]
             summary["best/epoch"] = self.best["epoch"]
