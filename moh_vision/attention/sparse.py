@@ -111,7 +111,7 @@ def build_dispatch(index: Tensor, num_routed: int) -> Dispatch:
     B, N, k = index.shape
     E, device = num_routed, index.device
     num_rows = B * N * k  # every token selects exactly k distinct heads
-    chosen = torch.zeros(B, N, E, dtype=torch.bool, device=device).scatter_(-1, index, True)
+    chosen = torch.zeros(B, N, E, dtype=torch.bool, device=device).scatter_(-1, index, 1)
     chosen = chosen.permute(2, 0, 1)  # [E, B, N]
     slot = chosen.cumsum(-1) - 1  # slot of a selected token within its (head, image) list
     counts = slot[..., -1] + 1
