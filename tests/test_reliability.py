@@ -100,7 +100,7 @@ def test_repeated_random_kills_match_uninterrupted_run(tmp_path, args, total):
     assert_same_run(ref, out)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, pytest.param(signal.SIGUSR1, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
 def test_preemption_signal_saves_and_exits_for_requeue(tmp_path, sig):
     proc = start(CLS, tmp_path)
     wait_for_step(proc, tmp_path, 3)
