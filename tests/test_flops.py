@@ -84,10 +84,14 @@ def test_masked_count_ignores_the_layers_execution_path():
     assert m.impl == "sparse"
 
 
-def test_sparse_path_trace_equals_the_active_count():
+def test_sparse_path_trace_equals_the_active_count(monkeypatch):
     """At batch 1 the exact sparse path does exactly the active work (no padded rows when every
-    routed head is chosen by some token), so tracing it through the registered handles gives the
-    active count of the masked trace."""
+    routed head is chosen by some token and each head attends in its own call), so tracing it
+    through the registered handles gives the active count of the masked trace."""
+    from moh_vision.attention import sparse as sparse_module
+    # one call per head (what 1 thread picks); one padded call for all heads (what 2 threads pick
+    # at batch 1) pads every list to the longest and would count the padding
+    monkeypatch.setattr(sparse_module, "one_call_for_all_heads", lambda q, batch: False)
     torch.manual_seed(0)
     m = build_attention("moh", C, H, shared_heads=2, topk=3, impl="sparse").eval()
     m.record_selection = True

@@ -1,6 +1,6 @@
 """train.py / eval.py / sweeps / DDP, composed from the real configs and shrunk."""
 import csv
-import shutil
+import sys
 
 import pytest
 import torch
@@ -84,7 +84,7 @@ def test_optuna_sweep_two_trials(tmp_path):
 
 def test_ddp_two_process_gloo(tmp_path):
     run_entry("train.py", *FAST_TRAIN, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}",
-              launcher=(shutil.which("torchrun") or "torchrun", "--standalone", "--nproc_per_node=2"))
+              launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"))
     summary = read_summary(tmp_path)
     assert summary["steps"] == 2
     assert summary["val/count"] == 359, "validation metrics are all-reduced over both ranks"
