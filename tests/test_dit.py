@@ -1,6 +1,6 @@
 """DiT / MoH-DiT: official layout and numerics, presets, conditioning, guidance, checkpoint conversion."""
 import argparse
-import importlib.util
+import fractions
 import json
 import math
 from pathlib import Path
@@ -9,7 +9,8 @@ import pytest
 import timm
 import torch
 
-from moh_vision.attention import collect_aux_loss, find_attention
+from helpers import load_tool
+from moh_vision.attention import find_attention, record_routing
 from moh_vision.errors import ConfigError
 from moh_vision.models.dit import DiT
 
@@ -146,9 +147,9 @@ def test_kwargs_pass_through_timm():
     m = timm.create_model("moh_dit_s_2_75", input_size=16, in_channels=1, num_classes=10, hidden_size=48)
     x, t, y = batch(B=2, C=1, size=16, num_classes=10)
     assert m(x, t, y).shape == (2, 2, 16, 16)
-    # timm's own kwargs are accepted and ignored
-    m = timm.create_model("dit_tiny_2", pretrained_cfg=None, pretrained_cfg_overlay=dict(a=1), cache_dir="/x")
-    assert isinstance(m, DiT)
+    # timm's own kwargs are accepted (the overlay lands in the model's pretrained cfg, as in timm)
+    m = timm.create_model("dit_tiny_2", pretrained_cfg=None, pretrained_cfg_overlay=dict(notes=("x",)), cache_dir="/x")
+    assert isinstance(m, DiT) and m.pretrained_cfg["notes"] == ("x",)
 
 
 def test_pretrained_true_is_a_config_error():
@@ -197,9 +198,10 @@ def test_router_init_xavier_for_moh_zero_for_moa():
 def test_forward_backward_reaches_every_trainable_parameter(attention, opts):
     model = fill(tiny(attention, **opts)).train()
     x, t, y = batch()
-    out = model(x, t, y)
+    with record_routing(model) as routing:
+        out = model(x, t, y)
     assert out.shape == (4, 8, 8, 8)
-    loss = out.square().mean() + collect_aux_loss(model, coef=1.0)
+    loss = out.square().mean() + routing.aux_loss(coef=1.0)
     loss.backward()
     for name, p in model.named_parameters():
         if not p.requires_grad:
@@ -209,7 +211,7 @@ def test_forward_backward_reaches_every_trainable_parameter(attention, opts):
             continue  # only the rows of the sampled labels get gradient
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     if attention != "mha":
-        assert collect_aux_loss(model) > 0
+        assert routing.aux_loss() > 0
 
 
 def test_grad_checkpointing_gives_the_same_gradients():
@@ -219,7 +221,11 @@ def test_grad_checkpointing_gives_the_same_gradients():
     for m in (a, b):
         m.train()
         torch.manual_seed(0)  # the same label dropout for both
-        (m(x, t, y).square().mean() + collect_aux_loss(m, coef=1.0)).backward()
+        with record_routing(m) as routing:
+            out = m(x, t, y)
+        (out.square().mean() + routing.aux_loss(coef=1.0)).backward()
+        # the checkpointed blocks' recomputation during backward is not recorded a second time
+        assert len(routing.records) == len(m.blocks)
     for (name, pa), pb in zip(a.named_parameters(), b.parameters()):
         if pa.grad is not None:
             torch.testing.assert_close(pa.grad, pb.grad, rtol=1e-5, atol=1e-6, msg=name)
@@ -323,58 +329,60 @@ def test_create_model_checkpoint_path_strict_load(tmp_path):
         assert torch.equal(loaded.state_dict()[k], v), k
 
 
-def _convert_module():
-    spec = importlib.util.spec_from_file_location("convert_checkpoint", ROOT / "tools" / "convert_checkpoint.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+def convert(*argv):
+    """``tools/convert_checkpoint.py`` in-process: its exit status (0 written)."""
+    try:
+        return load_tool("convert_checkpoint").main([str(a) for a in argv])
+    except SystemExit as exited:
+        return exited.code
 
 
-def test_convert_checkpoint_training_dict_with_namespace(tmp_path, capsys):
-    convert = _convert_module()
+def test_convert_checkpoint_training_dict(tmp_path, capsys, caplog):
     model = fill(timm.create_model("dit_tiny_2", depth=2))
     sd = model.state_dict()
     ema = {k: v + 1 for k, v in sd.items()}
     src = tmp_path / "0001000.pt"
+    # DiT's training checkpoints pickle their argparse.Namespace: read safely, no trust needed
     torch.save({"model": {f"module.{k}": v for k, v in sd.items()}, "ema": ema, "opt": {"state": {}},
                 "args": argparse.Namespace(model="DiT-S/2", image_size=32, num_classes=10)}, src)
     dst = tmp_path / "out" / "ema.pt"
-    common = [str(src), str(dst), "--model", "dit_tiny_2", "--model-arg", "depth=2"]
+    common = [f"src={src}", f"dst={dst}", "model=dit_tiny_2", "model.depth=2"]
 
-    assert convert.main(common) == 2  # refused: pickled Namespace without --trust-pickle
-    err = capsys.readouterr().err
-    assert "argparse.Namespace" in err and "--trust-pickle" in err and not dst.exists()
-
-    assert convert.main(common + ["--trust-pickle"]) == 0
+    assert convert(*common) == 0
     captured = capsys.readouterr()
-    assert "WARNING" in captured.err and "['ema']" in captured.out
+    assert "['ema']" in captured.out and "model=DiT-S/2" in captured.out and "matches dit_tiny_2" in captured.out
     out = torch.load(dst, weights_only=True)
     assert out.keys() == ema.keys() and all(torch.equal(out[k], ema[k]) for k in ema)
     assert [p.name for p in dst.parent.iterdir()] == ["ema.pt"]  # no temporary file left behind
 
-    assert convert.main(common + ["--trust-pickle", "--no-ema"]) == 0
+    assert convert(*common, "ema=false") == 0
     out = torch.load(dst, weights_only=True)
     assert all(torch.equal(out[k], sd[k]) for k in sd)  # module. prefix stripped
     loaded = timm.create_model("dit_tiny_2", depth=2, checkpoint_path=str(dst))
     assert torch.equal(loaded.final_layer.linear.weight, sd["final_layer.linear.weight"])
 
+    # any other pickled object is refused unless the user vouches for the file
+    torch.save({"ema": ema, "extra": fractions.Fraction(1, 3)}, src)
+    assert convert(*common) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "Fraction" in err[0] and "trust_pickle=true" in err[0]
+    assert convert(*common, "trust_pickle=true") == 0
+    assert "trust_pickle: loading" in caplog.text
+
 
 def test_convert_checkpoint_validation_summary(tmp_path, capsys):
-    convert = _convert_module()
     sd = timm.create_model("dit_tiny_2", depth=2).state_dict()
     sd["extra.weight"] = torch.zeros(1)
     del sd["blocks.1.attn.qkv.bias"]
     sd["pos_embed"] = torch.zeros(1, 16, 128)
     src, dst = tmp_path / "raw.pt", tmp_path / "out.pt"
     torch.save({"state_dict": sd}, src)
-    assert convert.main([str(src), str(dst), "--model", "dit_tiny_2", "--model-arg", "depth=2"]) == 1
-    err = capsys.readouterr().err
-    assert "1 missing from the checkpoint" in err and "blocks.1.attn.qkv.bias" in err
-    assert "1 unexpected in the checkpoint" in err and "extra.weight" in err
-    assert "pos_embed: checkpoint (1, 16, 128) vs model (1, 64, 128)" in err
+    assert convert(f"src={src}", f"dst={dst}", "model=dit_tiny_2", "model.depth=2") == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "1 missing keys (e.g. blocks.1.attn.qkv.bias)" in err[0]
+    assert "1 unexpected keys (e.g. extra.weight)" in err[0] and "nothing written" in err[0]
+    assert "pos_embed: (1, 16, 128) vs (1, 64, 128)" in err[0] and "model.input_size=" in err[0]
     assert not dst.exists()
-    assert convert.main([str(src), str(dst)]) == 0 and dst.exists()  # without --model: just converted
-    assert convert.main([str(tmp_path / "missing.pt"), str(dst)]) == 2
-    with pytest.raises(SystemExit) as help_exit:
-        convert.main(["--help"])
-    assert help_exit.value.code == 0 and "--trust-pickle" in capsys.readouterr().out
+    assert convert(f"src={src}", f"dst={dst}") == 0 and dst.exists()  # without model=: just converted
+    assert convert(f"src={tmp_path / 'missing.pt'}", f"dst={dst}") == 2
+    assert convert("--help") == 0 and "trust_pickle=<true|false>" in capsys.readouterr().out

@@ -9,11 +9,11 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import read_summary, run_entry
+from helpers import load_tool, read_summary, run_entry
+from moh_vision.data.extract_latents import Extraction, extract_latents
 from moh_vision.data.latents import SCALE_FACTOR, LatentsData, center_crop_arr, load_shard, load_vae
-from moh_vision.engine.sampler import SeededItems
+from moh_vision.data.sampler import SeededItems
 from moh_vision.errors import ConfigError
-from tools import extract_latents
 
 IMAGE_SIZE, CLASSES, PER_CLASS = 16, 3, 4  # the tiny VAE halves: 16 px -> 8x8x4 latents
 
@@ -42,9 +42,9 @@ def make_image_tree(root):
 
 
 def extract(data, vae, out, *extra):
-    args = ["--data", str(data), "--vae", str(vae), "--out", str(out), "--image-size", str(IMAGE_SIZE),
-            "--shard-size", "5", "--batch-size", "3", "--num-workers", "0", "--no-progress", *extra]
-    return extract_latents.main(args)
+    args = [f"data={data}", f"vae={vae}", f"out={out}", f"image_size={IMAGE_SIZE}", "shard_size=5", "batch_size=3",
+            "num_workers=0", "progress=false", *extra]
+    return load_tool("extract_latents").main(args)
 
 
 @pytest.fixture(scope="module")
@@ -128,9 +128,8 @@ def test_extraction_resumes_and_refuses_mixed_settings(latents, tmp_path):
                        load_shard(latents["out"] / "shard_00001.pt")["moments"])
     assert json.loads((out / "index.json").read_text()) == json.loads((latents["out"] / "index.json").read_text())
     with pytest.raises(ConfigError, match="other settings"):
-        extract_latents.run(extract_latents.build_parser().parse_args(
-            ["--data", str(latents["data"]), "--vae", str(latents["vae"]), "--out", str(out), "--image-size", "32",
-             "--shard-size", "5", "--no-progress", "--num-workers", "0"]))
+        extract_latents(Extraction(str(latents["data"]), str(latents["vae"]), str(out), image_size=32, shard_size=5,
+                                   num_workers=0, progress=False), torch.device("cpu"))
 
 
 def test_missing_latents_and_vae_fail_with_one_line(tmp_path, capsys):
@@ -144,15 +143,16 @@ def test_missing_latents_and_vae_fail_with_one_line(tmp_path, capsys):
     (tmp_path / "unet" / "config.json").write_text(json.dumps({"_class_name": "UNet2DModel"}))
     with pytest.raises(ConfigError, match="holds a UNet2DModel model, not an AutoencoderKL"):
         load_vae(tmp_path / "unet")
-    assert extract(tmp_path, tmp_path / "no_vae", tmp_path / "out") == 2
+    with pytest.raises(SystemExit) as exited:
+        extract(tmp_path, tmp_path / "no_vae", tmp_path / "out")
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("error: VAE path") and "nothing is downloaded" in err[-1]
+    assert exited.value.code == 2 and err[-1].startswith("error: VAE path") and "nothing is downloaded" in err[-1]
 
 
 def test_train_diffusion_on_latents_end_to_end(latents, tmp_path):
-    run_entry("train.py", "task=diffusion", "data=latents", f"data.root={latents['out']}", "data.val_size=4",
-              "model=dit_tiny_2", f"task.vae={{path:{latents['vae']}}}", "task.sample.clip_denoised=false",
-              "task.sample.steps=2", "task.sample.per_class=1", "trainer.epochs=1", "trainer.max_steps=2",
+    # one config choice sets what latent diffusion needs; the VAE comes from the latents' index
+    run_entry("train.py", "experiment=latent_diffusion", f"data.root={latents['out']}", "data.val_size=4",
+              "model=dit_tiny_2", "task.sample.steps=2", "task.sample.per_class=1", "trainer.epochs=1", "trainer.max_steps=2",
               "trainer.batch_size=4", "trainer.progress=false", "trainer.count_flops=false",
               f"hydra.run.dir={tmp_path}")
     summary = read_summary(tmp_path)
@@ -163,6 +163,13 @@ def test_train_diffusion_on_latents_end_to_end(latents, tmp_path):
     assert state["config"]["data"]["_target_"].endswith("LatentsData")
     grid = Image.open(tmp_path / "samples" / "epoch_0000.png")
     assert grid.mode == "RGB" and grid.height >= CLASSES * IMAGE_SIZE, "the grid holds decoded RGB images"
+
+
+def test_latents_without_the_diffusion_task_is_a_one_line_error(latents):
+    from moh_vision.tasks.classification import ClassificationTask
+    data = LatentsData(str(latents["out"]), val_size=4)
+    with pytest.raises(ConfigError, match="task=diffusion.*experiment=latent_diffusion"):
+        ClassificationTask(model={"name": "transnext_nano"}).build_model(data)
 
 
 OFFICIAL_STEPS = {**{f"moh_dit_{s}_2_{r}": 400_000 for s in "sbl" for r in (90, 75)},

@@ -12,7 +12,7 @@ import timm
 import torch
 import torch.nn.functional as F
 
-from moh_vision.attention import build_attention, collect_aux_loss, find_attention
+from moh_vision.attention import build_attention, find_attention, record_routing
 from moh_vision.errors import ConfigError
 from moh_vision.models import transnext as T
 
@@ -165,13 +165,14 @@ def test_checkpoint_path_loads_strictly(tmp_path):
 def test_model_api():
     model = T.transnext_nano(num_classes=7)
     assert model.no_weight_decay_keywords() == {"query_embedding", "relative_pos_bias_local", "cpb", "temperature"}
-    assert model.no_weight_decay() == set()
+    assert "block1.0.attn.query_embedding" in model.no_weight_decay()  # exact names (tests/test_timm_models.py)
     cfg = model.pretrained_cfg
-    assert cfg["input_size"] == (3, 32, 32) and cfg["crop_pct"] == 0.875 and cfg["interpolation"] == "bicubic"
+    assert cfg["input_size"] == (3, 32, 32) and cfg["pool_size"] == (1, 1)  # nano: the digits' settings
+    assert timm.models.get_pretrained_cfg("transnext_tiny").crop_pct == 0.875
     assert cfg["num_classes"] == 7 and model.default_cfg is cfg
     x = torch.randn(2, 3, 32, 32)
-    feats = model.forward_features(x)
-    assert feats.shape == (2, 1, 192) and model.forward_head(feats, pre_logits=True).shape == (2, 192)
+    feats = model.forward_features(x)  # timm: the stage-4 map
+    assert feats.shape == (2, 192, 1, 1) and model.forward_head(feats, pre_logits=True).shape == (2, 192)
     model.reset_classifier(3)
     assert model(x).shape == (2, 3)
 
@@ -185,7 +186,9 @@ def test_nano_forward_backward_all_attentions(attention, options):
     model = T.transnext_nano(attention=attention, in_chans=1, drop_path_rate=0.1, **options).train()
     assert {m.attention_name for _, m in find_attention(model)} == {attention}
     x = torch.randn(4, 1, 32, 32)
-    loss = F.cross_entropy(model(x), torch.arange(4)) + collect_aux_loss(model)
+    with record_routing(model) as routing:
+        logits = model(x)
+    loss = F.cross_entropy(logits, torch.arange(4)) + routing.aux_loss()
     loss.backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), name
@@ -203,7 +206,9 @@ def test_every_parameter_learns_at_64(attention, options):
             if hasattr(m, name):
                 torch.nn.init.normal_(getattr(m, name).weight)
     x = torch.randn(2, 3, 64, 64)
-    loss = model(x).square().mean() + collect_aux_loss(model, coef=1.0)
+    with record_routing(model) as routing:
+        y = model(x)
+    loss = y.square().mean() + routing.aux_loss(coef=1.0)
     loss.backward()
     dead = [n for n, p in model.named_parameters() if p.grad is None or p.grad.abs().sum() == 0]
     assert not dead
@@ -212,17 +217,18 @@ def test_every_parameter_learns_at_64(attention, options):
 def test_moh_preset_runs_at_reduced_size():
     torch.manual_seed(2)
     model = timm.create_model("moh_transnext_base_50", img_size=64, depths=(1, 1, 1, 1), num_classes=10).train()
-    y = model(torch.randn(2, 3, 64, 64))
-    (y.square().mean() + collect_aux_loss(model)).backward()
+    with record_routing(model) as routing:
+        y = model(torch.randn(2, 3, 64, 64))
+    (y.square().mean() + routing.aux_loss()).backward()
     assert y.shape == (2, 10) and torch.isfinite(y).all()
-    assert collect_aux_loss(model) > 0
+    assert routing.aux_loss() > 0
 
 
 def test_bfloat16_autocast():
     model = tiny(attention=["moh", "moa", "moh", "moa"], topk=(1, 2, 3, 4), shared_heads=(1, None, 2, None)).train()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=torch.bfloat16), record_routing(model) as routing:
         y = model(torch.randn(2, 3, 64, 64))
-        loss = y.float().square().mean() + collect_aux_loss(model)
+        loss = y.float().square().mean() + routing.aux_loss()
     loss.backward()
     assert y.dtype == torch.bfloat16 and all(torch.isfinite(p.grad).all() for p in model.parameters())
 
@@ -264,7 +270,8 @@ def _moa_as_dense(moa, dense):
     for every head, so that ``dense(x) == E * moa(x)`` when MoA's router is uniform over all E."""
     E, d = moa.num_heads, moa.head_dim
     k_w, v_w = moa.kv_proj.weight[:d], moa.kv_proj.weight[d:]
-    k_b, v_b = moa.kv_proj.bias[:d], moa.kv_proj.bias[d:]
+    kv_bias = moa.kv_proj.bias if moa.kv_proj.bias is not None else torch.zeros(2 * d)  # official MoA: no bias
+    k_b, v_b = kv_bias[:d], kv_bias[d:]
     state = {k: v for k, v in moa.state_dict().items() if not k.startswith(("q_proj", "kv_proj", "proj", "w_gate"))}
     kv_w, kv_b = torch.cat([k_w.repeat(E, 1), v_w.repeat(E, 1)]), torch.cat([k_b.repeat(E), v_b.repeat(E)])
     q_w, q_b = moa.q_proj.weight, torch.zeros(E * d)
@@ -276,19 +283,22 @@ def _moa_as_dense(moa, dense):
     dense.load_state_dict(state, strict=True)
 
 
+@pytest.mark.parametrize("kv_bias", [False, True], ids=["official-no-kv-bias", "kv-bias"])
 @pytest.mark.parametrize("kernel,args", [
     ("transnext_aggregated", dict(input_resolution=8, sr_ratio=4, pretrain_size=8)),
     ("transnext_full", dict(input_resolution=(3, 4))),
 ])
-def test_one_head_keys_values_broadcast_to_all_heads(kernel, args):
+def test_one_head_keys_values_broadcast_to_all_heads(kernel, args, kv_bias):
     """MoA over the TransNeXt kernels: its single key/value head behaves exactly like that head
     copied into every head of the dense kernel."""
     torch.manual_seed(4)
     E, dim = 4, 32
-    moa = build_attention("moa", dim, E, kernel=kernel, topk=E, **args).eval()
+    moa = build_attention("moa", dim, E, kernel=kernel, topk=E, kv_bias=kv_bias, **args).eval()
     assert moa.kv_proj.out_features == 2 * moa.head_dim
+    assert (moa.kv_proj.bias is not None) == kv_bias
     with torch.no_grad():
-        moa.kv_proj.bias.normal_()
+        if kv_bias:
+            moa.kv_proj.bias.normal_()
         if hasattr(moa, "learnable_bias"):
             moa.learnable_bias.normal_()
     dense = build_attention("mha", dim, E, kernel=kernel, **args).eval()

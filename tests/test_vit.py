@@ -4,7 +4,7 @@ import timm
 import torch
 from timm.models.vision_transformer import VisionTransformer
 
-from moh_vision.attention import collect_aux_loss
+from moh_vision.attention import record_routing
 from moh_vision.errors import ConfigError
 from moh_vision.models.vit import PlainViT
 
@@ -118,7 +118,9 @@ def test_forward_backward_reaches_every_parameter(attention, opts):
             for b in model.blocks:
                 b.attn.w_gate.weight.normal_()
     x = torch.randn(4, 3, 32, 32)
-    loss = torch.nn.functional.cross_entropy(model(x), torch.tensor([0, 1, 2, 3])) + collect_aux_loss(model, coef=1.0)
+    with record_routing(model) as routing:
+        logits = model(x)
+    loss = torch.nn.functional.cross_entropy(logits, torch.tensor([0, 1, 2, 3])) + routing.aux_loss(coef=1.0)
     loss.backward()
     for name, p in model.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name

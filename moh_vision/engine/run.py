@@ -15,7 +15,7 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from moh_vision.errors import ConfigError
-from . import checkpoint as ckpt_io
+from moh_vision import checkpoints as ckpt_io
 from .distributed import broadcast_object, cleanup, init_distributed
 from .loggers import Loggers, write_json
 from .trainer import Preempted, Trainer

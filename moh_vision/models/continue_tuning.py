@@ -1,6 +1,9 @@
-"""Continue-tuning: start a MoH model from a dense (multi-head attention) checkpoint of the same backbone.
+"""Continue-tuning: start a routed model from a dense (multi-head attention) checkpoint of the same backbone.
 
-MoH adds routers to a dense layer and nothing else (``wg``: routed-head scores, ``wg_0``: the two-stage
+What a variant adds over a dense layer (its ``variant_parameters``) and how those start
+(``dense_start``) is declared by the variant itself; this module copies the dense tensors, asks each
+layer for the start of its own parameters, and refuses what a variant says it cannot do
+(``dense_start_refusal``). For MoH, the built-in example: MoH adds routers to a dense layer and nothing else (``wg``: routed-head scores, ``wg_0``: the two-stage
 shared/routed mix, ``wg_1``: shared-head weights); every other parameter (q/k/v and output projections,
 TransNeXt's temperature, query embedding, position biases and learnable tokens, MLPs, norms,
 embeddings, heads, DiT's adaLN) has the same name and shape as in the dense model. So the dense weights
@@ -21,9 +24,10 @@ sqrt(dim)`` of 1, and each token picks its heads from its own scores rather than
 same heads by tie-breaking of an all-zero router (whose unchosen heads would also receive identical
 updates and stay tied).
 
-What is refused, with the reason: checkpoints that are not dense (they already hold routers, or MoA's
-experts), backbones of another width / depth / head layout (the heads would be cut differently), and MoA
-targets (one shared key/value head and a bias-free output projection: no dense layer maps onto them).
+What is refused, with the reason: checkpoints that are not dense (they hold a variant's own parameters,
+e.g. MoH routers or MoA experts), backbones of another width / depth / head layout (the heads would be cut
+differently), and targets whose variant declares that it cannot start from dense weights (MoA: one shared
+key/value head and a bias-free output projection, so no dense layer maps onto it).
 
 ``model.init_from=<checkpoint>`` (``build_model(..., init_from=...)``) and
 ``tools/convert_dense_to_moh.py`` both call :func:`init_from_dense`.
@@ -31,7 +35,6 @@ targets (one shared key/value head and a bias-free output projection: no dense l
 from __future__ import annotations
 
 import logging
-import pickle
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -39,18 +42,14 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import nn
 
-from moh_vision.attention import find_attention
+from moh_vision.attention import find_attention, list_attention, variant_class
+from moh_vision.checkpoints import find_weights, load_file, state_dict_diff
 from moh_vision.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 
-ROUTERS = ("wg", "wg_0", "wg_1")                 # MoH (the official names)
-NOT_DENSE_MODULES = ROUTERS + ("w_gate", "w_noise", "q_proj", "kv_proj")  # MoH routers, MoA experts
-EMA_KEYS = ("model_ema", "ema", "state_dict_ema")  # ours, DiT's training script, timm
-MODEL_KEYS = ("model", "state_dict", "module")
-STRIP_PREFIXES = ("module.", "_orig_mod.")        # DistributedDataParallel, torch.compile
 DEFAULT_ROUTER_STD = 1e-3
 SHOW = 3                                          # examples named per problem
 
@@ -73,55 +72,23 @@ class DenseCheckpoint:
     config: Optional[Dict[str, Any]] = None
 
 
-def _strip(state: Mapping[str, Tensor]) -> Dict[str, Tensor]:
-    out = {}
-    for key, value in state.items():
-        while key.startswith(STRIP_PREFIXES):
-            key = next(key[len(p):] for p in STRIP_PREFIXES if key.startswith(p))
-        out[key] = value
-    return out
-
-
 def read_dense_checkpoint(path: Union[str, Path], weights: str = "auto") -> DenseCheckpoint:
-    """Load ``path`` (tensors only) and pick its weights.
-
-    Understood: a plain state dict (the released TransNeXt / DiT files), our trainer's checkpoints
-    (``model`` and, with EMA, ``model_ema``), ``{"model"}`` / ``{"state_dict"}`` wrappers, timm's
-    ``state_dict_ema`` and DiT's ``ema``. ``weights``: ``auto`` takes the EMA weights when the file has
-    them (what DiT releases and what timm's loader prefers), else the model weights; ``ema`` requires
-    them; ``model`` takes the raw weights.
-    """
-    if weights not in ("auto", "ema", "model"):
-        raise ContinueTuningError(f"weights='{weights}' is unknown; use auto, ema or model")
+    """Load ``path`` (tensors only, plus the argparse Namespace released training checkpoints carry) and
+    pick its weights (:func:`moh_vision.checkpoints.find_weights`: ours, DiT's, timm's, plain state dicts;
+    ``weights``: ``auto`` EMA when present, ``ema``, ``model``)."""
     path = Path(path)
     if not path.is_file():
         raise ContinueTuningError(f"init_from={path} does not exist")
     try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError:
-        raise ContinueTuningError(
-            f"{path} holds pickled Python objects besides tensors (DiT's training checkpoints keep an argparse "
-            f"Namespace); extract the weights first: python tools/convert_checkpoint.py {path} dense.pt "
-            f"--trust-pickle, then use dense.pt") from None
-    if not isinstance(ckpt, Mapping):
-        raise ContinueTuningError(f"{path} holds a {type(ckpt).__name__}, not a checkpoint dict")
+        ckpt = load_file(path)
+        state, where = find_weights(ckpt, weights, source=str(path))
+    except ContinueTuningError:
+        raise
+    except ConfigError as err:
+        raise ContinueTuningError(str(err)) from None
     config = ckpt.get("config") if isinstance(ckpt.get("config"), Mapping) else None
     model_name = ckpt.get("model_name") if isinstance(ckpt.get("model_name"), str) else None
-    order = {"auto": EMA_KEYS + MODEL_KEYS, "ema": EMA_KEYS, "model": MODEL_KEYS}[weights]
-    obj, where = ckpt, ""
-    while True:
-        key = next((k for k in order if isinstance(obj.get(k), Mapping)), None)
-        if key is None:
-            break
-        obj, where = obj[key], f"{where}[{key!r}]"
-    if weights == "ema" and not where:
-        raise ContinueTuningError(f"weights='ema' but {path} has no EMA weights (keys: {sorted(ckpt)[:8]})")
-    tensors = {k: v for k, v in obj.items() if isinstance(v, Tensor)}
-    if not tensors or len(tensors) != len(obj):
-        other = [k for k in obj if not isinstance(obj[k], Tensor)][:SHOW]
-        raise ContinueTuningError(f"{path}{where} is not a state dict of tensors (e.g. entries {other}); "
-                                  f"its keys: {sorted(obj)[:8]}")
-    return DenseCheckpoint(_strip(tensors), str(path), where or "(top level)", model_name, dict(config or {}) or None)
+    return DenseCheckpoint(state, str(path), where, model_name, dict(config or {}) or None)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -186,16 +153,13 @@ class ConversionReport:
 
 
 def attention_layers(model: nn.Module) -> List[LayerStart]:
-    """Every registry attention of ``model`` with its head budget."""
+    """Every registry attention of ``model`` with its head budget (as its variant describes it)."""
     layers = []
     for name, module in find_attention(model):
-        h = int(module.num_heads)
-        kind = module.attention_name
-        if kind == "moh":
-            shared, topk = int(module.shared_heads), int(module.topk)
-            layers.append(LayerStart(name, kind, h, shared + topk, shared, topk))
-        else:
-            layers.append(LayerStart(name, kind, h, int(getattr(module, "topk", h)) if kind == "moa" else h, h, 0))
+        info = module.routing_description()
+        h, active = int(info["num_heads"]), int(info["active_heads"])
+        layers.append(LayerStart(name, module.attention_name, h, active, int(info.get("shared_heads", active)),
+                                 int(info.get("topk", 0))))
     return layers
 
 
@@ -215,28 +179,30 @@ def check_target(model: nn.Module) -> List[LayerStart]:
     layers = attention_layers(model)
     if not layers:
         raise ContinueTuningError(f"{type(model).__name__} has no registry attention layers to convert")
-    moa = [layer.name for layer in layers if layer.attention == "moa"]
-    if moa:
-        raise ContinueTuningError(
-            f"MoA cannot be continue-tuned from a dense checkpoint ({moa[0]} and {len(moa) - 1} more layers): its "
-            f"experts share ONE key/value head (kv_proj: C -> 2 x head_dim) where the dense layer has one per head, "
-            f"and its output projection has no bias; the embeddings, MLPs, norms and per-expert query/output "
-            f"weights would fit, but no choice of the shared key/value head reproduces the dense layer, so the "
-            f"model would not start from the dense function. Train MoA from scratch, or continue-tune to "
-            f"attention=moh")
-    unknown = sorted({layer.attention for layer in layers} - {"mha", "moh"})
-    if unknown:
-        raise ContinueTuningError(f"continue-tuning knows how to start attention mha and moh, not {unknown}")
+    for name, module in find_attention(model):
+        if module.dense_start_refusal:
+            count = sum(1 for _, m in find_attention(model) if type(m) is type(module))
+            raise ContinueTuningError(f"{name} ({module.attention_name}, {count} such layers): "
+                                      f"{module.dense_start_refusal}")
     return layers
 
 
+def variant_parameter_names() -> set:
+    """Names of what any registered variant adds over a dense attention (routers, experts)."""
+    return {p for name in list_attention() for p in variant_class(name).variant_parameters}
+
+
 def check_dense(ckpt: DenseCheckpoint) -> None:
-    routed = [k for k in ckpt.state if _module_of(k) in NOT_DENSE_MODULES]
+    not_dense = variant_parameter_names()
+    routed = [k for k in ckpt.state if _module_of(k) in not_dense or k.rsplit(".", 1)[-1] in not_dense]
     if routed:
-        kind = "MoA experts" if any(_module_of(k) in ("w_gate", "q_proj", "kv_proj") for k in routed) else "MoH routers"
+        owners = sorted(name for name in list_attention()
+                        if set(variant_class(name).variant_parameters) & {_module_of(routed[0]),
+                                                                          routed[0].rsplit(".", 1)[-1]})
         raise ContinueTuningError(
-            f"{ckpt.path} is not a dense checkpoint: it holds {kind} ({routed[0]} and {len(routed) - 1} more); "
-            f"to continue a routed run use model.checkpoint_path=<it> with the same attention (or trainer.resume)")
+            f"{ckpt.path} is not a dense checkpoint: it holds parameters of attention {'/'.join(owners)} "
+            f"({routed[0]} and {len(routed) - 1} more); to continue a routed run use model.checkpoint_path=<it> with "
+            f"the same attention (or trainer.resume)")
 
 
 def _source_heads(ckpt: DenseCheckpoint) -> Optional[List[Tuple[int, int]]]:
@@ -255,13 +221,11 @@ def _source_heads(ckpt: DenseCheckpoint) -> Optional[List[Tuple[int, int]]]:
     return heads_per_layer(source)
 
 
-def check_layout(model: nn.Module, ckpt: DenseCheckpoint) -> None:
-    """Same keys (but the routers) and shapes; the same heads per layer where the checkpoint says."""
+def check_layout(model: nn.Module, ckpt: DenseCheckpoint, attention_prefixes: Tuple[str, ...] = ()) -> None:
+    """Same keys (but the variants' own parameters) and shapes; the same heads per layer where the
+    checkpoint says."""
     expected = model.state_dict()
-    routers = set(router_keys(model))
-    missing = [k for k in expected if k not in ckpt.state and k not in routers]
-    unexpected = [k for k in ckpt.state if k not in expected]
-    reshaped = [k for k in ckpt.state if k in expected and tuple(expected[k].shape) != tuple(ckpt.state[k].shape)]
+    missing, unexpected, reshaped = state_dict_diff(expected, ckpt.state, optional=router_keys(model))
     problems = []
     if reshaped:
         k = reshaped[0]
@@ -277,7 +241,7 @@ def check_layout(model: nn.Module, ckpt: DenseCheckpoint) -> None:
         raise ContinueTuningError(
             f"{ckpt.path}{source} is not the dense version of this backbone: {'; '.join(problems)}. "
             f"Continue-tuning copies every dense tensor unchanged, so width, depth, heads per layer, image/latent "
-            f"size and classes must match{_layout_hint(reshaped, missing, unexpected)}")
+            f"size and classes must match{_layout_hint(reshaped, missing, unexpected, attention_prefixes)}")
     src = _source_heads(ckpt)
     tgt = heads_per_layer(model)
     if src is not None and src != tgt:
@@ -288,14 +252,16 @@ def check_layout(model: nn.Module, ckpt: DenseCheckpoint) -> None:
             f"rows would be cut into different heads")
 
 
-def _layout_hint(reshaped: Sequence[str], missing: Sequence[str], unexpected: Sequence[str]) -> str:
-    """When only attention projections differ, the width is the same and the heads are not."""
-    if not reshaped or missing or unexpected or any(_module_of(k) not in ("qkv", "q", "kv", "proj") for k in reshaped):
+def _layout_hint(reshaped: Sequence[str], missing: Sequence[str], unexpected: Sequence[str],
+                 attention_prefixes: Tuple[str, ...]) -> str:
+    """When only attention tensors differ, the width is the same and the heads are not."""
+    if not reshaped or missing or unexpected or not attention_prefixes or not all(
+            k.startswith(attention_prefixes) for k in reshaped):
         return ""
     return (". Only attention projections differ, so the target has another head layout (the official MoH-DiT-XL/L "
             "presets use 8/16/24 heads per layer, not DiT's 16): keep the dense backbone and give MoH the same "
-            "budget on its heads, e.g. tools/convert_dense_to_moh.py --model dit_xl_2 --routing-like "
-            "moh_dit_xl_2_90, or in a config attention.shared_heads/topk from "
+            "budget on its heads, e.g. tools/convert_dense_to_moh.py model=dit_xl_2 "
+            "routing_like=moh_dit_xl_2_90, or in a config attention.shared_heads/topk from "
             "moh_vision.models.continue_tuning.routing_like")
 
 
@@ -303,39 +269,26 @@ def _layout_hint(reshaped: Sequence[str], missing: Sequence[str], unexpected: Se
 # Routers
 # ----------------------------------------------------------------------------------------------
 def router_keys(model: nn.Module) -> List[str]:
+    """State-dict keys of the variants' own parameters (what a dense checkpoint does not have)."""
     keys = []
     for name, module in find_attention(model):
-        if module.attention_name != "moh":
-            continue
-        for router in ROUTERS:
-            if isinstance(getattr(module, router, None), nn.Linear):
-                keys.append(f"{name}.{router}.weight" if name else f"{router}.weight")
+        prefix = f"{name}." if name else ""
+        keys += [f"{prefix}{k}" for k in module.state_dict() if k.split(".")[0] in module.variant_parameters]
     return keys
 
 
 def router_start(model: nn.Module, router_std: float = DEFAULT_ROUTER_STD,
                  seed: int = 0) -> Tuple[Dict[str, Tensor], List[str], List[str]]:
-    """Router weights that make every active head's gate 1: zero, except ``wg`` in layers whose top-k
-    leaves heads out (``N(0, router_std^2)``: per-token choices, gates 1 + O(router_std * sqrt(dim)))."""
+    """Start values of every layer's own parameters, as each variant declares them
+    (:meth:`~moh_vision.attention.AttentionVariant.dense_start`). Returns the tensors and which keys
+    started at zero and which at random."""
     generator = torch.Generator().manual_seed(seed)
     weights, zero, random = {}, [], []
     for name, module in find_attention(model):
-        if module.attention_name != "moh":
-            continue
         prefix = f"{name}." if name else ""
-        for router in ROUTERS:
-            linear = getattr(module, router, None)
-            if not isinstance(linear, nn.Linear):
-                continue
-            key = f"{prefix}{router}.weight"
-            w = torch.zeros(linear.weight.shape)
-            drops_heads = router == "wg" and module.topk < module.num_heads - module.shared_heads
-            if drops_heads and router_std > 0:
-                w.normal_(0.0, router_std, generator=generator)
-                random.append(key)
-            else:
-                zero.append(key)
-            weights[key] = w.to(linear.weight.dtype)
+        for key, value in module.dense_start(router_std, generator).items():
+            weights[prefix + key] = value
+            (zero if not value.any() else random).append(prefix + key)
     return weights, zero, random
 
 
@@ -355,7 +308,10 @@ def init_from_dense(model: nn.Module, source: Union[str, Path, DenseCheckpoint],
         raise ContinueTuningError(f"router_std={router_std} must be >= 0")
     layers = check_target(model)
     check_dense(ckpt)
-    check_layout(model, ckpt)
+    adapt = getattr(model, "adapt_checkpoint", None)  # e.g. a timm ViT's state dict into plain_vit_* (pos-embed)
+    if adapt is not None:
+        ckpt.state = adapt(ckpt.state)
+    check_layout(model, ckpt, tuple(f"{name}." for name, _ in find_attention(model)))
     routers, zero, random = router_start(model, router_std, seed)
     model.load_state_dict({**ckpt.state, **routers}, strict=True)  # copy_ casts dtype and device
     report = ConversionReport(source=f"{ckpt.path}{ckpt.where if ckpt.where != '(top level)' else ''}",
@@ -383,17 +339,17 @@ def routing_like(preset: str, backbone: str, **backbone_kwargs: Any) -> Dict[str
     """
     import timm
 
-    from .transnext import TransNeXt
+    from .families import model_family
 
     with torch.device("meta"):
         moh = timm.create_model(preset)
         dense = timm.create_model(backbone, attention="mha", **backbone_kwargs)
-    if isinstance(dense, TransNeXt):
+    if model_family(dense) == "transnext":
         raise ContinueTuningError(f"TransNeXt's MoH presets keep the dense heads per stage: convert {backbone} "
                                   f"straight to the preset (e.g. model=moh_transnext_base_75)")
     moh_layers, dense_layers = attention_layers(moh), attention_layers(dense)
-    if any(layer.attention != "moh" for layer in moh_layers):
-        raise ContinueTuningError(f"{preset} is not a MoH preset")
+    if not any(layer.topk for layer in moh_layers):
+        raise ContinueTuningError(f"{preset} routes no heads (not a MoH preset with shared_heads/topk)")
     if len(moh_layers) != len(dense_layers) or type(moh) is not type(dense):
         raise ContinueTuningError(f"{preset} ({type(moh).__name__}, {len(moh_layers)} attention layers) and "
                                   f"{backbone} ({type(dense).__name__}, {len(dense_layers)}) are not the same family "

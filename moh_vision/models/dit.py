@@ -15,7 +15,11 @@ dense models (``attention="mha"``) and SkyworkAI/MoH ``MoH-DiT`` for the MoH pre
 after ``tools/convert_checkpoint.py``.
 
 Registered with timm: ``dit_{s,b,l,xl}_{2,4,8}``, ``moh_dit_{s,b,l,xl}_2_{90,75}`` (the official
-per-layer presets) and ``dit_tiny_2`` (pixel-space diffusion on 16x16 digits on a CPU).
+per-layer presets) and ``dit_tiny_2`` (pixel-space diffusion on 16x16 digits on a CPU), each with a
+pretrained cfg describing its input (SD-VAE latents, or the digits) so that
+``timm.data.resolve_model_data_config`` answers for the model, and ``pretrained=True`` with
+``pretrained_cfg_overlay=dict(file=...)`` loading released checkpoints (``DiT-XL-2-256x256.pt``, MoH-DiT
+training checkpoints: their EMA weights).
 """
 from __future__ import annotations
 
@@ -30,7 +34,8 @@ from torch.utils.checkpoint import checkpoint
 
 from moh_vision.errors import ConfigError
 from .vit import build_attention_stack, to_2tuple_size
-from .factory import preset_arguments
+from .families import register_family
+from .factory import build_from_preset
 
 Tensor = torch.Tensor
 
@@ -188,6 +193,8 @@ class DiT(nn.Module):
             ``build_attention`` (lists/tuples of length ``depth`` are per block).
     """
 
+    family = "dit"
+
     def __init__(
         self,
         input_size: Union[int, Tuple[int, int]] = 32,
@@ -282,10 +289,28 @@ class DiT(nn.Module):
         x = x.reshape(B, h, w, p, p, c)
         return torch.einsum("nhwpqc->nchpwq", x).reshape(B, c, h * p, w * p)
 
+    # --- timm conventions ------------------------------------------------------------------------
     @torch.jit.ignore
     def set_grad_checkpointing(self, enable: bool = True) -> None:
         """Recompute block activations in the backward pass (less memory, ~30% more compute)."""
         self.grad_checkpointing = enable
+
+    @torch.jit.ignore
+    def no_weight_decay(self) -> set:
+        """Nothing: the official DiT / MoH-DiT recipe trains with weight decay 0 (AdamW, wd=0), so it
+        excludes no parameter by name (``pos_embed`` is fixed, not trained)."""
+        return set()
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """Parameter groups for layer-wise lr decay: the embedders, one group per block, the final layer
+        with the last block."""
+        return dict(stem=r"^x_embedder|^t_embedder|^y_embedder|^pos_embed",
+                    blocks=[(r"^blocks\.(\d+)", None), (r"^final_layer", (99999,))])
+
+    def instance_cfg(self) -> Dict[str, Any]:
+        """The input this very model takes (what its ``pretrained_cfg`` reports)."""
+        return dict(input_size=(self.in_channels, *self.input_size), num_classes=self.num_classes)
 
     # --- forward -----------------------------------------------------------------------------------
     def forward(self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None) -> Tensor:
@@ -381,9 +406,53 @@ def _all_presets() -> Dict[str, Dict[str, Any]]:
 # Every registered name -> the DiT arguments it stands for (user kwargs override them).
 DIT_PRESETS: Dict[str, Dict[str, Any]] = _all_presets()
 
+_MOH_PRESET_NAMES = {f"moh_dit_{key}" for key in _MOH_PRESETS}
+_DIT_SOURCES = {  # where the released weights of a preset come from (pretrained_cfg_overlay=dict(file=...))
+    "dit_xl_2": ("https://github.com/facebookresearch/DiT", "DiT-XL-2-256x256.pt (EMA weights)"),
+    "moh_dit_xl_2_90": ("https://github.com/SkyworkAI/MoH", "Chat-UniVi/MoH-DiT-XL-90 (training checkpoint: EMA)"),
+}
+
+
+def _cfg(name: str) -> Dict[str, Any]:
+    """What a preset takes: 256x256 ImageNet images as Stable-Diffusion VAE latents (32x32x4, scaled by
+    0.18215; the images are center-cropped as in ADM and mapped to [-1, 1] before the VAE), or for
+    ``dit_tiny_2`` the 16x16 digits mapped to [-1, 1]. ``classifier`` is the class-embedding table (it
+    is dropped when ``num_classes`` differs from the checkpoint's)."""
+    preset = DIT_PRESETS[name]
+    channels, side = preset.get("in_channels", 4), preset.get("input_size", 32)
+    moh = name in _MOH_PRESET_NAMES
+    origin, note = _DIT_SOURCES.get(name, ("https://github.com/SkyworkAI/MoH" if moh else
+                                           "https://github.com/facebookresearch/DiT", "no released weights"))
+    cfg = dict(num_classes=preset.get("num_classes", 1000), input_size=(channels, side, side), pool_size=None,
+               fixed_input_size=True, crop_pct=1.0, interpolation="bicubic", mean=(0.0,) * channels,
+               std=(1.0,) * channels, first_conv="x_embedder.proj", classifier="y_embedder.embedding_table",
+               origin_url=origin, paper_ids="arXiv:2410.11842" if moh else "arXiv:2212.09748",
+               notes=(note, "inputs: SD-VAE latents x 0.18215 of 256px center crops in [-1, 1]"))
+    if channels != 4:
+        cfg.update(mean=(0.5,) * channels, std=(0.5,) * channels, interpolation="bilinear",
+                   notes=("CPU-sized: pixel-space diffusion on the embedded digits in [-1, 1]",))
+    return cfg
+
+
+# Read by timm's register_model (it must exist before the entry points below are decorated).
+default_cfgs = {name: _cfg(name) for name in DIT_PRESETS}
+
+
+def _from_builder(in_chans: int, img_size: Any = None, **kwargs: Any) -> DiT:
+    """timm's builder passes its own names for the input (``in_chans``, ``img_size``); DiT's are
+    ``in_channels`` and ``input_size``, which :func:`create_dit` has already set."""
+    return DiT(**kwargs)
+
+
 def create_dit(name: str, pretrained: bool = False, **kwargs: Any) -> DiT:
     """Build preset ``name`` with ``kwargs`` overriding it; what the timm entry points call."""
-    return DiT(**preset_arguments(name, pretrained, DIT_PRESETS[name], kwargs))
+    clash = sorted(set(kwargs) & {"in_chans", "img_size", "global_pool"})
+    if clash:
+        raise ConfigError(f"{name}: DiT takes in_channels / input_size (and has no pooling), not {', '.join(clash)}")
+    args = {**DIT_PRESETS[name], **kwargs}
+    channels, size = args.get("in_channels", 4), to_2tuple_size(args.get("input_size", 32))
+    return build_from_preset(_from_builder, name, pretrained, DIT_PRESETS[name], kwargs,
+                             in_chans=channels, img_size=size)
 
 
 @register_model
@@ -489,3 +558,6 @@ def moh_dit_xl_2_75(pretrained: bool = False, **kwargs: Any) -> DiT:
 @register_model
 def dit_tiny_2(pretrained: bool = False, **kwargs: Any) -> DiT:
     return create_dit("dit_tiny_2", pretrained, **kwargs)
+
+
+register_family(DiT, DIT_PRESETS)

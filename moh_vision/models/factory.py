@@ -1,34 +1,56 @@
-"""Build any registered model from a name plus the attention config group."""
+"""How every model is built: a registered name plus the attention config group, through timm's builder.
+
+The three families (TransNeXt, DiT, plain ViT) share this plumbing:
+
+* :func:`build_from_preset` is what each ``@register_model`` entry point calls: the preset's arguments,
+  overridden by the user's, go through ``timm.models.build_model_with_cfg``, so ``features_only``,
+  ``out_indices``, ``feature_cls``, ``pretrained_cfg`` / ``pretrained_cfg_overlay`` and ``pretrained=True``
+  work as for timm's own models;
+* ``pretrained=True`` reads a *local* file named by ``pretrained_cfg_overlay=dict(file=...)`` (nothing is
+  ever downloaded): released checkpoints in their official formats (a plain state dict, ``{"model": ...}``
+  training checkpoints with a pickled ``argparse.Namespace``, DiT's ``{"model", "ema", ...}``), ours, and
+  ``.safetensors``;
+* :mod:`~moh_vision.models.families` says which registered names are ours and the family of each
+  (models carry a ``family`` class attribute; nothing reads a family from a name);
+* :func:`build_model` is what the tasks call: one-line errors, ``checkpoint_path`` and ``init_from``.
+"""
 from __future__ import annotations
 
-import difflib
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Callable, Dict, Mapping, Optional
 
 import timm
+import torch
+from timm.layers import register_notrace_module
+from timm.models import build_model_with_cfg
 from torch import nn
 
+from moh_vision.attention import HeadAttention
+from moh_vision.checkpoints import read_weights
 from moh_vision.errors import ConfigError
+from .families import check_model_name, list_models, model_class, model_family, register_family  # noqa: F401
 
-# Keys of the attention config group that configure training, not the attention modules.
-NON_MODULE_KEYS = ("name", "aux_loss_weight")
+Tensor = torch.Tensor
 
-# Arguments timm.create_model passes to every entry point; our constructors don't take them.
-TIMM_ONLY_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
 ROUTING_KEYS = ("shared_heads", "topk")
+# What timm.create_model hands every entry point besides the model's own arguments.
+TIMM_CFG_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
+
+# torch.fx (timm's feature extraction, ``test_model_forward_fx``): an attention layer is one leaf node.
+# Routed layers choose their execution path from the input (device, tokens) and record routing for the
+# caller, which symbolic tracing cannot follow; as a leaf the module runs as it is, inside the graph.
+register_notrace_module(HeadAttention)
 
 
-def preset_arguments(name: str, pretrained: bool, preset: Mapping[str, Any], kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """Constructor arguments of registered model ``name``: its preset, overridden by the user's kwargs.
+# ----------------------------------------------------------------------------------------------
+# Entry points: preset + user arguments -> timm's builder
+# ----------------------------------------------------------------------------------------------
+def preset_arguments(preset: Mapping[str, Any], kwargs: Mapping[str, Any]) -> Dict[str, Any]:
+    """Constructor arguments of a registered model: its preset, overridden by the user's kwargs.
 
     A MoH preset's official routing (per-layer ``shared_heads``/``topk``) applies unless the user
     picks another attention or their own ``activation_ratio``/``shared_heads``/``topk``: then the
-    user's routing replaces it rather than clashing with it. ``pretrained=True`` is refused
-    (nothing is ever downloaded) and timm's bookkeeping kwargs are dropped.
+    user's routing replaces it rather than clashing with it.
     """
-    if pretrained:
-        raise ConfigError(f"{name}: pretrained=True is not supported (nothing is downloaded); pass checkpoint_path= "
-                          f"to load local weights (tools/convert_checkpoint.py converts released checkpoints)")
-    kwargs = {k: v for k, v in kwargs.items() if k not in TIMM_ONLY_KWARGS}
     args = dict(preset)
     user_routes = kwargs.get("attention", args.get("attention")) != args.get("attention") or any(
         k in kwargs for k in ("activation_ratio", *ROUTING_KEYS))
@@ -39,90 +61,79 @@ def preset_arguments(name: str, pretrained: bool, preset: Mapping[str, Any], kwa
     return args
 
 
-def attention_kwargs(attention: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
-    """Turn the ``attention`` config group into model kwargs: ``attention=<name>`` plus its options.
+def build_from_preset(model_cls: Callable[..., nn.Module], name: str, pretrained: bool, preset: Mapping[str, Any],
+                      kwargs: Dict[str, Any], feature_cfg: Optional[Dict[str, Any]] = None,
+                      filter_fn: Optional[Callable] = None, **builder_kwargs: Any) -> nn.Module:
+    """Build registered model ``name`` through ``timm.models.build_model_with_cfg``.
 
-    ``name: null`` (the ``preset`` group) passes nothing, so a preset keeps its own per-layer heads.
-    ``null`` options are dropped (timm drops them too).
+    ``kwargs`` are what ``timm.create_model`` passed (model arguments, attention options, timm's
+    ``features_only``/``out_indices``/``feature_cls`` and ``pretrained_cfg*``). ``feature_cfg`` is the
+    family's ``features_only`` default (``None``: not a feature backbone); ``filter_fn`` adapts a
+    checkpoint to the model before it is loaded (``pretrained=True``). ``builder_kwargs`` go to the
+    builder as they are (timm bookkeeping such as ``in_chans`` for a model that calls it otherwise).
     """
-    if not attention:
-        return {}
-    kwargs = {k: v for k, v in dict(attention).items() if k not in NON_MODULE_KEYS and v is not None}
-    if attention.get("name") is None:
-        if kwargs:
-            raise ConfigError(f"attention=preset keeps the model's own attention; remove the options {sorted(kwargs)}")
-        return {}
-    return {"attention": attention["name"], **kwargs}
-
-
-def check_model_name(name: str) -> None:
-    known = timm.list_models()
-    if name not in known:
-        ours = [m for m in known if "transnext" in m or "dit" in m or m.startswith("plain_vit")]
-        close = difflib.get_close_matches(name, ours, n=5, cutoff=0.5)
-        hint = f"did you mean {', '.join(close)}?" if close else f"moh-vision models: {', '.join(sorted(ours))}"
-        raise ConfigError(f"unknown model '{name}'; {hint}")
-
-
-def build_model(name: str, attention: Optional[Mapping[str, Any]] = None, checkpoint_path: Optional[str] = None,
-                init_from: Optional[str] = None, **kwargs: Any) -> nn.Module:
-    """``timm.create_model(name, attention=..., **options, **kwargs)`` with one-line errors for bad input.
-
-    ``checkpoint_path`` loads this very model's weights strictly; ``init_from`` starts a MoH model from a
-    dense checkpoint of the same backbone (continue-tuning, :mod:`moh_vision.models.continue_tuning`).
-    """
-    import moh_vision.models  # noqa: F401  (registers our models with timm)
-
-    if checkpoint_path and init_from:
-        raise ConfigError("give model.checkpoint_path (this model's own weights) or model.init_from (a dense "
-                          "checkpoint to continue-tune from), not both")
-    check_model_name(name)
-    kwargs = {**kwargs, **attention_kwargs(attention)}
+    kwargs = dict(kwargs)
+    timm_args = {k: kwargs.pop(k) for k in TIMM_CFG_KWARGS if k in kwargs}
+    if feature_cfg is None and any(k in kwargs for k in ("features_only", "out_indices", "feature_cls")):
+        raise ConfigError(f"{name} is not a feature backbone: features_only/out_indices/feature_cls apply to the "
+                          f"image classifiers (TransNeXt, plain ViT)")
+    if not kwargs.get("features_only"):  # timm's entry points ignore these without features_only
+        kwargs.pop("out_indices", None)
+        kwargs.pop("feature_cls", None)
+    overlay = _local_weights(name, pretrained, timm_args.get("pretrained_cfg"), timm_args.get("pretrained_cfg_overlay"))
+    args = preset_arguments(preset, kwargs)
     try:
-        model = timm.create_model(name, **kwargs)
-    except TypeError as err:  # an option the model does not take
-        raise ConfigError(f"model '{name}' rejected its arguments: {err}") from err
-    if checkpoint_path:
-        load_weights(model, checkpoint_path)
-    elif init_from:
-        from .continue_tuning import init_from_dense
-        init_from_dense(model, init_from)
+        model = build_model_with_cfg(model_cls, name, pretrained, pretrained_cfg=timm_args.get("pretrained_cfg"),
+                                     pretrained_cfg_overlay=overlay, feature_cfg=dict(feature_cfg or {}),
+                                     pretrained_filter_fn=filter_fn, cache_dir=timm_args.get("cache_dir"),
+                                     **builder_kwargs, **args)
+    except RuntimeError as err:
+        if "loading state_dict" not in str(err):
+            raise
+        problem = " ".join(line.strip() for line in str(err).splitlines() if line.strip())
+        raise ConfigError(f"pretrained weights {overlay.get('file', '')} do not fit {name} with these arguments: "
+                          f"{problem[:600]}") from None
+    file = overlay.get("file")
+    inner = model if hasattr(type(model), "family") else model.model  # features_only: timm's wrapper
+    if inner is not model:
+        model.pretrained_cfg = model.default_cfg = _source_cfg(model.pretrained_cfg, file)
+    # the model's cfg describes this very model (its input size, classes, pool size)
+    inner.pretrained_cfg = inner.default_cfg = instance_cfg(_source_cfg(inner.pretrained_cfg, file),
+                                                            inner.instance_cfg())
     return model
 
 
-def load_weights(model: nn.Module, path: str) -> None:
-    """Strictly load model weights (a plain state dict or a checkpoint with ``model``/``model_ema``)."""
-    from pathlib import Path
-
-    from timm.models import load_state_dict
-
-    if not Path(path).is_file():
-        raise ConfigError(f"checkpoint_path={path} does not exist")
-    state = load_state_dict(path, use_ema=True, weights_only=True)
-    problem = state_dict_mismatch(model.state_dict(), state)
-    if problem:
-        raise ConfigError(f"checkpoint {path} does not fit this model: {problem}")
-    model.load_state_dict(state, strict=True)
+def _source_cfg(cfg: Mapping[str, Any], file: Optional[str]) -> Dict[str, Any]:
+    """A built model's cfg names the weights file it was loaded from, without holding its tensors twice."""
+    cfg = {k: v for k, v in cfg.items() if k != "state_dict"}
+    return {**cfg, "file": file} if file else cfg
 
 
-def state_dict_mismatch(expected: Mapping[str, Any], given: Mapping[str, Any]) -> str:
-    """One line describing missing / unexpected / reshaped keys ('' when the two fit)."""
-    missing = [k for k in expected if k not in given]
-    unexpected = [k for k in given if k not in expected]
-    reshaped = [k for k in given if k in expected and tuple(expected[k].shape) != tuple(given[k].shape)]
-    parts = []
-    if missing:
-        parts.append(f"{len(missing)} missing keys (e.g. {missing[0]})")
-    if unexpected:
-        parts.append(f"{len(unexpected)} unexpected keys (e.g. {unexpected[0]})")
-    if reshaped:
-        k = reshaped[0]
-        parts.append(f"{len(reshaped)} keys with other shapes (e.g. {k}: {tuple(given[k].shape)} vs "
-                     f"{tuple(expected[k].shape)})")
-    return "; ".join(parts)
+def instance_cfg(cfg: Dict[str, Any], instance: Dict[str, Any]) -> Dict[str, Any]:
+    """``cfg`` updated with what a built model really takes (input size, classes, pool size); per-channel
+    statistics follow a changed channel count (their mean, repeated)."""
+    cfg = {**cfg, **instance}
+    channels = cfg["input_size"][0]
+    for key in ("mean", "std"):
+        values = tuple(cfg.get(key) or ())
+        if values and len(values) != channels:
+            cfg[key] = (round(sum(values) / len(values), 4),) * channels
+    return cfg
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain model inside DDP and/or ``torch.compile`` wrappers."""
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)
+def _local_weights(name: str, pretrained: bool, pretrained_cfg: Any,
+                   overlay: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """The ``pretrained_cfg_overlay`` to build with: with ``pretrained=True`` its ``file`` is read here (it may
+    be a released checkpoint that timm's tensors-only loader refuses) and handed over as ``state_dict``."""
+    overlay = dict(overlay or {})
+    if not pretrained:
+        return overlay
+    sources = {k: v for k, v in {**dict(pretrained_cfg if isinstance(pretrained_cfg, dict) else {}),
+                                 **overlay}.items() if k in ("file", "state_dict", "url", "hf_hub_id") and v}
+    if not sources:
+        raise ConfigError(f"{name}: pretrained=True needs local weights, nothing is downloaded: pass "
+                          f"pretrained_cfg_overlay=dict(file=<checkpoint>) (official or ours), or load them with "
+                          f"checkpoint_path=<checkpoint> (strict, this model's own keys)")
+    if overlay.get("file") and not overlay.get("state_dict"):
+        overlay["state_dict"] = read_weights(overlay["file"])  # official formats too (moh_vision.checkpoints)
+    return overlay

@@ -15,23 +15,32 @@ Parameter names follow the official TransNeXt / MoH-ViT checkpoints (``patch_emb
 ``block{i}.{j}.attn.qkv`` ...), so their weights load with ``strict=True``. Every buffer (position
 indices, padding mask, length scale) is non-persistent and derived from the construction-time
 resolution, as in the official code; the model therefore runs at exactly ``img_size``.
+
+timm: ``forward_features`` returns the stage-4 map ``[B, C4, H/32, W/32]``; ``features_only=True`` /
+``forward_intermediates`` give the four normalised stage maps (strides 4, 8, 16, 32), as the official
+detection and segmentation backbones use them; ``pretrained=True`` with
+``pretrained_cfg_overlay=dict(file=...)`` loads the released TransNeXt / MoH-ViT checkpoints.
 """
 from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Dict, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, to_2tuple, trunc_normal_
+from timm.layers import DropPath, register_notrace_function, to_2tuple, trunc_normal_
 from timm.models import register_model
+from timm.models._features import feature_take_indices
+from torch.utils.checkpoint import checkpoint
 
 from moh_vision.attention import HeadAttention, attention_options, build_attention, layer_options, register_kernel
+from moh_vision.attention.sparse import PackedRows, SparseSupport, measured_cpu_auto
 from moh_vision.errors import ConfigError
-from .factory import preset_arguments
+from .factory import build_from_preset, instance_cfg
+from .families import register_family
 
 Tensor = torch.Tensor
 Size2 = Tuple[int, int]
@@ -99,6 +108,16 @@ def local_window_mask(resolution: Size2, window_size: int) -> Tuple[Tensor, Tens
     return tuple(t.clone() for t in _cached_window_mask(tuple(resolution), window_size))
 
 
+@functools.lru_cache(maxsize=64)
+@torch.no_grad()
+def local_window_index(resolution: Size2, window_size: int, device: torch.device) -> Tensor:
+    """``[N, window_size ** 2]``: the token index of every slot of each position's zero-padded
+    neighbourhood, in ``F.unfold``'s slot order; ``-1`` for slots outside the image. Shared, read-only."""
+    positions = torch.arange(1, resolution[0] * resolution[1] + 1, dtype=torch.float64, device="cpu")
+    windows = F.unfold(positions.view(1, 1, *resolution), window_size, padding=window_size // 2)[0]  # [ws^2, N]
+    return (windows.transpose(0, 1).round().long() - 1).to(device)
+
+
 def _inverse_softplus(value: float, shape: Sequence[int]) -> Tensor:
     return torch.log(torch.full(tuple(shape), value).exp() - 1)
 
@@ -106,6 +125,48 @@ def _inverse_softplus(value: float, shape: Sequence[int]) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 # Attention kernels
 # ----------------------------------------------------------------------------------------------
+HeadIndex = Union[None, slice, Tensor]  # which heads a per-head step computes: None = all, in order
+
+# MoH over these kernels runs sparse (moh_vision.attention.sparse) where it was measured faster than
+# masked. CPU only: 2-core shared VM, torch fp32, 1 thread, process CPU time, dense / masked / sparse
+# interleaved (11 rounds, median of per-round ratios; rough: quartiles often +-0.05), PyTorch-default
+# routers, activation_ratio 0.5 and 0.75 (a 3-head layer: 2 of 3 active). sparse / masked:
+#   aggregated, 196 tokens (stage 3 at 224 px, sr 2), dim 192/8 heads and 288/12, batch 2 and 8:
+#     fwd 0.64-0.88, fwd+bwd 0.57-0.87; batch 1: 0.73-0.93 except dim 192 at ratio 0.75 (1.00-1.01)
+#   aggregated, 784 tokens (stage 2, sr 4; dim 144/6, 96/4) and 3136 tokens (stage 1, sr 8; dim 72/3,
+#     48/2), batch 2: 0.49-0.83
+#   full, 49 tokens (stage 4 at 224 px; dim 384/16, 576/24; batch 2 and 8): 0.92-1.40 (slower)
+#   full, 144 tokens (stage 4 at 384 px; dim 576/24): ratio 0.5, batch 2 and 8: 0.75-0.94; ratio 0.75:
+#     0.85-1.07; batch 1: 0.98-1.06. 256 tokens, batch 2: ratio 0.5: 0.70-0.80; 0.75: 0.83-0.98
+# GPUs: not measured, so masked.
+AGGREGATED_SPARSE_AUTO = measured_cpu_auto(min_tokens=196, min_batch_tokens=392, max_active=0.75)
+FULL_SPARSE_AUTO = measured_cpu_auto(min_tokens=144, min_batch_tokens=288, max_active=0.5)
+
+
+def _take(t: Tensor, heads: HeadIndex) -> Tensor:
+    """The rows of per-head tensor ``t`` (heads on dim 0) of the heads ``heads``."""
+    return t if heads is None else t[heads]
+
+
+def _take_heads(t: Tensor, heads: HeadIndex) -> Tensor:
+    """``[B, h, ...]`` -> the heads ``heads`` (a single shared key/value head is kept as it is)."""
+    return t if heads is None or t.shape[1] == 1 else t[:, heads]
+
+
+class FullKeys(NamedTuple):
+    k: Tensor     # [B, hk, N, d] normalised keys
+    v: Tensor     # [B, hk, N, d]
+    bias: Tensor  # [h, N, N] position bias
+
+
+class AggregatedKeys(NamedTuple):
+    k_local: Tensor  # [B, hk, N, d] normalised keys of every token
+    v_local: Tensor  # [B, hk, N, d]
+    k_pool: Tensor   # [B, hk, P, d] normalised pooled keys
+    v_pool: Tensor   # [B, hk, P, d]
+    bias: Tensor     # [h, N, P] position bias to the pooled tokens
+
+
 class _TransNeXtAttention(HeadAttention):
     """What both TransNeXt kernels share: length-scaled cosine queries and the position-bias MLP.
 
@@ -113,6 +174,9 @@ class _TransNeXtAttention(HeadAttention):
     ``softplus(temperature) * seq_length_scale`` (log of the number of keys a query sees), so the
     attention sharpness does not drift with the input size; keys are L2-normalised.
     """
+
+    # FLOPs: the position-bias MLP is per layer, not per (token, head)
+    flops_roles = {"cpb_fc1": "fixed", "cpb_act": "fixed", "cpb_fc2": "fixed"}
 
     def __init__(self, dim: int, num_heads: int, input_resolution: Union[int, Size2],
                  pretrain_size: Optional[Union[int, Size2]] = None, head_dim: Optional[int] = None,
@@ -148,9 +212,20 @@ class _TransNeXtAttention(HeadAttention):
         bias = table[:, index_h[:, None, :, None], index_w[None, :, None, :]]  # [h, Hq, Wq, Hk, Wk]
         return bias.reshape(self.num_heads, self.num_tokens, -1)
 
-    def scale_queries(self, q_norm: Tensor) -> Tensor:
-        scaled = (q_norm + self.query_embedding) * F.softplus(self.temperature) * self.seq_length_scale
+    def scale_queries(self, q_norm: Tensor, heads: HeadIndex = None) -> Tensor:
+        """Length-scaled cosine queries ``[B, n, N, d]`` of the heads ``heads`` (None: all, in order;
+        else a slice or index tensor of the ``n`` heads ``q_norm`` holds)."""
+        embedding, temperature = _take(self.query_embedding, heads), _take(self.temperature, heads)
+        scaled = (q_norm + embedding) * F.softplus(temperature) * self.seq_length_scale
         return scaled.to(q_norm.dtype)  # fp32 parameters must not promote bf16/fp16 activations
+
+    def scale_query_rows(self, q_norm: Tensor, rows: PackedRows) -> Tensor:
+        """:meth:`scale_queries` for packed query rows ``[R, d]``: row r is token ``rows.token[r]``
+        of head ``rows.head[r]``."""
+        length = self.seq_length_scale
+        length = length[rows.token] if length.dim() else length  # aggregated: per position [N, 1]
+        scaled = (q_norm + self.query_embedding[rows.head, 0]) * F.softplus(self.temperature[rows.head, 0]) * length
+        return scaled.to(q_norm.dtype)
 
     def check_tokens(self, x: Tensor) -> None:
         if x.shape[1] != self.num_tokens:
@@ -187,13 +262,22 @@ class TransNeXtFullAttention(_TransNeXtAttention):
         self.register_buffer("seq_length_scale", torch.tensor(math.log(self.num_tokens)), persistent=False)
         self.init_position_mlp(self.input_resolution)
 
+    # MoH may run this kernel sparse (moh_vision.attention.sparse): queries, attention and output
+    # projection only for the selected (token, head) pairs, through the three methods below.
+    sparse_moh = SparseSupport(auto=FULL_SPARSE_AUTO)
+
     def heads(self, x: Tensor) -> Tensor:
         self.check_tokens(x)
         q, k, v = self.project_qkv(x)
-        self.check_kv_heads(q, k)
-        q = self.scale_queries(F.normalize(q, dim=-1))
+        return self.attend_heads(q, self.key_context(k, v))
+
+    def key_context(self, k: Tensor, v: Tensor) -> "FullKeys":
+        """What every query attends to: normalised keys, values ``[B, hk, N, d]``, bias ``[h, N, N]``."""
         k = F.normalize(k, dim=-1)
-        bias = self.position_bias().to(q.dtype)
+        return FullKeys(k, v, self.position_bias().to(k.dtype))  # the queries' dtype (both normalised)
+
+    def cosine_attention(self, q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+        """``softmax(q k^T + bias) v`` (with attention dropout) for scaled queries ``q``."""
         dropout = self.attn_drop if self.training else 0.0
         if self.fused_attn:
             if k.shape[1] != q.shape[1]:
@@ -202,6 +286,34 @@ class TransNeXtFullAttention(_TransNeXtAttention):
         attn = (q @ k.transpose(-2, -1) + bias).softmax(dim=-1)
         attn = F.dropout(attn, dropout) if dropout else attn
         return attn @ v
+
+    def attend_heads(self, q: Tensor, keys: "FullKeys", heads: HeadIndex = None) -> Tensor:
+        """Outputs ``[B, n, N, d]`` of the heads ``heads`` (None: all) for every token, from their raw
+        queries ``q`` ``[B, n, N, d]``."""
+        if heads is None:
+            self.check_kv_heads(q, keys.k)
+        q = self.scale_queries(F.normalize(q, dim=-1), heads)
+        return self.cosine_attention(q, _take_heads(keys.k, heads), _take_heads(keys.v, heads),
+                                     _take(keys.bias, heads))
+
+    # --- sparse MoH (see moh_vision.attention.sparse) --------------------------------------------
+    def sparse_context(self, x: Tensor) -> Tuple[Tensor, Optional[Tensor], "FullKeys"]:
+        """The query projection (``qkv``'s query rows, head-major) and the keys of every head."""
+        self.check_tokens(x)
+        B, N, _ = x.shape
+        inner = self.inner_dim
+        w_q, w_kv = self.qkv.weight.split([inner, 2 * inner])
+        b_q, b_kv = self.qkv.bias.split([inner, 2 * inner]) if self.qkv.bias is not None else (None, None)
+        k, v = F.linear(x, w_kv, b_kv).view(B, N, 2, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return w_q, b_q, self.key_context(k, v)
+
+    def attend_rows(self, q: Tensor, keys: "FullKeys", rows: PackedRows) -> Tensor:
+        """Outputs ``[R, d]`` of packed query rows ``q`` ``[R, d]`` (token ``rows.token[r]`` of image
+        ``rows.image[r]``, head ``rows.head[r]``): every key of that image and head, that token's bias row."""
+        q = self.scale_query_rows(F.normalize(q, dim=-1), rows)
+        bias = keys.bias[rows.head, rows.token]  # [R, N]
+        o = self.cosine_attention(rows.pad(q), rows.heads_of(keys.k), rows.heads_of(keys.v), rows.pad(bias))
+        return rows.unpad(o)
 
 
 @register_kernel("transnext_aggregated")
@@ -218,6 +330,10 @@ class TransNeXtAggregatedAttention(_TransNeXtAttention):
     Queries come from ``project_q(x)``, keys/values from ``project_kv`` applied to the tokens (local)
     and to the pooled tokens; projections are ``q`` and ``kv`` as in the official checkpoints.
     """
+
+    # FLOPs: queries and the output projection are per (token, head); keys/values and the pooled
+    # branch (sr, norm, act) are computed for every token whatever the routing
+    flops_roles = {"q": "per_head", "kv": "fixed", "sr": "fixed", "norm": "fixed", "act": "fixed"}
 
     def __init__(self, dim: int, num_heads: int, input_resolution: Union[int, Size2], sr_ratio: int,
                  window_size: int = 3, fixed_pool_size: Optional[int] = None,
@@ -282,29 +398,85 @@ class TransNeXtAggregatedAttention(_TransNeXtAttention):
         windows = F.unfold(image, self.window_size, padding=self.window_size // 2)  # [B, h*d*ws^2, N]
         return windows.reshape(B, h, d, self.local_len, N).permute(0, 1, 4, 2, 3)
 
+    # MoH may run this kernel sparse (moh_vision.attention.sparse): queries, attention and output
+    # projection only for the selected (token, head) pairs, through the three methods below.
+    sparse_moh = SparseSupport(auto=AGGREGATED_SPARSE_AUTO)
+
     def heads(self, x: Tensor) -> Tensor:
         self.check_tokens(x)
-        q_norm = F.normalize(self.project_q(x), dim=-1)
-        q = self.scale_queries(q_norm)  # [B, h, N, d]
+        return self.attend_heads(self.project_q(x), self.key_context(x))
 
-        k_local, v_local = self.project_kv(x)  # [B, hk, N, d], hk in (1, h)
-        self.check_kv_heads(q, k_local)
-        k_local = self.unfold_heads(F.normalize(k_local, dim=-1))  # [B, hk, N, d, L]
-        v_local = self.unfold_heads(v_local)
-        logits_local = (q.unsqueeze(-2) @ k_local).squeeze(-2) + self.relative_pos_bias_local.unsqueeze(1)
-        logits_local = logits_local.masked_fill(self.padding_mask, float("-inf"))  # [B, h, N, L]
+    def key_context(self, x: Tensor) -> "AggregatedKeys":
+        """What every query attends to, for every head: normalised local keys and values of every
+        token ``[B, hk, N, d]`` (hk in (1, h)), normalised pooled keys and values ``[B, hk, P, d]``,
+        and the pooled position bias ``[h, N, P]``."""
+        k_local, v_local = self.project_kv(x)
+        k_pool, v_pool = self.project_kv(self.pooled_tokens(x))
+        k_local, k_pool = F.normalize(k_local, dim=-1), F.normalize(k_pool, dim=-1)
+        return AggregatedKeys(k_local, v_local, k_pool, v_pool,
+                              self.position_bias().to(k_local.dtype))  # the queries' dtype (both normalised)
 
-        k_pool, v_pool = self.project_kv(self.pooled_tokens(x))  # [B, hk, P, d]
-        logits_pool = q @ F.normalize(k_pool, dim=-1).transpose(-2, -1) + self.position_bias().to(q.dtype)
+    def attend_heads(self, q: Tensor, keys: "AggregatedKeys", heads: HeadIndex = None) -> Tensor:
+        """Outputs ``[B, n, N, d]`` of the heads ``heads`` (None: all) for every token, from their raw
+        queries ``q`` ``[B, n, N, d]``."""
+        if heads is None:
+            self.check_kv_heads(q, keys.k_local)
+        q_norm = F.normalize(q, dim=-1)
+        q = self.scale_queries(q_norm, heads)  # [B, n, N, d]
+
+        k_local = self.unfold_heads(_take_heads(keys.k_local, heads))  # [B, n, N, d, L]
+        v_local = self.unfold_heads(_take_heads(keys.v_local, heads))
+        logits_local = (q.unsqueeze(-2) @ k_local).squeeze(-2) + _take(self.relative_pos_bias_local, heads).unsqueeze(1)
+        logits_local = logits_local.masked_fill(self.padding_mask, float("-inf"))  # [B, n, N, L]
+        logits_pool = q @ _take_heads(keys.k_pool, heads).transpose(-2, -1) + _take(keys.bias, heads)
 
         attn = torch.cat([logits_local, logits_pool], dim=-1).softmax(dim=-1)
         if self.training and self.attn_drop:
             attn = F.dropout(attn, self.attn_drop)
         attn_local, attn_pool = attn.split([self.local_len, self.pool_len], dim=-1)
         # Padded slots hold zero values, so the unmasked dynamic weight adds nothing there.
-        weight_local = q_norm @ self.learnable_tokens + self.learnable_bias + attn_local  # [B, h, N, L]
+        weight_local = (q_norm @ _take(self.learnable_tokens, heads) + _take(self.learnable_bias, heads)
+                        + attn_local)  # [B, n, N, L]
         out_local = (weight_local.unsqueeze(-2) @ v_local.transpose(-2, -1)).squeeze(-2)
-        return out_local + attn_pool @ v_pool
+        return out_local + attn_pool @ _take_heads(keys.v_pool, heads)
+
+    # --- sparse MoH (see moh_vision.attention.sparse) --------------------------------------------
+    def sparse_context(self, x: Tensor) -> Tuple[Tensor, Optional[Tensor], "AggregatedKeys"]:
+        """The query projection (``q``, head-major rows) and the keys of every head."""
+        self.check_tokens(x)
+        return self.q.weight, self.q.bias, self.key_context(x)
+
+    def attend_rows(self, q: Tensor, keys: "AggregatedKeys", rows: PackedRows) -> Tensor:
+        """Outputs ``[R, d]`` of packed query rows ``q`` ``[R, d]`` (token ``rows.token[r]`` of image
+        ``rows.image[r]``, head ``rows.head[r]``): each row's 3x3 neighbourhood keys/values are gathered
+        (padded slots read a zero row and are masked), the pooled keys of its image and head are shared
+        by all its head's rows (a padded per-head batch, see :class:`PackedRows`)."""
+        B, hk, N, d = keys.v_local.shape
+        if hk != self.num_heads:
+            raise ValueError(f"sparse rows need keys for every head ({self.num_heads}), got {hk}")
+        q_norm = F.normalize(q, dim=-1)
+        q = self.scale_query_rows(q_norm, rows)  # [R, d]
+
+        window = local_window_index(self.input_resolution, self.window_size, q.device)[rows.token]  # [R, L]
+        first = (rows.image * self.num_heads + rows.head) * N  # row of (image, head, token 0) in [B * h * N]
+        slot = torch.where(window >= 0, first.unsqueeze(-1) + window, B * self.num_heads * N)  # padding: zero row
+        k_local = torch.cat([keys.k_local.reshape(-1, d), keys.k_local.new_zeros(1, d)])[slot]  # [R, L, d]
+        v_local = torch.cat([keys.v_local.reshape(-1, d), keys.v_local.new_zeros(1, d)])[slot]
+        # per-row products of a handful of d-vectors: multiply-and-sum (a batched matmul of 1-row
+        # matrices is ~2.5x slower on CPU, forward + backward)
+        logits_local = (k_local * q.unsqueeze(1)).sum(-1) + self.relative_pos_bias_local[rows.head]
+        logits_local = logits_local.masked_fill(self.padding_mask[rows.token], float("-inf"))  # [R, L]
+        logits_pool = rows.unpad(rows.pad(q) @ rows.heads_of(keys.k_pool).transpose(-2, -1))
+        logits_pool = logits_pool + keys.bias[rows.head, rows.token]  # [R, P]
+
+        attn = torch.cat([logits_local, logits_pool], dim=-1).softmax(dim=-1)
+        if self.training and self.attn_drop:
+            attn = F.dropout(attn, self.attn_drop)
+        attn_local, attn_pool = attn.split([self.local_len, self.pool_len], dim=-1)
+        weight_local = (rows.head_matmul(q_norm, self.learnable_tokens) + self.learnable_bias[rows.head, 0]
+                        + attn_local)  # [R, L]
+        out_local = (weight_local.unsqueeze(-1) * v_local).sum(1)
+        return out_local + rows.unpad(rows.pad(attn_pool) @ rows.heads_of(keys.v_pool))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, window_size={self.window_size}, pool_size={self.pool_size}"
@@ -403,6 +575,20 @@ def _image_size(value: Union[int, Sequence[int]], name: str) -> Size2:
     return int(size[0]), int(size[1])
 
 
+@register_notrace_function  # torch.fx records the call and runs it on the real input
+def check_input_size(x: Tensor, img_size: Size2) -> None:
+    if tuple(x.shape[-2:]) != tuple(img_size):
+        raise ConfigError(
+            f"TransNeXt was built for {img_size[0]}x{img_size[1]} inputs but got {x.shape[-2]}x{x.shape[-1]}; "
+            f"rebuild it with img_size={x.shape[-2]} (its position tables depend on the size; keep "
+            f"pretrain_size at the training size when loading weights)")
+
+
+GLOBAL_POOLS = ("avg", "")
+# Keywords of the parameters the official recipe keeps out of weight decay (besides 1-D weights and biases).
+NO_WEIGHT_DECAY_KEYWORDS = ("query_embedding", "relative_pos_bias_local", "cpb", "temperature")
+
+
 class TransNeXt(nn.Module):
     """TransNeXt with pluggable attention; ``attention="moh"`` gives MoH-ViT.
 
@@ -419,7 +605,10 @@ class TransNeXt(nn.Module):
             value per stage, and a per-stage ``None`` means "that attention's default".
 
     A stage with ``sr_ratio == 1`` uses full attention, the others aggregated attention.
+    ``global_pool``: ``"avg"`` (mean over the stage-4 map) or ``""`` (unpooled, needs ``num_classes=0``).
     """
+
+    family = "transnext"
 
     def __init__(
         self,
@@ -427,6 +616,7 @@ class TransNeXt(nn.Module):
         pretrain_size: Optional[Union[int, Sequence[int]]] = None,
         in_chans: int = 3,
         num_classes: int = 1000,
+        global_pool: str = "avg",
         embed_dims: Sequence[int] = (72, 144, 288, 576),
         num_heads: Sequence[int] = (3, 6, 12, 24),
         mlp_ratios: Sequence[float] = (8, 8, 4, 4),
@@ -454,11 +644,17 @@ class TransNeXt(nn.Module):
                               f"use the model arguments (img_size, pretrain_size, sr_ratios, window_size, "
                               f"fixed_pool_size, qkv_bias, attn_drop_rate, drop_rate) instead")
 
+        self._check_pool(global_pool, num_classes)
         self.num_classes = num_classes
+        self.global_pool = global_pool
         self.in_chans = in_chans
         self.embed_dims, self.depths, self.num_stages = embed_dims, depths, NUM_STAGES
         self.num_features = self.head_hidden_size = embed_dims[-1]
         self.attention = attention_names
+        self.grad_checkpointing = False
+        # timm's feature extraction: the normalised output of every stage
+        self.feature_info = [dict(module=f"norm{i + 1}", num_chs=embed_dims[i], reduction=STAGE_STRIDES[i])
+                             for i in range(NUM_STAGES)]
 
         drop_path = torch.linspace(0, drop_path_rate, sum(depths), device="cpu").tolist()
         for i in range(NUM_STAGES):
@@ -493,7 +689,8 @@ class TransNeXt(nn.Module):
 
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         self.init_weights()
-        self.pretrained_cfg = self.default_cfg = self._default_cfg()
+        # built directly (not through timm): the data settings of the paper models, for this input
+        self.pretrained_cfg = self.default_cfg = instance_cfg(_cfg(), self.instance_cfg())
 
     @staticmethod
     def _check_options(name: str, kernel: str, options: Dict[str, Any]) -> None:
@@ -503,14 +700,19 @@ class TransNeXt(nn.Module):
             raise ConfigError(f"TransNeXt got unknown argument(s) {', '.join(unknown)}: neither a model argument nor "
                               f"an option of attention '{name}' (it takes: {', '.join(allowed) or 'nothing'})")
 
-    def _default_cfg(self) -> Dict[str, Any]:
-        if self.in_chans == 3:
-            mean, std = IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-        else:  # grey or multi-band input: the average ImageNet statistics per channel
-            mean, std = (0.449,) * self.in_chans, (0.226,) * self.in_chans
-        return dict(url="", num_classes=self.num_classes, input_size=(self.in_chans, *self.img_size), pool_size=None,
-                    crop_pct=0.875, interpolation="bicubic", fixed_input_size=True, mean=mean, std=std,
-                    first_conv="patch_embed1.proj", classifier="head")
+    @staticmethod
+    def _check_pool(global_pool: str, num_classes: int) -> None:
+        if global_pool not in GLOBAL_POOLS:
+            raise ConfigError(f"TransNeXt global_pool='{global_pool}' is unknown; allowed: avg, '' (unpooled)")
+        if not global_pool and num_classes > 0:
+            raise ConfigError(f"TransNeXt global_pool='' gives unpooled maps, which its Linear head cannot take; "
+                              f"use num_classes=0 (features) or global_pool='avg' (got num_classes={num_classes})")
+
+    def instance_cfg(self) -> Dict[str, Any]:
+        """The data settings this very model takes (what its ``pretrained_cfg`` reports)."""
+        size = self.img_size
+        return dict(input_size=(self.in_chans, *size), num_classes=self.num_classes,
+                    pool_size=(size[0] // STAGE_STRIDES[-1], size[1] // STAGE_STRIDES[-1]))
 
     # --- initialisation (as the official code: every Linear, routers included) ----------------
     def init_weights(self) -> None:
@@ -534,93 +736,116 @@ class TransNeXt(nn.Module):
             if hasattr(module, "reset_router") and hasattr(module, "attention_name"):
                 module.reset_router()
 
+    # --- timm conventions ------------------------------------------------------------------------
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
-        return set()
+        """The parameters the official TransNeXt / MoH-ViT recipe keeps out of weight decay, by name:
+        query embeddings, temperatures, local position biases and the position-bias MLPs (1-D weights
+        and biases are excluded by the optimizers anyway)."""
+        return {n for n, _ in self.named_parameters() if any(k in n for k in NO_WEIGHT_DECAY_KEYWORDS)}
 
     @torch.jit.ignore
     def no_weight_decay_keywords(self) -> set:
-        return {"query_embedding", "relative_pos_bias_local", "cpb", "temperature"}
+        """The official code's form of :meth:`no_weight_decay` (substrings of parameter names)."""
+        return set(NO_WEIGHT_DECAY_KEYWORDS)
+
+    @torch.jit.ignore
+    def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
+        """Parameter groups for layer-wise lr decay: the stem, then per stage (``coarse``) or per block,
+        each stage's patch embedding before its blocks and its norm with its last block; the head last."""
+        if coarse:
+            return dict(stem=r"^patch_embed1\.", blocks=r"^(?:patch_embed|block|norm)(\d+)")
+        return dict(stem=r"^patch_embed1\.", blocks=[(r"^block(\d+)\.(\d+)\.", None), (r"^patch_embed(\d+)\.", (-1,)),
+                                                      (r"^norm(\d+)\.", (99999,))])
+
+    @torch.jit.ignore
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        """Recompute each block's activations in the backward pass (less memory, more compute)."""
+        self.grad_checkpointing = enable
 
     @torch.jit.ignore
     def get_classifier(self) -> nn.Module:
         return self.head
 
     def reset_classifier(self, num_classes: int, global_pool: Optional[str] = None) -> None:
-        if global_pool not in (None, "", "avg"):
-            raise ConfigError(f"TransNeXt pools by averaging tokens; global_pool='{global_pool}' is not supported")
-        self.num_classes = num_classes
+        """timm's semantics: a new head (``0``: none) and, if given, a new pooling (``""``: unpooled maps)."""
+        global_pool = self.global_pool if global_pool is None else global_pool
+        self._check_pool(global_pool, num_classes)
+        self.num_classes, self.global_pool = num_classes, global_pool
         self.head = nn.Linear(self.num_features, num_classes) if num_classes > 0 else nn.Identity()
         self.pretrained_cfg["num_classes"] = num_classes
 
     # --- forward ----------------------------------------------------------------------------------
-    def forward_features(self, x: Tensor) -> Tensor:
-        """``[B, C, H, W]`` image -> ``[B, N, C4]`` normalised stage-4 tokens (``N = H/32 * W/32``)."""
-        if tuple(x.shape[-2:]) != self.img_size:
-            raise ConfigError(
-                f"TransNeXt was built for {self.img_size[0]}x{self.img_size[1]} inputs but got "
-                f"{x.shape[-2]}x{x.shape[-1]}; rebuild it with img_size={x.shape[-2]} (its position tables "
-                f"depend on the size; keep pretrain_size at the training size when loading weights)")
-        B = x.shape[0]
-        for i in range(1, NUM_STAGES + 1):
-            x, H, W = getattr(self, f"patch_embed{i}")(x)
-            for block in getattr(self, f"block{i}"):
+    def forward_stage(self, index: int, x: Tensor) -> Tensor:
+        """Stage ``index`` (0-3): ``[B, C_in, H, W]`` -> its normalised map ``[B, C_i, H / s_i, W / s_i]``."""
+        x, H, W = getattr(self, f"patch_embed{index + 1}")(x)
+        for block in getattr(self, f"block{index + 1}"):
+            if self.grad_checkpointing and torch.is_grad_enabled() and not torch.jit.is_scripting():
+                x = checkpoint(block, x, H, W, use_reentrant=False)
+            else:
                 x = block(x, H, W)
-            x = getattr(self, f"norm{i}")(x)
-            if i < NUM_STAGES:
-                x = x.transpose(1, 2).reshape(B, -1, H, W)
+        x = getattr(self, f"norm{index + 1}")(x)
+        return x.transpose(1, 2).reshape(x.shape[0], -1, H, W)
+
+    def forward_features(self, x: Tensor) -> Tensor:
+        """``[B, C, H, W]`` image -> ``[B, C4, H/32, W/32]`` normalised stage-4 map."""
+        check_input_size(x, self.img_size)
+        for i in range(self.num_stages):
+            x = self.forward_stage(i, x)
         return x
 
     def forward_head(self, x: Tensor, pre_logits: bool = False) -> Tensor:
-        x = x.mean(dim=1)
+        if self.global_pool == "avg":
+            x = x.mean(dim=(2, 3))
         return x if pre_logits else self.head(x)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.forward_head(self.forward_features(x))
 
+    # --- dense prediction (timm's forward_intermediates API) -----------------------------------
+    def forward_intermediates(self, x: Tensor, indices: Optional[Union[int, List[int]]] = None, norm: bool = False,
+                              stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False):
+        """The normalised maps of stages ``indices`` (int: the last n; ``None``: all four) and the final
+        features. ``output_fmt="NCHW"`` gives ``[B, C_i, H / s_i, W / s_i]`` (``"NLC"``: tokens). ``norm`` is
+        accepted for timm's API: every stage output is already normalised (each stage ends in its norm).
+        Returns ``(forward_features output, intermediates)`` or, with ``intermediates_only``, the list."""
+        if output_fmt not in ("NCHW", "NLC"):
+            raise ConfigError(f"output_fmt='{output_fmt}' is unknown; allowed: NCHW, NLC")
+        take, max_index = feature_take_indices(self.num_stages, indices)
+        check_input_size(x, self.img_size)
+        intermediates = []
+        for i in range(max_index + 1 if stop_early else self.num_stages):
+            x = self.forward_stage(i, x)
+            if i in take:
+                intermediates.append(x if output_fmt == "NCHW" else x.flatten(2).transpose(1, 2))
+        if intermediates_only:
+            return intermediates
+        return x, intermediates
+
+    def prune_intermediate_layers(self, indices: Union[int, List[int]] = 1, prune_norm: bool = False,
+                                  prune_head: bool = True) -> List[int]:
+        """Drop the stages after the last of ``indices`` (and the head); returns the kept indices. The stage
+        norms stay: the next stage and the features both read the normalised map."""
+        take, max_index = feature_take_indices(self.num_stages, indices)
+        for i in range(max_index + 1, self.num_stages):
+            for part in ("patch_embed", "block", "norm"):
+                delattr(self, f"{part}{i + 1}")
+        if max_index + 1 < self.num_stages:
+            self.num_stages = max_index + 1
+            self.num_features = self.head_hidden_size = self.embed_dims[max_index]
+            prune_head = True
+        if prune_head:
+            self.reset_classifier(0, "")
+        return take
+
 
 # ----------------------------------------------------------------------------------------------
-# Registered models (timm): entry points only assemble arguments
+# Presets, pretrained configs and timm registration: entry points only assemble arguments
 # ----------------------------------------------------------------------------------------------
-def _create(name: str, pretrained: bool, preset: Dict[str, Any], kwargs: Dict[str, Any]) -> TransNeXt:
-    model = TransNeXt(**preset_arguments(name, pretrained, preset, kwargs))
-    model.pretrained_cfg["architecture"] = name
-    return model
-
-
 _MICRO = dict(embed_dims=(48, 96, 192, 384), num_heads=(2, 4, 8, 16), depths=(2, 2, 15, 2))
 _TINY = dict(embed_dims=(72, 144, 288, 576), num_heads=(3, 6, 12, 24), depths=(2, 2, 15, 2))
 _SMALL = dict(embed_dims=(72, 144, 288, 576), num_heads=(3, 6, 12, 24), depths=(5, 5, 22, 5))
 _BASE = dict(embed_dims=(96, 192, 384, 768), num_heads=(4, 8, 16, 32), depths=(5, 5, 23, 5))
-
-
-@register_model
-def transnext_nano(pretrained: bool = False, **kwargs) -> TransNeXt:
-    """CPU-sized TransNeXt (1.0M parameters at 10 classes) for the embedded digits default and
-    tests; head_dim 24 like the paper models. Built for 32x32 inputs (token grids 8/4/2/1)."""
-    preset = dict(embed_dims=(24, 48, 96, 192), num_heads=(1, 2, 4, 8), depths=(1, 1, 2, 1), img_size=32,
-                  num_classes=10)
-    return _create("transnext_nano", pretrained, preset, kwargs)
-
-
-@register_model
-def transnext_micro(pretrained: bool = False, **kwargs) -> TransNeXt:
-    return _create("transnext_micro", pretrained, _MICRO, kwargs)
-
-
-@register_model
-def transnext_tiny(pretrained: bool = False, **kwargs) -> TransNeXt:
-    return _create("transnext_tiny", pretrained, _TINY, kwargs)
-
-
-@register_model
-def transnext_small(pretrained: bool = False, **kwargs) -> TransNeXt:
-    return _create("transnext_small", pretrained, _SMALL, kwargs)
-
-
-@register_model
-def transnext_base(pretrained: bool = False, **kwargs) -> TransNeXt:
-    return _create("transnext_base", pretrained, _BASE, kwargs)
 
 
 # MoH-ViT: the official per-stage shared heads and top-k (``routed_head``). Passing ``attention``
@@ -629,21 +854,108 @@ def _moh(shared_heads: Sequence[int], topk: Sequence[int]) -> Dict[str, Any]:
     return dict(attention="moh", shared_heads=list(shared_heads), topk=list(topk))
 
 
-@register_model
-def moh_transnext_small_80(pretrained: bool = False, **kwargs) -> TransNeXt:
-    return _create("moh_transnext_small_80", pretrained, {**_SMALL, **_moh((3, 6, 3, 8), (0, 0, 6, 12))}, kwargs)
+TRANSNEXT_PRESETS: Dict[str, Dict[str, Any]] = {
+    # CPU-sized (1.0M parameters at 10 classes) for the embedded digits default and tests; head_dim 24
+    # like the paper models. Built for 32x32 inputs (token grids 8/4/2/1).
+    "transnext_nano": dict(embed_dims=(24, 48, 96, 192), num_heads=(1, 2, 4, 8), depths=(1, 1, 2, 1), img_size=32,
+                           num_classes=10),
+    "transnext_micro": _MICRO,
+    "transnext_tiny": _TINY,
+    "transnext_small": _SMALL,
+    "transnext_base": _BASE,
+    "moh_transnext_small_80": {**_SMALL, **_moh((3, 6, 3, 8), (0, 0, 6, 12))},
+    "moh_transnext_small_75": {**_SMALL, **_moh((3, 6, 3, 4), (0, 0, 6, 12))},
+    "moh_transnext_base_75": {**_BASE, **_moh((4, 8, 4, 5), (0, 0, 8, 16))},
+    "moh_transnext_base_50": {**_BASE, **_moh((2, 2, 2, 4), (2, 4, 6, 8))},
+}
+
+# Released weights (load them with pretrained=True, pretrained_cfg_overlay=dict(file=<local copy>)).
+_RELEASED = {
+    "transnext_micro": "DaiShiResearch/transnext-micro-224-1k (transnext_micro_224_1k.pth)",
+    "transnext_tiny": "DaiShiResearch/transnext-tiny-224-1k (transnext_tiny_224_1k.pth)",
+    "transnext_small": "DaiShiResearch/transnext-small-224-1k (transnext_small_224_1k.pth)",
+    "transnext_base": "DaiShiResearch/transnext-base-224-1k (transnext_base_224_1k.pth)",
+    "moh_transnext_small_80": "Chat-UniVi/MoH-ViT-S-80",
+    "moh_transnext_small_75": "Chat-UniVi/MoH-ViT-S-75",
+    "moh_transnext_base_75": "Chat-UniVi/MoH-ViT-B-75",
+    "moh_transnext_base_50": "Chat-UniVi/MoH-ViT-B-50",
+}
+
+
+def _cfg(name: Optional[str] = None) -> Dict[str, Any]:
+    """The official ImageNet-1K evaluation: 224 inputs (resize 256, center crop 224: crop_pct 0.875), bicubic,
+    ImageNet statistics; ``transnext_nano``: the embedded digits ((x - 0.5) / 0.5 at 32x32, no crop)."""
+    moh = name in _MOH_PRESET_NAMES
+    cfg = dict(num_classes=1000, input_size=(3, 224, 224), pool_size=(7, 7), fixed_input_size=True, crop_pct=0.875,
+               interpolation="bicubic", mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
+               first_conv="patch_embed1.proj", classifier="head",
+               origin_url="https://github.com/SkyworkAI/MoH" if moh else "https://github.com/DaiShiResearch/TransNeXt",
+               paper_ids="arXiv:2410.11842" if moh else "arXiv:2311.17132",
+               notes=(f"released weights: {_RELEASED.get(name, 'none')}",))
+    if name == "transnext_nano":
+        cfg.update(num_classes=10, input_size=(3, 32, 32), pool_size=(1, 1), crop_pct=1.0, interpolation="bilinear",
+                   mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), notes=("CPU-sized, for the embedded digits",))
+    return cfg
+
+
+_MOH_PRESET_NAMES = {name for name, preset in TRANSNEXT_PRESETS.items() if "shared_heads" in preset}
+# Read by timm's register_model (it must exist before the entry points below are decorated).
+default_cfgs = {name: _cfg(name) for name in TRANSNEXT_PRESETS}
+
+
+def create_transnext(name: str, pretrained: bool = False, **kwargs: Any) -> TransNeXt:
+    """Build preset ``name`` with ``kwargs`` overriding it; what the timm entry points call.
+    ``features_only=True`` gives the ``out_indices`` stage maps (default: all four)."""
+    if kwargs.get("feature_cls", "getter") != "getter":  # the maps exist only inside forward_stage
+        raise ConfigError(f"{name}: TransNeXt features come from forward_intermediates (feature_cls='getter'); "
+                          f"got feature_cls={kwargs['feature_cls']!r}")
+    return build_from_preset(TransNeXt, name, pretrained, TRANSNEXT_PRESETS[name], kwargs,
+                             feature_cfg=dict(feature_cls="getter", out_indices=(0, 1, 2, 3)))
 
 
 @register_model
-def moh_transnext_small_75(pretrained: bool = False, **kwargs) -> TransNeXt:
-    return _create("moh_transnext_small_75", pretrained, {**_SMALL, **_moh((3, 6, 3, 4), (0, 0, 6, 12))}, kwargs)
+def transnext_nano(pretrained: bool = False, **kwargs: Any) -> TransNeXt:
+    return create_transnext("transnext_nano", pretrained, **kwargs)
 
 
 @register_model
-def moh_transnext_base_75(pretrained: bool = False, **kwargs) -> TransNeXt:
-    return _create("moh_transnext_base_75", pretrained, {**_BASE, **_moh((4, 8, 4, 5), (0, 0, 8, 16))}, kwargs)
+def transnext_micro(pretrained: bool = False, **kwargs: Any) -> TransNeXt:
+    return create_transnext("transnext_micro", pretrained, **kwargs)
 
 
 @register_model
-def moh_transnext_base_50(pretrained: bool = False, **kwargs) -> TransNeXt:
-    return _create("moh_transnext_base_50", pretrained, {**_BASE, **_moh((2, 2, 2, 4), (2, 4, 6, 8))}, kwargs)
+def transnext_tiny(pretrained: bool = False, **kwargs: Any) -> TransNeXt:
+    return create_transnext("transnext_tiny", pretrained, **kwargs)
+
+
+@register_model
+def transnext_small(pretrained: bool = False, **kwargs: Any) -> TransNeXt:
+    return create_transnext("transnext_small", pretrained, **kwargs)
+
+
+@register_model
+def transnext_base(pretrained: bool = False, **kwargs: Any) -> TransNeXt:
+    return create_transnext("transnext_base", pretrained, **kwargs)
+
+
+@register_model
+def moh_transnext_small_80(pretrained: bool = False, **kwargs: Any) -> TransNeXt:
+    return create_transnext("moh_transnext_small_80", pretrained, **kwargs)
+
+
+@register_model
+def moh_transnext_small_75(pretrained: bool = False, **kwargs: Any) -> TransNeXt:
+    return create_transnext("moh_transnext_small_75", pretrained, **kwargs)
+
+
+@register_model
+def moh_transnext_base_75(pretrained: bool = False, **kwargs: Any) -> TransNeXt:
+    return create_transnext("moh_transnext_base_75", pretrained, **kwargs)
+
+
+@register_model
+def moh_transnext_base_50(pretrained: bool = False, **kwargs: Any) -> TransNeXt:
+    return create_transnext("moh_transnext_base_50", pretrained, **kwargs)
+
+
+register_family(TransNeXt, TRANSNEXT_PRESETS)

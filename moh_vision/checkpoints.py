@@ -1,0 +1,289 @@
+"""Checkpoint I/O, all of it: the trainer, ``eval.py``, the models' loaders and every tool use this module.
+
+* Writing (:func:`atomic_save`): a checkpoint is a dict of tensors and plain Python types only
+  (loads with ``weights_only=True``). It goes to a temporary file in the same directory, is fsynced,
+  then renamed over the target, so a crash or a full disk never leaves a half-written ``last.pt``;
+  the previous one is kept as ``last.prev.pt`` and used when ``last.pt`` turns out to be unreadable
+  (:func:`load_with_fallback`).
+* Reading any file (:func:`load_file`): tensors-only loading with one-line errors for a missing,
+  truncated, corrupt or foreign file; ``argparse.Namespace`` is accepted (the official TransNeXt /
+  MoH / DiT training scripts pickle their arguments into the files they release); ``trust_pickle``
+  loads anything (only for files the user vouches for); ``.safetensors`` too.
+* Finding the weights in it (:func:`find_weights`, :func:`read_weights`): our trainer's checkpoints
+  (``model`` / ``model_ema``), DiT's (``model`` / ``ema``), timm's (``state_dict`` /
+  ``state_dict_ema``), plain state dicts; ``module.`` (DDP) and ``_orig_mod.`` (``torch.compile``)
+  prefixes stripped.
+* Comparing (:func:`state_dict_mismatch`): one line naming missing, unexpected and reshaped keys.
+* A run's training config (:func:`run_config`): from its directory or a checkpoint.
+* Writing any other file atomically (:func:`atomic_write`: sample arrays, latent shards' index, ...).
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import pickle
+import tempfile
+import warnings
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import yaml
+
+from moh_vision.errors import ConfigError, RunError
+
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 1
+
+
+class CheckpointWriteError(RunError):
+    """Saving failed (e.g. disk full); the previous checkpoint is intact."""
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(str(path), os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: os.PathLike, write: Callable[[BinaryIO], None], keep_previous: bool = False,
+                 what: str = "file") -> Path:
+    """``write(file)`` into a temporary file beside ``path``, fsync, then rename it over ``path`` (keeping the
+    old file as ``*.prev.<suffix>`` with ``keep_previous``): readers never see a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        if keep_previous and path.exists():
+            os.replace(path, previous_path(path))
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except BaseException as err:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(err, (OSError, RuntimeError)):  # torch's zip writer reports a full disk as RuntimeError
+            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
+            raise CheckpointWriteError(f"could not write {what} {path}: {reason}; the previous {what} is intact") \
+                from err
+        raise
+    return path
+
+
+def atomic_save(obj: Any, path: os.PathLike, keep_previous: bool = False) -> Path:
+    """``torch.save`` to ``path`` atomically: tmp file + fsync + rename (+ keep the old file as ``*.prev.pt``)."""
+    return atomic_write(path, lambda f: torch.save(obj, f), keep_previous, what="checkpoint")
+
+
+def previous_path(path: Path) -> Path:
+    return path.with_name(path.stem + ".prev" + path.suffix)
+
+
+def load_checkpoint_file(path: os.PathLike) -> Dict[str, Any]:
+    """Load and sanity-check one of our training checkpoints (weights_only, on CPU)."""
+    path = Path(path)
+    ckpt = load_file(path)
+    if not isinstance(ckpt, dict) or "model" not in ckpt:
+        raise ConfigError(f"{path} is not a moh-vision checkpoint (no 'model' entry)")
+    return ckpt
+
+
+def load_with_fallback(path: os.PathLike) -> Tuple[Dict[str, Any], Path]:
+    """Load ``path``; if it is truncated or corrupt, warn naming it and use its ``.prev`` twin."""
+    path = Path(path)
+    candidates = [path, previous_path(path)]
+    errors = []
+    for cand in candidates:
+        if not cand.exists():
+            continue
+        try:
+            return load_checkpoint_file(cand), cand
+        except ConfigError as err:  # corrupt zip, truncated pickle, wrong content
+            log.warning("checkpoint %s is unreadable (%s); trying the previous one", cand, err)
+            errors.append(f"{cand.name}: {err}")
+    if errors:
+        raise ConfigError(f"no readable checkpoint at {path} ({'; '.join(errors)})")
+    raise ConfigError(f"checkpoint {path} does not exist")
+
+
+def resolve_resume(resume: Optional[str], out_dir: Path) -> Optional[Path]:
+    """``auto``: last.pt in this run's output dir if any; ``None``/``never``: fresh; else an explicit path."""
+    if resume in (None, "", "never", "none", False):
+        return None
+    if resume == "auto":
+        last = out_dir / "checkpoints" / "last.pt"
+        return last if last.exists() or previous_path(last).exists() else None
+    path = Path(str(resume))
+    if not path.exists() and not previous_path(path).exists():
+        raise ConfigError(f"trainer.resume={resume}: no such checkpoint file")
+    return path
+
+
+def run_config(path: Union[str, os.PathLike]) -> Dict[str, Any]:
+    """The training config of a run: ``<dir>/config.yaml`` (or ``<dir>/.hydra/config.yaml``) of a run
+    directory, or the one inside a checkpoint file that ``train.py`` wrote."""
+    where = Path(path).expanduser()
+    if where.is_dir():
+        for candidate in (where / "config.yaml", where / ".hydra" / "config.yaml"):
+            if candidate.is_file():
+                return yaml.safe_load(candidate.read_text()) or {}
+        raise ConfigError(f"{path} holds no config.yaml; expected a directory written by train.py")
+    if where.is_file():
+        state = load_file(where)
+        if not isinstance(state, dict) or not state.get("config"):
+            raise ConfigError(f"{path} is a file without a training config; expected a train.py checkpoint")
+        return state["config"]
+    raise ConfigError(f"{path} does not exist; expected a run directory or a checkpoint")
+
+
+# ----------------------------------------------------------------------------------------------
+# Reading any checkpoint file, and the weights inside it
+# ----------------------------------------------------------------------------------------------
+EMA_KEYS = ("model_ema", "ema", "state_dict_ema")  # ours, DiT's training script, timm
+MODEL_KEYS = ("model", "state_dict", "module")
+STRIP_PREFIXES = ("module.", "_orig_mod.")        # DistributedDataParallel, torch.compile
+SAFE_GLOBALS = (argparse.Namespace,)               # what released training checkpoints pickle besides tensors
+
+
+def load_file(path: Union[str, os.PathLike], trust_pickle: bool = False) -> Any:
+    """The object saved in ``path`` (on CPU), or a :class:`ConfigError` that says in one line why not.
+
+    Tensors, plain Python types and ``argparse.Namespace`` load safely (``weights_only=True``);
+    ``trust_pickle=True`` loads any pickled object (run only on files you trust).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
+    if path.suffix == ".safetensors":
+        try:
+            from safetensors.torch import load_file as load_safetensors
+            return load_safetensors(str(path), device="cpu")
+        except Exception as err:  # noqa: BLE001 - any parse failure is a bad file
+            raise ConfigError(f"{path} is not a readable safetensors file ({_first_line(err)})") from None
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # torch's warnings about the pickle format are not the user's business
+            if trust_pickle:
+                return torch.load(path, map_location="cpu", weights_only=False)
+            with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
+                return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as err:
+        if "Unsupported global" in str(err) or "GLOBAL" in str(err):  # a pickled object, not a broken file
+            raise ConfigError(
+                f"{path} holds pickled Python objects besides tensors ({_unsupported_global(err)}); if you trust the "
+                f"file, extract its weights: python tools/convert_checkpoint.py src={path} dst=<out.pt> "
+                f"trust_pickle=true") from None
+        reason = next((line.strip() for line in str(err).splitlines() if "invalid load key" in line), "")
+        raise ConfigError(f"{path} is not a readable checkpoint ({reason or 'not a torch file'})") from None
+    except (RuntimeError, EOFError, OSError, ValueError, AttributeError, ImportError) as err:
+        raise ConfigError(f"{path} is not a readable checkpoint (truncated or not a torch file: "
+                          f"{_first_line(err)})") from None
+
+
+def find_weights(obj: Any, prefer: str = "auto", source: str = "checkpoint") -> Tuple[Dict[str, torch.Tensor], str]:
+    """The state dict inside a loaded checkpoint and where it was (e.g. ``"['model_ema']"``).
+
+    ``prefer``: ``auto`` takes EMA weights when present (what DiT releases and timm's loader prefers),
+    ``ema`` requires them, ``model`` takes the raw weights. Wrapper prefixes are stripped.
+    """
+    if prefer not in ("auto", "ema", "model"):
+        raise ConfigError(f"weights='{prefer}' is unknown; use auto, ema or model")
+    if not isinstance(obj, Mapping):
+        raise ConfigError(f"{source} holds a {type(obj).__name__}, not a state dict or checkpoint dict")
+    order = {"auto": EMA_KEYS + MODEL_KEYS, "ema": EMA_KEYS, "model": MODEL_KEYS}[prefer]
+    where = ""
+    while True:
+        key = next((k for k in order if isinstance(obj.get(k), Mapping)), None)
+        if key is None:
+            break
+        obj, where = obj[key], f"{where}[{key!r}]"
+        order = EMA_KEYS + MODEL_KEYS if prefer == "ema" else order  # inside the EMA entry: any wrapper
+    if prefer == "ema" and "ema" not in where:
+        raise ConfigError(f"{source} has no EMA weights")
+    tensors = {k: v for k, v in obj.items() if isinstance(v, torch.Tensor)}
+    if not tensors or len(tensors) != len(obj):
+        other = [k for k in obj if not isinstance(obj[k], torch.Tensor)][:3]
+        raise ConfigError(f"{source}{where} is not a state dict of tensors (e.g. entries {other}; looked under "
+                          f"{', '.join(order)})")
+    return strip_prefixes(tensors), where or "(top level)"
+
+
+def read_weights(path: Union[str, os.PathLike], prefer: str = "auto", trust_pickle: bool = False
+                 ) -> Dict[str, torch.Tensor]:
+    """:func:`load_file` then :func:`find_weights`: the model weights of any checkpoint file we understand."""
+    return find_weights(load_file(path, trust_pickle=trust_pickle), prefer, source=str(path))[0]
+
+
+def strip_prefixes(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    out = {}
+    for key, value in state.items():
+        bare = key
+        while bare.startswith(STRIP_PREFIXES):
+            bare = next(bare[len(p):] for p in STRIP_PREFIXES if bare.startswith(p))
+        if bare in out:
+            raise ConfigError(f"two keys map to '{bare}' after stripping {', '.join(STRIP_PREFIXES)} (e.g. {key})")
+        out[bare] = value
+    return out
+
+
+def plain_tensors(state: Mapping[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Detached, contiguous CPU tensors that own exactly their data (a saved view would save its whole base)."""
+    out = {}
+    for key, tensor in state.items():
+        tensor = tensor.detach().cpu().contiguous()
+        if tensor.untyped_storage().nbytes() != tensor.numel() * tensor.element_size():
+            tensor = tensor.clone()
+        out[key] = tensor
+    return out
+
+
+def state_dict_diff(expected: Mapping[str, Any], given: Mapping[str, Any], optional: Sequence[str] = ()
+                    ) -> Tuple[List[str], List[str], List[str]]:
+    """(missing, unexpected, reshaped) keys of ``given`` against ``expected``; ``optional`` keys may be missing."""
+    skip = set(optional)
+    missing = [k for k in expected if k not in given and k not in skip]
+    unexpected = [k for k in given if k not in expected]
+    reshaped = [k for k in given if k in expected and tuple(expected[k].shape) != tuple(given[k].shape)]
+    return missing, unexpected, reshaped
+
+
+def state_dict_mismatch(expected: Mapping[str, Any], given: Mapping[str, Any]) -> str:
+    """One line describing missing / unexpected / reshaped keys ('' when the two fit)."""
+    missing, unexpected, reshaped = state_dict_diff(expected, given)
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} missing keys (e.g. {missing[0]})")
+    if unexpected:
+        parts.append(f"{len(unexpected)} unexpected keys (e.g. {unexpected[0]})")
+    if reshaped:
+        k = reshaped[0]
+        parts.append(f"{len(reshaped)} keys with other shapes (e.g. {k}: {tuple(given[k].shape)} vs "
+                     f"{tuple(expected[k].shape)})")
+    return "; ".join(parts)
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0][:200]}" if text else type(err).__name__
+
+
+def _unsupported_global(err: BaseException) -> str:
+    for line in str(err).splitlines():
+        if "Unsupported global" in line or "GLOBAL" in line:
+            return line.strip()[:200]
+    return _first_line(err)

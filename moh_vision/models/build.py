@@ -1,0 +1,75 @@
+"""What the tasks call to get a model: a registered name, the attention config group, and where its
+weights come from (``checkpoint_path``: this model's own; ``init_from``: a dense checkpoint to
+continue-tune from). Errors are one line."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Dict, Mapping, Optional
+
+import timm
+from torch import nn
+
+from moh_vision.checkpoints import read_weights, state_dict_mismatch
+from moh_vision.errors import ConfigError
+from .continue_tuning import init_from_dense
+from .families import check_model_name
+
+# Keys of the attention config group that configure training, not the attention modules.
+NON_MODULE_KEYS = ("name", "aux_loss_weight")
+
+
+# ----------------------------------------------------------------------------------------------
+def attention_kwargs(attention: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
+    """Turn the ``attention`` config group into model kwargs: ``attention=<name>`` plus its options.
+
+    ``name: null`` (the ``preset`` group) passes nothing, so a preset keeps its own per-layer heads.
+    ``null`` options are dropped (timm drops them too).
+    """
+    if not attention:
+        return {}
+    kwargs = {k: v for k, v in dict(attention).items() if k not in NON_MODULE_KEYS and v is not None}
+    if attention.get("name") is None:
+        if kwargs:
+            raise ConfigError(f"attention=preset keeps the model's own attention; remove the options {sorted(kwargs)}")
+        return {}
+    return {"attention": attention["name"], **kwargs}
+
+
+def build_model(name: str, attention: Optional[Mapping[str, Any]] = None, checkpoint_path: Optional[str] = None,
+                init_from: Optional[str] = None, **kwargs: Any) -> nn.Module:
+    """``timm.create_model(name, attention=..., **options, **kwargs)`` with one-line errors for bad input.
+
+    ``checkpoint_path`` loads this very model's weights strictly; ``init_from`` starts a MoH model from a
+    dense checkpoint of the same backbone (continue-tuning, :mod:`moh_vision.models.continue_tuning`).
+    """
+    if checkpoint_path and init_from:
+        raise ConfigError("give model.checkpoint_path (this model's own weights) or model.init_from (a dense "
+                          "checkpoint to continue-tune from), not both")
+    check_model_name(name)
+    kwargs = {**kwargs, **attention_kwargs(attention)}
+    try:
+        model = timm.create_model(name, **kwargs)
+    except TypeError as err:  # an option the model does not take
+        raise ConfigError(f"model '{name}' rejected its arguments: {err}") from err
+    if checkpoint_path:
+        load_weights(model, checkpoint_path)
+    elif init_from:
+        init_from_dense(model, init_from)
+    return model
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Strictly load this model's weights from any checkpoint format we read (EMA weights first)."""
+    if not Path(path).is_file():
+        raise ConfigError(f"checkpoint_path={path} does not exist")
+    state = read_weights(path)
+    problem = state_dict_mismatch(model.state_dict(), state)
+    if problem:
+        raise ConfigError(f"checkpoint {path} does not fit this model: {problem}")
+    model.load_state_dict(state, strict=True)
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain model inside DDP and/or ``torch.compile`` wrappers."""
+    model = getattr(model, "module", model)
+    return getattr(model, "_orig_mod", model)

@@ -1,0 +1,98 @@
+"""Layers import one way (ARCHITECTURE.md): attention <- models <- tasks, engine <- entry points and
+tools; analysis and data never import engine; no import circle, lazy imports inside functions included."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+from typing import Dict, List, Set
+
+REPO = Path(__file__).resolve().parents[1]
+
+# What each sub-package may import from the others (besides itself, ``errors`` and ``checkpoints``).
+ALLOWED = {
+    "attention": set(),
+    "diffusion": set(),
+    "data": set(),
+    "models": {"attention"},
+    "analysis": {"attention", "models", "data", "diffusion"},
+    "tasks": {"attention", "models", "data", "diffusion", "analysis"},
+    "engine": {"attention", "models", "data", "diffusion", "analysis", "tasks"},
+}
+BASE = {"errors", "cli", "checkpoints"}  # the bottom: imported by anyone, importing no other layer
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_imports() -> Dict[str, Set[str]]:
+    """moh_vision module -> moh_vision modules it imports anywhere in its file (functions included)."""
+    graph: Dict[str, Set[str]] = {}
+    modules = {_module_name(p) for p in (REPO / "moh_vision").rglob("*.py")}
+    for path in (REPO / "moh_vision").rglob("*.py"):
+        parts = path.relative_to(REPO).with_suffix("").parts
+        module = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
+        deps: Set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    name = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    name = node.module or ""
+                submodules = [f"{name}.{alias.name}" for alias in node.names if f"{name}.{alias.name}" in modules]
+                # ``from pkg import submodule`` imports the submodule (and runs pkg/__init__, the package's own)
+                names = submodules if len(submodules) == len(node.names) else [name] + submodules
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            deps.update(n for n in names if n.startswith("moh_vision"))
+        graph[module] = deps
+    known = set(graph)
+    return {m: {d for d in deps if d in known and d != m} for m, deps in graph.items()}
+
+
+def layer(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "root"
+
+
+def test_layers_import_one_way():
+    wrong: List[str] = []
+    for module, deps in module_imports().items():
+        here = layer(module)
+        for dep in deps:
+            there = layer(dep)
+            if here == "root" or there == here:
+                continue
+            if here in BASE and there not in BASE:
+                wrong.append(f"{module} -> {dep} (the base imports no layer)")
+            elif here in ALLOWED and there not in BASE and there not in ALLOWED[here]:
+                wrong.append(f"{module} -> {dep} ({here} may import {sorted(ALLOWED[here]) or 'no other layer'})")
+    assert not wrong, "\n".join(sorted(wrong))
+
+
+def test_no_import_circle():
+    graph = {m: {d for d in deps if not (m.startswith(d + ".") or d == m)} for m, deps in module_imports().items()}
+    # a package's __init__ importing its own submodules is not a circle; a submodule importing back is
+    order: List[str] = []
+    state: Dict[str, int] = {}
+    cycles: List[List[str]] = []
+
+    def visit(node: str, path: List[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph.get(node, ())):
+            if state.get(dep) == 1:
+                cycles.append(path[path.index(dep):] + [dep] if dep in path else [node, dep])
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+        order.append(node)
+
+    for start in sorted(graph):
+        if start not in state:
+            visit(start, [start])
+    assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
