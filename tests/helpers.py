@@ -28,5 +28,14 @@ def run_entry(script: str, *args: str, env: Optional[Dict[str, str]] = None, tim
     return proc
 
 
+def load_tool(name: str):
+    """Import ``tools/<name>.py`` as a module (the tools are scripts, not a package)."""
+    import importlib.util
+    spec = importlib.util.spec_from_file_location(f"tool_{name}", REPO / "tools" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def read_summary(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from moh_vision.attention import (build_attention, collect_aux_loss, collect_routing_stats, list_attention,
+from moh_vision.attention import (AttentionVariant, build_attention, list_attention, record_routing,
                                   register_attention)
 from moh_vision.attention import registry as registry_module
 from moh_vision.attention.routing import resolve_moh_heads
@@ -73,7 +73,7 @@ def test_head_dim_decouples_width_from_heads():
 
 def test_new_variant_registers_and_builds():
     @register_attention("test_halfheads")
-    class HalfHeads:
+    class HalfHeads(AttentionVariant):
         def forward(self, x):
             o = self.heads(x)
             gates = x.new_ones(*x.shape[:-1], self.num_heads)
@@ -124,7 +124,7 @@ def test_unselected_head_does_not_affect_token_but_selected_does():
     m = build_attention("moh", 32, 8, shared_heads=2, topk=2).eval()
     randomise_router(m)
     x = torch.randn(1, 16, 32)
-    _, index = m.route(x)
+    index = m.route(x).index
     routed_pool = m.num_heads - m.shared_heads
     token = 5
     chosen = set((index[0, token] + m.shared_heads).tolist())
@@ -151,7 +151,9 @@ def test_gates_sum_and_load_balance_loss_by_hand():
     m = build_attention("moh", 24, h, shared_heads=h_s, topk=k).train()
     randomise_router(m)
     x = torch.randn(2, 5, 24)
-    gates, index = m.route(x)
+    with record_routing(m) as routing:
+        gates = m.route(x).gates
+    (record,) = routing.records
 
     # by hand from the router weights
     flat = x.reshape(-1, 24)
@@ -163,9 +165,9 @@ def test_gates_sum_and_load_balance_loss_by_hand():
     torch.testing.assert_close(gates.reshape(-1, h).sum(-1), expected_sum)
     E = h - h_s
     loss = E * (p.mean(0) * mask.mean(0)).sum()
-    torch.testing.assert_close(m.aux_loss, loss)
+    torch.testing.assert_close(record.aux_loss, loss)
     # the official formula written the official way
-    torch.testing.assert_close(m.aux_loss, torch.mean(p.mean(0) * mask.mean(0)) * E * E)
+    torch.testing.assert_close(record.aux_loss, torch.mean(p.mean(0) * mask.mean(0)) * E * E)
     # unselected routed heads have gate exactly zero
     routed_gates = gates.reshape(-1, h)[:, h_s:]
     assert torch.equal(routed_gates > 0, mask.bool())
@@ -176,9 +178,18 @@ def test_shared_only_single_head_gate_is_mix_weight():
     assert not hasattr(m, "wg_1")
     randomise_router(m)
     x = torch.randn(1, 3, 16)
-    gates, _ = m.route(x)
+    gates = m.route(x).gates
     mix = 2 * torch.softmax(x @ m.wg_0.weight.T, dim=-1)
     torch.testing.assert_close(gates[..., 0], mix[..., 0])
+
+
+def test_explicit_topk_wins_over_activation_ratio():
+    # the YAMLs keep activation_ratio=0.75, so attention.shared_heads=2 attention.topk=2 must not need it nulled
+    moh = build_attention("moh", 64, 8, activation_ratio=0.75, shared_heads=2, topk=2)
+    assert (moh.shared_heads, moh.topk, moh.active_heads()) == (2, 2, 4)
+    moa = build_attention("moa", 64, 8, activation_ratio=0.75, topk=3)
+    assert (moa.topk, moa.active_heads()) == (3, 3)
+    assert build_attention("moa", 64, 8, activation_ratio=0.5).topk == 4
 
 
 @pytest.mark.parametrize("num_heads", [1, 2, 3, 4, 6, 8, 12, 16, 24, 32])
@@ -192,7 +203,7 @@ def test_activation_ratio_policy_realises_request(num_heads, ratio):
         assert (shared, topk) == (num_heads, 0)
 
 
-def test_aux_loss_lives_on_modules_and_collects_as_official_mean():
+def test_aux_loss_reaches_the_recorder_and_reduces_as_official_mean():
     torch.manual_seed(3)
     a = nn.Sequential(build_attention("moh", 16, 4, shared_heads=1, topk=2),
                       build_attention("moh", 16, 4, shared_heads=4, topk=0),
@@ -201,15 +212,46 @@ def test_aux_loss_lives_on_modules_and_collects_as_official_mean():
     for m in list(a) + [b]:
         randomise_router(m)
     x = torch.randn(2, 7, 16)
+    with record_routing(a) as routing:
+        a(x)
+    with record_routing(b) as other:
+        b(x)
+    assert [r.module for r in other.records] == [b], "a closed recorder must not see later forwards"
+    assert all(r.module is not b for r in routing.records), "one model's recorder must not see another's"
+    by_name = {name: record for name, record in routing.named_records()}
+    assert set(by_name) == {"0", "1", "2"}
+    layer_losses = [by_name["0"].aux_loss, by_name["2"].aux_loss]
+    assert by_name["1"].aux_loss is None  # nothing routed in a dense-weighted layer
+    torch.testing.assert_close(routing.aux_loss(), 0.01 * torch.stack(layer_losses).mean())
+    torch.testing.assert_close(routing.aux_loss(coef=0.5), 0.5 * torch.stack(layer_losses).mean())
+    # outside a recorder nothing is recorded, and nothing is left on the modules
     a(x)
-    assert b.aux_loss is None, "one model's forward must not leave losses on another"
-    layer_losses = [a[0].aux_loss, a[2].aux_loss]
-    assert a[1].aux_loss is None  # nothing routed in a dense-weighted layer
-    torch.testing.assert_close(collect_aux_loss(a), 0.01 * torch.stack(layer_losses).mean())
-    torch.testing.assert_close(collect_aux_loss(a, coef=0.5), 0.5 * torch.stack(layer_losses).mean())
+    for m in list(a) + [b]:
+        assert not any(isinstance(v, torch.Tensor) for k, v in vars(m).items() if not k.startswith("_")), vars(m)
     a.eval()
-    a(x)
-    assert collect_aux_loss(a).item() == 0.0
+    with record_routing(a) as routing:
+        a(x)
+    assert len(routing.records) == 3 and all(r.aux_loss is None for r in routing.records)
+    assert routing.aux_loss().item() == 0.0
+
+
+def test_moh_and_moa_losses_reduce_per_variant():
+    """Official totals: MoH layers' losses are averaged, MoA layers' losses are summed; a model
+    mixing both adds the two parts."""
+    torch.manual_seed(8)
+    m = nn.Sequential(build_attention("moh", 16, 4, shared_heads=1, topk=2),
+                      build_attention("moh", 16, 8, shared_heads=2, topk=3),
+                      build_attention("moa", 16, 4, topk=2), build_attention("moa", 16, 4, topk=3)).train()
+    for layer in m:
+        randomise_router(layer)
+    with torch.no_grad():
+        m[2].w_gate.weight.normal_()
+        m[3].w_gate.weight.normal_()
+    with record_routing(m) as routing:
+        m(torch.randn(2, 7, 16))
+    losses = {name: record.aux_loss for name, record in routing.named_records()}
+    expected = torch.stack([losses["0"], losses["1"]]).mean() + losses["2"] + losses["3"]
+    torch.testing.assert_close(routing.aux_loss(coef=0.01), 0.01 * expected)
 
 
 def test_routing_stats_load_sums_to_active_heads():
@@ -219,11 +261,13 @@ def test_routing_stats_load_sums_to_active_heads():
         randomise_router(layer)
     with torch.no_grad():
         m[1].w_gate.weight.normal_()
-    m(torch.randn(2, 10, 16))
-    stats = collect_routing_stats(m)
+    with record_routing(m) as routing:
+        m(torch.randn(2, 10, 16))
+    stats = routing.stats()
     assert set(stats) == {"0", "1"}
     assert math.isclose(stats["0"]["load"].sum().item(), 5.0, rel_tol=1e-5)
     assert math.isclose(stats["1"]["load"].sum().item(), 3.0, rel_tol=1e-5)
+    assert (stats["0"]["active_heads"], stats["1"]["active_heads"]) == (5, 3)
     assert torch.all(stats["0"]["load"][:3] == 1.0)
     ent = stats["0"]["entropy"].item()
     assert 0.0 < ent <= math.log(5) + 1e-6
@@ -257,18 +301,26 @@ def test_moa_aux_losses_by_hand():
     with torch.no_grad():
         m.w_gate.weight.normal_()
     x = torch.randn(3, 4, 20)
-    m(x)
+    with record_routing(m) as routing:
+        m(x)
     logits = x.reshape(-1, 20) @ m.w_gate.weight.T
     p = logits.softmax(-1)
     top = p.topk(k, dim=-1).indices
     counts = torch.zeros(E).index_add_(0, top.reshape(-1), torch.ones(top.numel()))
     switch = E * (p.mean(0) * counts / counts.sum()).sum()
-    torch.testing.assert_close(m.aux_loss, switch)
+    torch.testing.assert_close(routing.records[0].aux_loss, switch)
 
     m.switch_weight, m.zloss_weight = 0.0, 1.0
-    m(x)
+    with record_routing(m) as routing:
+        m(x)
     z = (torch.log(torch.exp(logits).sum(dim=1)) ** 2).mean()
-    torch.testing.assert_close(m.aux_loss, z)
+    torch.testing.assert_close(routing.records[0].aux_loss, z)
+
+
+def test_moa_shared_key_value_projection_has_no_bias_by_default():
+    # the released MoA code has no bias on the shared key/value head; kv_bias=True restores one
+    assert build_attention("moa", 16, 4, topk=2).kv_proj.bias is None
+    assert build_attention("moa", 16, 4, topk=2, kv_bias=True).kv_proj.bias is not None
 
 
 def test_moa_zero_router_is_uniform_and_noisy_gating_only_in_training():
@@ -316,7 +368,9 @@ def test_gradients_reach_every_parameter_including_routers(name, opts):
         with torch.no_grad():
             m.w_gate.weight.normal_()
     x = torch.randn(2, 10, 32, requires_grad=True)
-    loss = m(x).square().mean() + collect_aux_loss(m, coef=1.0)
+    with record_routing(m) as routing:
+        y = m(x)
+    loss = y.square().mean() + routing.aux_loss(coef=1.0)
     loss.backward()
     for pname, p in m.named_parameters():
         assert p.grad is not None and torch.isfinite(p.grad).all(), pname
@@ -328,8 +382,9 @@ def test_bfloat16_autocast_forward_backward(name, opts):
     m = build_attention(name, 32, 4, **opts).train()
     x = torch.randn(2, 10, 32, requires_grad=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = m(x)
-        loss = y.float().square().mean() + collect_aux_loss(m)
+        with record_routing(m) as routing:
+            y = m(x)
+        loss = y.float().square().mean() + routing.aux_loss()
     loss.backward()
     assert y.dtype == torch.bfloat16
     assert torch.isfinite(x.grad).all()

@@ -1,8 +1,8 @@
 """Continue-tuning a dense checkpoint into MoH: step-0 equality, checkpoint formats, refusals, the tool,
 ``model.init_from`` in train.py, and (``slow``) the measured benefit on the digits."""
 import argparse
+import fractions
 import csv
-import importlib.util
 import json
 import os
 from pathlib import Path
@@ -11,18 +11,19 @@ import pytest
 import timm
 import torch
 
-from helpers import FAST_TRAIN, REPO, read_summary, run_entry
+from helpers import FAST_TRAIN, REPO, load_tool, read_summary, run_entry
 from moh_vision.errors import ConfigError
 from moh_vision.models import build_model
 from moh_vision.models.continue_tuning import (ContinueTuningError, DenseCheckpoint, init_from_dense,
                                                read_dense_checkpoint, routing_like)
 
 
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def run_tool(name, *argv):
+    """``tools/<name>.py`` in-process: its exit status (0 written)."""
+    try:
+        return load_tool(name).main([str(a) for a in argv])
+    except SystemExit as exited:
+        return exited.code
 
 
 def trained_like(model, seed=0):
@@ -98,7 +99,7 @@ def test_plain_vit_all_heads_active_reproduces_dense_and_drops_heads_below(tmp_p
     with torch.no_grad():
         torch.testing.assert_close(exact.eval()(x), dense(x), rtol=1e-6, atol=1e-6)
         assert (half.eval()(x) - dense(x)).abs().max() > 1e-3  # heads dropped: the expected step-0 drop
-        gates, _ = half.blocks[0].attn.route(half.blocks[0].norm1(half.patch_embed(x)))
+        gates = half.blocks[0].attn.route(half.blocks[0].norm1(half.patch_embed(x))).gates
         kept = gates[gates > 0]
         assert kept.numel() == 3 * 64 * 4 and (kept - 1).abs().max() < 0.05  # the kept heads stay at gate ~1
 
@@ -142,9 +143,16 @@ def test_checkpoint_formats(tmp_path):
     assert raw.model_name == "plain_vit_nano"
     with pytest.raises(ContinueTuningError, match="no EMA weights"):
         read_dense_checkpoint(tmp_path / "wrapped.pt", weights="ema")
-    torch.save({"model": state, "args": argparse.Namespace(model="DiT-XL/2")}, tmp_path / "pickled.pt")
+    # DiT's / TransNeXt's released training checkpoints pickle an argparse Namespace: read directly
+    torch.save({"model": state, "args": argparse.Namespace(model="DiT-XL/2")}, tmp_path / "namespace.pt")
+    assert torch.equal(read_dense_checkpoint(tmp_path / "namespace.pt").state["head.weight"], state["head.weight"])
+    # any other pickled object is refused, pointing at the converter
+    torch.save({"model": state, "extra": fractions.Fraction(1, 3)}, tmp_path / "pickled.pt")
     with pytest.raises(ContinueTuningError, match="tools/convert_checkpoint.py"):
         read_dense_checkpoint(tmp_path / "pickled.pt")
+    (tmp_path / "garbage.pt").write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ContinueTuningError, match="not a readable checkpoint"):
+        read_dense_checkpoint(tmp_path / "garbage.pt")
     with pytest.raises(ContinueTuningError, match="does not exist"):
         read_dense_checkpoint(tmp_path / "missing.pt")
     # the EMA weights are what lands in the model
@@ -169,7 +177,7 @@ def meta_checkpoint(model, **info):
     (("transnext_nano", {}), ("transnext_nano", dict(embed_dims=(24, 48, 96, 96))), "tensors of other shapes"),
     (("transnext_micro", {}), ("transnext_tiny", {}), "tensors of other shapes"),            # width
     (("transnext_small", {}), ("moh_transnext_base_75", {}), "not the dense version"),       # width and depth
-    (("dit_xl_2", {}), ("moh_dit_xl_2_90", {}), "--routing-like moh_dit_xl_2_90"),            # 8/16/24 vs 16 heads
+    (("dit_xl_2", {}), ("moh_dit_xl_2_90", {}), "routing_like=moh_dit_xl_2_90"),              # 8/16/24 vs 16 heads
     (("plain_vit_nano", dict(depth=4)), ("plain_vit_nano", {}), "missing from the checkpoint"),  # depth
 ])
 def test_backbone_mismatches_are_refused(source, target, fragment):
@@ -190,10 +198,11 @@ def test_head_layout_recorded_by_our_trainer_is_checked():
 
 def test_routed_checkpoints_and_moa_targets_are_refused():
     moh = meta("plain_vit_nano", attention="moh", activation_ratio=0.5)
-    with pytest.raises(ContinueTuningError, match="not a dense checkpoint: it holds MoH routers"):
+    # the variants declare their own parameters (variant_parameters): the error names the attention
+    with pytest.raises(ContinueTuningError, match=r"not a dense checkpoint: it holds parameters of attention moh \(.*wg"):
         init_from_dense(meta("plain_vit_nano", attention="moh", activation_ratio=0.75), meta_checkpoint(moh))
     moa = meta("plain_vit_nano", attention="moa", topk=2)
-    with pytest.raises(ContinueTuningError, match="MoA experts"):
+    with pytest.raises(ContinueTuningError, match=r"not a dense checkpoint: it holds parameters of attention moa \("):
         init_from_dense(moh, meta_checkpoint(moa))
     dense = meta_checkpoint(meta("plain_vit_nano", attention="mha"))
     with pytest.raises(ContinueTuningError, match="share ONE key/value head.*Train MoA from scratch"):
@@ -216,17 +225,16 @@ def digits_dense(tmp_path_factory):
 
 
 def test_tool_measures_the_step0_drop(digits_dense, tmp_path, capsys):
-    tool = load_tool("convert_dense_to_moh")
     out = tmp_path / "exact.pt"
-    assert tool.main(["--dense", str(digits_dense), "--model", "transnext_nano", "--activation-ratio", "1.0",
-                      "--out", str(out), "--eval", "data=digits", "--eval-limit", "48"]) == 0
+    assert run_tool("convert_dense_to_moh", f"dense={digits_dense}", "model=transnext_nano", "activation_ratio=1.0",
+                    f"out={out}", "data=digits", "eval_limit=48") == 0
     result = json.loads(out.with_suffix(".pt.json").read_text())
     assert result["conversion"]["exact"] and result["eval"]["dense"]["val/count"] == 48
     assert result["eval"]["drop"]["val/acc1"] == 0.0 and abs(result["eval"]["drop"]["val/loss"]) < 1e-6
 
     half = tmp_path / "half.pt"
-    assert tool.main(["--dense", str(digits_dense), "--model", "transnext_nano", "--activation-ratio", "0.5",
-                      "--out", str(half), "--eval", "data=digits", "--eval-limit", "48"]) == 0
+    assert run_tool("convert_dense_to_moh", f"dense={digits_dense}", "model=transnext_nano", "activation_ratio=0.5",
+                    f"out={half}", "data=digits", "eval_limit=48") == 0
     result = json.loads(half.with_suffix(".pt.json").read_text())
     assert not result["conversion"]["exact"] and "val/acc1" in result["eval"]["drop"]
     assert "step-0 evaluation on 48 validation items" in capsys.readouterr().out
@@ -236,14 +244,15 @@ def test_tool_measures_the_step0_drop(digits_dense, tmp_path, capsys):
     assert model is not None
 
     # refusals: exit 1 when the checkpoint does not fit (nothing written), 2 for bad input
-    assert tool.main(["--dense", str(digits_dense), "--model", "transnext_nano", "--out", str(tmp_path / "x.pt"),
-                      "--model-arg", "in_chans=1", "--model-arg", "num_classes=10", "--model-arg", "depths=(1,1,2,2)"]) == 1
-    assert tool.main(["--dense", str(digits_dense), "--model", "transnext_nano", "--attention", "moa",
-                      "--out", str(tmp_path / "x.pt")]) == 1
-    assert tool.main(["--dense", str(tmp_path / "nope.pt"), "--model", "transnext_nano", "--out",
-                      str(tmp_path / "x.pt")]) == 2
+    common = (f"dense={digits_dense}", "model=transnext_nano", f"out={tmp_path / 'x.pt'}")
+    assert run_tool("convert_dense_to_moh", *common, "model.in_chans=1", "model.num_classes=10",
+                    "model.depths=[1,1,2,2]") == 1
+    assert run_tool("convert_dense_to_moh", *common, "attention=moa") == 1
+    assert run_tool("convert_dense_to_moh", f"dense={tmp_path / 'nope.pt'}", *common[1:]) == 2
+    assert run_tool("convert_dense_to_moh", *common, "--eval") == 2  # the old spelling: one line, exit 2
     err = capsys.readouterr().err
     assert "not the dense version" in err and "Train MoA from scratch" in err and "does not exist" in err
+    assert "arguments are key=value words" in err and len(err.strip().splitlines()) == 4
     assert not (tmp_path / "x.pt").exists()
 
 
@@ -285,8 +294,8 @@ def run_measurement(root, seed):
     quiet = ("trainer.progress=false", f"seed={seed}")
     run_entry("train.py", "attention=mha", *quiet, f"hydra.run.dir={root / 'dense'}")
     dense_ckpt = root / "dense" / "checkpoints" / "last.pt"
-    run_entry("tools/convert_dense_to_moh.py", "--dense", str(dense_ckpt), "--model", "transnext_nano",
-              "--activation-ratio", "0.5", "--out", str(root / "step0.pt"), "--eval", "data=digits")
+    run_entry("tools/convert_dense_to_moh.py", f"dense={dense_ckpt}", "model=transnext_nano", "activation_ratio=0.5",
+              f"out={root / 'step0.pt'}", "data=digits")
     run_entry("train.py", "experiment=continue_digits", f"model.init_from={dense_ckpt}", *quiet,
               f"hydra.run.dir={root / 'continue'}")
     run_entry("train.py", "attention.activation_ratio=0.5", *quiet, f"hydra.run.dir={root / 'scratch'}")

@@ -1,25 +1,19 @@
 """FLOP counting: fvcore counts equal hand-written formulas, active FLOPs follow the routing
 configuration, and no op of any registered model family escapes the count."""
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
 import timm
 import torch
 
 import moh_vision  # noqa: F401  (registers the models)
-from moh_vision.analysis.flops import FREE_OPS, count_flops, flop_report, op_handles
-from moh_vision.attention import build_attention, routed_modules
+from helpers import REPO, load_tool
+from moh_vision.analysis.flops_table import COLUMNS, PUBLISHED_GFLOPS, format_table
+from moh_vision.analysis.flop_count import FREE_OPS, count_flops, flop_report, op_handles
+from moh_vision.attention import build_attention, record_routing, routed_modules
+from moh_vision.cli import parse_options
+from moh_vision.models import list_models
 
-REPO_TOOLS = Path(__file__).resolve().parents[1] / "tools"
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", REPO_TOOLS / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,10 +88,9 @@ def test_sparse_path_trace_equals_the_active_count(monkeypatch):
     monkeypatch.setattr(sparse_module, "one_call_for_all_heads", lambda q, batch: False)
     torch.manual_seed(0)
     m = build_attention("moh", C, H, shared_heads=2, topk=3, impl="sparse").eval()
-    m.record_selection = True
-    with torch.no_grad():
+    with torch.no_grad(), record_routing(m, keep_selection=True) as routing:
         m(torch.randn(1, N, C))
-    assert m.last_selection.any(dim=(0, 1)).all(), "seeded so that every head is used"
+    assert routing.records[0].selection.any(dim=(0, 1)).all(), "seeded so that every head is used"
     masked = flop_report(m, (N, C), moh_impl="masked")
     sparse = flop_report(m, (N, C), moh_impl=None)
     assert not sparse.uncounted_ops
@@ -172,14 +165,19 @@ def test_keyword_only_inputs_and_layer_names():
 
 def test_training_mode_and_routing_state_are_restored():
     model = timm.create_model("plain_vit_nano", attention="moh").train()
-    count_flops(model, (3, 32, 32))
+    with record_routing(model) as routing:  # counting inside a caller's recorder
+        count_flops(model, (3, 32, 32))
     assert model.training
-    assert all(m.routing_stats is None for _, m in routed_modules(model))
+    assert list(routed_modules(model))
+    for name, m in routed_modules(model):  # no per-forward state: only parameters, buffers and configuration
+        leftover = [k for k, v in vars(m).items() if isinstance(v, torch.Tensor)]
+        assert not leftover, (name, leftover)
+    assert routing.records == [], "the traced forwards go to the counter's own recorder, not the caller's"
 
 
 def test_a_custom_op_is_reported_until_it_has_a_handle(monkeypatch):
     """An op the counter does not know (here an autograd.Function) is never silently dropped."""
-    from moh_vision.analysis import flops
+    from moh_vision.analysis import flop_count as flops
 
     class Cube(torch.autograd.Function):
         @staticmethod
@@ -220,23 +218,51 @@ def test_tool_table(capsys, tmp_path):
     assert (tmp_path / "t.md").read_text() == printed
     for row in rows:
         assert 0 < row["active_ratio"] < 1 and row["active_gflops"] < row["gflops"]
-    csv_text = tool.format_table(rows, "csv")
-    assert csv_text.splitlines()[0] == ",".join(tool.COLUMNS) and len(csv_text.splitlines()) == 3
+    csv_text = format_table(rows, "csv")
+    assert csv_text.splitlines()[0] == ",".join(COLUMNS) and len(csv_text.splitlines()) == 3
 
 
-def test_tool_errors():
-    from moh_vision.errors import ConfigError
-    tool = load_tool("flops")
-    with pytest.raises(ConfigError, match="key=value"):
-        tool.parse_args(["dit_b_2"])
-    with pytest.raises(ConfigError, match="needs attention"):
-        tool.parse_args(["model=dit_b_2", "attention.activation_ratio=0.5"])
-    with pytest.raises(ConfigError, match="no option"):
-        tool.attention_config("moh", {"bogus": 1})
+@pytest.mark.parametrize("argv,message", [
+    (["dit_b_2"], "key=value"), (["model=dit_b_2", "attention.activation_ratio=0.5"], "needs attention"),
+    (["model=dit_b_2", "attention=moh", "attention.bogus=1"], "no option(s) bogus"),
+    (["model=dit_b_2", "in_chans=0"], "in_chans=0: must be at least 1"),
+    (["model=dit_b_2", "img_size=x"], "expected int")])
+def test_tool_errors_exit_2_with_one_line(argv, message, capsys):
+    with pytest.raises(SystemExit) as exited:
+        load_tool("flops").main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
 
 def test_published_table_covers_dense_models_only():
+    assert set(PUBLISHED_GFLOPS) <= set(list_models())
+    assert not any(name.startswith("moh_") for name in PUBLISHED_GFLOPS)
+    assert math.isclose(PUBLISHED_GFLOPS["dit_xl_2"], 118.64)
+
+
+def test_tool_counts_the_input_channels_and_reads_them_from_a_run(tmp_path):
+    """Digits runs are 1-channel: the tool must count what the run's summary.json reports."""
+    from hydra import compose, initialize_config_dir
+    from omegaconf import OmegaConf
+
+    from moh_vision.models import build_model
     tool = load_tool("flops")
-    assert set(tool.PUBLISHED_GFLOPS) <= set(tool.all_models())
-    assert not any(name.startswith("moh_") for name in tool.PUBLISHED_GFLOPS)
-    assert math.isclose(tool.PUBLISHED_GFLOPS["dit_xl_2"], 118.64)
+    one = tool.main(["model=transnext_nano", "in_chans=1"])[0]
+    stem = build_model("transnext_nano", in_chans=1)
+    assert one["gflops"] == pytest.approx(count_flops(stem, (1, 32, 32))["gflops"], rel=1e-12)
+    assert "x1ch" in one["input"]
+
+    # a run directory: its config.yaml (as train.py writes it) decides model, attention, channels and size
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=["model=transnext_nano", "attention.activation_ratio=0.5"])
+    OmegaConf.save(cfg, tmp_path / "config.yaml")
+    trained = build_model("transnext_nano", attention=OmegaConf.to_container(cfg.attention), in_chans=1,
+                          img_size=32, num_classes=10)
+    expected = count_flops(trained, (1, 32, 32))
+    row = tool.main([f"run={tmp_path}"])[0]
+    assert row["model"] == "transnext_nano" and row["attention"] == "moh @0.5"
+    assert row["gflops"] == pytest.approx(expected["gflops"], rel=1e-12)
+    assert row["active_gflops"] == pytest.approx(expected["active_gflops"], rel=1e-12)
+    assert parse_options(["model=transnext_nano", "data.in_chans=1"], tool.OPTIONS)[0]["in_chans"] == 1  # train.py's
+    with pytest.raises(SystemExit):
+        tool.main([f"run={tmp_path / 'nope'}"])

@@ -9,7 +9,6 @@ shared heads come first; statistics, the routing meter, the plots and a real tra
 learned heads.
 """
 import csv
-import importlib.util
 import json
 import math
 
@@ -20,12 +19,12 @@ from torch import nn
 
 import moh_vision  # noqa: F401  (registers the models)
 from moh_vision.analysis import routing_plots
-from moh_vision.analysis.routing import RoutingMeter, routed_heads_of, routed_loads_of
-from moh_vision.attention import build_attention, collect_aux_loss, collect_routing_stats, routed_modules
+from moh_vision.analysis.routing_stats import RoutingMeter, routed_heads_of, routed_loads_of
+from moh_vision.attention import build_attention, record_routing, routed_modules
 from moh_vision.attention.routing import resolve_moh_heads
 from moh_vision.errors import ConfigError
 
-from helpers import FAST_TRAIN, REPO, run_entry
+from helpers import FAST_TRAIN, load_tool, run_entry
 
 ROUTERS = ("wg", "wg_0", "wg_1")
 
@@ -46,11 +45,13 @@ def learned_layer(dim=32, heads=8, ratio=0.5, steps=3, estimator="ste", seed=0, 
 
 
 def freeze_on(m, scores):
-    """Freeze ``m`` (learn_shared_steps=1) on ``top-h_s(scores)`` with one training forward."""
+    """Freeze ``m`` (learn_shared_steps=1) on ``top-h_s(scores)``: one training forward, one optimizer step."""
     assert m.learn_shared_steps == 1
     with torch.no_grad():
         m.shared_score.copy_(scores)
     m.train()(torch.randn(1, 3, m.dim))
+    assert not bool(m.shared_frozen), "a forward changes no buffer"
+    m.after_optimizer_step()
     assert bool(m.shared_frozen)
     return m.shared_mask.clone()
 
@@ -69,28 +70,39 @@ def partition_order(mask):
 def test_every_token_uses_exactly_the_policys_heads_in_warmup_and_after(heads, ratio, estimator):
     m = learned_layer(dim=24, heads=heads, ratio=ratio, steps=3, estimator=estimator)
     h_s, k = resolve_moh_heads(heads, activation_ratio=ratio)
-    assert (m.shared_heads, m.topk) == (h_s, k) and m.learned_shared and m.active_heads == h_s + k
-    m.record_selection = True
+    assert (m.shared_heads, m.topk) == (h_s, k) and m.learned_shared and m.active_heads() == h_s + k
     x = torch.randn(2, 9, 24)
     masks = []
-    for step in range(6):  # 3 warm-up forwards (new random scores each time), then frozen
+    steps_taken = 0
+    for step in range(6):  # 3 warm-up steps (new random scores each time), then frozen
         with torch.no_grad():
             m.shared_score.normal_()
         for train in (True, False):
             m.train(train)
-            m(x)
-            mask = m.routing_stats["shared_mask"]
-            selection = m.last_selection  # [B, N, h]
+            buffers = {n: b.clone() for n, b in m.named_buffers()}
+            with record_routing(m, keep_selection=True) as routing:
+                m(x)
+            assert all(torch.equal(b, buffers[n]) for n, b in m.named_buffers()), "a forward changes no buffer"
+            (record,) = routing.records
+            stats, selection = record.stats, record.selection  # selection: [B, N, h]
+            mask = stats["shared_mask"]
             assert mask.dtype == torch.bool and int(mask.sum()) == h_s
             assert (selection.sum(-1) == h_s + k).all(), "every token uses exactly h_s + k heads"
             assert selection[..., mask].all(), "every token uses every shared head"
             assert (selection[..., ~mask].sum(-1) == k).all(), "and exactly top-k of the others"
-            assert m.routing_stats["load"].sum().item() == pytest.approx(h_s + k)
-            assert (m.routing_stats["load"][mask] == 1.0).all()
-            assert bool(m.routing_stats["shared_frozen"]) == (step >= 2)  # after the 3rd training forward
+            assert stats["load"].sum().item() == pytest.approx(h_s + k)
+            assert (stats["load"][mask] == 1.0).all()
+            assert bool(stats["shared_frozen"]) == (steps_taken >= 3)  # after the 3rd optimizer step
             if train:
                 masks.append(mask)
-    assert all(torch.equal(mask, m.shared_mask) for mask in masks[3:]), "frozen after 3 training forwards"
+                m.after_optimizer_step()  # the trainer calls it once per optimizer step taken
+                steps_taken += 1
+                assert int(m.shared_seen) == min(steps_taken, 3)
+                if steps_taken <= 3:  # each warm-up step puts the noise-free top-h_s of the scores in force
+                    clean = torch.zeros(heads, dtype=torch.bool)
+                    clean[m.shared_score.detach().topk(h_s).indices] = True
+                    assert torch.equal(m.shared_mask, clean)
+    assert all(torch.equal(mask, m.shared_mask) for mask in masks[3:]), "frozen after 3 optimizer steps"
     if estimator == "ste":  # Gumbel: the 3rd forward used a noisy sample; the noise-free choice is frozen
         assert torch.equal(masks[2], m.shared_mask)
 
@@ -105,9 +117,10 @@ def test_straight_through_gradient_is_the_documented_estimator():
     assert (h_s, m.topk) == (2, 2)
     x = torch.randn(2, 7, 24)
     weight = torch.randn(2, 7, 6)
-    gates, _ = m.route(x)
+    with record_routing(m) as routing:
+        gates = m.route(x).gates
     (gates * weight).sum().backward()
-    mask = m.routing_stats["shared_mask"]
+    mask = routing.records[0].stats["shared_mask"]
     with torch.no_grad():
         u = x @ m.wg_1.weight.T
         a1 = 2 * torch.softmax(x @ m.wg_0.weight.T, dim=-1)[..., :1]
@@ -149,6 +162,7 @@ def test_warmup_learns_the_head_the_output_needs(estimator, good):
         opt.zero_grad()
         loss.backward()
         opt.step()
+        m.after_optimizer_step()
     assert bool(m.shared_frozen) and int(m.shared_seen) == 20
     assert m.shared_mask.tolist() == [i == good for i in range(4)]
     assert loss.item() < 1e-10
@@ -161,7 +175,9 @@ def test_gradient_reaches_scores_only_during_warmup_and_mask_survives_state_dict
     frozen_mask = None
     for step in range(7):
         m.train()
-        loss = m(x).square().mean() + collect_aux_loss(m)
+        with record_routing(m) as routing:
+            y = m(x)
+        loss = y.square().mean() + routing.aux_loss()
         opt.zero_grad()
         loss.backward()
         grad = m.shared_score.grad
@@ -171,6 +187,7 @@ def test_gradient_reaches_scores_only_during_warmup_and_mask_survives_state_dict
         else:
             assert grad.abs().sum() == 0, "frozen: the scores no longer matter"
         opt.step()
+        m.after_optimizer_step()
         with torch.no_grad():  # shake the scores: the frozen partition must not follow
             m.shared_score.mul_(-3.0).add_(torch.randn(8))
         if step == 2:
@@ -187,8 +204,10 @@ def test_gradient_reaches_scores_only_during_warmup_and_mask_survives_state_dict
     fresh.load_state_dict(state)
     assert bool(fresh.shared_frozen) and torch.equal(fresh.shared_mask, frozen_mask)
     m.eval(), fresh.eval()
-    torch.testing.assert_close(fresh(x), m(x))
-    assert torch.equal(fresh.routing_stats["shared_mask"], frozen_mask)
+    with record_routing(fresh) as routing:
+        y_fresh = fresh(x)
+    torch.testing.assert_close(y_fresh, m(x))
+    assert torch.equal(routing.records[0].stats["shared_mask"], frozen_mask)
 
 
 def test_zero_warmup_freezes_the_official_first_heads_at_once():
@@ -197,6 +216,7 @@ def test_zero_warmup_freezes_the_official_first_heads_at_once():
     with torch.no_grad():
         m.shared_score.normal_()
     m.train()(torch.randn(1, 4, 32))
+    m.after_optimizer_step()
     assert m.shared_mask.tolist() == [True] * 3 + [False] * 5 and int(m.shared_seen) == 0
 
 
@@ -237,10 +257,12 @@ def test_frozen_layer_equals_official_layer_with_permuted_heads(heads, ratio):
         layer.train()
         layer.zero_grad(set_to_none=True)
         xi = x.clone().requires_grad_(True)
-        y = layer(xi)
-        ((y * grad_out).sum() + collect_aux_loss(layer, coef=1.0)).backward()
-        gates, index = layer.route(x)
-        results.append((y.detach(), xi.grad, layer.aux_loss.detach(), gates.detach(), index, layer.routing_stats))
+        with record_routing(layer) as routing:
+            y = layer(xi)
+        ((y * grad_out).sum() + routing.aux_loss(coef=1.0)).backward()
+        (record,) = routing.records
+        route = layer.route(x)
+        results.append((y.detach(), xi.grad, record.aux_loss.detach(), route.gates.detach(), route.index, record.stats))
     (y, gx, aux, gates, index, stats), (y_ref, gx_ref, aux_ref, gates_ref, index_ref, stats_ref) = results
     torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gx, gx_ref, rtol=1e-5, atol=1e-6)
@@ -276,9 +298,10 @@ def test_sparse_equals_masked_in_warmup_and_after(estimator):
                 layer.zero_grad(set_to_none=True)
                 xi = x.clone().requires_grad_(True)
                 torch.manual_seed(step)  # the same Gumbel noise
-                y = layer(xi)
-                ((y * grad_out).sum() + collect_aux_loss(layer, coef=1.0)).backward()
-                outs.append((y, xi.grad, {n: p.grad for n, p in layer.named_parameters()}, layer.routing_stats))
+                with record_routing(layer) as routing:
+                    y = layer(xi)
+                ((y * grad_out).sum() + routing.aux_loss(coef=1.0)).backward()
+                outs.append((y, xi.grad, {n: p.grad for n, p in layer.named_parameters()}, routing.records[0].stats))
             (y, gx, grads, stats), (ys, gxs, grads_s, stats_s) = outs
             torch.testing.assert_close(ys, y, rtol=1e-4, atol=1e-5)
             torch.testing.assert_close(gxs, gx, rtol=1e-4, atol=1e-5)
@@ -289,6 +312,8 @@ def test_sparse_equals_masked_in_warmup_and_after(estimator):
             assert torch.equal(stats_s["shared_mask"], stats["shared_mask"])
             assert torch.equal(stats_s["load"], stats["load"])
             paths.append(sparse.execution_path(x))
+        for layer in (ref, sparse):  # one optimizer step per (training, eval) pair
+            layer.after_optimizer_step()
     assert torch.equal(ref.shared_mask, sparse.shared_mask) and bool(sparse.shared_frozen)
     # warm-up training forwards run masked (the estimator needs every head); eval and frozen: sparse
     assert paths == ["masked", "sparse"] * 2 + ["sparse"] * 4
@@ -304,8 +329,9 @@ def test_layers_without_both_sets_stay_standard():
     routed_only = build_attention("moh", 32, 2, shared_heads="learned", activation_ratio=0.5)  # a = 1: h_s = 0
     assert (routed_only.shared_heads, routed_only.topk) == (0, 1) and not routed_only.learned_shared
     assert routed_only.wg.out_features == 2 and not hasattr(routed_only, "shared_score")
-    routed_only(torch.randn(1, 3, 32))
-    assert "shared_mask" not in routed_only.routing_stats
+    with record_routing(routed_only) as routing:
+        routed_only(torch.randn(1, 3, 32))
+    assert "shared_mask" not in routing.records[0].stats
 
     # transnext_nano (heads 1/2/4/8): stages 3 and 4 learn, at 0.75 and at 0.5
     for ratio, expected in ((0.75, {"block3.0.attn": (1, 2), "block3.1.attn": (1, 2), "block4.0.attn": (3, 3)}),
@@ -334,22 +360,18 @@ def test_bad_learned_options_are_one_line_config_errors(opts, fragment):
 # ---------------------------------------------------------------------------------------------
 # Statistics, the routing meter and the plots
 # ---------------------------------------------------------------------------------------------
-class FakeLayer(nn.Module):
-    is_routed = True
-
-    def __init__(self, load, mask, frozen=True, topk=1):
-        super().__init__()
-        self.aux_loss = None
-        self.routing_stats = {"load": torch.tensor(load), "entropy": torch.tensor(0.5), "num_heads": len(load),
-                              "shared_heads": sum(mask), "topk": topk, "shared_mask": torch.tensor(mask),
-                              "shared_frozen": torch.tensor(frozen)}
+def fake_stats(load, mask, frozen=True, topk=1):
+    """One layer's ``RoutingRecorder.stats()`` entry with a learned partition."""
+    return {"load": torch.tensor(load), "entropy": torch.tensor(0.5), "num_heads": len(load),
+            "shared_heads": sum(mask), "topk": topk, "active_heads": sum(mask) + topk,
+            "shared_mask": torch.tensor(mask), "shared_frozen": torch.tensor(frozen)}
 
 
 def test_meter_treats_the_learned_heads_as_shared(tmp_path):
     # heads 1 and 3 shared; routed head 0 collapsed, routed head 4 starved, head 2 fine
-    model = nn.ModuleDict({"learned": FakeLayer([0.97, 1.0, 0.03, 1.0, 0.0], [False, True, False, True, False])})
+    stats = {"learned": fake_stats([0.97, 1.0, 0.03, 1.0, 0.0], [False, True, False, True, False])}
     meter = RoutingMeter()
-    meter.update(model)
+    meter.update(stats)
     warnings = meter.health_warnings()
     assert any("routed head 0 took 97.0%" in w for w in warnings)
     assert any("routed head 4 was never chosen" in w for w in warnings)
@@ -361,9 +383,9 @@ def test_meter_treats_the_learned_heads_as_shared(tmp_path):
     assert avg["shared_mask"] == [False, True, False, True, False] and routed_heads_of(avg) == [0, 2, 4]
 
     # the partition moves mid-epoch: routed loads average only the forwards in which a head was routed
-    model["learned"].routing_stats.update(load=torch.tensor([1.0, 0.5, 0.5, 1.0, 0.0]),
-                                          shared_mask=torch.tensor([True, False, False, True, False]))
-    meter.update(model)
+    stats["learned"].update(load=torch.tensor([1.0, 0.5, 0.5, 1.0, 0.0]),
+                            shared_mask=torch.tensor([True, False, False, True, False]))
+    meter.update(stats)
     avg = meter.averages()["learned"]
     assert avg["shared_mask"] == [True, False, False, True, False]
     assert avg["shared_frac"] == [0.5, 0.5, 0.0, 1.0, 0.0]
@@ -386,13 +408,15 @@ def test_real_layer_stats_and_plots(tmp_path):
     assert mask.tolist() == [False, True, False, True, False, False]
     model = nn.ModuleDict({"fixed": build_attention("moh", 24, 6, activation_ratio=0.67), "learned": m})
     x = torch.randn(2, 9, 24)
-    for layer in model.values():
-        layer.train()(x)
-    stats = collect_routing_stats(model)
+    with record_routing(model) as routing:
+        for layer in model.values():
+            layer.train()(x)
+    stats = routing.stats()
+    assert set(stats) == {"fixed", "learned"}
     assert torch.equal(stats["learned"]["shared_mask"], mask) and bool(stats["learned"]["shared_frozen"])
     assert "shared_mask" not in stats["fixed"]
     meter = RoutingMeter()
-    meter.update(model)
+    meter.update(stats)
     epoch = meter.averages()
     by_epoch = {"0": epoch, "1": epoch}
     assert routing_plots.has_learned_shared_heads(epoch) and routing_plots.has_learned_shared_heads(by_epoch)
@@ -403,10 +427,11 @@ def test_real_layer_stats_and_plots(tmp_path):
     assert routing_plots.plot_head_utility(epoch, tmp_path / "util.png").is_file()
     ranking = routing_plots.utility_ranking(epoch["learned"])
     assert sorted(r["head"] for r in ranking) == [0, 2, 4, 5]
-    m.record_selection = True
-    m(torch.randn(1, 4, 24))
+    with record_routing(m, keep_selection=True) as routing:
+        m(torch.randn(1, 4, 24))
+    (record,) = routing.records
     layer = {"name": "learned", "grid": (2, 2), "shared_heads": 2, "shared_mask": mask.tolist(),
-             "selection": m.last_selection[0].numpy(), "gates": m.last_gates[0].numpy()}
+             "selection": record.selection[0].numpy(), "gates": record.gates[0].numpy()}
     assert routing_plots.plot_token_heads(None, [layer], tmp_path / "tokens.png").is_file()
 
 
@@ -432,12 +457,9 @@ def test_train_run_logs_and_plots_the_learned_heads(tmp_path):
     assert (tmp_path / "routing_shared_heads.png").stat().st_size > 1000
     assert json.loads((tmp_path / "summary.json").read_text())["gflops"] > 0, "fvcore traces learned layers"
 
-    spec = importlib.util.spec_from_file_location("analyze_routing", REPO / "tools" / "analyze_routing.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
     out = tmp_path / "analysis"
-    result = tool.main([f"ckpt={tmp_path / 'checkpoints' / 'last.pt'}", "num_images=4", "map_images=1",
-                        "batch_size=4", f"out={out}", "logger=none"])
+    result = load_tool("analyze_routing").main([f"ckpt={tmp_path / 'checkpoints' / 'last.pt'}", "num_images=4",
+                                                "map_images=1", "batch_size=4", f"out={out}", "logger=none"])
     assert result["files"]["shared_heads"] == "shared_heads.png" and (out / "shared_heads.png").is_file()
     for name in learned_layers:
         layer = result["layers"][name]

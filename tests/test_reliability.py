@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers import REPO, read_summary, run_entry
-from moh_vision.analysis.routing import RoutingMeter
+from moh_vision.analysis.routing_stats import RoutingMeter
 
 # Deterministic, checkpoint every step, log every step.
 CLS = ("trainer.deterministic=true", "trainer.ckpt_every_steps=1", "trainer.log_every=1", "trainer.progress=false",
@@ -215,18 +215,12 @@ def test_resume_or_eval_with_a_checkpoint_of_another_model(tmp_path):
 def test_routing_health_flags_collapse_and_starvation():
     meter = RoutingMeter()
 
-    class FakeLayer(torch.nn.Module):
-        is_routed = True
+    def layer_stats(load):  # one layer's entry of RoutingRecorder.stats()
+        return {"load": torch.tensor(load), "entropy": torch.tensor(0.5), "num_heads": len(load),
+                "shared_heads": 2, "topk": 1, "active_heads": 3}
 
-        def __init__(self, load):
-            super().__init__()
-            self.aux_loss = None
-            self.routing_stats = {"load": torch.tensor(load), "entropy": torch.tensor(0.5), "num_heads": len(load),
-                                  "shared_heads": 2, "topk": 1}
-
-    model = torch.nn.ModuleDict({"healthy": FakeLayer([1.0, 1.0, 0.3, 0.4, 0.3]),
-                                 "collapsed": FakeLayer([1.0, 1.0, 0.995, 0.005, 0.0])})
-    meter.update(model)
+    meter.update({"healthy": layer_stats([1.0, 1.0, 0.3, 0.4, 0.3]),
+                  "collapsed": layer_stats([1.0, 1.0, 0.995, 0.005, 0.0])})
     warnings = meter.health_warnings()
     assert any("collapsed: routed head 2" in w and "collapse" in w for w in warnings)
     assert any("collapsed: routed head 4 was never chosen" in w for w in warnings)

@@ -4,7 +4,6 @@ Every path must give the masked path's outputs AND gradients (input, every param
 weights included), and leave the same aux loss and routing statistics. Triton runs here in its
 CPU interpreter (small shapes) and, on a GPU machine, compiled (``-m gpu``).
 """
-import importlib.util
 import math
 import os
 import subprocess
@@ -14,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from moh_vision.attention import build_attention, collect_aux_loss, register_kernel
+from moh_vision.attention import build_attention, record_routing, register_kernel
 from moh_vision.attention import registry as registry_module
 from moh_vision.attention.kernels import DotProductAttention
 from moh_vision.attention.moh import choose_impl
 from moh_vision.attention import sparse as sparse_module
-from moh_vision.attention.sparse import build_dispatch, padded_layout, sparse_moh_forward
+from moh_vision.attention.sparse import build_dispatch, padded_layout, sparse_flops_ratio, sparse_moh_forward
 from moh_vision.errors import ConfigError
 
 ROUTERS = ("wg", "wg_0", "wg_1")
@@ -46,11 +45,13 @@ def run(m, x, grad_out, train):
     m.train(train)
     m.zero_grad(set_to_none=True)
     x = x.detach().clone().requires_grad_(True)
-    y = m(x)
-    loss = (y * grad_out).sum() + collect_aux_loss(m, coef=1.0)
+    with record_routing(m) as routing:
+        y = m(x)
+    loss = (y * grad_out).sum() + routing.aux_loss(coef=1.0)
     loss.backward()
     grads = {name: p.grad for name, p in m.named_parameters()}
-    return y.detach(), x.grad, grads, m.aux_loss, m.routing_stats
+    (record,) = routing.records
+    return y.detach(), x.grad, grads, record.aux_loss, record.stats
 
 
 def assert_same(ref_run, other_run, rtol=1e-4, atol=1e-5):
@@ -326,26 +327,18 @@ def test_gpu_triton_bfloat16_autocast_close_to_masked():
 # ---------------------------------------------------------------------------------------------
 # The benchmark tool
 # ---------------------------------------------------------------------------------------------
-def load_bench():
-    path = Path(__file__).resolve().parents[1] / "tools" / "bench_attention.py"
-    spec = importlib.util.spec_from_file_location("bench_attention", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_bench_lower_bound_at_the_target_point():
-    bench = load_bench()
     # 1024 tokens, dim 768, 12 heads, 3 shared + 3 routed: keys/values for all 12 heads stay
-    bound = bench.flops_ratio_bound(768, 12, 64, 1024, 3, 3)
+    bound = sparse_flops_ratio(768, 12, 64, 1024, 3, 3)
     assert math.isclose(bound, 0.65, abs_tol=0.01)
-    assert bench.flops_ratio_bound(768, 12, 64, 1024, 12, 0) > 1.0  # all heads + router > dense
+    assert sparse_flops_ratio(768, 12, 64, 1024, 12, 0) > 1.0  # all heads + router > dense
 
 
 def test_bench_quick_run_writes_a_table(tmp_path, capsys):
-    bench = load_bench()
+    from helpers import load_tool  # not at the top: the Triton interpreter loads this file without tests/ on the path
+
     out = tmp_path / "bench.csv"
-    assert bench.main(["--quick", "--device", "cpu", "--out", str(out)]) == 0
+    assert load_tool("bench_attention").main(["quick=true", "device=cpu", f"out={out}"]) == 0
     table = capsys.readouterr().out
     assert "sparse_fwdbwd" in table and "auto_fwd_pick" in table
     header = out.read_text().splitlines()[0]

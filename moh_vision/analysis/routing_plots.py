@@ -1,7 +1,7 @@
 """Figures of how routed attention layers use their heads (matplotlib, Agg backend, PNG files).
 
 Every function takes per-layer statistics in the format of
-:meth:`moh_vision.analysis.routing.RoutingMeter.averages` (what the trainer dumps to
+:meth:`moh_vision.analysis.routing_stats.RoutingMeter.averages` (what the trainer dumps to
 ``routing.json`` each epoch)::
 
     {layer_name: {"load": [h floats], "entropy": float | None, "shared_heads": int, "topk": int,
@@ -12,7 +12,7 @@ sum to its active heads per token); ``gate_mass[i]`` the mean gate head ``i`` re
 where unselected). Layers keep their order (depth). Routed heads are indices ``shared_heads..h-1``,
 except in layers that learn their shared heads (``attention.shared_heads=learned``): their stats carry
 ``shared_mask`` ([h] bools; optional ``shared_frozen``, ``shared_frac``, ``routed_load``) and shared
-means that mask (:func:`~moh_vision.analysis.routing.shared_mask_of`).
+means that mask (:func:`~moh_vision.analysis.routing_stats.shared_mask_of`).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import numpy as np
 
-from moh_vision.analysis.routing import routed_heads_of, routed_loads_of, shared_mask_of
+from moh_vision.analysis.routing_stats import routed_heads_of, routed_loads_of, shared_mask_of
 
 Stats = Mapping[str, Mapping[str, Any]]
 

@@ -45,6 +45,8 @@ class HeadAttention(nn.Module):
 
     kernel_name = "base"
     is_routed = False
+    # FLOPs: which children scale with the heads a token activates (see registry.flops_roles_of)
+    flops_roles = {"qkv": "query_rows", "proj": "per_head", "proj_drop": "fixed"}
 
     def __init__(
         self,
@@ -124,6 +126,8 @@ class DotProductAttention(HeadAttention):
     ``fused_attn=True`` calls ``F.scaled_dot_product_attention`` (flash/memory-efficient kernels
     where available); ``False`` runs the explicit softmax, which some analysis tools need.
     """
+
+    flops_roles = {"q_norm": "per_head", "k_norm": "fixed"}
 
     def __init__(self, dim: int, num_heads: int, head_dim: Optional[int] = None, qkv_bias: bool = True,
                  qk_norm: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0, fused_attn: bool = True):

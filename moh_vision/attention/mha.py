@@ -1,7 +1,8 @@
 """Dense multi-head attention: every head, equal weight. The baseline the routed variants are measured against."""
-from .registry import register_attention
+from .registry import AttentionVariant, register_attention
 
 
 @register_attention("mha")
-class MHA:
-    """Mixin that leaves the kernel as it is: ``build_attention("mha", ...)`` is the kernel's own dense attention."""
+class MHA(AttentionVariant):
+    """Mixin that leaves the kernel as it is: ``build_attention("mha", ...)`` is the kernel's own dense
+    attention. Every contract answer is the dense default of :class:`AttentionVariant`."""

@@ -8,9 +8,17 @@ while training) picks the top-k experts per token and the output is
 top-k probabilities as in the released code.
 
 Auxiliary loss per layer: ``switch_weight * E * sum_i P_i f_i + zloss_weight * mean(logsumexp^2)
-+ cv_weight * cv^2``. The weights are relative to the global aux coefficient of
-``collect_aux_loss`` (0.01 by default), so the defaults give the paper's 0.01 switch and 0.001
-z-loss.
++ cv_weight * cv^2``. The weights are relative to the global aux coefficient
+(``attention.aux_loss_weight``, 0.01 by default), so the defaults give the paper's 0.01 switch and
+0.001 z-loss. As in the released code the layers' losses are SUMMED over layers
+(``aux_reduction = "sum"``; MoH takes the mean), and the shared key/value projection has no bias
+(``kv_bias=False``).
+
+Defaults versus the paper: the paper's WMT14 base model has E = 8 experts, top-k 8 and head size
+128, chosen for a 512-wide Transformer. Here the experts are the backbone's heads (E = num_heads,
+head size = the backbone's head_dim, so a MoA layer has the dense layer's query/output width) and
+``topk`` comes from ``activation_ratio`` (0.75 by default) or is given explicitly, so that MoA and
+MoH are compared at the same number of active heads.
 """
 from __future__ import annotations
 
@@ -54,30 +62,56 @@ class MoA(RoutedMixin):
     """Mixin: MoA experts over any kernel. ``num_heads`` is the number of experts E.
 
     Args:
-        topk: experts per token; or ``activation_ratio`` (``topk = round(ratio * E)``).
+        topk: experts per token; or ``activation_ratio`` (``topk = round(ratio * E)``). An explicit
+            ``topk`` wins over ``activation_ratio``.
         noisy_gating: add learned Gaussian noise to the router logits while training.
         switch_weight, zloss_weight, cv_weight: per-term aux weights, relative to the global
             aux coefficient.
+        kv_bias: bias of the shared key/value projection (the released code has none).
     """
 
+    option_ranges = {"topk": "1..num_heads (experts)", "activation_ratio": "(0, 1]",
+                     "switch_weight": ">= 0", "zloss_weight": ">= 0", "cv_weight": ">= 0"}
+    aux_reduction = "sum"  # the released code sums the layers' losses (MoH takes the mean)
+    variant_parameters = ("q_proj", "kv_proj", "w_gate", "w_noise")
+    flops_roles = {"q_proj": "per_head", "kv_proj": "fixed", "proj": "per_head", "w_gate": "fixed",
+                   "w_noise": "fixed"}
+    dense_start_refusal = (
+        "MoA cannot be continue-tuned from a dense checkpoint: its experts share ONE key/value head (kv_proj: "
+        "C -> 2 x head_dim) where the dense layer has one per head, and its output projection has no bias; no "
+        "choice of the shared key/value head reproduces the dense layer, so the model would not start from the "
+        "dense function. Train MoA from scratch, or continue-tune to attention=moh")
+
     def __init__(self, dim: int, num_heads: int, *, topk: Optional[int] = None,
-                 activation_ratio: Optional[float] = None, noisy_gating: bool = False,
-                 switch_weight: float = 1.0, zloss_weight: float = 0.1, cv_weight: float = 0.0, **kernel_options):
+                 activation_ratio: Optional[float] = 0.75, noisy_gating: bool = False,
+                 switch_weight: float = 1.0, zloss_weight: float = 0.1, cv_weight: float = 0.0,
+                 kv_bias: bool = False, **kernel_options):
+        self.kv_bias = bool(kv_bias)
         super().__init__(dim, num_heads, **kernel_options)
         E = self.num_heads
-        if topk is not None and activation_ratio is not None:
-            raise ConfigError("give MoA either topk or activation_ratio, not both")
         if topk is None:
-            topk = active_heads_for_ratio(E, 0.75 if activation_ratio is None else activation_ratio)
-        if not 1 <= int(topk) <= E:
+            if activation_ratio is None:
+                raise ConfigError("MoA needs topk or activation_ratio")
+            topk = self.options_for_ratio(E, activation_ratio)["topk"]
+        if isinstance(topk, bool) or not 1 <= int(topk) <= E:
             raise ConfigError(f"MoA topk={topk} is outside 1..num_experts={E}")
+        for key, value in (("switch_weight", switch_weight), ("zloss_weight", zloss_weight),
+                           ("cv_weight", cv_weight)):
+            if float(value) < 0:
+                raise ConfigError(f"MoA {key}={value} must be >= 0")
         self.topk = int(topk)
         self.noisy_gating = bool(noisy_gating)
         self.switch_weight, self.zloss_weight, self.cv_weight = float(switch_weight), float(zloss_weight), float(cv_weight)
         self.w_gate = nn.Linear(dim, E, bias=False)
         self.w_noise = nn.Linear(dim, E, bias=False) if self.noisy_gating else None
-        self.init_routing_state()
         self.reset_router()
+
+    @classmethod
+    def options_for_ratio(cls, num_heads: int, activation_ratio: float):
+        return {"topk": active_heads_for_ratio(num_heads, activation_ratio)}
+
+    def active_heads(self) -> int:
+        return self.topk
 
     def reset_router(self) -> None:
         """MoA starts from a uniform router (zero gate weights)."""
@@ -88,7 +122,7 @@ class MoA(RoutedMixin):
     # --- projections: per-expert queries and outputs, one shared key/value head ------------
     def init_projections(self, qkv_bias: bool) -> None:
         self.q_proj = nn.Linear(self.dim, self.inner_dim, bias=False)
-        self.kv_proj = nn.Linear(self.dim, 2 * self.head_dim, bias=qkv_bias)
+        self.kv_proj = nn.Linear(self.dim, 2 * self.head_dim, bias=self.kv_bias)  # official: no bias
         self.proj = nn.Linear(self.inner_dim, self.dim, bias=False)
 
     def project_q(self, x: Tensor) -> Tensor:
@@ -111,11 +145,11 @@ class MoA(RoutedMixin):
         index, mask = topk_mask(probs.detach(), self.topk)
         gates = probs * mask
         loss = None
-        if self.training:
+        if self.wants_aux_loss():
             loss = self.switch_weight * switch_loss(probs, mask) + self.zloss_weight * z_loss(logits)
             if self.cv_weight:
                 loss = loss + self.cv_weight * cv_squared_loss(gates)
-        self.store_routing(mask, probs, loss, gates=gates)
+        self.record_routing(mask, probs, loss, gates=gates)
         return gates, index
 
     def forward(self, x: Tensor) -> Tensor:

@@ -12,7 +12,8 @@ Gates, as in the official code (parameter names ``wg``, ``wg_0``, ``wg_1`` match
 * ``topk == 0`` (every head shared) is a dense layer with learned per-token head weights.
 
 The gates multiply each head's output before the output projection. Training adds the
-load-balance loss ``E * sum_i me_i ce_i`` per routed layer (``collect_aux_loss``).
+load-balance loss ``E * sum_i me_i ce_i`` per routed layer, handed to the caller's recorder
+(:func:`~moh_vision.attention.recorder.record_routing`).
 
 Learned shared heads (``shared_heads="learned"``, not in the paper; its reviewers asked for it)
 ---------------------------------------------------------------------------------------------
@@ -25,8 +26,8 @@ the policy of :func:`~moh_vision.attention.routing.resolve_moh_heads`):
   (routed logits; only the non-shared heads' rows are read) and ``wg_1`` [h, C] (shared-gate
   logits; only the shared heads' rows are read; absent when ``h_s == 1``), plus ``wg_0`` [2, C];
 * buffers (persistent, in the state dict): ``shared_mask`` ([h] bool, the partition in force),
-  ``shared_seen`` (training forwards of warm-up so far), ``shared_frozen`` (bool);
-* warm-up, the first ``learn_shared_steps`` training forwards: the forward uses the hard
+  ``shared_seen`` (optimizer steps of warm-up so far), ``shared_frozen`` (bool);
+* warm-up, the first ``learn_shared_steps`` optimizer steps: the forward uses the hard
   partition ``top-h_s(shared_score)`` (``"gumbel"``: of ``shared_score + Gumbel noise``, a new
   sample per forward) with exactly the official gates on it; backward is straight-through: the
   gate of head i gets ``+ (s_i - stopgrad(s_i)) * stopgrad(G_shared_i - G_routed_i)``, where
@@ -35,12 +36,12 @@ the policy of :func:`~moh_vision.attention.routing.resolve_moh_heads`):
   would lose its shared gate (it would be routed, and most tokens would not select it); a routed
   head would get ``a1 * h_s * exp(u_i) / (exp(u_i) + sum_{shared j} exp(u_j))`` (its share of the
   shared softmax, ``u = wg_1 x``; ``a1`` when ``h_s == 1``) instead of its routed gate;
-* at the end of the ``learn_shared_steps``-th training forward ``top-h_s(shared_score)`` as that
-  forward saw it (noise-free; with ``"ste"`` the partition it used) is frozen into ``shared_mask``;
+* after the ``learn_shared_steps``-th optimizer step (the trainer calls
+  :meth:`MoH.after_optimizer_step`; gradient accumulation and checkpointing do not change the count)
+  ``top-h_s(shared_score)`` (noise-free) is frozen into ``shared_mask``;
   from then on the scores no longer matter (they stay in the graph with a zero gradient, so DDP
-  sees every parameter used). Eval forwards during warm-up use ``top-h_s(shared_score)`` and change
-  nothing. The masked path needs no host sync for any of this (tensor ops on the buffers).
-  Gradient accumulation counts micro-batches; a resumed run continues from the buffers.
+  sees every parameter used). No forward changes a buffer; eval forwards during warm-up use
+  ``top-h_s(shared_score)``. A resumed run continues from the buffers.
 
 Every token always uses exactly ``h_s + topk`` heads, during warm-up and after. A frozen learned
 layer computes what an official layer computes whose heads are permuted so that the learned
@@ -55,16 +56,15 @@ token would gain from a head it did not select), which only the masked path comp
 """
 from __future__ import annotations
 
-import math
-from typing import Optional, Tuple, Union
+from typing import NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
 from moh_vision.errors import ConfigError
 from .registry import register_attention
-from .routing import (RoutedMixin, load_balance_loss, renormalised_topk_gates, resolve_moh_heads, topk_mask)
-from .sparse import SPARSE_KERNELS, HeadPermutedView, sparse_flops_ratio, sparse_moh_forward
+from .routing import (RoutedMixin, SharedPlusTopK, load_balance_loss, renormalised_topk_gates, resolve_moh_heads, topk_mask)
+from .sparse import choose_impl, kernels_supporting, sparse_forward, sparse_support  # noqa: F401 (choose_impl)
 
 Tensor = torch.Tensor
 
@@ -73,84 +73,53 @@ SHARED_ESTIMATORS = ("ste", "gumbel")  # straight-through top-h_s; the same on G
 LEARNED = "learned"
 
 
-# ----------------------------------------------------------------------------------------------
-# impl="auto": when the sparse path pays
-#
-# Sparse MoH costs about its FLOP bound (``sparse_flops_ratio``: keys/values for every head plus
-# queries, attention and output projection of the active heads, over dense) plus an overhead
-# (gathers, scatters, one call per routed head) that shrinks as sequences grow; masked MoH costs
-# ~1.00-1.05x dense. ``auto`` runs sparse when ``bound + overhead(tokens) <= 0.95``: predicted to
-# beat masked by a margin larger than the noise of the measurements below.
-#
-# Measured on CPU only: 2-core AMD EPYC VM (AVX-512), torch 2.14.1, fp32, 1 thread, process CPU
-# time (the machine was shared with other jobs, so wall time was useless), with
-#   python tools/bench_attention.py --threads 1 --clock cpu --seqlens 64 196 576 1024 \
-#       --ratios 0.5 0.6 0.67 0.75 0.83 0.9          (and --seqlens 4096 --ratios 0.5 0.75 0.9)
-# for (dim, heads) = (768, 12), (384, 6) [seqlens 64 256 1024], (1152, 16) [seqlens 256 1024],
-# ~2048 tokens per batch, forward and forward+backward. Overhead = the largest
-# ``sparse/dense - bound`` seen at that length (forward was the worse mode; noise about +-0.03),
-# outliers aside; between lengths it is interpolated in log(tokens). Shorter than 64 tokens,
-# narrower than dim 384 or head_dim 64 (outside the measurements): masked.
-# CUDA: no GPU was available, so nothing is picked there but the reference path until
-# ``tools/bench_attention.py --device cuda`` has been run and a table like this one added.
-# ----------------------------------------------------------------------------------------------
-CPU_SPARSE_OVERHEAD = ((64, 0.18), (196, 0.15), (576, 0.12), (1024, 0.12), (4096, 0.04))
-SPARSE_MAX_PREDICTED = 0.95
-MEASURED_MIN_DIM, MEASURED_MIN_HEAD_DIM = 384, 64
+class Route(NamedTuple):
+    """What :meth:`MoH.route` decided for one forward (returned, never stored on the module)."""
 
-
-def sparse_overhead(tokens: int, table=CPU_SPARSE_OVERHEAD) -> Optional[float]:
-    """Measured overhead of the sparse path at ``tokens`` per image (None below the table)."""
-    if tokens < table[0][0]:
-        return None
-    for (n0, o0), (n1, o1) in zip(table, table[1:]):
-        if tokens <= n1:
-            t = (math.log(tokens) - math.log(n0)) / (math.log(n1) - math.log(n0))
-            return o0 + t * (o1 - o0)
-    return table[-1][1]
-
-
-def choose_impl(device: str, tokens: int, dim: int, num_heads: int, head_dim: int, shared_heads: int,
-                topk: int) -> str:
-    """``"sparse"`` or ``"masked"`` for an MoH layer over ``sdpa`` (what ``impl="auto"`` runs)."""
-    if topk == 0 or device != "cpu":
-        return "masked"
-    if dim < MEASURED_MIN_DIM or head_dim < MEASURED_MIN_HEAD_DIM:  # outside what was measured
-        return "masked"
-    overhead = sparse_overhead(tokens)
-    if overhead is None:
-        return "masked"
-    bound = sparse_flops_ratio(dim, num_heads, head_dim, tokens, shared_heads, topk)
-    return "sparse" if bound + overhead <= SPARSE_MAX_PREDICTED else "masked"
+    gates: Tensor                    # [B, N, h] per-token head gates
+    index: Optional[Tensor]          # [B, N, k] selected routed heads (relative to the routed pool); None: k == 0
+    order: Optional[Tensor] = None   # learned shared heads: head order "shared first" ([h])
+    frozen: Optional[bool] = None    # learned shared heads: whether the partition was frozen
 
 
 @register_attention("moh")
-class MoH(RoutedMixin):
+class MoH(SharedPlusTopK, RoutedMixin):
     """Mixin: MoH head routing over any kernel. Build with ``build_attention("moh", ...)``.
 
     Args:
         shared_heads: always-active heads (the first ``shared_heads`` head indices); ``"learned"``:
             each layer learns which heads are shared (count from ``activation_ratio``; see the
             module docstring).
-        topk: routed heads each token selects (the official ``routed_head``).
-        activation_ratio: alternative to ``topk``: fraction of heads a token uses; see
+        topk: routed heads each token selects (the official ``routed_head``). Explicit
+            ``shared_heads`` + ``topk`` win over ``activation_ratio``.
+        activation_ratio: fraction of heads a token uses, used when ``topk`` is not given; see
             :func:`~moh_vision.attention.routing.resolve_moh_heads` for the policy.
         impl: how the heads are executed; every choice gives the same outputs and gradients.
             ``"masked"`` computes every head and zeroes unselected ones (the official reference,
             any kernel); ``"sparse"`` computes queries, attention and output projection only for
-            the selected (token, head) pairs (pure PyTorch, ``sdpa`` kernel only, see
-            :mod:`~moh_vision.attention.sparse`); ``"triton"`` is ``sparse`` with a Triton
-            attention kernel for the routed heads (CUDA; on CPU only under ``TRITON_INTERPRET=1``);
-            ``"auto"`` picks per call from measured thresholds (:func:`choose_impl`).
-        learn_shared_steps: with ``shared_heads="learned"``: training forwards (micro-batches) of
-            warm-up before the shared heads are frozen (0: frozen at once, on the initial
-            partition = the first ``h_s`` heads). Ignored otherwise.
+            the selected (token, head) pairs (pure PyTorch, for kernels that declare a sparse
+            path: ``sdpa`` and TransNeXt's two, see :mod:`~moh_vision.attention.sparse`);
+            ``"triton"`` is ``sparse`` with a Triton attention kernel for the routed heads (``sdpa``;
+            CUDA, on CPU only under ``TRITON_INTERPRET=1``); ``"auto"`` picks per call from the
+            kernel's measured rule (``sdpa``: :func:`choose_impl`; TransNeXt: its own table).
+        learn_shared_steps: with ``shared_heads="learned"``: optimizer steps of warm-up before the
+            shared heads are frozen (0: frozen at once, on the initial partition = the first ``h_s``
+            heads). Ignored otherwise.
         shared_estimator: with ``shared_heads="learned"``: ``"ste"`` (straight-through top-h_s of
             the scores) or ``"gumbel"`` (straight-through top-h_s of Gumbel-perturbed scores).
     """
 
+    option_ranges = {"shared_heads": "0..num_heads, a per-layer list, null (the ratio policy) or 'learned'",
+                     "topk": "0..num_heads - shared_heads, or a per-layer list", "activation_ratio": "(0, 1]",
+                     "impl": " | ".join(MOH_IMPLS), "learn_shared_steps": ">= 0",
+                     "shared_estimator": " | ".join(SHARED_ESTIMATORS)}
+    aux_reduction = "mean"  # official: 0.01 x mean of the load-balance losses over routed layers
+    variant_parameters = ("wg", "wg_0", "wg_1", "shared_score")
+    flops_roles = {"wg": "fixed", "wg_0": "fixed", "wg_1": "fixed"}
+    reference_impl = "masked"
+
     def __init__(self, dim: int, num_heads: int, *, shared_heads: Union[int, str, None] = None,
-                 topk: Optional[int] = None, activation_ratio: Optional[float] = None, impl: str = "auto",
+                 topk: Optional[int] = None, activation_ratio: Optional[float] = 0.75, impl: str = "auto",
                  learn_shared_steps: int = 500, shared_estimator: str = "ste", **kernel_options):
         super().__init__(dim, num_heads, **kernel_options)
         if impl not in MOH_IMPLS:
@@ -165,17 +134,20 @@ class MoH(RoutedMixin):
                                   f"activation_ratio; drop topk={topk}")
             shared_heads = None
         if isinstance(learn_shared_steps, bool) or not isinstance(learn_shared_steps, int) or learn_shared_steps < 0:
-            raise ConfigError(f"learn_shared_steps={learn_shared_steps} must be an integer >= 0 (training forwards of "
+            raise ConfigError(f"learn_shared_steps={learn_shared_steps} must be an integer >= 0 (optimizer steps of "
                               f"shared-head warm-up)")
         if shared_estimator not in SHARED_ESTIMATORS:
             raise ConfigError(f"shared_estimator '{shared_estimator}' is unknown; allowed: {', '.join(SHARED_ESTIMATORS)}")
         self.impl = impl
-        if impl in ("sparse", "triton") and self.kernel_name not in SPARSE_KERNELS:
-            raise ConfigError(f"MoH impl '{impl}' supports kernel(s) {', '.join(SPARSE_KERNELS)}, not "
+        if impl in ("sparse", "triton") and impl not in getattr(sparse_support(self), "impls", ()):
+            supported = ", ".join(kernels_supporting(impl))
+            raise ConfigError(f"MoH impl '{impl}' supports kernel(s) {supported}, not "
                               f"'{self.kernel_name}'; use impl=auto or impl=masked")
         if impl == "triton" and self.attn_drop > 0:
             raise ConfigError(f"MoH impl 'triton' has no attention dropout (attn_drop={self.attn_drop}); "
                               "use impl=sparse or impl=auto")
+        if topk is not None:  # explicit counts win over the ratio policy
+            activation_ratio = None
         self.shared_heads, self.topk = resolve_moh_heads(self.num_heads, shared_heads, topk, activation_ratio)
         # learning which heads are shared needs both sets non-empty; other layers stay standard
         self.learned_shared = learned and self.shared_heads > 0 and self.topk > 0
@@ -189,7 +161,38 @@ class MoH(RoutedMixin):
                 self.wg_0 = nn.Linear(dim, 2, bias=False)
         if self.shared_heads > 1 and not self.learned_shared:
             self.wg_1 = nn.Linear(dim, self.shared_heads, bias=False)
-        self.init_routing_state()
+
+    # --- the variant contract ----------------------------------------------------------------------
+    def dense_start(self, router_std: float, generator: torch.Generator):
+        """Routers that give every active head gate 1, so a layer whose heads are all active starts as
+        the dense layer: ``wg_0`` and ``wg_1`` zero (``2 * softmax(0) = (1, 1)``, ``softmax(0) * h_s =
+        1``); ``wg`` zero where top-k takes the whole routed pool (renormalised uniform top-k gives 1),
+        else ``N(0, router_std^2)`` so each token picks its heads from its own scores (an all-zero
+        router would give every token the same heads by tie-breaking, and the unchosen heads would get
+        identical updates and stay tied). Learned shared heads start from the official partition."""
+        start = {}
+        for router in ("wg", "wg_0", "wg_1"):
+            linear = getattr(self, router, None)
+            if not isinstance(linear, nn.Linear):
+                continue
+            w = torch.zeros(linear.weight.shape)
+            drops_heads = router == "wg" and self.topk < self.num_heads - self.shared_heads
+            if drops_heads and router_std > 0:
+                w.normal_(0.0, router_std, generator=generator)
+            start[f"{router}.weight"] = w.to(linear.weight.dtype)
+        if self.learned_shared:
+            start["shared_score"] = torch.zeros_like(self.shared_score.detach(), device="cpu")
+        return start
+
+    def after_optimizer_step(self) -> None:
+        """Learned shared heads: count the step; after ``learn_shared_steps`` of them freeze
+        ``top-h_s(shared_score)`` (noise-free) into ``shared_mask``."""
+        if not self.learned_shared or bool(self.shared_frozen):
+            return
+        with torch.no_grad():
+            self.shared_seen.add_(1)
+            self.shared_mask.copy_(top_mask(self.shared_score.detach(), self.shared_heads))
+            self.shared_frozen.fill_(bool(self.shared_seen >= self.learn_shared_steps))
 
     # --- learned shared heads ------------------------------------------------------------------
     def init_learned_shared(self, dim: int) -> None:
@@ -200,16 +203,14 @@ class MoH(RoutedMixin):
         if h_s > 1:
             self.wg_1 = nn.Linear(dim, h, bias=False)  # shared-gate logits; the routed heads' rows are not read
         self.shared_score = nn.Parameter(torch.zeros(h))
-        self.partition_order: Optional[Tensor] = None  # of the last route(): shared heads first
-        self.partition_frozen: Optional[Tensor] = None  # whether the last route() ran on a frozen partition
         self.register_buffer("shared_mask", top_mask(self.shared_score.detach(), h_s))
         self.register_buffer("shared_seen", torch.zeros((), dtype=torch.long))
         self.register_buffer("shared_frozen", torch.tensor(self.learn_shared_steps == 0))
 
     def shared_partition(self) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """This forward's shared-head mask ``[h]`` (bool), the frozen flag before it, and (training
-        during warm-up only) the soft relaxation ``h_s * softmax(scores)`` [h] for the estimator.
-        A training forward also advances the warm-up counter and freezes the partition at its end."""
+        """This forward's shared-head mask ``[h]`` (bool), the frozen flag, and (training during
+        warm-up only) the soft relaxation ``h_s * softmax(scores)`` [h] for the estimator. Changes
+        nothing: the warm-up counts optimizer steps (:meth:`after_optimizer_step`)."""
         h_s, scores = self.shared_heads, self.shared_score
         frozen = self.shared_frozen.clone()
         soft = None
@@ -224,14 +225,11 @@ class MoH(RoutedMixin):
             with torch.no_grad():
                 chosen = top_mask(perturbed.detach(), h_s) if perturbed is not scores else clean
                 mask = torch.where(frozen, self.shared_mask, chosen)
-                self.shared_mask.copy_(torch.where(frozen, self.shared_mask, clean))
-                self.shared_seen.add_((~frozen).long())
-                self.shared_frozen.logical_or_(self.shared_seen >= self.learn_shared_steps)
         else:
             mask = torch.where(frozen, self.shared_mask, clean)
         return mask, frozen, soft
 
-    def route_learned(self, x: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    def route_learned(self, x: Tensor) -> Route:
         """:meth:`route` on the learned partition: the official gates computed over the heads the
         mask shares and the heads it routes, scattered back to head order, plus (training, warm-up)
         the straight-through term that carries a gradient to ``shared_score``."""
@@ -239,7 +237,6 @@ class MoH(RoutedMixin):
         mask, frozen, soft = self.shared_partition()
         order = mask.to(torch.int32).argsort(descending=True, stable=True)  # shared heads first, each set ascending
         inverse = order.argsort()  # position of every head in that order
-        self.partition_order, self.partition_frozen = order, frozen  # read by forward / execution_path
         shared_idx, routed_idx = order[:h_s], order[h_s:]
         mix = self.wg_0(x).softmax(dim=-1) * 2
         if h_s > 1:
@@ -261,18 +258,17 @@ class MoH(RoutedMixin):
                 delta = torch.where(mask, gates.float(), as_shared - gates.float())
             live = (~frozen).to(soft.dtype)  # no estimator once frozen (the scores stay in the graph)
             gates = gates + ((soft - soft.detach()) * live * delta).to(gates.dtype)
-        active = torch.cat([torch.ones_like(shared), selected], dim=-1).index_select(-1, inverse)
-        self.store_routing(active, probs, load_balance_loss(probs, selected) if self.training else None, gates=gates)
-        self.routing_stats.update(shared_mask=mask.detach().clone(), shared_frozen=self.shared_frozen.detach().clone())
-        return gates, index
+        loss = load_balance_loss(probs, selected) if self.wants_aux_loss() else None
+        if self.recording():
+            active = torch.cat([torch.ones_like(shared), selected], dim=-1).index_select(-1, inverse)
+            self.record_routing(active, probs, loss, gates=gates, shared_mask=mask.detach().clone(),
+                                shared_frozen=frozen.detach().clone())
+        return Route(gates, index, order, bool(frozen))
 
-    @property
-    def active_heads(self) -> int:
-        return self.shared_heads + self.topk
-
-    def route(self, x: Tensor) -> Tuple[Tensor, Optional[Tensor]]:
+    def route(self, x: Tensor) -> Route:
         """Per-token head gates ``[B, N, h]`` and the selected routed head indices ``[B, N, k]``
-        (relative to the routed pool; ``None`` when nothing is routed). Stores loss and statistics."""
+        (relative to the routed pool; ``None`` when nothing is routed). Hands the aux loss and the
+        statistics to the open recorder, if any."""
         if self.learned_shared:
             return self.route_learned(x)
         h_s, k = self.shared_heads, self.topk
@@ -281,8 +277,9 @@ class MoH(RoutedMixin):
         else:
             shared = x.new_ones(*x.shape[:-1], h_s)
         if k == 0:
-            self.store_routing(torch.ones_like(shared), None, None, gates=shared)
-            return shared, None
+            if self.recording():
+                self.record_routing(torch.ones_like(shared), None, None, gates=shared)
+            return Route(shared, None)
 
         probs = self.wg(x).softmax(dim=-1)
         index, mask = topk_mask(probs.detach(), k)
@@ -292,32 +289,33 @@ class MoH(RoutedMixin):
             gates = torch.cat([shared * mix[..., :1], routed * mix[..., 1:]], dim=-1)
         else:
             gates = routed
-        active = torch.cat([torch.ones_like(shared), mask], dim=-1)
-        self.store_routing(active, probs, load_balance_loss(probs, mask) if self.training else None, gates=gates)
-        return gates, index
+        loss = load_balance_loss(probs, mask) if self.wants_aux_loss() else None
+        if self.recording():
+            self.record_routing(torch.cat([torch.ones_like(shared), mask], dim=-1), probs, loss, gates=gates)
+        return Route(gates, index)
 
     def forward(self, x: Tensor) -> Tensor:
-        gates, index = self.route(x)
-        impl = self.execution_path(x)
+        route = self.route(x)
+        impl = self.execution_path(x, route)
         if impl == "masked":
-            return self.output(self.heads(x), gates)
-        m = self
-        if self.learned_shared:  # the sparse path wants the shared heads first: permute the heads
-            m, gates = HeadPermutedView(self, self.partition_order), gates.index_select(-1, self.partition_order)
+            return self.output(self.heads(x), route.gates)
+        routed_attention = None
         if impl == "triton":
             from .triton_moh import triton_routed_attention  # imports triton only when asked for
-            return sparse_moh_forward(m, x, gates, index, triton_routed_attention())
-        return sparse_moh_forward(m, x, gates, index)
+            routed_attention = triton_routed_attention()
+        # learned shared heads: the sparse drivers take the head order "shared heads first"
+        order = route.order if self.learned_shared else None
+        return sparse_forward(self, x, route.gates, route.index, order, routed_attention)
 
-    def execution_path(self, x: Tensor) -> str:
+    def execution_path(self, x: Tensor, route: Optional[Route] = None) -> str:
         """The path this call runs: ``masked``, ``sparse`` or ``triton`` (resolves ``auto``)."""
         path = self._requested_path(x)
-        if path != "masked" and self.learned_shared and self.training and not bool(
-                self.shared_frozen if self.partition_frozen is None else self.partition_frozen):
-            # warm-up: the estimator needs every head's output for every token (what would a token gain
-            # from a head it did not select), which only the masked path computes. (One host sync; the
-            # sparse path makes one anyway.)
-            return "masked"
+        if path != "masked" and self.learned_shared and self.training:
+            frozen = bool(self.shared_frozen) if route is None or route.frozen is None else route.frozen
+            if not frozen:
+                # warm-up: the estimator needs every head's output for every token (what would a token gain
+                # from a head it did not select), which only the masked path computes.
+                return "masked"
         return path
 
     def _requested_path(self, x: Tensor) -> str:
@@ -325,16 +323,16 @@ class MoH(RoutedMixin):
             return "masked"
         if self.impl != "auto":
             return self.impl
-        if self.kernel_name not in SPARSE_KERNELS:
+        support = sparse_support(self)
+        if support is None or support.auto is None:  # no sparse path, or never measured faster than masked
             return "masked"
-        return choose_impl(x.device.type, x.shape[1], self.dim, self.num_heads, self.head_dim, self.shared_heads,
-                           self.topk)
+        return support.auto(self, x)  # the kernel's rule from its measurements (sdpa: choose_impl)
 
     def extra_repr(self) -> str:
         learned = (f" (learned: {self.shared_estimator}, {self.learn_shared_steps} steps)"
                    if self.learned_shared else "")
         return (f"{super().extra_repr()}, shared_heads={self.shared_heads}{learned}, topk={self.topk}, "
-                f"active={self.active_heads}/{self.num_heads}, impl={self.impl}")
+                f"active={self.active_heads()}/{self.num_heads}, impl={self.impl}")
 
 
 def top_mask(scores: Tensor, count: int) -> Tensor:

@@ -1,4 +1,4 @@
-"""The attention registry.
+"""The attention registry and the contract every attention variant keeps.
 
 An attention module is two things composed by inheritance:
 
@@ -7,17 +7,26 @@ An attention module is two things composed by inheritance:
   outputs; it is what a backbone asks for.
 * a *variant*: what is done with the heads (``mha``: all heads, equal weight; ``moh``: shared plus
   routed top-k heads with learned gates; ``moa``: top-k query/output experts over one shared
-  key/value head). A variant is a mixin that overrides the kernel's steps.
+  key/value head). A variant is a mixin (an :class:`AttentionVariant`) that overrides the kernel's
+  steps.
 
 ``build_attention(name, dim, num_heads, kernel=...)`` returns ``Variant + Kernel`` as one
 ``nn.Module``, so parameters sit directly on the module (``attn.qkv``, ``attn.wg``, ...) exactly
-where the official checkpoints keep them.
+where the official checkpoints keep them. A composed class is importable by name from its kernel's
+module (``moh_vision.attention.kernels.moh__sdpa``, ``moh_vision.models.transnext.moh__transnext_full``),
+so pickling a model finds it: registering a kernel gives its module a ``__getattr__`` that composes
+such names on demand.
+
+Discovery: every module of this package is imported on ``import moh_vision.attention``, and so is
+every entry point of the group ``moh_vision.attention`` (how a separate pip package adds a variant:
+``[project.entry-points."moh_vision.attention"] my_attention = "my_pkg.my_attention"``).
 """
 from __future__ import annotations
 
 import inspect
+import sys
 from collections.abc import Sequence
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -28,16 +37,78 @@ _VARIANTS: Dict[str, type] = {}
 _KERNELS: Dict[str, type] = {}
 _COMPOSED: Dict[tuple, type] = {}  # (variant, kernel) -> class; immutable once made
 
-# Options a backbone passes to every attention it builds; they are not user-facing options.
-_BACKBONE_OPTIONS = ("kernel",)
+COMPOSED_SEPARATOR = "__"  # a composed class is named <variant>__<kernel> in its kernel's module
+
+
+# ----------------------------------------------------------------------------------------------
+# The variant contract
+# ----------------------------------------------------------------------------------------------
+class AttentionVariant:
+    """Base of every registered variant: what the rest of the codebase asks a variant, with the
+    answers of a dense attention as defaults. A variant's file is the only place that knows it.
+
+    Class attributes a variant may set:
+
+    * ``option_ranges``: ``{option: allowed values}`` in words, for error messages and docs; the
+      options themselves (types, defaults) are the keyword arguments of the variant's ``__init__``
+      and ``configs/attention/<name>.yaml`` mirrors them (a test checks it).
+    * ``aux_reduction``: how the per-layer auxiliary losses combine: ``"mean"`` (MoH's official
+      total) or ``"sum"`` (MoA's official total).
+    * ``variant_parameters``: names of the submodules/parameters the variant adds over a dense
+      attention of the same kernel (routers, experts). A checkpoint holding one of them is not dense.
+    * ``flops_roles``: ``{child: role}`` for its own children: ``"per_head"`` (its cost scales with
+      the heads a token activates), ``"query_rows"`` (only the query rows scale), ``"fixed"``.
+    * ``reference_impl``: for a variant with several execution paths (``impl``), the one that
+      computes every head, which FLOP counting traces (``None``: one path only).
+    * ``dense_start_refusal``: why the variant cannot start from a dense attention's weights
+      (``None``: it can, see :meth:`dense_start`).
+    """
+
+    attention_name = "?"
+    option_ranges: Dict[str, str] = {}
+    aux_reduction = "mean"
+    variant_parameters: Tuple[str, ...] = ()
+    flops_roles: Dict[str, str] = {}
+    reference_impl: Optional[str] = None
+    dense_start_refusal: Optional[str] = None
+
+    @classmethod
+    def options_for_ratio(cls, num_heads: int, activation_ratio: float) -> Dict[str, Any]:
+        """The variant's routing options that realise ``activation_ratio`` on a layer of ``num_heads``."""
+        if float(activation_ratio) != 1.0:
+            raise ConfigError(f"attention '{cls.attention_name}' uses every head; it takes no activation_ratio "
+                              f"below 1 (got {activation_ratio})")
+        return {}
+
+    def active_heads(self) -> int:
+        """Heads (or experts) each token uses in this layer: what FLOPs, reports and summaries read."""
+        return int(self.num_heads)
+
+    def dense_start(self, router_std: float, generator: torch.Generator) -> Dict[str, torch.Tensor]:
+        """Start values of :attr:`variant_parameters` (state-dict names relative to this module) for a
+        layer whose kernel weights were copied from a dense attention (continue-tuning)."""
+        if self.dense_start_refusal:
+            raise ConfigError(self.dense_start_refusal)
+        return {}
+
+    def after_optimizer_step(self) -> None:
+        """Called once per optimizer step (schedules that count steps, e.g. a warm-up)."""
+
+    def routing_description(self) -> Dict[str, Any]:
+        """Plain numbers describing this layer's routing (logged and shown in reports)."""
+        return {"num_heads": int(self.num_heads), "active_heads": self.active_heads()}
 
 
 def register_attention(name: str) -> Callable[[type], type]:
-    """Register an attention variant (a mixin over a kernel) under ``name``."""
+    """Register an attention variant (an :class:`AttentionVariant` mixin over a kernel) under ``name``."""
+    if not name.isidentifier():
+        raise ValueError(f"attention name '{name}' must be a Python identifier")
 
     def wrap(cls: type) -> type:
         if name in _VARIANTS and _VARIANTS[name] is not cls:
             raise ValueError(f"attention '{name}' is already registered by {_VARIANTS[name].__qualname__}")
+        if not issubclass(cls, AttentionVariant):
+            raise TypeError(f"attention '{name}': {cls.__qualname__} must derive from AttentionVariant")
         cls.attention_name = name
         _VARIANTS[name] = cls
         return cls
@@ -47,15 +118,45 @@ def register_attention(name: str) -> Callable[[type], type]:
 
 def register_kernel(name: str) -> Callable[[type], type]:
     """Register an attention kernel (a complete dense multi-head attention) under ``name``."""
+    if not name.isidentifier():
+        raise ValueError(f"kernel name '{name}' must be a Python identifier")
 
     def wrap(cls: type) -> type:
         if name in _KERNELS and _KERNELS[name] is not cls:
             raise ValueError(f"kernel '{name}' is already registered by {_KERNELS[name].__qualname__}")
         cls.kernel_name = name
         _KERNELS[name] = cls
+        _serve_composed_classes(sys.modules[cls.__module__])
         return cls
 
     return wrap
+
+
+def composed_class(name: str) -> type:
+    """The composed class named ``<variant>__<kernel>`` (what pickle looks up); AttributeError if
+    ``name`` is not such a name."""
+    variant, sep, kernel = name.partition(COMPOSED_SEPARATOR)
+    if not sep or variant not in _VARIANTS or kernel not in _KERNELS:
+        raise AttributeError(name)
+    return attention_class(variant, kernel)
+
+
+def _serve_composed_classes(module) -> None:
+    """Give a kernel's module a module-level ``__getattr__`` (PEP 562) that answers composed names."""
+    previous = getattr(module, "__getattr__", None)
+    if getattr(previous, "serves_composed_classes", False):
+        return
+
+    def __getattr__(name: str):
+        try:
+            return composed_class(name)
+        except AttributeError:
+            if previous is not None:
+                return previous(name)
+            raise AttributeError(f"module {module.__name__!r} has no attribute {name!r}") from None
+
+    __getattr__.serves_composed_classes = True
+    module.__getattr__ = __getattr__
 
 
 def list_attention() -> List[str]:
@@ -67,16 +168,25 @@ def list_kernels() -> List[str]:
     return list(_KERNELS)
 
 
-def attention_class(name: str, kernel: str = "sdpa") -> type:
-    """The composed ``nn.Module`` class for variant ``name`` over ``kernel``."""
+def variant_class(name: str) -> type:
+    """The registered variant mixin ``name``."""
     if name not in _VARIANTS:
         raise ConfigError(f"unknown attention '{name}'; known: {', '.join(list_attention())}")
+    return _VARIANTS[name]
+
+
+def attention_class(name: str, kernel: str = "sdpa") -> type:
+    """The composed ``nn.Module`` class for variant ``name`` over ``kernel``."""
+    variant = variant_class(name)
     if kernel not in _KERNELS:
         raise ConfigError(f"unknown attention kernel '{kernel}'; known: {', '.join(list_kernels())}")
-    variant, base = _VARIANTS[name], _KERNELS[kernel]
+    base = _KERNELS[kernel]
     key = (variant, base)
     if key not in _COMPOSED:
-        _COMPOSED[key] = type(f"{variant.__name__}{base.__name__}", (variant, base), {"__module__": variant.__module__})
+        cls = type(f"{variant.__name__}{base.__name__}", (variant, base), {})
+        # importable by name: pickle / torch.save(model) look it up in the kernel's module
+        cls.__module__, cls.__qualname__ = base.__module__, f"{name}{COMPOSED_SEPARATOR}{kernel}"
+        _COMPOSED[key] = cls
     return _COMPOSED[key]
 
 
@@ -91,6 +201,15 @@ def attention_options(name: str, kernel: str = "sdpa") -> List[str]:
                 if p.name not in names:
                     names.append(p.name)
     return names
+
+
+def variant_option_defaults(name: str) -> Dict[str, Any]:
+    """``{option: default}`` of variant ``name``'s own options (its ``__init__`` keywords)."""
+    init = vars(variant_class(name)).get("__init__")
+    if init is None:
+        return {}
+    return {p.name: p.default for p in inspect.signature(init).parameters.values()
+            if p.kind is p.KEYWORD_ONLY}
 
 
 def build_attention(name: str, dim: int, num_heads: int, kernel: str = "sdpa", **options: Any) -> nn.Module:
@@ -127,51 +246,48 @@ def layer_options(options: Dict[str, Any], index: int, num_layers: int) -> Dict[
     return picked
 
 
+
+
 # ----------------------------------------------------------------------------------------------
-# Gathering what routed layers left on themselves after a forward pass
+# Asking a model about its attention layers
 # ----------------------------------------------------------------------------------------------
-def routed_modules(model: nn.Module):
-    """(name, module) for every attention module that routes heads (has ``aux_loss``)."""
-    for name, module in model.named_modules():
+def find_attention(model: nn.Module) -> List[Tuple[str, nn.Module]]:
+    """(name, module) for every registry-built attention module in ``model``."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, AttentionVariant)]
+
+
+def routed_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
+    """(name, module) for every attention module that routes heads (records routing)."""
+    for name, module in find_attention(model):
         if getattr(module, "is_routed", False):
             yield name, module
 
 
-def collect_aux_loss(model: nn.Module, coef: float = 0.01) -> torch.Tensor:
-    """``coef * mean`` of the auxiliary losses the routed layers computed in the last training forward.
-
-    This is the official MoH total (``0.01 * mean over layers``). Layers that route nothing (dense
-    layers, ``topk == 0``) and layers in eval mode contribute nothing. Returns a zero scalar when no
-    layer has a loss.
-    """
-    losses = [m.aux_loss for _, m in routed_modules(model) if m.aux_loss is not None]
-    if not losses:
-        p = next(model.parameters(), None)
-        return torch.zeros((), device=p.device if p is not None else None)
-    return coef * torch.stack([loss.float() for loss in losses]).mean()
+def routed_layer_names(model: nn.Module) -> List[str]:
+    """Layers in which a token uses fewer heads than the layer has: the one definition of a routed
+    layer (``routed_layers`` in ``summary.json``, ``tools/flops.py``, ``tools/analyze_routing.py``)."""
+    return [name for name, m in find_attention(model) if m.active_heads() < int(m.num_heads)]
 
 
-def collect_routing_stats(model: nn.Module) -> Dict[str, Dict[str, Any]]:
-    """Per routed layer: ``load`` (fraction of tokens that used each head/expert; sums to the
-    active heads per token), ``entropy`` (mean router entropy in nats, None when nothing is routed),
-    ``shared_heads``, ``topk`` and ``num_heads``. Read from the last forward pass."""
-    stats = {}
-    for name, module in routed_modules(model):
-        if module.routing_stats is not None:
-            stats[name] = dict(module.routing_stats)
-    return stats
+def active_head_fraction(model: nn.Module) -> Optional[float]:
+    """Active heads per token over all heads, summed over the attention layers (None: no layer)."""
+    layers = find_attention(model)
+    heads = sum(int(m.num_heads) for _, m in layers)
+    return sum(m.active_heads() for _, m in layers) / heads if heads else None
 
 
-def reset_routing(model: nn.Module) -> None:
-    """Forget aux losses and statistics of the last forward (e.g. before an eval pass)."""
-    for _, module in routed_modules(model):
-        module.aux_loss = None
-        module.routing_stats = None
+def after_optimizer_step(model: nn.Module) -> None:
+    """Tell every attention layer that an optimizer step was taken (once per step)."""
+    for _, module in find_attention(model):
+        module.after_optimizer_step()
 
 
-def find_attention(model: nn.Module) -> List[tuple]:
-    """(name, module) for every registry-built attention module in ``model``."""
-    return [(n, m) for n, m in model.named_modules() if hasattr(m, "attention_name") and hasattr(m, "kernel_name")]
+def flops_roles_of(module: nn.Module) -> Dict[str, str]:
+    """``{child: role}`` declared by the module's kernel and variant (the variant's win)."""
+    roles: Dict[str, str] = {}
+    for klass in reversed(type(module).__mro__):
+        roles.update(vars(klass).get("flops_roles", {}))
+    return roles
 
 
 def describe(module: nn.Module) -> Optional[str]:

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from moh_vision.errors import ConfigError
+from .recorder import LayerRecord, active_recorder
+from .registry import AttentionVariant
 
 Tensor = torch.Tensor
 
@@ -78,7 +80,7 @@ def resolve_moh_heads(num_heads: int, shared_heads: Optional[int] = None, topk: 
 def topk_mask(probs: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     """Indices ``[..., k]`` of the k largest entries and the matching 0/1 mask (no gradient)."""
     index = probs.topk(k, dim=-1).indices
-    mask = F.one_hot(index, num_classes=probs.shape[-1]).sum(dim=-2).to(probs.dtype)  # traceable (fvcore)
+    mask = torch.zeros_like(probs).scatter_(-1, index, 1.0)  # no host sync (one_hot checks its range on the host)
     return index, mask
 
 
@@ -107,40 +109,56 @@ def mean_entropy(probs: Tensor) -> Tensor:
     return -(p * p.clamp_min(1e-12).log()).sum(dim=-1).mean()
 
 
-class RoutedMixin:
-    """Bookkeeping every routed variant shares: the aux loss and statistics of the last forward.
-
-    They live on the module instance (never on the class), so two models never see each other's
-    losses. ``record_selection = True`` additionally keeps the per-token head mask of the last
-    forward (``last_selection``, [B, N, h] bool) and the gates it applied (``last_gates``,
-    [B, N, h]) for routing analysis.
-    """
+class RoutedMixin(AttentionVariant):
+    """What every routed variant shares: handing the aux loss and statistics of a forward to the
+    caller's recorder (:func:`~moh_vision.attention.recorder.record_routing`). Nothing of a forward
+    stays on the module; with no recorder open a routed layer records nothing."""
 
     is_routed = True
 
-    def init_routing_state(self) -> None:
-        self.aux_loss: Optional[Tensor] = None
-        self.routing_stats: Optional[dict] = None
-        self.record_selection = False
-        self.last_selection: Optional[Tensor] = None
-        self.last_gates: Optional[Tensor] = None
+    def recording(self) -> bool:
+        """Whether this forward is recorded (worth computing the statistics and the aux loss)."""
+        return active_recorder() is not None
 
-    @torch.no_grad()
-    def _active_load(self, active: Tensor) -> Tensor:
-        """Fraction of tokens that used each head; ``active`` is [..., h] of 0/1."""
-        return active.reshape(-1, active.shape[-1]).float().mean(dim=0)
+    def wants_aux_loss(self) -> bool:
+        """Training forwards compute the aux loss whether or not it is recorded: a forward that
+        gradient checkpointing replays in backward (not recorded) must save what the first pass saved."""
+        return self.training and torch.is_grad_enabled()
 
-    def store_routing(self, active: Tensor, probs: Optional[Tensor], loss: Optional[Tensor],
-                      gates: Optional[Tensor] = None) -> None:
-        """Keep what this forward decided: [..., h] active mask, router probabilities, aux loss, gates."""
-        self.aux_loss = loss if self.training else None
+    def record_routing(self, active: Tensor, probs: Optional[Tensor], loss: Optional[Tensor],
+                       gates: Optional[Tensor] = None, **extra) -> None:
+        """Hand what this forward decided to the open recorder: [..., h] active mask, router
+        probabilities, aux loss (training only), gates, and ``extra`` statistics."""
+        recorder = active_recorder()
+        if recorder is None:
+            return
         with torch.no_grad():
-            self.routing_stats = {
-                "load": self._active_load(active),
+            stats = {
+                "load": active.reshape(-1, active.shape[-1]).float().mean(dim=0),
                 "entropy": None if probs is None else mean_entropy(probs),
                 "num_heads": active.shape[-1],
                 "shared_heads": getattr(self, "shared_heads", 0),
                 "topk": getattr(self, "topk", 0),
+                "active_heads": self.active_heads(),
+                **extra,
             }
-            self.last_selection = active.detach().bool() if self.record_selection else None
-            self.last_gates = gates.detach() if self.record_selection and gates is not None else None
+            keep = recorder.keep_selection
+            selection = active.detach().bool() if keep else None
+            kept_gates = gates.detach() if keep and gates is not None else None
+        recorder.add(LayerRecord(self, loss if self.training else None, stats, selection, kept_gates))
+
+
+class SharedPlusTopK:
+    """The head budget of MoH-style variants: ``shared_heads`` always on plus ``topk`` routed heads per
+    token; an activation ratio maps to them by :func:`resolve_moh_heads`'s policy."""
+
+    @classmethod
+    def options_for_ratio(cls, num_heads: int, activation_ratio: float):
+        shared, topk = resolve_moh_heads(num_heads, activation_ratio=activation_ratio)
+        return {"shared_heads": shared, "topk": topk}
+
+    def active_heads(self) -> int:
+        return self.shared_heads + self.topk
+
+    def routing_description(self):
+        return {**super().routing_description(), "shared_heads": self.shared_heads, "topk": self.topk}

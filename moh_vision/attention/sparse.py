@@ -1,4 +1,4 @@
-"""Exact sparse execution of MoH over the ``sdpa`` kernel: compute only what the gates keep.
+"""Exact sparse execution of MoH: compute only what the gates keep.
 
 The official MoH code (and ``impl="masked"``) computes every head for every token and multiplies
 the unselected ones by zero, so the activation ratio saves nothing. Here a token's query, its
@@ -37,22 +37,40 @@ float summation order.
 
 ``routed_attention`` is the one step a faster kernel can replace (``triton_moh`` does, on CUDA):
 it receives the packed queries, the routed heads' keys/values and the :class:`Dispatch`.
+
+Which kernels can run sparse (:func:`sparse_support`)
+-----------------------------------------------------
+A kernel declares it with a class attribute ``sparse_moh = SparseSupport(...)`` in its own class
+body; it is not inherited by a subclass registered as another kernel (whose math may differ).
+``sdpa`` runs the driver above (:func:`sparse_moh_forward`, over its ``qkv``/``proj`` layout, with a
+Triton option). Any other kernel that declares support runs the generic driver
+:func:`sparse_kernel_forward` and owns its math through three methods:
+
+* ``sparse_context(x) -> (query_weight [h*d, C], query_bias, keys)``: its query projection (rows
+  head-major) and everything every query attends to, computed for every head and token (keys,
+  values, pooled keys, position biases);
+* ``attend_heads(q [B, n, N, d], keys, heads) -> [B, n, N, d]``: the heads ``heads`` (a slice or
+  index tensor) for every token, from raw queries (the shared heads);
+* ``attend_rows(q [R, d], keys, rows: PackedRows) -> [R, d]``: packed (token, routed head) query
+  rows; :class:`PackedRows` says which image, token and head each row is and pads rows to
+  per-head batches for the steps that need them.
+
+The driver projects the queries (shared heads: one GEMM; routed heads: :class:`GatheredHeadProjection`),
+gates and projects the outputs (:class:`ScatteredHeadProjection`) exactly as for ``sdpa``; learned
+shared heads are passed as a head order (no permuted copy of the module).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
 
-from .kernels import dot_product_attention
+from .kernels import DotProductAttention, dot_product_attention
 
 Tensor = torch.Tensor
-
-# Kernels whose per-head attention is plain scaled dot-product attention over the ``qkv``/``proj``
-# layout of :class:`~moh_vision.attention.kernels.DotProductAttention`; only they can run sparse.
-SPARSE_KERNELS = ("sdpa",)
 
 
 @dataclass
@@ -436,3 +454,239 @@ def sparse_moh_forward(m, x: Tensor, gates: Tensor, index: Tensor,
     o_routed = attend(m.q_norm(q_routed), m.k_norm(k_routed), v_routed, dispatch)
     y = add_routed_output(m, y, o_routed, gates, w_out_routed, dispatch)
     return m.proj_drop(y)
+
+
+# ----------------------------------------------------------------------------------------------
+# Kernels that run sparse: the capability and the generic driver
+# ----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class SparseSupport:
+    """What a kernel declares (class attribute ``sparse_moh``) to run MoH sparse.
+
+    ``impls``: the MoH impls it supports besides ``masked``. ``forward``: the driver
+    ``(m, x, gates, index, order, routed_attention) -> y``; None: :func:`sparse_kernel_forward`
+    over the kernel's ``sparse_context`` / ``attend_heads`` / ``attend_rows``. ``auto``: what
+    ``impl="auto"`` runs, ``(m, x) -> "sparse" | "masked"`` for a layer with ``topk > 0`` and its
+    input ``x`` [B, N, C] (a rule from the kernel's measurements, e.g. :func:`measured_cpu_auto`);
+    None: always masked.
+    """
+
+    impls: Tuple[str, ...] = ("sparse",)
+    forward: Optional[Callable] = None
+    auto: Optional[Callable[..., str]] = None
+
+
+def measured_cpu_auto(min_tokens: int, min_batch_tokens: int, max_active: float) -> Callable[..., str]:
+    """An ``auto`` rule read off CPU measurements: sparse on the CPU for inputs of at least
+    ``min_tokens`` tokens per image and ``min_batch_tokens`` per call, in layers where at most
+    ``max_active`` of the heads are active per token (``(shared_heads + topk) / num_heads``);
+    masked elsewhere, on GPUs included (not measured)."""
+
+    def auto(m, x: Tensor) -> str:
+        batch, tokens = x.shape[0], x.shape[1]
+        active = (m.shared_heads + m.topk) / m.num_heads
+        pays = (x.device.type == "cpu" and tokens >= min_tokens and batch * tokens >= min_batch_tokens
+                and active <= max_active + 1e-9)
+        return "sparse" if pays else "masked"
+
+    return auto
+
+
+def kernel_class(module_or_class) -> type:
+    """The registered kernel class a (composed) attention module or class runs on."""
+    cls = module_or_class if isinstance(module_or_class, type) else type(module_or_class)
+    for klass in cls.__mro__:
+        if "kernel_name" in vars(klass):  # set by register_kernel on the registered class itself
+            return klass
+    raise TypeError(f"{cls.__qualname__} is not an attention kernel")
+
+
+def sparse_support(module_or_class) -> Optional[SparseSupport]:
+    """The kernel's own declaration (never a parent kernel's), or None: masked only."""
+    kernel = kernel_class(module_or_class)
+    return vars(kernel).get("sparse_moh", BUILTIN_SPARSE_SUPPORT.get(kernel))
+
+
+def kernels_supporting(impl: str) -> List[str]:
+    """Names of the registered kernels that run MoH ``impl`` (registration order)."""
+    from .registry import _KERNELS
+    return [name for name, cls in _KERNELS.items()
+            if (support := sparse_support(cls)) is not None and impl in support.impls]
+
+
+class PackedRows:
+    """The packed (token, routed head) rows of a :class:`Dispatch`, as a kernel's ``attend_rows`` sees them.
+
+    ``image``, ``token``, ``head`` ([R] each): the image, the token position and the head (the
+    module's own head index) of each row. ``heads``: the routed heads in routed-pool order (a slice,
+    or an index tensor for learned shared heads); :meth:`heads_of` takes them from ``[B, h, ...]``;
+    :meth:`head_matmul` multiplies each row by its head's matrix (rows are grouped by head).
+    :meth:`pad` lays rows out as ``[B, E, L, ...]`` (head e's rows of image b first, then padding up to
+    ``L``, the longest list of any head) for batched products against per-(image, head) keys;
+    :meth:`unpad` drops the padding again (padded rows read row 0 and get no gradient).
+    """
+
+    def __init__(self, dispatch: Dispatch, heads: Union[slice, Tensor]):
+        self.dispatch, self.heads = dispatch, heads
+        self.image = dispatch.rows // dispatch.tokens
+        self.token = dispatch.rows - self.image * dispatch.tokens
+        self.head = dispatch.heads + heads.start if isinstance(heads, slice) else heads[dispatch.heads]
+        self._layout = None
+
+    def heads_of(self, t: Tensor) -> Tensor:
+        return t if t.shape[1] == 1 else t[:, self.heads]
+
+    def head_matmul(self, t: Tensor, weight: Tensor) -> Tensor:
+        """Row r of ``t`` [R, a] times ``weight[head[r]]`` (``weight``: [h, a, b]) -> [R, b]: one GEMM per
+        routed head over its contiguous rows."""
+        sizes = [stop - start for start, stop in self.dispatch.segments]
+        per_head = weight[self.heads].unbind(0)
+        return torch.cat([part @ w for part, w in zip(t.split(sizes), per_head)])
+
+    def _padded(self) -> Tuple[Tensor, Tensor, int]:
+        if self._layout is None:
+            E, L = len(self.dispatch.lengths), max(self.dispatch.lengths)
+            self._layout = (*padded_layout(self.dispatch, (L,) * E), L)
+        return self._layout
+
+    def pad(self, t: Tensor) -> Tensor:
+        """``[R, ...]`` -> ``[B, E, L, ...]``."""
+        source, _, L = self._padded()
+        E, B = len(self.dispatch.lengths), self.dispatch.batch
+        return t.index_select(0, source).view(E, B, L, *t.shape[1:]).transpose(0, 1)
+
+    def unpad(self, t: Tensor) -> Tensor:
+        """``[B, E, L, ...]`` -> ``[R, ...]``."""
+        _, position, _ = self._padded()
+        return t.transpose(0, 1).reshape(-1, *t.shape[3:]).index_select(0, position)
+
+
+def _head_rows(heads: Tensor, d: int) -> Tensor:
+    """Indices of the ``d`` rows of each head in ``heads`` in a head-major ``[h * d, ...]`` weight."""
+    return (heads.view(-1, 1) * d + torch.arange(d, device=heads.device)).reshape(-1)
+
+
+def sparse_kernel_forward(m, x: Tensor, gates: Tensor, index: Tensor, order: Optional[Tensor] = None,
+                          routed_attention: Optional[RoutedAttention] = None) -> Tensor:
+    """MoH output over a kernel that declares :class:`SparseSupport` without a driver of its own.
+
+    ``gates`` [B, N, h] and ``index`` [B, N, k] as :meth:`MoH.route` returns them; ``order``: for
+    learned shared heads, the head order "shared first" (gates in head order; ``index`` relative to
+    ``order[h_s:]``). Equals the masked path in value and gradient.
+    """
+    if routed_attention is not None:
+        raise ValueError(f"kernel '{m.kernel_name}' attends its routed rows itself; no routed_attention")
+    B, N, C = x.shape
+    h, h_s, d = m.num_heads, m.shared_heads, m.head_dim
+    E = h - h_s
+    w_q, b_q, keys = m.sparse_context(x)
+    if order is None:
+        shared, routed = slice(0, h_s), slice(h_s, h)
+        w_q_shared, w_q_routed = w_q.split([h_s * d, E * d])
+        b_q_shared, b_q_routed = b_q.split([h_s * d, E * d]) if b_q is not None else (None, None)
+        w_out_shared, w_out_routed = m.proj.weight.split([h_s * d, E * d], dim=1)
+    else:
+        shared, routed = order[:h_s], order[h_s:]
+        rows_shared, rows_routed = _head_rows(shared, d), _head_rows(routed, d)
+        w_q_shared, w_q_routed = w_q.index_select(0, rows_shared), w_q.index_select(0, rows_routed)
+        if b_q is not None:
+            b_q_shared, b_q_routed = b_q.index_select(0, rows_shared), b_q.index_select(0, rows_routed)
+        else:
+            b_q_shared = b_q_routed = None
+        w_out_shared = m.proj.weight.index_select(1, rows_shared)
+        w_out_routed = m.proj.weight.index_select(1, rows_routed)
+        gates = gates.index_select(-1, order)
+
+    if h_s > 0:
+        q_shared = F.linear(x, w_q_shared, b_q_shared).view(B, N, h_s, d).transpose(1, 2)
+        y = shared_output(m, m.attend_heads(q_shared, keys, shared), gates, w_out_shared)
+    else:  # no shared head: the routed heads start from the bias alone
+        y = torch.zeros(B, N, C, dtype=x.dtype, device=x.device)  # cast to the autocast dtype by the projection
+        if m.proj.bias is not None:
+            y = y + m.proj.bias.to(y.dtype)
+
+    dispatch = build_dispatch(index, E)
+    q_routed = _run_projection(GatheredHeadProjection, x.reshape(B * N, C), w_q_routed, b_q_routed,
+                               dispatch.rows, dispatch.segments)
+    o_routed = m.attend_rows(q_routed, keys, PackedRows(dispatch, routed))
+    y = add_routed_output(m, y, o_routed, gates, w_out_routed, dispatch)
+    return m.proj_drop(y)
+
+
+# ----------------------------------------------------------------------------------------------
+# impl="auto" over the ``sdpa`` kernel: when the sparse path pays (other kernels declare their own rule
+# with their sparse path, e.g. TransNeXt's in moh_vision/models/transnext.py)
+#
+# Sparse MoH costs about its FLOP bound (``sparse_flops_ratio``: keys/values for every head plus
+# queries, attention and output projection of the active heads, over dense) plus an overhead
+# (gathers, scatters, one call per routed head) that shrinks as sequences grow; masked MoH costs
+# ~1.00-1.05x dense. ``auto`` runs sparse when ``bound + overhead(tokens) <= 0.95``: predicted to
+# beat masked by a margin larger than the noise of the measurements below.
+#
+# Measured on CPU only: 2-core AMD EPYC VM (AVX-512), torch 2.14.1, fp32, 1 thread, process CPU
+# time (the machine was shared with other jobs, so wall time was useless), with
+#   python tools/bench_attention.py threads=1 clock=cpu seqlens=64,196,576,1024 \
+#       ratios=0.5,0.6,0.67,0.75,0.83,0.9          (and seqlens=4096 ratios=0.5,0.75,0.9)
+# for (dim, heads) = (768, 12), (384, 6) [seqlens 64 256 1024], (1152, 16) [seqlens 256 1024],
+# ~2048 tokens per batch, forward and forward+backward. Overhead = the largest
+# ``sparse/dense - bound`` seen at that length (forward was the worse mode; noise about +-0.03),
+# outliers aside; between lengths it is interpolated in log(tokens). Shorter than 64 tokens,
+# narrower than dim 384 or head_dim 64 (outside the measurements): masked.
+# CUDA: no GPU was available, so nothing is picked there but the reference path until
+# ``tools/bench_attention.py device=cuda`` has been run and a table like this one added.
+# ----------------------------------------------------------------------------------------------
+CPU_SPARSE_OVERHEAD = ((64, 0.18), (196, 0.15), (576, 0.12), (1024, 0.12), (4096, 0.04))
+SPARSE_MAX_PREDICTED = 0.95
+MEASURED_MIN_DIM, MEASURED_MIN_HEAD_DIM = 384, 64
+
+
+def sparse_overhead(tokens: int, table=CPU_SPARSE_OVERHEAD) -> Optional[float]:
+    """Measured overhead of the sparse path at ``tokens`` per image (None below the table)."""
+    if tokens < table[0][0]:
+        return None
+    for (n0, o0), (n1, o1) in zip(table, table[1:]):
+        if tokens <= n1:
+            t = (math.log(tokens) - math.log(n0)) / (math.log(n1) - math.log(n0))
+            return o0 + t * (o1 - o0)
+    return table[-1][1]
+
+
+def choose_impl(device: str, tokens: int, dim: int, num_heads: int, head_dim: int, shared_heads: int,
+                topk: int) -> str:
+    """``"sparse"`` or ``"masked"`` for an MoH layer over ``sdpa`` (what ``impl="auto"`` runs)."""
+    if topk == 0 or device != "cpu":
+        return "masked"
+    if dim < MEASURED_MIN_DIM or head_dim < MEASURED_MIN_HEAD_DIM:  # outside what was measured
+        return "masked"
+    overhead = sparse_overhead(tokens)
+    if overhead is None:
+        return "masked"
+    bound = sparse_flops_ratio(dim, num_heads, head_dim, tokens, shared_heads, topk)
+    return "sparse" if bound + overhead <= SPARSE_MAX_PREDICTED else "masked"
+
+
+def _sdpa_forward(m, x: Tensor, gates: Tensor, index: Tensor, order: Optional[Tensor] = None,
+                  routed_attention: Optional[RoutedAttention] = None) -> Tensor:
+    if order is not None:  # the qkv driver wants the shared heads first: permute the heads
+        m, gates = HeadPermutedView(m, order), gates.index_select(-1, order)
+    return sparse_moh_forward(m, x, gates, index, routed_attention)
+
+
+def _sdpa_auto(m, x: Tensor) -> str:
+    return choose_impl(x.device.type, x.shape[1], m.dim, m.num_heads, m.head_dim, m.shared_heads, m.topk)
+
+
+# ``sdpa``'s declaration lives here because this module is its driver (kernels.py cannot import it)
+BUILTIN_SPARSE_SUPPORT = {DotProductAttention: SparseSupport(impls=("sparse", "triton"), forward=_sdpa_forward,
+                                                             auto=_sdpa_auto)}
+
+
+def sparse_forward(m, x: Tensor, gates: Tensor, index: Tensor, order: Optional[Tensor] = None,
+                   routed_attention: Optional[RoutedAttention] = None) -> Tensor:
+    """The sparse MoH output of ``m`` (any kernel with :func:`sparse_support`) for the router's
+    ``gates``/``index`` (and head ``order`` for learned shared heads)."""
+    support = sparse_support(m)
+    if support is None:
+        raise ValueError(f"kernel '{m.kernel_name}' has no sparse MoH path")
+    driver = support.forward or sparse_kernel_forward
+    return driver(m, x, gates, index, order, routed_attention)

@@ -7,9 +7,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from moh_vision.attention import collect_aux_loss
+from moh_vision.attention import record_routing
+from moh_vision.errors import ConfigError
 from moh_vision.models import build_model
-from moh_vision.models.factory import unwrap_model
 
 Tensor = torch.Tensor
 
@@ -41,6 +41,10 @@ class ClassificationTask:
 
     # --- setup ----------------------------------------------------------------------------------
     def build_model(self, data) -> nn.Module:
+        intended = getattr(data, "task", self.name)
+        if intended != self.name:
+            raise ConfigError(f"{type(data).__name__} is data for task={intended}, not {self.name}: add task={intended} "
+                              f"(for latents: experiment=latent_diffusion data.root=<dir>)")
         cfg = self.model_cfg
         self.mixup, self.label_smoothing = data.mixup, float(getattr(data, "label_smoothing", 0.0))
         return build_model(cfg["name"], attention=self.attention_cfg, checkpoint_path=cfg.get("checkpoint_path"),
@@ -58,16 +62,18 @@ class ClassificationTask:
         if x.shape[0] == 0:  # every image of this batch was unreadable and skipped by the loader
             return {"loss": None, "num_samples": 0, "skipped": skipped}
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        target = None
         if self.mixup is not None:
             x, target = self.mixup(x, y)
+        with record_routing(model) as routing:  # the routed layers' aux loss and statistics of this forward
             logits = model(x)
+        if target is not None:
             ce = torch.sum(-target * F.log_softmax(logits.float(), dim=-1), dim=-1).mean()
         else:
-            logits = model(x)
             ce = F.cross_entropy(logits.float(), y, label_smoothing=self.label_smoothing)
-        aux = collect_aux_loss(unwrap_model(model), coef=self.aux_loss_weight)
+        aux = routing.aux_loss(coef=self.aux_loss_weight)
         return {"loss": ce + aux, "ce": ce.detach(), "aux": aux.detach(), "num_samples": x.shape[0],
-                "skipped": skipped}
+                "skipped": skipped, "routing": routing.stats()}
 
     # --- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()

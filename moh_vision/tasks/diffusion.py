@@ -8,11 +8,10 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 import torch
 from torch import nn
 
-from moh_vision.attention import collect_aux_loss
+from moh_vision.attention import record_routing
 from moh_vision.diffusion import create_diffusion, guided_model_fn
 from moh_vision.errors import ConfigError
-from moh_vision.models import build_model
-from moh_vision.models.factory import unwrap_model
+from moh_vision.models import build_model, model_family, unwrap_model
 from .classification import split_batch
 
 log = logging.getLogger(__name__)
@@ -58,7 +57,7 @@ class DiffusionTask:
     # --- setup ----------------------------------------------------------------------------------
     def build_model(self, data) -> nn.Module:
         name = self.model_cfg["name"]
-        if "dit" not in name:
+        if model_family(name) != "dit":
             raise ConfigError(f"task=diffusion needs a DiT model (dit_*, moh_dit_*); got model={name}")
         self.data = data
         self.null_class = data.num_classes
@@ -98,10 +97,11 @@ class DiffusionTask:
             return {"loss": None, "num_samples": 0, "skipped": skipped}
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
         t = torch.randint(0, self.diffusion.num_timesteps, (x.shape[0],), device=device)
-        terms = self.diffusion.training_losses(model, x, t, model_kwargs={"y": y})
-        aux = collect_aux_loss(unwrap_model(model), coef=self.aux_loss_weight)
+        with record_routing(model) as routing:
+            terms = self.diffusion.training_losses(model, x, t, model_kwargs={"y": y})
+        aux = routing.aux_loss(coef=self.aux_loss_weight)
         out = {"loss": terms["loss"].mean() + aux, "aux": aux.detach(), "num_samples": x.shape[0], "skipped": skipped,
-               "log/mse": terms["mse"].mean().detach() if "mse" in terms else None}
+               "routing": routing.stats(), "log/mse": terms["mse"].mean().detach() if "mse" in terms else None}
         if "vb" in terms:
             out["log/vb"] = terms["vb"].mean().detach()
         return {k: v for k, v in out.items() if v is not None}

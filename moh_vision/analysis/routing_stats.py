@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
 from torch import nn
 
-from moh_vision.attention import collect_routing_stats
+from moh_vision.checkpoints import atomic_write
 
 
 # ----------------------------------------------------------------------------------------------
@@ -46,7 +45,8 @@ def learned_shared_heads(stat: Mapping[str, Any]) -> Optional[str]:
 
 
 class RoutingMeter:
-    """Accumulates ``collect_routing_stats`` over the forwards of an epoch (per device).
+    """Accumulates the routing statistics of the forwards of an epoch (per device): each training
+    step hands it ``RoutingRecorder.stats()`` of its forward.
 
     ``load`` per head is the fraction of tokens that used it (shared heads: 1); the per-layer
     sum is the active heads per token. ``entropy`` is the mean router entropy in nats.
@@ -61,8 +61,9 @@ class RoutingMeter:
         self.collapse_load, self.starve_share = collapse_load, starve_share
         self.layers: Dict[str, Dict[str, Any]] = {}
 
-    def update(self, model: nn.Module) -> None:
-        for name, st in collect_routing_stats(model).items():
+    def update(self, stats: Mapping[str, Mapping[str, Any]]) -> None:
+        """Add one forward's per-layer statistics (``RoutingRecorder.stats()``)."""
+        for name, st in stats.items():
             entry = self.layers.get(name)
             load = st["load"].detach().float().cpu()
             if entry is None:
@@ -156,9 +157,7 @@ class RoutingMeter:
         path = Path(path)
         data = json.loads(path.read_text()) if path.exists() else {}
         data[str(epoch)] = self.averages()
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, path)
+        atomic_write(path, lambda f: f.write(json.dumps(data).encode()))
 
     def state_dict(self) -> Dict[str, Any]:
         return {name: dict(e) for name, e in self.layers.items()}

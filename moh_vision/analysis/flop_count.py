@@ -37,7 +37,9 @@ only for the selected (token, head) pairs:
 What does not scale: keys and values for every token and head (any query may attend to any key),
 the pooled features of aggregated attention (``sr``, ``norm``, pooling) and its position-bias MLP
 (``cpb_*``), the routers (``wg*``, ``w_gate``), and everything outside the attention (MLPs,
-embeddings, norms, heads). A dense model's active GFLOPs equal its GFLOPs. At batch 1 the sparse
+embeddings, norms, heads). Which child of a layer is which is declared by the layer's kernel and
+variant (their ``flops_roles``: ``per_head``, ``query_rows`` or ``fixed``), and ``a`` is the
+variant's ``active_heads()``: nothing here knows a variant or a parameter name. A dense model's active GFLOPs equal its GFLOPs. At batch 1 the sparse
 path's own trace gives exactly this number (the tests check it).
 
 Extending: a custom op (``torch.library`` op or ``autograd.Function``, seen by the trace as
@@ -56,6 +58,9 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 
 import torch
 from torch import nn
+
+from moh_vision.attention import (active_head_fraction, find_attention, flops_roles_of, record_routing,
+                                  routed_layer_names, routed_modules)
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +149,19 @@ def einsum_flops(inputs, outputs) -> Counter:
     return Counter({POINTWISE_PREFIX + "einsum_sum": _numel(operands[0])})
 
 
+def _import_fvcore() -> None:
+    """Import ``fvcore.nn`` without its import-time FutureWarning. Its ``__init__`` imports
+    ``focal_loss``, which calls ``torch.jit.script`` at import time, which recent torch deprecates:
+    every run that counted FLOPs printed the warning. We use no scripted fvcore loss, so exactly that
+    message is ignored, only during this import (later imports of fvcore.nn are cached no-ops)."""
+    import warnings
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
+        import fvcore.nn  # noqa: F401
+
+
 def _fvcore_handles() -> Dict[str, Handle]:
+    _import_fvcore()
     from fvcore.nn.jit_handles import (addmm_flop_jit, batchnorm_flop_jit, conv_flop_jit, elementwise_flop_counter,
                                        linear_flop_jit, norm_flop_counter)
     return {
@@ -261,6 +278,7 @@ def op_handles() -> Dict[str, Handle]:
 
 
 def _analysis_class():
+    _import_fvcore()
     from fvcore.nn.jit_analysis import JitModelAnalysis
 
     class FlopAnalysis(JitModelAnalysis):
@@ -279,22 +297,12 @@ def _analysis_class():
 # ----------------------------------------------------------------------------------------------
 # Which parts of a routed attention layer scale with its active fraction
 # ----------------------------------------------------------------------------------------------
-QUERY_SIDE_CHILDREN = ("q", "q_proj", "q_norm", "proj")  # per (token, head): scale with f
-FUSED_QKV_CHILD = "qkv"  # only its query rows scale
-FIXED_CHILDREN = ("kv", "kv_proj", "k_norm", "sr", "norm", "act", "cpb_fc1", "cpb_act", "cpb_fc2", "wg", "wg_0", "wg_1",
-                  "w_gate", "w_noise", "proj_drop", "attn_drop")
 QUERY_WISE_OPS = ("scaled_dot_product_attention", "matmul", "bmm", "einsum", "mm")  # the layer's own attention core
 
 
 def active_heads(module: nn.Module) -> Tuple[int, int]:
-    """``(active heads per token, heads)`` of an attention module: MoH ``shared_heads + topk``, MoA
-    ``topk`` experts, a dense module all of them."""
-    h = int(module.num_heads)
-    if not getattr(module, "is_routed", False):
-        return h, h
-    if hasattr(module, "active_heads"):
-        return int(module.active_heads), h
-    return int(module.topk), h
+    """``(active heads per token, heads)`` of an attention module, as its variant declares them."""
+    return int(module.active_heads()), int(module.num_heads)
 
 
 @dataclass
@@ -325,6 +333,8 @@ class FlopReport:
     by_operator: Dict[str, float] = field(default_factory=dict)
     uncounted_ops: Dict[str, int] = field(default_factory=dict)
     notes: List[str] = field(default_factory=list)
+    active_head_fraction: Optional[float] = None  # active heads per token / heads, over all attention layers
+    routed_layers: int = 0  # layers where a token uses fewer heads than there are (registry.routed_layer_names)
 
     @property
     def active_flops(self) -> float:
@@ -336,8 +346,10 @@ class FlopReport:
             "gflops": self.flops / 1e9,
             "active_gflops": self.active_flops / 1e9,
             "pointwise_gflops": self.pointwise / 1e9,
-            "routed_layers": sum(1 for layer in self.layers if layer.active_heads < layer.num_heads),
+            "routed_layers": self.routed_layers,
         }
+        if self.active_head_fraction is not None:
+            out["active_head_fraction"] = self.active_head_fraction
         if self.uncounted_ops:
             out["uncounted_ops"] = ", ".join(f"{op} x{n}" for op, n in sorted(self.uncounted_ops.items()))
         return out
@@ -351,17 +363,20 @@ def _layer_flops(name: str, module: nn.Module, counts: Dict[str, Counter], notes
     total = counts.get(name, Counter())
     own = Counter(total)
     scaled = 0.0
+    roles = flops_roles_of(module)  # declared by the layer's kernel and variant
     for child_name, child in module.named_children():
         child_counts = counts.get(f"{name}.{child_name}" if name else child_name, Counter())
         own.subtract(child_counts)
         macs = _macs(child_counts)
-        if child_name in QUERY_SIDE_CHILDREN:
+        role = roles.get(child_name)
+        if role == "per_head":
             scaled += macs
-        elif child_name == FUSED_QKV_CHILD:
+        elif role == "query_rows":
             q_rows = module.num_heads * module.head_dim
             scaled += macs * q_rows / child.out_features
-        elif child_name not in FIXED_CHILDREN and macs:
-            notes.append(f"{name}.{child_name}: unknown part of a routed layer, counted as not scaling")
+        elif role != "fixed" and macs:
+            notes.append(f"{name}.{child_name}: no flops role declared by {type(module).__name__}, counted as not "
+                         f"scaling")
     scaled += float(sum(v for k, v in own.items() if k in QUERY_WISE_OPS))
     heads_active, heads = active_heads(module)
     return LayerFlops(name, heads, heads_active, _macs(total), scaled)
@@ -372,14 +387,16 @@ def _layer_flops(name: str, module: nn.Module, counts: Dict[str, Counter], notes
 # ----------------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def moh_execution(model: nn.Module, impl: Optional[str]) -> Iterator[None]:
-    """Run MoH layers with ``impl`` (``"masked"``: every head, the dense-equivalent count) while
-    tracing; ``None`` leaves each layer's own choice."""
+    """Run layers that have several execution paths with ``impl`` while tracing: ``"reference"``
+    (each variant's ``reference_impl``, which computes every head: the dense-equivalent count), or
+    a path name (layers that have it); ``None`` leaves each layer's own choice."""
     changed = []
     if impl is not None:
-        for module in model.modules():
-            if getattr(module, "attention_name", None) == "moh" and hasattr(module, "impl"):
+        for _, module in find_attention(model):
+            path = module.reference_impl if impl == "reference" else impl
+            if path is not None and hasattr(module, "impl"):
                 changed.append((module, module.impl))
-                module.impl = impl
+                module.impl = path
     try:
         yield
     finally:
@@ -412,15 +429,13 @@ def _trace_inputs(model: nn.Module, x: torch.Tensor, model_kwargs: Dict[str, Any
 
 
 def flop_report(model: nn.Module, input_shape: Sequence[int], model_kwargs: Optional[Dict[str, Any]] = None,
-                moh_impl: Optional[str] = "masked") -> FlopReport:
+                moh_impl: Optional[str] = "reference") -> FlopReport:
     """Trace one forward of ``model`` on a batch-1 input of ``input_shape`` (C, H, W) and count it.
 
-    ``moh_impl="masked"`` counts every head (dense-equivalent); ``"sparse"`` traces the exact sparse
-    MoH path instead (its count is the active count of that input). ``model_kwargs`` are the other
+    ``moh_impl="reference"`` counts every head (dense-equivalent: each variant's reference path);
+    ``"sparse"`` traces the exact sparse MoH path instead (its count is the active count of that input). ``model_kwargs`` are the other
     forward inputs (DiT: ``{"t": ..., "y": ...}``), batch 1, moved to the model's device.
     """
-    from moh_vision.attention import reset_routing
-
     param = next(model.parameters())
     dtype = param.dtype if param.is_floating_point() else torch.float32
     generator = torch.Generator().manual_seed(0)
@@ -432,7 +447,8 @@ def flop_report(model: nn.Module, input_shape: Sequence[int], model_kwargs: Opti
     was_training = model.training
     model.eval()
     try:
-        with moh_execution(model, moh_impl), torch.no_grad():
+        # a recorder of its own: an outer one (a training step's) must not collect the traced forwards
+        with moh_execution(model, moh_impl), torch.no_grad(), record_routing(model):
             analysis = _analysis_class()(target, inputs)
             counts = {name[len(prefix):] if name.startswith(prefix) else name: c
                       for name, c in analysis.by_module_and_operator().items()}
@@ -440,15 +456,14 @@ def flop_report(model: nn.Module, input_shape: Sequence[int], model_kwargs: Opti
             unsupported = dict(analysis.unsupported_ops())
     finally:
         model.train(was_training)
-        reset_routing(model)
 
     notes: List[str] = []
-    layers = [_layer_flops(name, module, counts, notes) for name, module in model.named_modules()
-              if getattr(module, "is_routed", False)]
+    layers = [_layer_flops(name, module, counts, notes) for name, module in routed_modules(model)]
     report = FlopReport(params=sum(p.numel() for p in model.parameters()), flops=_macs(total),
                         pointwise=float(sum(v for k, v in total.items() if k.startswith(POINTWISE_PREFIX))),
                         layers=layers, by_operator={k: float(v) for k, v in total.items()},
-                        uncounted_ops=unsupported, notes=notes)
+                        uncounted_ops=unsupported, notes=notes, active_head_fraction=active_head_fraction(model),
+                        routed_layers=len(routed_layer_names(model)))
     for note in notes:
         log.warning("FLOPs: %s", note)
     if unsupported:
