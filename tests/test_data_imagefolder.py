@@ -93,7 +93,7 @@ def test_shapes_and_class_mapping_with_full_recipe(tree):
             image, label = ds[i]
             assert image.shape == (3, 32, 32) and image.dtype == torch.float32
             assert label == ds.targets[i]
-    assert data.repeated_aug == 3 and data.label_smoothing == 0.1
+    assert data.repeated_aug == 1 and data.label_smoothing == 0.1  # repeated_aug auto: 1 in one process
     assert data.collate_fn is not None and data.mixup is not None
     line = data.describe()
     assert "\n" not in line and "3 classes" in line and "rand-m9-mstd0.5-inc1" in line
@@ -120,6 +120,36 @@ def test_train_and_eval_transforms_follow_the_recipe():
     assert "ColorJitter" not in bare
 
 
+def test_posterize_at_top_magnitude_gives_a_black_image_with_any_pillow():
+    from timm.data.auto_augment import AugmentOp
+
+    from moh_vision.data.transforms import posterize_any_bits
+    img = _image(0, size=(9, 7))
+    # PosterizeIncreasing at m >= 10 asks for 0 bits (Pillow >= 13 raises on that; older Pillow gave black)
+    op = AugmentOp("PosterizeIncreasing", prob=1.0, magnitude=10)
+    op.aug_fn = posterize_any_bits
+    for mode in ("RGB", "L"):
+        out = op(img.convert(mode))
+        assert out.mode == mode and out.size == (9, 7) and np.asarray(out).max() == 0
+    assert np.array_equal(np.asarray(posterize_any_bits(img, 4)), np.asarray(img) & 0xF0)
+    assert posterize_any_bits(img, 8) is img
+
+
+@pytest.mark.parametrize("in_chans,mode", [(3, "RGB"), (1, "L")])
+def test_recipe_train_transform_survives_thousands_of_images(in_chans, mode):
+    """rand-m9-mstd0.5-inc1 reaches posterize-to-0-bits about once in 700 images: push 3000 through."""
+    import random
+    random.seed(0)  # RandAugment draws ops and magnitudes from Python's RNG
+    torch.manual_seed(0)
+    transform = build_train_transform(16, in_chans=in_chans)
+    rng = np.random.default_rng(0)
+    for i in range(3000):
+        w, h = (int(v) for v in rng.integers(6, 24, 2))
+        img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).convert(mode)
+        out = transform(img)
+        assert out.shape == (in_chans, 16, 16), i
+
+
 def test_mixup_gives_soft_targets_that_sum_to_one(tree):
     data = ImageFolderData(tree, img_size=32, auto_augment=None, re_prob=0)
     x, y, skipped = data.collate_fn([data.train[i] for i in range(4)])
@@ -131,8 +161,27 @@ def test_mixup_gives_soft_targets_that_sum_to_one(tree):
     _, soft = data.mixup(x.clone(), y)
     assert soft.min() >= 0.1 / 3 - 1e-6  # label smoothing 0.1 is built into the targets
     plain = ImageFolderData(tree, **SMALL)
-    assert plain.mixup is None and plain.label_smoothing == 0.1 and plain.repeated_aug == 3
+    assert plain.mixup is None and plain.label_smoothing == 0.1 and plain.repeated_aug == 1
     assert ImageFolderData(tree, **SMALL, repeated_aug=0, label_smoothing=None).repeated_aug == 1
+
+
+def test_repeated_aug_auto_follows_the_world_size(tree, monkeypatch):
+    """DeiT repeats each image x3 over processes; in one process the copies would share a batch."""
+    import yaml
+
+    from moh_vision.data.imagefolder import resolve_repeated_aug
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert ImageFolderData(tree, **SMALL).repeated_aug == 1
+    monkeypatch.setenv("WORLD_SIZE", "2")  # what torchrun sets (the process group may not exist yet)
+    assert ImageFolderData(tree, **SMALL).repeated_aug == 3
+    assert ImageFolderData(tree, **SMALL, repeated_aug=2).repeated_aug == 2  # an explicit count is kept
+    assert [resolve_repeated_aug("auto", world_size=w) for w in (1, 2, 8)] == [1, 3, 3]
+    assert resolve_repeated_aug(None) == resolve_repeated_aug(0) == 1 and resolve_repeated_aug("3") == 3
+    for bad in ("three", -1):
+        with pytest.raises(ConfigError, match="auto or an integer"):
+            resolve_repeated_aug(bad)
+    config = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "configs", "data", "imagefolder.yaml")))
+    assert config["repeated_aug"] == "auto"
 
 
 # --------------------------------------------------------------------------------------------------

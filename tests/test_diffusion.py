@@ -101,6 +101,53 @@ def test_space_timesteps_specs():
         space_timesteps(10, "ddim6")  # no integer stride gives 6 of 10 steps
 
 
+def _dit_space_timesteps(num_timesteps, spec):
+    """DiT's / guided-diffusion's respacing (diffusion/respace.py), restated: the reference to match."""
+    if spec.startswith("ddim"):
+        want = int(spec[len("ddim"):])
+        for stride in range(1, num_timesteps):  # the reference never tries stride == num_timesteps
+            if len(range(0, num_timesteps, stride)) == want:
+                return sorted(range(0, num_timesteps, stride))
+        return None  # the reference raises
+    counts = [int(part) for part in spec.split(",")]
+    per, extra = divmod(num_timesteps, len(counts))
+    taken, offset = set(), 0
+    for i, count in enumerate(counts):
+        size = per + (i < extra)
+        if size < count:
+            return None
+        step = 1 if count <= 1 else (size - 1) / (count - 1)
+        at = 0.0
+        for _ in range(count):
+            taken.add(offset + round(at))
+            at += step
+        offset += size
+    return sorted(taken)
+
+
+def test_space_timesteps_matches_dit_for_every_count():
+    specs = [str(n) for n in range(1, 1001)] + ["ddim10", "ddim25", "ddim50", "ddim100", "ddim250", "ddim500"]
+    for spec in specs:
+        assert space_timesteps(1000, spec) == _dit_space_timesteps(1000, spec), spec
+    assert space_timesteps(1000, "21") == _dit_space_timesteps(1000, "21")  # one of the counts that used to differ
+    for spec in ("10,15,20", "7,33", "21,23,31", "1,2,3,4,5", "100,250,500", "3,999"):
+        for total in (300, 1000, 1001):
+            expected = _dit_space_timesteps(total, spec)
+            if expected is None:
+                with pytest.raises(ConfigError):
+                    space_timesteps(total, spec)
+            else:
+                assert space_timesteps(total, spec) == expected, (total, spec)
+
+
+@pytest.mark.parametrize("spec", ["ddim1", "ddim37", "ddim1001"])
+def test_space_timesteps_ddim_without_integer_stride_is_a_config_error(spec):
+    assert _dit_space_timesteps(1000, spec) is None
+    with pytest.raises(ConfigError) as info:
+        space_timesteps(1000, spec)
+    assert "\n" not in str(info.value) and spec in str(info.value)
+
+
 @pytest.mark.parametrize("spacing", ["250", "ddim50", "10,15,20", "1"])
 def test_respaced_schedule_keeps_alphas_cumprod_at_kept_steps(spacing):
     base, spaced = create_diffusion(""), create_diffusion(spacing)

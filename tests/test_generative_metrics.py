@@ -103,3 +103,43 @@ def test_missing_or_wrong_inputs_fail_with_one_line(inception_weights, tmp_path)
         check_inception_weights(tmp_path / "other.pth")
     with pytest.raises(ConfigError, match="fid_ref=.*does not exist"):
         generative_metrics(images(0), tmp_path / "nowhere.npz", inception_weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# The digits classifier behind sample/class_acc and sample/fd_digits: trained once, cached
+# ---------------------------------------------------------------------------------------------
+def test_digits_classifier_is_trained_once_and_cached(tmp_path, monkeypatch):
+    from moh_vision.analysis import metrics
+
+    trained = []
+
+    def fake_training(img_size, **_):  # the real one takes most of a short diffusion run
+        trained.append(img_size)
+        torch.manual_seed(len(trained))
+        return metrics.DigitsClassifier(), 99.0
+
+    monkeypatch.setattr(metrics, "train_digits_classifier", fake_training)
+    monkeypatch.setenv("MOH_VISION_CACHE_DIR", str(tmp_path / "cache"))
+    first = metrics.load_or_train_classifier(tmp_path / "run1" / "digits_classifier.pt", 16)
+    second = metrics.load_or_train_classifier(tmp_path / "run2" / "digits_classifier.pt", 16)
+    assert trained == [16], "a second run reuses the cached classifier"
+    assert all(torch.equal(a, b) for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    cached = metrics.classifier_cache_path(16)
+    assert cached.parent == tmp_path / "cache" and cached.is_file()
+    assert (tmp_path / "run2" / "digits_classifier.pt").is_file(), "the run keeps a copy of what it used"
+    assert not list(cached.parent.glob("*.tmp")), "written atomically (no temporary files left)"
+
+    metrics.load_or_train_classifier(None, 8)  # another size is another key
+    assert trained == [16, 8] and metrics.classifier_key(8) != metrics.classifier_key(16)
+
+    cached.write_bytes(b"\x00truncated")  # a corrupt cache file is retrained, not a crash
+    metrics.load_or_train_classifier(tmp_path / "run3" / "digits_classifier.pt", 16)
+    assert trained == [16, 8, 16]
+    assert torch.load(cached, weights_only=True)["key"] == metrics.classifier_key(16)
+    metrics.load_or_train_classifier(tmp_path / "run4" / "digits_classifier.pt", 16)
+    assert trained == [16, 8, 16]
+
+    monkeypatch.delenv("MOH_VISION_CACHE_DIR")
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert metrics.cache_dir() == tmp_path / "home" / ".cache" / "moh_vision"

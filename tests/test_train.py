@@ -1,5 +1,6 @@
 """train.py / eval.py / sweeps / DDP, composed from the real configs and shrunk."""
 import csv
+import logging
 import sys
 
 import pytest
@@ -7,14 +8,15 @@ import torch
 import yaml
 from PIL import Image
 
-from helpers import FAST_TRAIN, read_summary, run_entry
+from helpers import FAST_TRAIN, load_tool, read_summary, run_entry
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     """One shrunk default run shared by the tests that only read its outputs."""
     out = tmp_path_factory.mktemp("default_run")
-    run_entry("train.py", *FAST_TRAIN, f"hydra.run.dir={out}")
+    proc = run_entry("train.py", *FAST_TRAIN, f"hydra.run.dir={out}")
+    (out / "stderr.txt").write_text(proc.stderr)
     return out
 
 
@@ -31,6 +33,8 @@ def test_default_run_writes_every_output(trained):
     rows = list(csv.DictReader(open(trained / "metrics.csv")))
     assert [r["train/loss"] != "" for r in rows[:3]] == [True, True, True]
     assert rows[-1]["val/acc1"] != ""
+    # fvcore's import-time torch.jit.script call used to print a FutureWarning in every run
+    assert "FutureWarning" not in (trained / "stderr.txt").read_text()
 
 
 def test_checkpoint_is_plain_and_carries_what_resume_needs(trained):
@@ -62,17 +66,18 @@ def test_auto_resume_continues_the_run(tmp_path):
     assert epochs == ["0", "1"], "each epoch is validated and logged exactly once"
 
 
-def test_multirun_sweep_and_report(tmp_path):
+def test_multirun_sweep_and_report(tmp_path, capsys):
     run_entry("train.py", "-m", "attention.activation_ratio=0.5,1.0", *FAST_TRAIN, "trainer.max_steps=2",
               f"hydra.sweep.dir={tmp_path}")
     summaries = sorted(tmp_path.rglob("summary.json"))
     assert len(summaries) == 2
-    proc = run_entry("tools/sweep_report.py", str(tmp_path))
+    assert load_tool("sweep_report").main([f"dir={tmp_path}"]) == 0  # in-process: no second package import
+    printed = capsys.readouterr().out
     for name in ("sweep_report.md", "sweep_report.csv", "sweep_report.png"):
         assert (tmp_path / name).is_file()
     rows = list(csv.DictReader(open(tmp_path / "sweep_report.csv")))
     assert sorted(float(r["activation_ratio"]) for r in rows) == [0.5, 1.0]
-    assert "| moh |" in proc.stdout.replace("transnext_nano | ", "")
+    assert "| moh |" in printed.replace("transnext_nano | ", "")
 
 
 @pytest.mark.slow  # CI covers sweeps with test_multirun_sweep_and_report
@@ -113,7 +118,9 @@ def test_imagenet_recipe_on_a_tiny_image_folder(tmp_path):
               "+model.kwargs.drop_path_rate=0.1", f"hydra.run.dir={out}")
     summary = read_summary(out)
     assert summary["steps"] == 2 and summary["val/count"] == 18
-    assert summary["skipped_images"] == 2, "the unreadable file is skipped and counted, once per epoch"
+    assert summary["skipped_images"] == 1, "the unreadable file is counted once, though met in both epochs"
+    assert summary["train/skipped_images"] == 1 and summary["val/skipped_images"] == 0
+    assert "broken.jpg" in (out / "train.log").read_text(), "train.log names the skipped file"
     proc = run_entry("train.py", "data=imagenet", f"data.root={data}", "data.img_size=32", *FAST_TRAIN,
                      f"hydra.run.dir={tmp_path / 'in1k'}", check=False)
     assert proc.returncode == 2 and "1000" in proc.stderr
@@ -160,3 +167,98 @@ def test_ema_warmup_decay_forgets_the_init_and_counts_updates():
     assert warm.updates == 1 and abs(warm.current_decay() - 2 / 11) < 1e-12
     warm.updates = 10 ** 6
     assert warm.current_decay() == 0.999
+
+
+# ---------------------------------------------------------------------------------------------
+# In-process runs (no subprocess): the trainer's summary, throughput, skipped images, artifacts
+# ---------------------------------------------------------------------------------------------
+def train_here(out_dir, monkeypatch, *overrides):
+    """train.py's ``train(cfg)`` in this process, writing into ``out_dir`` (the real configs, shrunk)."""
+    from hydra import compose, initialize_config_dir
+
+    from helpers import REPO
+    from moh_vision.engine.run import train
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = compose("train", overrides=[*FAST_TRAIN, "trainer.count_flops=false", "trainer.batch_size=8",
+                                          "trainer.val_batch_size=128", *overrides])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    with monkeypatch.context() as m:
+        m.chdir(out_dir)  # outside @hydra.main the run directory is the working directory
+        m.delenv("WORLD_SIZE", raising=False)
+        return train(cfg)
+
+
+def test_rerun_of_a_finished_run_keeps_every_result(tmp_path, monkeypatch):
+    run = tmp_path / "run"
+    first = train_here(run, monkeypatch, "logger=none", "trainer.max_steps=1")
+    recorded = (run / "summary.json").read_text()
+    assert "val/acc1" in first and first["images_per_sec"] > 0
+    assert (run / "routing_head_load.png").is_file(), "routing PNGs are written with logger=none too"
+    rows = (run / "metrics.csv").read_text()
+
+    again = train_here(run, monkeypatch, "logger=none", "trainer.max_steps=1")  # trainer.resume=auto: the finished run
+    assert (run / "summary.json").read_text() == recorded, "a rerun of a finished run changes nothing"
+    assert again["val/acc1"] == first["val/acc1"] and again["images_per_sec"] == first["images_per_sec"]
+    assert (run / "metrics.csv").read_text() == rows
+
+    (run / "summary.json").unlink()  # lost: the final weights are evaluated again, throughput comes from last.pt
+    rebuilt = train_here(run, monkeypatch, "logger=none", "trainer.max_steps=1")
+    for key in ("val/acc1", "val/loss", "val/count", "best/val/acc1", "images_per_sec", "train_time_s", "steps"):
+        assert rebuilt[key] == pytest.approx(first[key], rel=1e-9), key
+    assert read_summary(run)["val/acc1"] == pytest.approx(first["val/acc1"])
+
+
+class _SlowFirstCall(torch.nn.Module):
+    """Stands in for torch.compile: the first forward costs 10 (fake-clock) seconds, like a compilation."""
+
+    def __init__(self, model, clock):
+        super().__init__()
+        self._orig_mod, self.clock, self.calls = model, clock, 0
+
+    def forward(self, *args, **kwargs):
+        self.calls += 1
+        if self.calls == 1:
+            self.clock.now += 10.0
+        return self._orig_mod(*args, **kwargs)
+
+
+def test_images_per_sec_leaves_out_compilation(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    from moh_vision.engine import trainer as trainer_module
+
+    class Clock:  # every reading advances 1 ms: the result does not depend on how busy the machine is
+        now = 1000.0
+
+        def time(self):
+            self.now += 0.001
+            return self.now
+
+    clock = Clock()
+    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(time=clock.time))
+    monkeypatch.setattr(torch, "compile", lambda model, **_: _SlowFirstCall(model, clock))
+    summary = train_here(tmp_path / "run", monkeypatch, "trainer.compile=true", "trainer.max_steps=4")
+    assert summary["steps"] == 4 and summary["throughput_warmup_steps"] == 1
+    assert summary["compile_time_s"] == pytest.approx(10.0, abs=0.5)
+    assert summary["train_time_s"] >= 10.0
+    everything = 4 * 8 / summary["train_time_s"]  # what images_per_sec was: compilation included
+    assert summary["images_per_sec"] > 20 * everything
+    assert (tmp_path / "run" / "routing_head_load.png").is_file(), "routing PNGs are written with logger=csv"
+
+
+def test_unreadable_images_are_counted_as_files_and_named(tmp_path, monkeypatch, caplog):
+    data = tmp_path / "data"
+    _image_tree(data, per_class=4)  # train/class0/broken.jpg
+    (data / "train" / "class2" / "empty.png").write_bytes(b"")
+    (data / "val" / "class1" / "cut.png").write_bytes(b"\x89PNG\r\n")
+    with caplog.at_level(logging.WARNING, logger="moh_vision.engine.trainer"):
+        summary = train_here(tmp_path / "run", monkeypatch, "data=imagefolder", f"data.root={data}",
+                             "data.img_size=32", "data.repeated_aug=1", "trainer.batch_size=7", "trainer.epochs=2",
+                             "trainer.max_steps=null")
+    assert summary["epochs"] == 2 and summary["steps"] == 4  # 14 train items -> 2 steps of 7 per epoch
+    assert (summary["train/skipped_images"], summary["val/skipped_images"], summary["skipped_images"]) == (2, 1, 3)
+    epochs = [r for r in csv.DictReader(open(tmp_path / "run" / "metrics.csv")) if r.get("val/acc1")]
+    assert [(r["train/skipped_images"], r["val/skipped_images"]) for r in epochs] == [("2", "1"), ("2", "1")]
+    named = [r.getMessage() for r in caplog.records if "skipped unreadable" in r.getMessage()]
+    for name in ("broken.jpg", "empty.png", "cut.png"):
+        assert sum(name in m for m in named) == 1, (name, named)  # once per file, not once per epoch

@@ -9,6 +9,8 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw
 
+from moh_vision.checkpoints import atomic_write
+
 Tensor = torch.Tensor
 
 
@@ -25,7 +27,7 @@ def save_class_grid(images: Tensor, labels: Tensor, path: os.PathLike, per_row: 
     """Write a PNG with ``per_row`` samples of one class per row and the class name on the left.
 
     ``images`` are in [-1, 1], ordered class by class (as ``labels.repeat_interleave`` makes them).
-    Small images are scaled up (nearest) to ``cell`` pixels so they can be read.
+    Small images are scaled up (nearest) to ``cell`` pixels so they can be read. Written atomically.
     """
     arr = to_uint8(images)
     n, h, w, _ = arr.shape
@@ -43,19 +45,11 @@ def save_class_grid(images: Tensor, labels: Tensor, path: os.PathLike, per_row: 
             label = int(labels[i])
             name = class_names[label] if class_names else str(label)
             draw.text((4, r * (ch + gap) + ch // 2 - 6), name, fill="black")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    canvas.save(path)
-    return path
+    return atomic_write(path, lambda f: canvas.save(f, format="PNG"))
 
 
 def save_adm_npz(images_uint8: np.ndarray, path: os.PathLike) -> Path:
     """Save uint8 NHWC images as ``arr_0`` in an ``.npz``, the input of the ADM/guided-diffusion evaluator."""
     if images_uint8.dtype != np.uint8 or images_uint8.ndim != 4 or images_uint8.shape[-1] != 3:
         raise ValueError(f"expected uint8 NHWC with 3 channels, got {images_uint8.dtype} {images_uint8.shape}")
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp.npz")
-    np.savez(tmp, arr_0=images_uint8)
-    os.replace(tmp, path)
-    return path
+    return atomic_write(path, lambda f: np.savez(f, arr_0=images_uint8))

@@ -1,8 +1,19 @@
 """Sample-quality metrics that need no download: a digits classifier trained here, its class
-accuracy on class-conditional samples, and the Frechet distance in its feature space."""
+accuracy on class-conditional samples, and the Frechet distance in its feature space.
+
+The classifier is trained once per setting and cached (it took ~90% of a one-epoch digits diffusion
+run when it was retrained every run): ``<cache dir>/digits_classifier-<key>.pt``, where the cache dir is
+``$MOH_VISION_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/moh_vision``, else ``~/.cache/moh_vision``,
+and ``<key>`` hashes everything that decides the weights (:data:`CLASSIFIER_SETTINGS`, the image size,
+the torch and scikit-learn versions). Files are written atomically; an unreadable or mismatched cache
+file is retrained and replaced, never an error. Deleting the directory is always safe.
+"""
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+import os
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -58,7 +69,40 @@ class DigitsClassifier(nn.Module):
         return self.head(self.features(x))
 
 
-def train_digits_classifier(img_size: int, epochs: int = 20, seed: int = 0) -> Tuple[DigitsClassifier, float]:
+# What decides the classifier's weights besides the image size and library versions. Change the
+# training below -> bump "version", so that cached classifiers of the old recipe are not reused.
+CLASSIFIER_SETTINGS = {"version": 1, "arch": "conv32-64-128", "epochs": 20, "seed": 0, "batch_size": 128,
+                       "lr": 2e-3, "weight_decay": 1e-4, "augment": True, "data": "sklearn digits, val 0.2, split 0"}
+CACHE_ENV = "MOH_VISION_CACHE_DIR"
+
+
+def cache_dir() -> Path:
+    """Where cached artefacts (the digits classifier) live: ``$MOH_VISION_CACHE_DIR``, else
+    ``$XDG_CACHE_HOME/moh_vision``, else ``~/.cache/moh_vision``."""
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
+    return Path(base).expanduser() / "moh_vision"
+
+
+def classifier_key(img_size: int) -> str:
+    """A short hash of everything that determines the trained classifier."""
+    try:
+        import sklearn
+        sklearn_version = sklearn.__version__
+    except ImportError:  # pragma: no cover - the digits come from scikit-learn
+        sklearn_version = None
+    what = {**CLASSIFIER_SETTINGS, "img_size": int(img_size), "torch": str(torch.__version__),
+            "sklearn": sklearn_version}
+    return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def classifier_cache_path(img_size: int) -> Path:
+    return cache_dir() / f"digits_classifier-{classifier_key(img_size)}.pt"
+
+
+def train_digits_classifier(img_size: int, epochs: int = CLASSIFIER_SETTINGS["epochs"],
+                            seed: int = CLASSIFIER_SETTINGS["seed"]) -> Tuple[DigitsClassifier, float]:
     """Train the classifier on the digits training split (augmented); returns it and its val accuracy (%)."""
     from moh_vision.data.digits import DigitsData
 
@@ -67,11 +111,12 @@ def train_digits_classifier(img_size: int, epochs: int = 20, seed: int = 0) -> T
     with torch.random.fork_rng():
         torch.manual_seed(seed)
         model = DigitsClassifier()
-        opt = torch.optim.AdamW(model.parameters(), lr=2e-3, weight_decay=1e-4)
+        opt = torch.optim.AdamW(model.parameters(), lr=CLASSIFIER_SETTINGS["lr"],
+                                weight_decay=CLASSIFIER_SETTINGS["weight_decay"])
         n = len(data.train)
         model.train()
         for _ in range(epochs):
-            for idx in torch.randperm(n, generator=g).split(128):
+            for idx in torch.randperm(n, generator=g).split(CLASSIFIER_SETTINGS["batch_size"]):
                 batch = [data.train[int(i)] for i in idx]
                 x = torch.stack([b[0] for b in batch])
                 y = torch.tensor([b[1] for b in batch])
@@ -91,20 +136,58 @@ def real_digits(dataset) -> Tuple[Tensor, Tensor]:
     return torch.stack([b[0] for b in items]), torch.tensor([b[1] for b in items])
 
 
-def load_or_train_classifier(path: Path, img_size: int) -> DigitsClassifier:
-    """The classifier saved at ``path`` for this size, or a freshly trained one saved there (atomically)."""
-    from moh_vision.engine.checkpoint import atomic_save
-
-    path = Path(path)
-    if path.exists():
+def _load_classifier(path: Path, img_size: int, key: Optional[str] = None) -> Optional[DigitsClassifier]:
+    """The classifier in ``path`` if it is a readable one for ``img_size`` (and ``key``), else None."""
+    if not path.is_file():
+        return None
+    try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        if state.get("img_size") == img_size:
-            model = DigitsClassifier()
-            model.load_state_dict(state["model"])
-            return model.eval()
-    model, acc = train_digits_classifier(img_size)
-    log.info("trained the digits classifier for sample metrics: %.1f%% val top-1 at %dx%d", acc, img_size, img_size)
-    atomic_save({"model": model.state_dict(), "img_size": img_size, "val_acc1": acc}, path)
+        if not isinstance(state, dict) or state.get("img_size") != img_size:
+            return None
+        if key is not None and state.get("key") != key:
+            return None
+        model = DigitsClassifier()
+        model.load_state_dict(state["model"])
+    except Exception as err:  # a truncated / corrupt / foreign file: retrain rather than crash
+        log.warning("ignoring unreadable digits classifier %s (%s: %s); training a new one",
+                    path, type(err).__name__, str(err).splitlines()[0] if str(err) else "")
+        return None
+    return model.eval()
+
+
+def load_or_train_classifier(path: Optional[Path], img_size: int) -> DigitsClassifier:
+    """The digits classifier for ``img_size``: the one saved at ``path`` (a run's copy, or one given to
+    tools/sample.py), else the cached one (see the module docstring), else a freshly trained one that
+    is cached. ``path``, when given and missing, receives a copy. All writes are atomic."""
+    from moh_vision.checkpoints import atomic_save
+
+    path = Path(path) if path is not None else None
+    if path is not None:
+        model = _load_classifier(path, img_size)
+        if model is not None:
+            return model
+    key = classifier_key(img_size)
+    cached = classifier_cache_path(img_size)
+    model = _load_classifier(cached, img_size, key)
+    state = None
+    if model is None:
+        model, acc = train_digits_classifier(img_size)
+        log.info("trained the digits classifier for sample metrics: %.1f%% val top-1 at %dx%d; cached in %s",
+                 acc, img_size, img_size, cached)
+        state = {"model": model.state_dict(), "img_size": img_size, "val_acc1": acc, "key": key,
+                 "settings": {**CLASSIFIER_SETTINGS, "torch": str(torch.__version__)}}
+        try:
+            atomic_save(state, cached)
+        except Exception as err:  # an unwritable cache costs time, not the run
+            log.warning("could not cache the digits classifier in %s (%s); set %s to a writable folder",
+                        cached, err, CACHE_ENV)
+    if path is not None:
+        if state is None:
+            state = {"model": model.state_dict(), "img_size": img_size, "key": key}
+        try:
+            atomic_save(state, path)
+        except Exception as err:
+            log.warning("could not write the digits classifier copy %s (%s)", path, err)
     return model
 
 

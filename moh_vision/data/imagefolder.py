@@ -15,8 +15,10 @@ Batch format. ``collate_fn`` of a data module (used for train and val loaders) r
 
 where ``B'`` = items in the batch minus ``skipped``, the number of unreadable images dropped from it
 (``on_bad_image="skip"``). ``B'`` can be odd, or 0 (then ``images`` is ``[0, C, H, W]``): skip such a
-step. ``skipped`` is a plain int inside the batch, so it survives DataLoader worker processes; sum it
-to count unreadable images per epoch. Each unreadable file is logged once per process (the main
+step. ``skipped`` is an int (a :class:`SkippedImages`) that also names the dropped files in ``.files``
+(``(path, reason)`` pairs); it pickles, so it survives DataLoader worker processes. The trainer counts
+distinct files from it (an unreadable file is met again every epoch) and names them in ``train.log``.
+Each unreadable file is also logged once per process (the main
 process with ``num_workers=0``, else each worker; non-persistent workers start afresh every epoch) with
 a warning on ``logging.getLogger("moh_vision.data.imagefolder")``. ``on_bad_image="raise"`` raises
 ``BadImageError`` naming the file instead.
@@ -30,7 +32,7 @@ import csv
 import logging
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -52,6 +54,7 @@ __all__ = [
     "IMG_EXTENSIONS",
     "BadImage",
     "BadImageError",
+    "SkippedImages",
     "ImageFileDataset",
     "ImageFolderData",
     "ImageNetData",
@@ -228,6 +231,23 @@ class ImageFileDataset(Dataset):
         return (self.transform(img) if self.transform is not None else img), label
 
 
+class SkippedImages(int):
+    """How many unreadable images were dropped from a batch: an ``int`` (the batch format's third item),
+    whose ``files`` are the ``(path, reason)`` pairs of those images."""
+
+    def __new__(cls, files: Sequence[Tuple[str, str]] = ()):
+        files = tuple((str(path), str(reason)) for path, reason in files)
+        obj = super().__new__(cls, len(files))
+        obj.files = files
+        return obj
+
+    def __reduce__(self):  # pickles with its files (DataLoader workers send batches through pickle)
+        return SkippedImages, (self.files,)
+
+    def __repr__(self) -> str:
+        return f"SkippedImages({int(self)}: {', '.join(path for path, _ in self.files)})"
+
+
 class SkipBadImagesCollate:
     """Batch ``(image, label)`` items into ``(images, labels, skipped)``, dropping ``BadImage`` markers.
 
@@ -239,7 +259,7 @@ class SkipBadImagesCollate:
 
     def __call__(self, batch):
         good = [item for item in batch if not isinstance(item, BadImage)]
-        skipped = len(batch) - len(good)
+        skipped = SkippedImages([(item.path, item.reason) for item in batch if isinstance(item, BadImage)])
         if good:
             images, labels = default_collate(good)
         else:
@@ -254,6 +274,37 @@ class SkipBadImagesCollate:
 # Data modules
 # --------------------------------------------------------------------------------------------------
 
+REPEATED_AUG_MULTI_PROCESS = 3  # DeiT / TransNeXt: --repeated-aug with 3 repeats, on 8+ GPUs
+
+
+def _world_size() -> int:
+    import torch.distributed as tdist
+
+    if tdist.is_available() and tdist.is_initialized():
+        return tdist.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", "1") or 1)
+
+
+def resolve_repeated_aug(value: Optional[Union[int, str]], world_size: Optional[int] = None) -> int:
+    """Repeats per image and epoch. ``"auto"``: 3 when training runs in more than one process, else 1.
+
+    Repeated augmentation (DeiT's RASampler) places the 3 augmented copies of an image on different
+    processes and keeps ``len(dataset) // world`` indices per rank and epoch. In a single process the
+    copies land next to each other in the same batch and an epoch sees only a third of the distinct
+    images, which costs accuracy instead of adding it; so ``auto`` switches it off there. An explicit
+    integer is used as given (1 or 0/None = off)."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        world = _world_size() if world_size is None else int(world_size)
+        return REPEATED_AUG_MULTI_PROCESS if world > 1 else 1
+    try:
+        repeats = 1 if not value else int(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"repeated_aug={value!r}; expected auto or an integer >= 1 (1 = off)") from None
+    if repeats < 1:
+        raise ConfigError(f"repeated_aug={value}; expected auto or an integer >= 1 (1 = off)")
+    return repeats
+
+
 Split = Tuple[str, List[str], List[int]]  # (folder, image paths relative to it, labels)
 
 
@@ -263,8 +314,10 @@ class ImageFolderData:
     The data-module contract: ``num_classes, in_chans, img_size, train, val, collate_fn, mixup,
     repeated_aug, label_smoothing, describe()``. Every augmentation knob switches off with 0 / None
     (``auto_augment``, ``color_jitter``, ``re_prob``, ``mixup``, ``cutmix``, ``label_smoothing``,
-    ``repeated_aug`` -> 1, ``eval_crop_pct`` -> squash resize without crop). ``label_smoothing`` is built
-    into ``mixup`` when that is on; the loss uses ``label_smoothing`` only when ``mixup`` is None.
+    ``repeated_aug`` -> 1, ``eval_crop_pct`` -> squash resize without crop). ``repeated_aug="auto"``
+    (the default) is 3 with more than one process and 1 in a single one (:func:`resolve_repeated_aug`).
+    ``label_smoothing`` is built into ``mixup`` when that is on; the loss uses ``label_smoothing`` only
+    when ``mixup`` is None.
     """
 
     def __init__(
@@ -281,7 +334,7 @@ class ImageFolderData:
         mixup_switch_prob: float = 0.5,
         mixup_prob: float = 1.0,
         label_smoothing: Optional[float] = 0.1,
-        repeated_aug: Optional[int] = 3,
+        repeated_aug: Optional[Union[int, str]] = "auto",
         eval_crop_pct: Optional[float] = 0.875,
         mean: Sequence[float] = IMAGENET_DEFAULT_MEAN,
         std: Sequence[float] = IMAGENET_DEFAULT_STD,
@@ -293,9 +346,7 @@ class ImageFolderData:
             raise ConfigError(f"img_size={img_size}; expected a positive integer")
         if on_bad_image not in ("skip", "raise"):
             raise ConfigError(f"on_bad_image={on_bad_image!r}; expected 'skip' or 'raise'")
-        repeated_aug = 1 if not repeated_aug else int(repeated_aug)
-        if repeated_aug < 1:
-            raise ConfigError(f"repeated_aug={repeated_aug}; expected an integer >= 1 (1 = off)")
+        repeated_aug = resolve_repeated_aug(repeated_aug)
 
         self.root = os.path.expanduser(str(root))
         self.img_size, self.in_chans = int(img_size), int(in_chans)

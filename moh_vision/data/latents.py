@@ -9,7 +9,7 @@ A shard is a plain ``torch.save`` dict (loads with ``weights_only=True``, memory
 
     moments       float16 [n, F, 2, C, h, w]  the VAE encoder's diagonal Gaussian per image:
                                               [:, f, 0] = mean, [:, f, 1] = std (unscaled latent space);
-                                              f = 0 the image, f = 1 its horizontal flip (F = 1 with --no-flip)
+                                              f = 0 the image, f = 1 its horizontal flip (F = 1 with flip=false)
     labels        int64 [n]                   class index (sorted class-folder names)
     source_index  int64 [n]                   position of the image in the sorted file list
     meta          dict                        the extraction settings, checked when a run resumes
@@ -112,7 +112,7 @@ def _load_vae_cached(root: str, subfolder: Optional[str], device: str):
 def read_index(root: os.PathLike) -> Dict[str, Any]:
     """The index of a finished extraction, with one-line errors for a missing, empty or partial directory."""
     root = Path(root).expanduser()
-    hint = "create it with: python tools/extract_latents.py --data <image folder> --vae <vae dir> --out " + str(root)
+    hint = "create it with: python tools/extract_latents.py data=<image folder> vae=<vae dir> out=" + str(root)
     if not root.is_dir():
         raise ConfigError(f"data.root={root} {'is not a directory' if root.exists() else 'does not exist'}; {hint}")
     index_file = root / INDEX_FILE
@@ -181,7 +181,8 @@ class LatentShards(Dataset):
 
 
 class LatentsData:
-    """Data module over a latents directory (the trainer's data contract), ``data=latents data.root=<dir>``.
+    """Data module over a latents directory (the trainer's data contract), ``data=latents data.root=<dir>``
+    (``experiment=latent_diffusion`` sets the task and model that go with it).
 
     ``img_size`` is the latent side (32 for 256 px), ``in_chans`` the latent channels (4).
     Validation: ``val_size`` images spread evenly over the (class-sorted) set, read deterministically;
@@ -189,7 +190,7 @@ class LatentsData:
     training set and ``val/loss`` monitors the fit; ``val_holdout=true`` removes them from training.
 
     Args:
-        root: the directory ``tools/extract_latents.py --out`` wrote.
+        root: the directory ``tools/extract_latents.py out=`` wrote.
         flip: use the stored horizontal-flip copies (a random one per item, DiT's RandomHorizontalFlip).
         sample_posterior: draw ``z ~ N(mean, std^2)`` per item (DiT); false uses the mean.
         val_size: validation images (clipped to the number of images).
@@ -200,6 +201,8 @@ class LatentsData:
     mixup = None
     repeated_aug = 1
     label_smoothing = 0.0
+
+    task = "diffusion"  # what these data are for: VAE latents with class labels, not images to classify
 
     def __init__(self, root: str, flip: bool = True, sample_posterior: bool = True, val_size: int = 1000,
                  val_holdout: bool = False):

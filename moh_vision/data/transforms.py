@@ -13,13 +13,21 @@ Batch mixing (``build_mixup``): timm's ``Mixup`` in batch mode with label smooth
 returning soft targets ``[B, num_classes]`` whose rows sum to 1.
 
 Every knob switches off with 0 / None / "" (see ``build_train_transform``).
+
+Posterize with 0 bits. timm's ``PosterizeIncreasing`` (the ``inc1`` RandAugment policy) keeps
+``4 - int(4 * m / 10)`` bits, i.e. 0 bits at the top magnitude (m >= 10, reached by ``mstd0.5``
+draws around m9). Pillow before 13 turned that into a black image; Pillow 13 raises ``ValueError``.
+The transforms built here replace timm's posterize with one that keeps the old result (0 bits or
+fewer: a black image), so the recipe behaves as in the reference runs with any Pillow.
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
 
 import torch
+from PIL import Image, ImageOps
 from timm.data import Mixup, create_transform
+from timm.data import auto_augment as timm_auto_augment
 from timm.data.mixup import mixup_target
 from timm.data.constants import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 
@@ -84,6 +92,35 @@ def normalization_for(
     return mean, std
 
 
+def posterize_any_bits(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
+    """timm's posterize for any bit count: 8 or more keeps the image, 0 or fewer gives a black image
+    (what Pillow < 13 returned for 0 bits; Pillow 13 accepts only 1..8)."""
+    bits_to_keep = int(bits_to_keep)
+    if bits_to_keep >= 8:
+        return img
+    if bits_to_keep <= 0:
+        return Image.new(img.mode, img.size)
+    return ImageOps.posterize(img, bits_to_keep)
+
+
+def _use_safe_posterize(obj, seen=None) -> int:
+    """Swap timm's posterize for :func:`posterize_any_bits` in every augment op under ``obj`` (a Compose,
+    RandAugment, AutoAugment or AugMix); returns how many ops were changed."""
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return 0
+    seen.add(id(obj))
+    if isinstance(obj, timm_auto_augment.AugmentOp):
+        if obj.aug_fn is timm_auto_augment.posterize:
+            obj.aug_fn = posterize_any_bits
+            return 1
+        return 0
+    if isinstance(obj, (list, tuple)):
+        return sum(_use_safe_posterize(item, seen) for item in obj)
+    return sum(_use_safe_posterize(getattr(obj, attr), seen) for attr in ("transforms", "ops", "policy")
+               if isinstance(getattr(obj, attr, None), (list, tuple)))
+
+
 def build_train_transform(
     img_size: int = 224,
     in_chans: int = 3,
@@ -109,7 +146,7 @@ def build_train_transform(
     if not 0.0 <= re_prob <= 1.0:
         raise ConfigError(f"re_prob={re_prob} is a probability; expected a value in [0, 1]")
     try:
-        return create_transform(
+        transform = create_transform(
             input_size=int(img_size),
             is_training=True,
             color_jitter=color_jitter,
@@ -126,6 +163,8 @@ def build_train_transform(
             f"cannot build the train transform (auto_augment={auto_augment!r}, color_jitter={color_jitter!r}): "
             f"{type(exc).__name__}: {exc}; expected a timm augment string such as 'rand-m9-mstd0.5-inc1'"
         ) from exc
+    _use_safe_posterize(transform)  # 0 bits at the top magnitude: see the module docstring
+    return transform
 
 
 def build_eval_transform(

@@ -59,11 +59,12 @@ def space_timesteps(num_timesteps: int, section_counts: Union[str, int, Sequence
         spec = section_counts.strip()
         if spec.startswith("ddim"):
             want = _parse_count(spec[len("ddim"):], section_counts)
-            for stride in range(1, num_timesteps + 1):
+            # Strides 1..T-1 only (as DiT / guided-diffusion): a single step ("ddim1") is not a sampler.
+            for stride in range(1, num_timesteps):
                 if len(range(0, num_timesteps, stride)) == want:
                     return list(range(0, num_timesteps, stride))
-            raise ConfigError(f"timestep_respacing={section_counts!r}: no integer stride gives exactly {want} "
-                              f"of {num_timesteps} steps")
+            raise ConfigError(f"timestep_respacing={section_counts!r}: no integer stride in 1..{num_timesteps - 1} "
+                              f"gives exactly {want} of {num_timesteps} steps")
         counts = [_parse_count(part, section_counts) for part in spec.split(",")]
     elif isinstance(section_counts, int):
         counts = [section_counts]
@@ -78,7 +79,13 @@ def space_timesteps(num_timesteps: int, section_counts: Union[str, int, Sequence
             raise ConfigError(f"timestep_respacing={section_counts!r}: cannot take {count} steps from a section "
                               f"of {size} (of {num_timesteps} in all)")
         stride = (size - 1) / (count - 1) if count > 1 else 1
-        kept += [start + round(j * stride) for j in range(count)]
+        # A running float position rounded at each step (not round(j * stride)): the accumulated sum rounds
+        # differently for some counts (21, 23, 31, ... of 1000), and checkpoints sampled with DiT's
+        # respacing must see exactly the same timesteps here.
+        position = 0.0
+        for _ in range(count):
+            kept.append(start + round(position))
+            position += stride
         start += size
     return sorted(set(kept))
 

@@ -46,19 +46,24 @@ def _export_submitit_env() -> None:
     TorchDistributedEnvironment().export(set_cuda_visible_devices=False)
 
 
+def process_info(device: str = "auto") -> DistInfo:
+    """This process's rank, world size and device as torchrun (or the submitit launcher) set them, without
+    joining a process group."""
+    _export_submitit_env()
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return DistInfo(rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")),
+                    local_rank=local_rank, device=pick_device(device, local_rank))
+
+
 def init_distributed(device: str = "auto") -> DistInfo:
     """Join the process group when launched by torchrun or the submitit launcher (WORLD_SIZE > 1);
     NCCL on GPU, gloo on CPU."""
-    _export_submitit_env()
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    rank = int(os.environ.get("RANK", "0"))
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    dev = pick_device(device, local_rank)
-    if world > 1 and not dist.is_initialized():
-        if dev.type == "cuda":
-            torch.cuda.set_device(dev)
-        dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
-    return DistInfo(rank=rank, world_size=world, local_rank=local_rank, device=dev)
+    info = process_info(device)
+    if info.world_size > 1 and not dist.is_initialized():
+        if info.device.type == "cuda":
+            torch.cuda.set_device(info.device)
+        dist.init_process_group(backend="nccl" if info.device.type == "cuda" else "gloo")
+    return info
 
 
 def barrier(info: DistInfo) -> None:

@@ -6,6 +6,7 @@ epoch rows. Rank 0 alone logs.
 from __future__ import annotations
 
 import csv
+import io
 import json
 import logging
 import math
@@ -13,6 +14,8 @@ import netrc
 import os
 from pathlib import Path
 from typing import Any, Dict, List, Optional
+
+from moh_vision.checkpoints import atomic_write
 
 log = logging.getLogger(__name__)
 
@@ -57,12 +60,11 @@ class CSVMetrics:
                 csv.DictWriter(f, fieldnames=self.columns).writerow(row)
 
     def _rewrite(self) -> None:
-        tmp = self.path.with_suffix(".csv.tmp")
-        with open(tmp, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=self.columns)
-            w.writeheader()
-            w.writerows(self.rows)
-        os.replace(tmp, self.path)
+        text = io.StringIO()
+        w = csv.DictWriter(text, fieldnames=self.columns)
+        w.writeheader()
+        w.writerows(self.rows)
+        atomic_write(self.path, lambda f: f.write(text.getvalue().encode()), what="metrics file")
 
 
 def wandb_has_credentials() -> bool:
@@ -161,7 +163,5 @@ class Loggers:
 
 
 def write_json(path: Path, data: Dict[str, Any]) -> None:
-    tmp = Path(str(path) + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump({k: _plain(v) for k, v in data.items()}, f, indent=2, sort_keys=True, default=str)
-    os.replace(tmp, path)
+    text = json.dumps({k: _plain(v) for k, v in data.items()}, indent=2, sort_keys=True, default=str)
+    atomic_write(path, lambda f: f.write(text.encode()), what="file")

@@ -19,15 +19,17 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from moh_vision.analysis.routing import RoutingMeter
+from moh_vision.analysis.routing_stats import RoutingMeter
+from moh_vision.attention import after_optimizer_step
 from moh_vision.errors import ConfigError, RunError
-from moh_vision.models.factory import unwrap_model
-from . import checkpoint as ckpt_io
-from .distributed import DistInfo, all_reduce_sum, reduce_sums
+from moh_vision.models import unwrap_model
+from moh_vision import checkpoints as ckpt_io
+from .rng_state import capture_rng, restore_rng
+from .distributed import DistInfo, all_reduce_sum, broadcast_object, reduce_sums
 from .ema import EMA
 from .loggers import Loggers, write_json
 from .optim import Schedule, build_optimizer
-from .sampler import EpochSampler, SeededItems
+from moh_vision.data.sampler import EpochSampler, SeededItems
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,33 @@ class Preempted(Exception):
 
 class NonFiniteLoss(RunError):
     """Too many non-finite steps in a row."""
+
+
+def _missing(value: Any) -> bool:
+    """No result: absent, None, or a non-finite number (summary.json stores those as "nan" strings)."""
+    if value is None:
+        return True
+    if isinstance(value, float):
+        return value != value or value in (float("inf"), float("-inf"))
+    return isinstance(value, str) and value.strip().lower() in ("nan", "inf", "-inf")
+
+
+class _NotingSkips:
+    """A loader that hands every batch to ``note`` before yielding it (names unreadable val images)."""
+
+    def __init__(self, loader, note: Callable[[Any], None]):
+        self.loader, self.note = loader, note
+
+    def __iter__(self):
+        for batch in self.loader:
+            self.note(batch)
+            yield batch
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str):
+        return getattr(self.loader, name)
 
 
 def flops_text(flops: Dict[str, float]) -> str:
@@ -64,6 +93,15 @@ class Trainer:
         self.batch_in_epoch = 0
         self.best: Dict[str, Any] = {}
         self.counters = {"nonfinite_skipped": 0, "nonfinite_in_a_row": 0, "skipped_images": 0}
+        # unreadable images: split -> {path: reason}, distinct files over the whole run (saved in checkpoints)
+        self.skipped_files: Dict[str, Dict[str, str]] = {"train": {}, "val": {}}
+        self._unnamed_skips = 0  # skips reported by data that does not name its files (counted as events)
+        # training time and images, whole run (saved in checkpoints): the first throughput_warmup_steps
+        # optimizer steps of every process (torch.compile, allocator and cudnn warm-up) are kept apart
+        self.throughput = {"time": 0.0, "samples": 0, "steps": 0, "warmup_time": 0.0, "warmup_samples": 0,
+                           "warmup_steps": 0}
+        self._steps_this_process = 0
+        self.steps_at_start = 0
         self._stop_signal: Optional[str] = None
         self.last_good_checkpoint: Optional[str] = None
 
@@ -132,7 +170,7 @@ class Trainer:
     # checkpoints
     # ------------------------------------------------------------------------------------------
     def _state(self) -> Dict[str, Any]:
-        rng = ckpt_io.capture_rng()
+        rng = capture_rng()
         if self.dist.enabled:
             import torch.distributed as tdist
             gathered = [None] * self.dist.world_size
@@ -146,6 +184,8 @@ class Trainer:
             "step": self.step, "epoch": self.epoch, "batch_in_epoch": self.batch_in_epoch,
             "rng": rng, "world_size": self.dist.world_size,
             "best": dict(self.best), "counters": dict(self.counters),
+            "skipped_files": {split: dict(files) for split, files in self.skipped_files.items()},
+            "throughput": dict(self.throughput),
             "meters": self.meters_state(),
             "config": self.config, "model_name": self.model_name,
             "wandb_run_id": self.loggers.run_id,
@@ -168,8 +208,7 @@ class Trainer:
         if path is None:
             return
         state, used = ckpt_io.load_with_fallback(path)
-        from moh_vision.models.factory import state_dict_mismatch
-        problem = state_dict_mismatch(unwrap_model(self.model).state_dict(), state["model"])
+        problem = ckpt_io.state_dict_mismatch(unwrap_model(self.model).state_dict(), state["model"])
         if problem or (state.get("model_name") and state["model_name"] != self.model_name):
             raise ConfigError(f"cannot resume from {used}: it holds model '{state.get('model_name')}' and this run "
                               f"builds '{self.model_name}' ({problem or 'different model'})")
@@ -182,11 +221,15 @@ class Trainer:
             self.ema.updates = int(state.get("ema_updates", 0))
         self.step, self.epoch, self.batch_in_epoch = state["step"], state["epoch"], state["batch_in_epoch"]
         self.best, self.counters = dict(state.get("best", {})), {**self.counters, **state.get("counters", {})}
+        saved = state.get("skipped_files") or {}
+        self.skipped_files = {split: dict(saved.get(split) or {}) for split in ("train", "val")}
+        self.throughput.update(state.get("throughput") or {})
+        self.steps_at_start = self.step
         self.load_meters(state.get("meters", {}))
         rng = state["rng"]
         if isinstance(rng, list):
             rng = rng[self.dist.rank] if len(rng) == self.dist.world_size else rng[0]
-        ckpt_io.restore_rng(rng)
+        restore_rng(rng)
         self.loggers.truncate_after(self.step)
         self.last_good_checkpoint = str(used)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", used, self.step, self.epoch, self.batch_in_epoch)
@@ -338,7 +381,7 @@ class Trainer:
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             micro += 1
             self.batch_in_epoch += 1
-            self.counters["skipped_images"] += int(out.get("skipped", 0))
+            self._note_skipped("train", batch, out.get("skipped", 0))
             if finite and out["num_samples"]:
                 self._accumulate(out)
             else:
@@ -346,9 +389,8 @@ class Trainer:
             if not last_micro:
                 continue
             stepped = self._optimizer_step(finite)
-            self.train_time += time.time() - tick
+            self._count_throughput(time.time() - tick, int(out["num_samples"]) * self.accum * self.dist.world_size)
             tick = time.time()
-            self.train_samples += int(out["num_samples"]) * self.accum * self.dist.world_size
             if stepped:
                 window["loss"] += float(loss.detach())
                 window["n"] += 1
@@ -367,6 +409,56 @@ class Trainer:
                 break
         if bar is not None:
             bar.close()
+
+    def _count_throughput(self, seconds: float, samples: int) -> None:
+        """One optimizer step's time and images; the first ``trainer.throughput_warmup_steps`` steps of
+        this process (compilation with ``trainer.compile``, warm-up) are kept out of ``images_per_sec``."""
+        self.train_time += seconds
+        self.train_samples += samples
+        warm = self._steps_this_process < int(self.cfg.get("throughput_warmup_steps", 1) or 0)
+        prefix = "warmup_" if warm else ""
+        self.throughput[prefix + "time"] += seconds
+        self.throughput[prefix + "samples"] += samples
+        self.throughput[prefix + "steps"] += 1
+        self._steps_this_process += 1
+
+    # ------------------------------------------------------------------------------------------
+    # unreadable images: distinct files, named in train.log, counted in metrics.csv and summary.json
+    # ------------------------------------------------------------------------------------------
+    def _note_skipped(self, split: str, batch, reported: Any = 0) -> None:
+        skipped = batch[2] if isinstance(batch, (tuple, list)) and len(batch) == 3 else reported
+        files = getattr(skipped, "files", None)
+        if files is None:  # the data counts its skips but does not name them
+            self._unnamed_skips += int(skipped or 0)
+            return
+        seen = self.skipped_files[split]
+        for path, reason in files:
+            if path not in seen:
+                seen[path] = reason
+                log.warning("skipped unreadable %s image %s (%s)", split, path, reason)
+
+    def _note_val_batch(self, batch) -> None:
+        self._note_skipped("val", batch)
+
+    def _skipped_row(self) -> Dict[str, Any]:
+        """``train/skipped_images`` and ``val/skipped_images``: distinct unreadable files so far (all ranks)."""
+        if self.dist.enabled:
+            import torch.distributed as tdist
+            gathered = [None] * self.dist.world_size
+            tdist.all_gather_object(gathered, self.skipped_files)
+            for other in gathered:
+                for split, files in (other or {}).items():
+                    for path, reason in files.items():
+                        if path not in self.skipped_files[split]:
+                            self.skipped_files[split][path] = reason
+                            if self.dist.is_main:
+                                log.warning("skipped unreadable %s image %s (%s)", split, path, reason)
+        counts = {split: len(files) for split, files in self.skipped_files.items()}
+        self.counters["skipped_images"] = sum(counts.values()) + self._unnamed_skips
+        dataset = getattr(self.val_loader, "dataset", None)
+        if getattr(dataset, "on_bad_image", None) is None and not self.counters["skipped_images"]:
+            return {}  # data that never skips (digits, latents): no columns
+        return {f"{split}/skipped_images": n for split, n in counts.items()}
 
     def _all_finite(self, loss: torch.Tensor) -> bool:
         bad = torch.tensor([0.0 if torch.isfinite(loss.detach()).all() else 1.0], device=self.device)
@@ -406,6 +498,7 @@ class Trainer:
                 self._nonfinite(norm, where="gradient norm")
         if stepped:
             self.counters["nonfinite_in_a_row"] = 0
+            after_optimizer_step(unwrap_model(self.model))  # step-counted schedules (learned shared heads)
             if self.ema is not None:
                 self.ema.update(self.model)
         self.optimizer.zero_grad(set_to_none=True)
@@ -421,7 +514,7 @@ class Trainer:
             if key.startswith("log/"):
                 self.sums[key] = self.sums.get(key, 0.0) + float(value) * n
         self.sums["count"] += n
-        self.routing.update(unwrap_model(self.model))
+        self.routing.update(out.get("routing") or {})
 
     def _log_window(self, window: Dict[str, float], bar) -> None:
         elapsed = max(time.time() - window["t"], 1e-9)
@@ -444,7 +537,7 @@ class Trainer:
     # epoch end: validation, routing statistics, best checkpoint
     # ------------------------------------------------------------------------------------------
     def evaluate_model(self, model: nn.Module, prefix: str = "val") -> Dict[str, float]:
-        sums = self.task.evaluate(model, self.val_loader, self.device, amp=self.amp)
+        sums = self.task.evaluate(model, _NotingSkips(self.val_loader, self._note_val_batch), self.device, amp=self.amp)
         sums = reduce_sums(sums, self.dist, self.device)
         return self.task.finalize(sums, prefix=prefix)
 
@@ -487,10 +580,11 @@ class Trainer:
             if self.ema is not None:
                 row.update(self.evaluate_model(self.ema.module, "val_ema"))
             row.update(task.on_epoch_end(self, last_epoch) if hasattr(task, "on_epoch_end") else {})
+        row.update(self._skipped_row())
         self.last_row = row
         if self.dist.is_main:
             self.loggers.log_epoch(row, step=self.step)
-            self._routing_artifacts()
+            self._routing_artifacts(last_epoch)
             log.info("epoch %d: %s", self.epoch, ", ".join(f"{k}={v:.4g}" for k, v in row.items()
                                                          if isinstance(v, float) and not k.startswith("routing/")))
         improved = self._track_best(row)
@@ -501,20 +595,23 @@ class Trainer:
         if improved:
             self.save("best.pt")
 
-    def _routing_artifacts(self) -> None:
-        """routing.json (per-layer head loads and entropy, every epoch; learned shared-head masks), a
-        head-load heatmap (wandb), and when a layer learns its shared heads, routing_shared_heads.png."""
+    def _routing_artifacts(self, last_epoch: bool) -> None:
+        """routing.json (per-layer head loads and entropy, every epoch; learned shared-head masks), the
+        head-load heatmap routing_head_load.png, and when a layer learns its shared heads,
+        routing_shared_heads.png: written into the run directory with every logger, uploaded to wandb
+        only when it is on. The figures are drawn every epoch when wandb shows them over time, else once,
+        at the last epoch (drawing costs about 0.2 s each: 6 s of a 30-epoch digits run)."""
         if not self.routing.layers:
             return
         self.routing.dump(self.out_dir / "routing.json", self.epoch)
+        if not last_epoch and self.loggers.wandb is None:
+            return
         from moh_vision.analysis import routing_plots
         if routing_plots.has_learned_shared_heads(self.routing.averages()):
             import json
             epochs = json.loads((self.out_dir / "routing.json").read_text())
             path = routing_plots.plot_shared_heads(epochs, self.out_dir / "routing_shared_heads.png")
             self.loggers.log_image("routing/shared_heads", path, step=self.step, caption=f"epoch {self.epoch}")
-        if self.loggers.wandb is None:
-            return
         from moh_vision.analysis.routing_plots import plot_head_load
         path = plot_head_load(self.routing.averages(), self.out_dir / "routing_head_load.png",
                               title=f"head load, epoch {self.epoch}")
@@ -537,7 +634,7 @@ class Trainer:
     def _count_flops(self, model: nn.Module, task, data) -> Dict[str, float]:
         if not self.cfg.get("count_flops", True) or not self.dist.is_main:
             return {}
-        from moh_vision.analysis.flops import count_flops
+        from moh_vision.analysis.flop_count import count_flops
         try:
             return count_flops(model, task.input_shape(data), model_kwargs=getattr(task, "flops_kwargs", None))
         except Exception as err:  # FLOPs are a report, never a reason to stop training
@@ -545,17 +642,42 @@ class Trainer:
             return {}
 
     def _summary(self, wall: float) -> Dict[str, Any]:
+        previous = broadcast_object(self._previous_summary() if self.dist.is_main else None, self.dist)
+        fresh = self.step > self.steps_at_start or hasattr(self, "last_row")
+        if not fresh and self.step > 0:  # a rerun of a finished run (trainer.resume=auto): nothing trained
+            if previous is not None and previous.get("steps") == self.step:
+                if self.dist.is_main:
+                    log.info("this run had finished at step %d: nothing to train, summary.json kept", self.step)
+                return previous
+            # finished, but its summary is gone or stale: evaluate the final weights again
+            self.last_row = {"epoch": self.epoch - 1, **self.evaluate_model(self.model, "val")}
+            if self.ema is not None:
+                self.last_row.update(self.evaluate_model(self.ema.module, "val_ema"))
+            self.last_row.update(self._skipped_row())
+        tp = self.throughput
+        if tp["steps"]:
+            images_per_sec = tp["samples"] / max(tp["time"], 1e-9)
+        elif tp["warmup_steps"]:  # a run too short for any step after the warm-up: count those
+            images_per_sec = tp["warmup_samples"] / max(tp["warmup_time"], 1e-9)
+        else:
+            images_per_sec = float("nan")
+        compile_time = 0.0
+        if self.cfg.get("compile") and tp["warmup_steps"]:
+            steady = tp["time"] / tp["steps"] if tp["steps"] else 0.0  # a step's time once compiled
+            compile_time = max(0.0, tp["warmup_time"] - tp["warmup_steps"] * steady)
         summary: Dict[str, Any] = {
             "model": self.model_name, "params": self.params, "steps": self.step, "epochs": self.epoch,
-            "wall_time_s": wall, "train_time_s": self.train_time,
-            "images_per_sec": self.train_samples / self.train_time if self.train_time else float("nan"),
+            "wall_time_s": wall, "train_time_s": tp["time"] + tp["warmup_time"],
+            "images_per_sec": images_per_sec, "compile_time_s": compile_time,
+            "throughput_warmup_steps": int(self.cfg.get("throughput_warmup_steps", 1) or 0),
             "nonfinite_skipped": self.counters["nonfinite_skipped"],
             "skipped_images": self.counters["skipped_images"],
             "routing_warnings": list(getattr(self, "routing_warnings", [])),
         }
         summary.update({k: v for k, v in self.flops.items() if k != "params"})
         for key, value in getattr(self, "last_row", {}).items():
-            if key.startswith(("val", "sample", "train/epoch")) and not isinstance(value, (list, dict)):
+            if key.startswith(("val", "sample", "train/epoch", "train/skipped")) \
+                    and not isinstance(value, (list, dict)):
                 summary[key] = value
         summary.update({k: v for k, v in getattr(self, "start_row", {}).items()
                         if not isinstance(v, (list, dict))})
@@ -567,4 +689,19 @@ class Trainer:
         if attn.get("activation_ratio") is not None:
             summary["activation_ratio"] = attn["activation_ratio"]
         summary["checkpoint"] = str(self.ckpt_dir / "last.pt")
+        if previous is not None and previous.get("steps") == self.step:
+            # the same training state as the recorded run: never replace a recorded result with nothing / NaN
+            for key, value in previous.items():
+                if _missing(summary.get(key)) and not _missing(value):
+                    summary[key] = value
         return summary
+
+    def _previous_summary(self) -> Optional[Dict[str, Any]]:
+        """The summary.json already in the run directory (a rerun of this run), or None."""
+        import json
+        path = self.out_dir / "summary.json"
+        try:
+            previous = json.loads(path.read_text())
+        except (OSError, ValueError):
+            return None
+        return previous if isinstance(previous, dict) else None
