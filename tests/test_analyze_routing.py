@@ -1,5 +1,4 @@
 """tools/analyze_routing.py on a small trained checkpoint, and the plots it draws."""
-import importlib.util
 import json
 import math
 
@@ -14,16 +13,15 @@ from moh_vision.analysis import routing_plots
 from moh_vision.attention import routed_modules
 from moh_vision.errors import ConfigError
 
-from helpers import REPO, run_entry
+from helpers import load_tool as load, run_entry
+from moh_vision.analysis.routing_analysis import analyse, layer_statistics, write_outputs
+from moh_vision.engine.analyze_routing import task_forward
 
 PNGS = ("head_load.png", "gate_mass.png", "router_entropy.png", "head_utility.png")
 
 
 def load_tool():
-    spec = importlib.util.spec_from_file_location("analyze_routing", REPO / "tools" / "analyze_routing.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load("analyze_routing")
 
 
 @pytest.fixture(scope="module")
@@ -103,20 +101,19 @@ def test_dit_and_vit_grids_and_moa(tmp_path):
     (class token dropped from the maps; MoA loads sum to top-k experts)."""
     from moh_vision.tasks.diffusion import DiffusionTask
 
-    tool = load_tool()
-    opts = {**tool.OPTIONS, "num_images": 3, "map_images": 1, "timestep": 100}
+    cpu = torch.device("cpu")
     torch.manual_seed(0)
     batch = [(torch.randn(3, 1, 16, 16), torch.tensor([1, 2, 3]))]
 
     task = DiffusionTask(model={"name": "dit_tiny_2"})
     dit = timm.create_model("dit_tiny_2", attention="moh", shared_heads=1, topk=2)
-    sums, maps, images, seen = tool.analyse(task, dit, batch, torch.device("cpu"), opts)
-    stats = tool.layer_statistics(dit, sums)
+    sums, maps, images, seen = analyse(dit, batch, task_forward(task, dit, cpu, timestep=100), 3, 1)
+    stats = layer_statistics(dit, sums)
     assert seen == 3 and len(images) == 1 and len(stats) == 6
     for layer in stats.values():
         assert layer["grid"] == [8, 8] and layer["prefix_tokens"] == 0
         assert sum(layer["load"]) == pytest.approx(3.0)
-    files = tool.write_outputs(tmp_path / "dit", stats, maps, images, {**opts, "max_map_layers": 3})
+    files = write_outputs(tmp_path / "dit", stats, maps, images, max_map_layers=3)
     assert (tmp_path / "dit" / files["token_heads_0"]).is_file()
     assert np.load(tmp_path / "dit" / "selection.npz")["selection/blocks.0.attn"].shape == (1, 64, 4)
 
@@ -124,16 +121,23 @@ def test_dit_and_vit_grids_and_moa(tmp_path):
         name = "classification"
 
     vit = timm.create_model("plain_vit_nano", attention="moa", topk=2, in_chans=1)
-    sums, maps, images, _ = tool.analyse(Classify(), vit, [(torch.randn(2, 1, 32, 32), torch.tensor([0, 1]))],
-                                         torch.device("cpu"), {**opts, "num_images": 2})
-    stats = tool.layer_statistics(vit, sums)
+    sums, maps, images, _ = analyse(vit, [(torch.randn(2, 1, 32, 32), torch.tensor([0, 1]))],
+                                    task_forward(Classify(), vit, cpu), 2, 1)
+    stats = layer_statistics(vit, sums)
     for layer in stats.values():
         assert layer["grid"] == [8, 8] and layer["prefix_tokens"] == 1  # 65 tokens = class token + 8x8
         assert layer["shared_heads"] == 0 and sum(layer["load"]) == pytest.approx(2.0)
         assert layer["entropy"] == pytest.approx(math.log(4), abs=1e-5)  # MoA's router starts uniform
-    tool.write_outputs(tmp_path / "vit", stats, maps, images, {**opts, "max_map_layers": 2})
+    write_outputs(tmp_path / "vit", stats, maps, images, max_map_layers=2)
     assert (tmp_path / "vit" / "token_heads_0.png").is_file()
-    assert all(not m.record_selection and "route" not in vars(m) for _, m in routed_modules(vit))
+    # the analysis leaves nothing on the modules: no tensors of its forwards, no flags, no patched methods
+    fresh = timm.create_model("plain_vit_nano", attention="moa", topk=2, in_chans=1)
+    for model, reference in ((vit, fresh), (dit, timm.create_model("dit_tiny_2", attention="moh", shared_heads=1,
+                                                                    topk=2))):
+        for (name, m), (_, ref) in zip(routed_modules(model), routed_modules(reference)):
+            assert not [k for k, v in vars(m).items() if isinstance(v, torch.Tensor)], name
+            assert set(vars(m)) == set(vars(ref)), (name, set(vars(m)) ^ set(vars(ref)))
+            assert m._forward_hooks == m._forward_pre_hooks == {}, name
 
 
 def test_wandb_logging_path(trained, tmp_path, monkeypatch):
@@ -144,14 +148,14 @@ def test_wandb_logging_path(trained, tmp_path, monkeypatch):
     assert result["num_images"] == 2 and "/ 179 val images" in result["data"]  # val_fraction=0.1 of 1797, stratified
 
 
-def test_user_errors(trained, tmp_path):
-    tool = load_tool()
-    with pytest.raises(ConfigError, match="ckpt="):
-        tool.parse_args(["num_images=2"])
-    with pytest.raises(ConfigError, match="unknown argument 'bogus'"):
-        tool.parse_args(["ckpt=x", "bogus=1"])
-    with pytest.raises(ConfigError, match="does not exist"):
-        tool.main([f"ckpt={tmp_path / 'missing.pt'}"])
+def test_user_errors(trained, tmp_path, capsys):
+    for argv, message in ((["num_images=2"], "ckpt= is required"), (["ckpt=x", "bogus=1"], "unknown option 'bogus'"),
+                          ([f"ckpt={tmp_path / 'missing.pt'}"], "does not exist"),
+                          (["ckpt=x", "weights=best"], "weights=best: use one of model, ema")):
+        with pytest.raises(SystemExit) as exited:
+            load_tool().main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exited.value.code == 2 and len(err) == 1 and message in err[0], (argv, err)
     mha = timm.create_model("plain_vit_nano", attention="mha")
     with pytest.raises(ConfigError, match="no routed attention"):
-        tool.analyse(None, mha, [], torch.device("cpu"), tool.OPTIONS)
+        analyse(mha, [], None, 1, 0)

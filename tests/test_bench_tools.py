@@ -1,28 +1,23 @@
 """The benchmark tools run end to end (their timings are for a quiet machine, not for tests)."""
-import importlib.util
+import json
 
-from helpers import REPO
-
-
-def load_tool(name):
-    spec = importlib.util.spec_from_file_location(name, REPO / "tools" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from helpers import load_tool
 
 
 def test_bench_models_quick_compares_moh_with_its_dense_twin(tmp_path, capsys):
-    rows = load_tool("bench_models").main(["--quick", "--iters", "1", "--warmup", "0", "--impl", "auto", "sparse",
-                                           "--out", str(tmp_path / "t.md")])
+    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "impl=auto,sparse",
+                                           f"out={tmp_path / 't.md'}"])
     assert [(r["model"], r["impl"]) for r in rows] == [("dit_s_2", "-"), ("moh_dit_s_2_75", "auto"),
                                                        ("moh_dit_s_2_75", "sparse")]
-    assert rows[0]["infer_x_dense"] == 1.0
-    assert all(r["infer_img_s"] > 0 and r["train_img_s"] > 0 for r in rows)
+    assert rows[0]["infer_x_dense"]["median"] == 1.0 and rows[0]["train_x_dense"]["n"] == 1
+    assert all(r["infer_img_s"] > 0 and r["train_img_s"] > 0 and r["train_peak_mb"] > 0 for r in rows)
     assert "| moh_dit_s_2_75 | sparse |" in (tmp_path / "t.md").read_text()
+    saved = json.loads((tmp_path / "t.json").read_text())
+    assert [r["impl"] for r in saved["rows"]] == ["-", "auto", "sparse"]
 
 
 def test_bench_models_skips_an_impl_the_model_cannot_run(capsys):
-    rows = load_tool("bench_models").main(["--pairs", "moh_transnext_small_75:transnext_small", "--img-size", "32",
-                                           "--iters", "1", "--warmup", "0", "--impl", "sparse", "masked"])
+    rows = load_tool("bench_models").main(["pairs=moh_transnext_small_75:transnext_small", "img_size=32", "rounds=1",
+                                           "warmup=0", "impl=triton,masked"])
     assert [r["impl"] for r in rows] == ["-", "masked"]
-    assert "skip moh_transnext_small_75 impl=sparse" in capsys.readouterr().err
+    assert "skip moh_transnext_small_75 impl=triton" in capsys.readouterr().err  # Triton: sdpa kernels only

@@ -1,6 +1,5 @@
 """experiment=compare_attention: the arms, MoA's matched compute, a shrunk multirun and its report."""
 import csv
-import importlib.util
 import json
 import logging
 
@@ -8,7 +7,8 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from helpers import REPO, run_entry
+from helpers import REPO, load_tool, run_entry
+from moh_vision.analysis import sweep_report
 
 ARMS = ("mha", "moh_50", "moh_75", "moh_90", "moa_matched")
 DIGITS = dict(num_classes=10, in_chans=1, img_size=32)  # what the classification task passes for the digits
@@ -39,7 +39,7 @@ def test_arms_share_backbone_data_and_recipe_and_differ_in_attention():
 
 
 def active_gflops(cfg):
-    from moh_vision.analysis.flops import count_flops
+    from moh_vision.analysis.flop_count import count_flops
     from moh_vision.models import build_model
 
     model = build_model(cfg.model.name, attention=dict(cfg.attention), **dict(cfg.model.kwargs), **DIGITS)
@@ -53,13 +53,14 @@ def test_moa_matches_the_active_compute_of_moh_50(caplog):
     assert flops["moh_50"] < flops["moh_75"] < flops["mha"]
 
 
-def test_shrunk_multirun_and_report(tmp_path):
+def test_shrunk_multirun_and_report(tmp_path, capsys):
     """2 arms x 1 seed, two steps each, through the real experiment; then the report."""
     arms = 'hydra.sweeper.params={+compare:"moh_50,moa_matched",seed:"0"}'
     run_entry("train.py", "experiment=compare_attention", arms, "trainer.epochs=1", "trainer.max_steps=2",
               "trainer.batch_size=32", "trainer.progress=false", f"hydra.sweep.dir={tmp_path}")
     assert len(list(tmp_path.rglob("summary.json"))) == 2
-    proc = run_entry("tools/sweep_report.py", str(tmp_path))
+    assert load_tool("sweep_report").main([f"dir={tmp_path}"]) == 0  # in-process: no second package import
+    printed = capsys.readouterr().out
     rows = {r["arm"]: r for r in csv.DictReader(open(tmp_path / "sweep_report.csv"))}
     assert sorted(rows) == ["moa_matched", "moh_50"]
     assert rows["moh_50"]["attention"] == "moh" and rows["moa_matched"]["attention"] == "moa"
@@ -67,7 +68,7 @@ def test_shrunk_multirun_and_report(tmp_path):
     assert float(rows["moa_matched"]["active_gflops mean"]) == pytest.approx(
         float(rows["moh_50"]["active_gflops mean"]), rel=2e-3)
     assert all(float(r["images_per_sec mean"]) > 0 for r in rows.values())
-    assert (tmp_path / "sweep_report.png").is_file() and "| moa_matched | plain_vit_nano | moa |" in proc.stdout
+    assert (tmp_path / "sweep_report.png").is_file() and "| moa_matched | plain_vit_nano | moa |" in printed
 
 
 # ---------------------------------------------------------------------------------------------
@@ -86,10 +87,7 @@ def fake_job(root, name, attention, acc, seed, overrides=None, gflops=0.08):
 
 
 def report_rows(root):
-    spec = importlib.util.spec_from_file_location("sweep_report", REPO / "tools" / "sweep_report.py")
-    tool = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(tool)
-    assert tool.main([str(root)]) == 0
+    assert load_tool("sweep_report").main([f"dir={root}"]) == 0
     return {r["arm"]: r for r in csv.DictReader(open(root / "sweep_report.csv"))}
 
 
@@ -113,3 +111,37 @@ def test_report_groups_seeds_into_arms_and_never_merges_two_moh_arms(tmp_path):
     rows = report_rows(tmp_path / "plain")
     assert len(rows) == 2 and all(r["seeds"] == "2" for r in rows.values())
     assert sorted(float(r["val/acc1 mean"]) for r in rows.values()) == [80.0, 90.0]
+
+
+def test_report_plot_has_one_colour_per_attention_and_readable_ticks(tmp_path):
+    """A family without points in one panel (moa: no images/s) must not shift the others' colours, and
+    long x values (active GFLOPs 0.0039626...) must not print their tick labels over each other."""
+    for i, (name, ratio) in enumerate([("mha", None), ("moa", 0.5), ("moh", 0.5), ("moh", 0.75), ("moh", 0.9)]):
+        attention = {"name": name, **({"activation_ratio": ratio} if ratio else {})}
+        overrides = [f"attention={name}"] + ([f"attention.activation_ratio={ratio}"] if ratio else [])
+        fake_job(tmp_path, f"j{i}", attention, 85.0 + i, 0, overrides, gflops=0.0039626 + 0.000015 * i)
+        if name == "moa":
+            summary = json.loads((tmp_path / f"j{i}" / "summary.json").read_text())
+            (tmp_path / f"j{i}" / "summary.json").write_text(json.dumps({**summary, "images_per_sec": float("nan")}))
+    jobs = sweep_report.load_jobs(tmp_path)
+    rows = sweep_report.aggregate(jobs, ["val/acc1", "active_gflops", "images_per_sec"])
+    fig = sweep_report.make_figure(rows, "val/acc1")
+    fig.canvas.draw()
+    from matplotlib.colors import to_hex
+    colours = {}
+    axes = [ax for ax in fig.axes if ax.get_xlabel()]
+    assert len(axes) == 3
+    for ax in axes:
+        for container in ax.containers:
+            attention = container.get_label().split(" / ")[-1]
+            colours.setdefault(attention, set()).add(to_hex(container.lines[0].get_color()))
+        labels = [t for t in ax.get_xticklabels() if t.get_visible() and t.get_text()]
+        assert len(labels) >= 2
+        boxes = sorted((t.get_window_extent() for t in labels), key=lambda b: b.x0)
+        for left, right in zip(boxes, boxes[1:]):
+            assert not left.overlaps(right), (ax.get_xlabel(), [t.get_text() for t in labels])
+    assert sorted(colours) == ["mha", "moa", "moh"]
+    assert all(len(c) == 1 for c in colours.values()), colours
+    assert len({next(iter(c)) for c in colours.values()}) == 3
+    import matplotlib.pyplot as plt
+    plt.close(fig)

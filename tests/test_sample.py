@@ -9,11 +9,12 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from helpers import REPO, run_entry
+from helpers import REPO, load_tool, run_entry
 from moh_vision.analysis.metrics import DigitsClassifier
+from moh_vision.cli import parse_options
+from moh_vision.engine import sampling as sampler
 from moh_vision.engine.distributed import DistInfo
 from moh_vision.errors import ConfigError
-from tools import sample as sample_tool
 
 NUM_CLASSES = 10
 
@@ -59,9 +60,13 @@ def checkpoint(tmp_path_factory):
     return path
 
 
+def options(*words):
+    return parse_options(words, load_tool("sample").OPTIONS)[0]
+
+
 def sampling(ckpt, *overrides):
-    cfg = compose_config("sample", [f"ckpt={ckpt}", "progress=false", *overrides])
-    task, model, data, info = sample_tool.load_model(cfg, torch.device("cpu"))
+    cfg = options(f"ckpt={ckpt}", "progress=false", *overrides)
+    task, model, data, info = sampler.load_model(cfg, torch.device("cpu"))
     return cfg, task, model, data, info
 
 
@@ -86,7 +91,7 @@ def test_cli_writes_adm_npz_grid_labels_and_digits_metrics(checkpoint, tmp_path)
 def test_guidance_weights_and_seed_decide_the_samples(checkpoint, tmp_path):
     def draw(*overrides):
         cfg, task, model, _, _ = sampling(checkpoint, "steps=2", *overrides)
-        labels = sample_tool.balanced_labels(10, task.null_class)
+        labels = sampler.balanced_labels(10, task.null_class)
         return task.sample(model, labels, torch.device("cpu"), seed=int(cfg.seed))
 
     plain = draw("cfg_scale=1")
@@ -99,11 +104,11 @@ def test_guidance_weights_and_seed_decide_the_samples(checkpoint, tmp_path):
 def test_ranks_split_batches_without_changing_the_samples(checkpoint, tmp_path):
     cfg, task, model, _, _ = sampling(checkpoint, "steps=2", "batch_size=4", "cfg_scale=2")
     cpu = torch.device("cpu")
-    single = sample_tool.sample_images(task, model, 10, 0, cpu, tmp_path / "one", DistInfo(), progress=False)
-    labels = sample_tool.balanced_labels(10, NUM_CLASSES)
+    single = sampler.sample_images(task, model, 10, 0, cpu, tmp_path / "one", DistInfo(), progress=False)
+    labels = sampler.balanced_labels(10, NUM_CLASSES)
     for rank in (1, 0):  # batches 0..2 of 4, 4, 2 samples; rank 0 takes 0 and 2, rank 1 takes 1
-        sample_tool.sample_batches(task, model, labels, range(rank, 3, 2), 0, cpu, _mkdir(tmp_path / "two"))
-    images, merged_labels = sample_tool.merge_parts(tmp_path / "two", 3)
+        sampler.sample_batches(task, model, labels, range(rank, 3, 2), 0, cpu, _mkdir(tmp_path / "two"))
+    images, merged_labels = sampler.merge_parts(tmp_path / "two", 3)
     assert np.array_equal(images, single[0]) and np.array_equal(merged_labels, single[1])
 
 
@@ -114,7 +119,7 @@ def _mkdir(path: Path) -> Path:
 
 def test_shape_from_weights_matches_the_data(checkpoint):
     _, task, model, data, _ = sampling(checkpoint)
-    shape = sample_tool.shape_from_weights(model.state_dict(), task.class_dropout_prob)
+    shape = sampler.shape_from_weights(model.state_dict(), task.class_dropout_prob)
     assert (shape.num_classes, shape.in_chans, shape.img_size) == (data.num_classes, data.in_chans, data.img_size)
 
 
@@ -127,9 +132,9 @@ def test_bad_requests_fail_before_sampling(checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="does not exist"):
         sampling(tmp_path / "missing.pt")
     with pytest.raises(ConfigError, match="need Inception weights"):
-        sample_tool.check_metric_inputs(compose_config("sample", ["ckpt=x", f"fid_ref={tmp_path}"]))
+        sampler.check_metric_inputs(options("ckpt=x", f"fid_ref={tmp_path}"))
     with pytest.raises(ConfigError, match="not both"):
-        sample_tool.sample_count(compose_config("sample", ["ckpt=x", "num_samples=4", "per_class=2"]), 10)
+        sampler.sample_count(options("ckpt=x", "num_samples=4", "per_class=2"), 10)
     _, task, _, _, _ = sampling(checkpoint, f"vae={tmp_path / 'no_vae'}")
     with pytest.raises(ConfigError, match="VAE path .* does not exist"):
         task.decode(torch.zeros(1, 1, 16, 16))

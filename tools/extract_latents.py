@@ -1,237 +1,48 @@
 #!/usr/bin/env python
 """Encode an image-folder tree (the train split) into VAE latent shards for ``data=latents``.
 
-Each image is center-cropped the ADM/DiT way to ``--image-size`` and encoded, together with its
-horizontal flip, by a local diffusers ``AutoencoderKL``; the encoder's Gaussian (mean and std, fp16)
-is stored so training draws a fresh latent per step as DiT does. The format is described in
-``moh_vision/data/latents.py``.
+    python tools/extract_latents.py data=/data/imagenet vae=/models/sd-vae-ft-ema out=/data/in256_latents
+    torchrun --nproc_per_node=8 tools/extract_latents.py data=/data/imagenet/train \\
+        vae=/models/sd-vae-ft-ema out=/data/in256_latents batch_size=64 num_workers=8
 
-Shards are written atomically; rerunning the same command skips finished shards (resume after a
-crash or preemption). Under torchrun every rank encodes every WORLD_SIZE-th shard and rank 0 writes
-``index.json`` once all shards exist.
-
-Examples::
-
-    python tools/extract_latents.py --data /data/imagenet --vae /models/sd-vae-ft-ema --out /data/in256_latents
-    torchrun --nproc_per_node=8 tools/extract_latents.py --data /data/imagenet/train \\
-        --vae /models/sd-vae-ft-ema --out /data/in256_latents --batch-size 64 --num-workers 8
-
-``--data`` is a class-folder tree: ``<data>/train/<class>/*.jpg`` or ``<data>/<class>/*.jpg``.
+``data`` is a class-folder tree: ``<data>/train/<class>/*.jpg`` or ``<data>/<class>/*.jpg``. Rerunning the
+same command skips finished shards; under torchrun every rank encodes every WORLD_SIZE-th shard
+(:mod:`moh_vision.data.extract_latents`).
 """
 from __future__ import annotations
 
-import argparse
-import json
-import logging
-import os
-import sys
-import time
-from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Optional, Sequence
 
-import torch
-from torch.utils.data import DataLoader, Dataset
+from moh_vision.cli import Option, boolean, integer, number, run_tool
+from moh_vision.data.extract_latents import DTYPES, Extraction, extract_latents
+from moh_vision.engine.distributed import process_info
 
-from moh_vision.data.imagefolder import BadImage, ImageFileDataset, scan_class_folders
-from moh_vision.data.latents import (FORMAT, FORMAT_VERSION, INDEX_FILE, center_crop_arr, load_shard, load_vae,
-                                     shard_name)
-from moh_vision.engine.checkpoint import atomic_save
-from moh_vision.engine.distributed import pick_device
-from moh_vision.errors import ConfigError
-
-log = logging.getLogger("extract_latents")
-
-
-def train_split(data: str) -> str:
-    """``<data>/train``, the Kaggle ImageNet layout's train folder, or ``<data>`` itself."""
-    for candidate in (os.path.join(data, "train"), os.path.join(data, "ILSVRC", "Data", "CLS-LOC", "train")):
-        if os.path.isdir(candidate):
-            return candidate
-    return data
+OPTIONS = (
+    Option("data", required=True, help="class-folder tree (its train/ split when there is one)"),
+    Option("vae", required=True, help="local diffusers AutoencoderKL directory (never downloaded)"),
+    Option("out", required=True, help="output directory (shards + index.json)"),
+    Option("image_size", 256, integer, "center-crop side in pixels", minimum=8),
+    Option("batch_size", 32, integer, "images per encoder call and process", minimum=1),
+    Option("shard_size", 10_000, integer, "images per shard file", minimum=1),
+    Option("num_workers", 4, integer, "image-decoding workers per process", minimum=0),
+    Option("flip", True, boolean, "also store the horizontal-flip copies"),
+    Option("device", "auto", help="auto | cuda | cpu (cuda:LOCAL_RANK under torchrun)"),
+    Option("dtype", "fp32", choices=tuple(DTYPES), help="encoder precision"),
+    Option("scale_factor", type=number, help="latent scale recorded in the index (default: the VAE's, 0.18215)"),
+    Option("progress", True, boolean, "show a progress bar"),
+)
 
 
-class CroppedImages(Dataset):
-    """``(uint8 CHW image, label, index)`` after the ADM center crop, or ``(BadImage, label, index)``."""
-
-    def __init__(self, files: ImageFileDataset, indices: Sequence[int], image_size: int):
-        self.files, self.indices, self.image_size = files, list(indices), image_size
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __getitem__(self, i: int):
-        index = self.indices[i]
-        item = self.files[index]  # (PIL image, label), or a BadImage marker for an unreadable file
-        if isinstance(item, BadImage):
-            return item, int(self.files.targets[index]), index
-        arr = center_crop_arr(item[0], self.image_size)
-        return torch.from_numpy(arr.copy()).permute(2, 0, 1), item[1], index
-
-
-def collate(batch):
-    good = [b for b in batch if not isinstance(b[0], BadImage)]
-    bad = [b[0].path for b in batch if isinstance(b[0], BadImage)]
-    if not good:
-        return None, None, None, bad
-    return (torch.stack([b[0] for b in good]), torch.tensor([b[1] for b in good]),
-            torch.tensor([b[2] for b in good]), bad)
-
-
-@torch.no_grad()
-def encode(vae, images: torch.Tensor, flip: bool, dtype: torch.dtype) -> torch.Tensor:
-    """uint8 [B, 3, H, W] -> float16 moments [B, F, 2, C, h, w] (mean, std; F = 2 with the flipped copy)."""
-    x = images.to(next(vae.parameters()).device).to(torch.float32) / 127.5 - 1.0
-    copies = [x, x.flip(-1)] if flip else [x]
-    dist = vae.encode(torch.cat(copies).to(dtype)).latent_dist
-    moments = torch.stack([dist.mean.float(), dist.std.float()], dim=1)  # [F*B, 2, C, h, w]
-    b = images.shape[0]
-    return moments.view(len(copies), b, *moments.shape[1:]).transpose(0, 1).to(torch.float16).cpu()
-
-
-def shard_meta(args: argparse.Namespace, source: str, total: int, k: int) -> Dict[str, Any]:
-    first = k * args.shard_size
-    return {"format": FORMAT, "version": FORMAT_VERSION, "source": source, "num_files": total,
-            "first": first, "end": min(first + args.shard_size, total), "image_size": args.image_size,
-            "flip": not args.no_flip, "vae_path": str(Path(args.vae).resolve())}
-
-
-def finished(path: Path, meta: Dict[str, Any]) -> bool:
-    """True when ``path`` holds this shard from an extraction with the same settings (else an error)."""
-    if not path.exists():
-        return False
-    try:
-        stored = load_shard(path)["meta"]
-    except Exception as err:  # a foreign or damaged file: never silently overwrite it
-        raise ConfigError(f"{path} is not a readable latent shard ({type(err).__name__}); remove it or use a new --out")
-    if stored != meta:
-        diff = sorted(k for k in set(stored) | set(meta) if stored.get(k) != meta.get(k))
-        raise ConfigError(f"{path} comes from an extraction with other settings ({', '.join(diff)} differ); "
-                          f"use a new --out or rerun with the original arguments")
-    return True
-
-
-def extract_shard(args, vae, files: ImageFileDataset, meta: Dict[str, Any], dtype, bar) -> Dict[str, Any]:
-    data = CroppedImages(files, range(meta["first"], meta["end"]), args.image_size)
-    loader = DataLoader(data, batch_size=args.batch_size, num_workers=args.num_workers, collate_fn=collate,
-                        multiprocessing_context="fork" if args.num_workers > 0 else None)
-    moments, labels, indices, skipped = [], [], [], []
-    for images, y, idx, bad in loader:
-        skipped += [os.path.relpath(p, meta["source"]) for p in bad]
-        if images is not None:
-            moments.append(encode(vae, images, meta["flip"], dtype))
-            labels.append(y)
-            indices.append(idx)
-        if bar is not None:
-            bar.update(len(bad) + (0 if images is None else len(images)))
-    return {"moments": torch.cat(moments) if moments else torch.empty(0, dtype=torch.float16),
-            "labels": torch.cat(labels) if labels else torch.empty(0, dtype=torch.long),
-            "source_index": torch.cat(indices) if indices else torch.empty(0, dtype=torch.long),
-            "skipped": skipped, "meta": meta}
-
-
-def write_index(out: Path, args, classes: List[str], num_shards: int, vae_scale: float, wait_s: float = 5.0) -> dict:
-    """Wait for every shard (other ranks may still be encoding), then write ``index.json`` atomically."""
-    paths = [out / shard_name(k) for k in range(num_shards)]
-    announced = False
-    while not all(p.exists() for p in paths):
-        if not announced:
-            log.info("waiting for the other ranks' shards ...")
-            announced = True
-        time.sleep(wait_s)
-    shards, skipped, shape = [], [], None
-    for p in paths:
-        shard = load_shard(p)
-        count = int(shard["labels"].numel())
-        shards.append({"file": p.name, "count": count})
-        skipped += list(shard["skipped"])
-        if count:
-            shape = tuple(shard["moments"].shape[1:])
-    if shape is None:
-        raise ConfigError(f"no readable image under {args.data}; nothing was encoded")
-    copies, _, channels, side, _ = shape
-    index = {"format": FORMAT, "version": FORMAT_VERSION, "num_images": sum(s["count"] for s in shards),
-             "num_classes": len(classes), "class_names": classes, "image_size": args.image_size,
-             "latent_size": side, "latent_channels": channels, "scale_factor": vae_scale,
-             "vae_path": str(Path(args.vae).resolve()), "flip": copies > 1, "dtype": "float16",
-             "moments": "mean, std of the encoder's diagonal Gaussian (unscaled)",
-             "source": str(Path(train_split(args.data)).resolve()), "shards": shards, "skipped": skipped}
-    tmp = out / (INDEX_FILE + ".tmp")
-    tmp.write_text(json.dumps(index, indent=1))
-    os.replace(tmp, out / INDEX_FILE)
-    return index
-
-
-def run(args: argparse.Namespace) -> Optional[dict]:
-    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
-    device = pick_device(args.device, int(os.environ.get("LOCAL_RANK", "0")))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    vae = load_vae(args.vae, device)  # first: a wrong VAE path fails before scanning a large tree
-    if dtype != torch.float32:
-        vae = vae.to(dtype)
-    source = str(Path(train_split(args.data)).resolve())
-    classes, paths, labels = scan_class_folders(source)
-    files = ImageFileDataset(source, paths, labels, classes, transform=None, mode="RGB", on_bad_image="skip")
-    scale = float(args.scale_factor or getattr(vae.config, "scaling_factor", None) or 0.18215)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    total = len(files)
-    num_shards = (total + args.shard_size - 1) // args.shard_size
-    mine = list(range(rank, num_shards, world))
-    metas = {k: shard_meta(args, source, total, k) for k in mine}
-    todo = [k for k in mine if not finished(out / shard_name(k), metas[k])]
-    if rank == 0:
-        log.info("%d images in %d classes -> %d shards of %d in %s (%d ranks; %d shards left on rank 0)",
-                 total, len(classes), num_shards, args.shard_size, out, world, len(todo))
-    bar = None
-    if args.progress and rank == 0:
-        from tqdm.auto import tqdm
-        done = sum(metas[k]["end"] - metas[k]["first"] for k in mine if k not in todo)
-        bar = tqdm(total=sum(metas[k]["end"] - metas[k]["first"] for k in mine), initial=done,
-                   unit="img", desc="encoding", dynamic_ncols=True)
-    for k in todo:
-        atomic_save(extract_shard(args, vae, files, metas[k], dtype, bar), out / shard_name(k))
-    if bar is not None:
-        bar.close()
-    if rank != 0:
-        return None
-    index = write_index(out, args, classes, num_shards, scale)
-    log.info("wrote %s: %d images, latents %dx%dx%d, %d unreadable skipped", out / INDEX_FILE, index["num_images"],
-             index["latent_size"], index["latent_size"], index["latent_channels"], len(index["skipped"]))
-    return index
-
-
-def build_parser() -> argparse.ArgumentParser:
-    head, rest = __doc__.split("\n\n", 1)
-    p = argparse.ArgumentParser(description=head, epilog=rest, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--data", required=True, help="class-folder tree (its train/ split when there is one)")
-    p.add_argument("--vae", required=True, help="local diffusers AutoencoderKL directory (never downloaded)")
-    p.add_argument("--out", required=True, help="output directory (shards + index.json)")
-    p.add_argument("--image-size", type=int, default=256, help="center-crop side in pixels (default 256)")
-    p.add_argument("--batch-size", type=int, default=32, help="images per encoder call and process")
-    p.add_argument("--shard-size", type=int, default=10_000, help="images per shard file")
-    p.add_argument("--num-workers", type=int, default=4, help="image-decoding workers per process")
-    p.add_argument("--no-flip", action="store_true", help="do not store horizontal-flip copies")
-    p.add_argument("--device", default="auto", help="auto | cuda | cpu (cuda:LOCAL_RANK under torchrun)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="encoder precision")
-    p.add_argument("--scale-factor", type=float, default=None,
-                   help="latent scale recorded in the index (default: the VAE's scaling_factor, 0.18215)")
-    p.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
-    return p
-
-
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    if args.shard_size < 1 or args.batch_size < 1 or args.image_size < 8:
-        print("error: --shard-size and --batch-size must be >= 1 and --image-size >= 8", file=sys.stderr)
-        return 2
-    try:
-        run(args)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+def extract(opts) -> int:
+    job = Extraction(**{k: v for k, v in opts.items() if k != "device"})
+    info = process_info(opts.device)
+    extract_latents(job, info.device, info.rank, info.world_size)
     return 0
 
 
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    return run_tool(extract, argv, OPTIONS, __doc__)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

@@ -1,0 +1,453 @@
+"""Timing that can tell: dense and MoH side by side in one process, a median and a spread per figure.
+
+Every benchmark of the project (``tools/bench_attention.py``, ``tools/bench_models.py``) times its
+candidates with :func:`interleave`: after a warm-up, each *round* calls every candidate once (in an
+order that rotates from round to round, so no candidate always runs first or last), and each call
+is timed on its own. A slow phase of the machine then hits all candidates of a round alike, and the
+ratio of two candidates is taken *per round* (:func:`paired_ratio`), whose median and quartiles
+are what the tables report. Rounds continue until ``rounds`` are done and at least ``min_seconds``
+have passed, so short calls get many rounds.
+
+The two benchmarks themselves are below: :func:`bench_attention` (MoH's execution paths against dense
+MHA, one attention layer) and :func:`bench_models` (MoH models against their dense twins, images/s).
+
+Peak memory (:func:`peak_memory`): on CUDA the allocator's high-water mark of one call; on the CPU
+the peak of the bytes PyTorch's CPU allocator holds during one call, from the profiler's memory
+events (tensors only: Python objects and the allocator's own caches are not counted).
+"""
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
+
+import torch
+
+from moh_vision.errors import ConfigError
+
+
+@dataclass
+class Spread:
+    """Median and quartiles of a sample."""
+
+    median: float
+    q1: float
+    q3: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "Spread":
+        values = sorted(values)
+        if len(values) < 2:
+            v = values[0] if values else float("nan")
+            return cls(v, v, v, len(values))
+        q1, median, q3 = statistics.quantiles(values, n=4, method="inclusive")
+        return cls(median, q1, q3, len(values))
+
+    def text(self, digits: int = 2) -> str:
+        """``"0.93 [0.91-0.95]"``: median [first quartile - third quartile]."""
+        return f"{self.median:.{digits}f} [{self.q1:.{digits}f}-{self.q3:.{digits}f}]"
+
+    def as_dict(self) -> Dict[str, float]:
+        return {"median": self.median, "q1": self.q1, "q3": self.q3, "n": self.n}
+
+
+def synchronizer(device: torch.device) -> Callable[[], None]:
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
+def interleave(calls: Dict[str, Callable[[], None]], rounds: int = 15, warmup: int = 2, min_seconds: float = 0.0,
+               device: torch.device = torch.device("cpu"), clock: Callable[[], float] = time.perf_counter,
+               progress: Optional[Callable[[int], None]] = None) -> Dict[str, List[float]]:
+    """Seconds of every call of every candidate, ``rounds`` (or more, see ``min_seconds``) per candidate."""
+    sync = synchronizer(device)
+    names = list(calls)
+    for name in names:
+        for _ in range(warmup):
+            calls[name]()
+    sync()
+    times: Dict[str, List[float]] = {name: [] for name in names}
+    start, r = time.perf_counter(), 0
+    while r < rounds or time.perf_counter() - start < min_seconds:
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            t0 = clock()
+            calls[name]()
+            sync()
+            times[name].append(clock() - t0)
+        r += 1
+        if progress is not None:
+            progress(r)
+    return times
+
+
+def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> Spread:
+    """Spread of ``numerator[i] / denominator[i]`` over the rounds (both timed in the same rounds)."""
+    return Spread.of([a / b for a, b in zip(numerator, denominator)])
+
+
+@contextlib.contextmanager
+def _native_stderr_silenced() -> Iterator[None]:
+    """The profiler's C++ side prints start/stop lines on file descriptor 2: send them to /dev/null."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+            yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def peak_memory(call: Callable[[], None], device: torch.device) -> Optional[int]:
+    """Bytes held at the peak of one ``call`` above what was held before it (None if unmeasurable)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        call()
+        torch.cuda.synchronize(device)
+        return int(torch.cuda.max_memory_allocated(device) - before)
+    if device.type != "cpu":
+        return None
+    from torch.profiler import ProfilerActivity, profile
+    with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        call()
+    # every op's own allocations (children excluded) and the frees recorded outside ops, in time order
+    events = sorted(prof.events(), key=lambda e: e.time_range.start)
+    if not any(e.self_cpu_memory_usage for e in events):
+        return None
+    held, peak = 0, 0
+    for event in events:
+        held += int(event.self_cpu_memory_usage)
+        peak = max(peak, held)
+    return peak
+
+
+# ----------------------------------------------------------------------------------------------
+# MoH execution paths against dense attention (``tools/bench_attention.py``)
+# ----------------------------------------------------------------------------------------------
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+@dataclass
+class AttentionBench:
+    """One attention benchmark: shapes, ratios and timing settings (``batch=None``: about 2048 tokens)."""
+
+    dim: int = 768
+    heads: int = 12
+    batch: Optional[int] = None
+    ratios: Sequence[float] = (0.5, 0.75, 0.9)
+    seqlens: Sequence[int] = (196, 1024, 4096)
+    repeats: int = 15
+    warmup: int = 2
+    device: str = "auto"
+    dtype: str = "float32"
+    clock: str = "wall"
+    modes: Sequence[str] = ("fwd", "fwdbwd")
+
+
+QUICK_ATTENTION = dict(dim=64, heads=4, seqlens=(50,), ratios=(0.5,), repeats=3, warmup=1, batch=2)  # a smoke test
+
+
+def resolve_device(name: str) -> torch.device:
+    return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
+
+
+def moh_paths(bench: AttentionBench, ratio: float, device, dtype) -> Dict[str, torch.nn.Module]:
+    """Masked, sparse and auto (and Triton on CUDA) MoH at ``ratio``, all with the same weights."""
+    from moh_vision.attention import build_attention
+
+    impls = ("masked", "sparse", "auto") + (("triton",) if torch.device(device).type == "cuda" else ())
+    paths = {impl: build_attention("moh", bench.dim, bench.heads, activation_ratio=ratio, impl=impl) for impl in impls}
+    for module in paths.values():
+        module.load_state_dict(paths["masked"].state_dict())
+    return {name: m.to(device=device, dtype=dtype) for name, m in paths.items()}
+
+
+def forward_fn(module, x) -> Callable[[], None]:
+    def run():
+        with torch.no_grad():
+            module(x)
+    return run
+
+
+def forward_backward_fn(module, x, grad) -> Callable[[], None]:
+    def run():
+        module.zero_grad(set_to_none=True)
+        x.grad = None
+        module(x).backward(grad)
+    return run
+
+
+def check_against_masked(models: Dict[tuple, torch.nn.Module], x, grad) -> Dict[float, float]:
+    """Per ratio, the largest relative difference from masked of any other path's output or input
+    gradient (exactness at the benchmark's own shapes; the unit tests use small ones). A Triton
+    path that fails to compile or run is reported on stderr and dropped."""
+    results: Dict[tuple, tuple] = {}
+    for key, m in list(models.items()):
+        if key[0] == "dense":
+            continue
+        xi = x.detach().clone().requires_grad_(True)
+        try:
+            y = m.train()(xi)
+            y.backward(grad)
+        except Exception as err:  # noqa: BLE001 - an unverified kernel must not stop the benchmark
+            if key[0] != "triton":
+                raise
+            print(f"triton path dropped: {type(err).__name__}: {err}", file=sys.stderr)
+            models.pop(key)
+            continue
+        results[key] = (y.detach().float(), xi.grad.float())
+    errors: Dict[float, float] = {}
+    for (name, ratio), (y, gx) in results.items():
+        y_ref, gx_ref = results[("masked", ratio)]
+        err = max(float((y - y_ref).abs().max() / y_ref.abs().max()),
+                  float((gx - gx_ref).abs().max() / gx_ref.abs().max()))
+        errors[ratio] = max(errors.get(ratio, 0.0), err)
+    return errors
+
+
+def bench_seqlen(bench: AttentionBench, seqlen: int, device: torch.device) -> List[dict]:
+    """One row per ratio at ``seqlen`` tokens: every path's time over dense MHA's in the same rounds."""
+    from moh_vision.attention import build_attention
+    from moh_vision.attention.sparse import sparse_flops_ratio
+
+    dtype = DTYPES[bench.dtype]
+    batch = bench.batch or max(1, 2048 // seqlen)
+    torch.manual_seed(0)
+    x = torch.randn(batch, seqlen, bench.dim, device=device, dtype=dtype, requires_grad=True)
+    grad = torch.randn_like(x)
+    models = {("dense", None): build_attention("mha", bench.dim, bench.heads).to(device=device, dtype=dtype)}
+    for ratio in bench.ratios:
+        models.update({(name, ratio): m for name, m in moh_paths(bench, ratio, device, dtype).items()})
+    errors = check_against_masked(models, x, grad)
+
+    rows = {ratio: {"seqlen": seqlen, "batch": batch, "ratio": ratio} for ratio in bench.ratios}
+    for mode in bench.modes:
+        fns = {}
+        for (name, ratio), m in models.items():
+            if name == "auto":
+                continue  # auto runs one of the others; its pick is reported below
+            m.train(mode == "fwdbwd")
+            fns[(name, ratio)] = forward_fn(m, x) if mode == "fwd" else forward_backward_fn(m, x, grad)
+        samples = interleave(fns, rounds=bench.repeats, warmup=bench.warmup, device=device, clock=CLOCKS[bench.clock])
+        dense_samples = samples[("dense", None)]
+        for ratio in bench.ratios:
+            row = rows[ratio]
+            row[f"dense_{mode}_ms"] = 1e3 * statistics.median(dense_samples)
+            for (name, r), t in samples.items():
+                if r == ratio:
+                    spread = paired_ratio(t, dense_samples)
+                    row[f"{name}_{mode}"] = spread.median
+                    row[f"{name}_{mode}_q"] = f"{spread.q1:.2f}-{spread.q3:.2f}"
+                    if mode == "fwdbwd":
+                        peak = peak_memory(fns[(name, r)], device)
+                        row[f"{name}_peak_mb"] = float("nan") if peak is None else peak / 2 ** 20
+            auto = models[("auto", ratio)].train(mode == "fwdbwd")
+            with torch.set_grad_enabled(mode == "fwdbwd"):
+                pick = auto.execution_path(x)
+            row[f"auto_{mode}_pick"] = pick
+            row[f"auto_{mode}"] = row[f"{pick}_{mode}"]
+            row[f"auto_{mode}_q"] = row[f"{pick}_{mode}_q"]
+
+    for ratio in bench.ratios:
+        m = models[("masked", ratio)]
+        rows[ratio].update(shared=m.shared_heads, topk=m.topk, active=m.active_heads() / m.num_heads,
+                           bound=sparse_flops_ratio(bench.dim, bench.heads, m.head_dim, seqlen, m.shared_heads, m.topk),
+                           max_rel_err=errors[ratio])
+    return list(rows.values())
+
+
+def attention_columns(rows: List[dict]) -> List[str]:
+    cols = ["seqlen", "batch", "ratio", "shared", "topk", "active", "bound"]
+    for mode in ("fwd", "fwdbwd"):
+        if f"dense_{mode}_ms" not in rows[0]:
+            continue
+        cols.append(f"dense_{mode}_ms")
+        for name in ("masked", "sparse", "triton"):
+            if f"{name}_{mode}" in rows[0]:
+                cols += [f"{name}_{mode}", f"{name}_{mode}_q"]
+        cols += [f"auto_{mode}_pick", f"auto_{mode}", f"auto_{mode}_q"]
+    if "masked_peak_mb" in rows[0]:
+        cols += [f"{name}_peak_mb" for name in ("masked", "sparse", "triton") if f"{name}_peak_mb" in rows[0]]
+    return cols + ["max_rel_err"]
+
+
+def _cell(value, column: str = "") -> str:
+    if column == "max_rel_err":
+        return f"{value:.1e}"
+    if isinstance(value, float):
+        return f"{value:.1f}" if value >= 10 else f"{value:.2f}"
+    return str(value)
+
+
+def attention_table(rows: List[dict], header: str) -> str:
+    cols = attention_columns(rows)
+    lines = [header, "", "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    lines += ["| " + " | ".join(_cell(r[c], c) for c in cols) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: Optional[str] = None) -> List[dict]:
+    """Time every MoH path against dense MHA at every sequence length, print the table and return its rows;
+    ``out`` (``.csv``, else markdown) also gets the table, and every number goes to ``<out>.json``."""
+    if threads:
+        torch.set_num_threads(threads)
+    device = resolve_device(bench.device)
+    if bench.clock == "cpu" and device.type == "cuda":
+        raise ConfigError("clock=cpu measures host CPU time; use the wall clock on CUDA")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
+    header = (f"MoH attention benchmark: dim {bench.dim}, {bench.heads} heads, {bench.dtype}, {where}, "
+              f"{bench.clock} clock, {bench.repeats} interleaved rounds. Times are x dense MHA in the same round: "
+              f"median, and *_q its quartiles (dense_*_ms is absolute); bound = sparse FLOPs / dense FLOPs; "
+              f"*_peak_mb = training peak memory of one call; max_rel_err = largest difference of any path's "
+              f"output or input gradient from masked.")
+    rows = []
+    for seqlen in bench.seqlens:
+        rows += bench_seqlen(bench, seqlen, device)
+        print(f"done seqlen {seqlen}", file=sys.stderr, flush=True)
+    table = attention_table(rows, header)
+    print(table)
+    if out:
+        Path(out).with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+        with open(out, "w", newline="") as f:
+            if str(out).endswith(".csv"):
+                writer = csv.DictWriter(f, fieldnames=attention_columns(rows))
+                writer.writeheader()
+                writer.writerows([{c: r[c] for c in attention_columns(rows)} for r in rows])
+            else:
+                f.write(table + "\n")
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole MoH models against their dense twins (``tools/bench_models.py``)
+# ----------------------------------------------------------------------------------------------
+DEFAULT_PAIRS = ("moh_transnext_base_50:transnext_base", "moh_dit_xl_2_75:dit_xl_2", "moh_dit_b_2_75:dit_b_2")
+QUICK_PAIRS = ("moh_dit_s_2_75:dit_s_2",)
+
+
+def build_for_bench(name: str, img_size: int, impl: str, device: torch.device) -> torch.nn.Module:
+    """Model ``name`` as registered (a preset keeps its own attention and heads); layers whose variant
+    has execution paths run ``impl`` (refused with the variant's reason where it cannot)."""
+    from moh_vision.attention import find_attention
+    from moh_vision.models import build_model, model_family
+
+    # DiT works on 256px images as 32x32 latents (1/8); TransNeXt and ViT on the images.
+    kwargs: Dict = {"input_size": img_size // 8} if model_family(name) == "dit" else {"img_size": img_size}
+    with torch.device("meta"):
+        layers = find_attention(build_model(name, **kwargs))
+    variant = layers[0][1] if layers else None
+    attention = None
+    if variant is not None and variant.reference_impl is not None:  # it has paths: ask for ``impl``
+        attention = {"name": variant.attention_name, "impl": impl}
+    return build_model(name, attention=attention, **kwargs).to(device)
+
+
+def make_step(model: torch.nn.Module, batch: int, device: torch.device, train: bool,
+              dtype: torch.dtype) -> Callable[[], None]:
+    """One inference call, or one training step (forward, backward, AdamW), on random inputs."""
+    if hasattr(model, "t_embedder"):  # DiT: (x, t, y)
+        s = model.x_embedder.img_size
+        inputs = (torch.randn(batch, model.in_channels, *s, device=device),
+                  torch.randint(0, 1000, (batch,), device=device),
+                  torch.randint(0, model.y_embedder.num_classes, (batch,), device=device))
+    else:
+        inputs = (torch.randn(batch, *model.pretrained_cfg["input_size"], device=device),)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6) if train else None
+
+    def step() -> None:
+        ctx = torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else \
+            torch.autocast(device.type, enabled=False)
+        if train:
+            with ctx:
+                out = model(*inputs)
+            out.float().square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            with torch.no_grad(), ctx:
+                model(*inputs)
+
+    model.train(train)
+    return step
+
+
+def bench_pair(moh: str, dense: str, impls: Sequence[str], batch: int, img_size: int, rounds: int, warmup: int,
+               min_seconds: float, device: torch.device, dtype: torch.dtype) -> List[Dict]:
+    """The dense twin and the MoH model under every impl, interleaved round by round."""
+    models = {(dense, "-"): build_for_bench(dense, img_size, "masked", device)}
+    for impl in impls:
+        try:
+            models[(moh, impl)] = build_for_bench(moh, img_size, impl, device)
+        except Exception as err:  # an impl this model cannot run (e.g. sparse on TransNeXt's own kernels)
+            print(f"skip {moh} impl={impl}: {err}", file=sys.stderr)
+    rows = {key: {"model": key[0], "impl": key[1], "batch": batch} for key in models}
+    for mode in ("infer", "train"):
+        steps = {key: make_step(m, batch, device, mode == "train", dtype) for key, m in models.items()}
+        times = interleave(steps, rounds=rounds, warmup=warmup, min_seconds=min_seconds, device=device)
+        base = times[(dense, "-")]
+        for key, t in times.items():
+            rows[key][f"{mode}_ms"] = Spread.of([1e3 * v for v in t]).as_dict()
+            rows[key][f"{mode}_img_s"] = batch / statistics.median(t)
+            rows[key][f"{mode}_x_dense"] = paired_ratio(t, base).as_dict()
+        if mode == "train":
+            for key, step in steps.items():
+                peak = peak_memory(step, device)
+                rows[key]["train_peak_mb"] = None if peak is None else peak / 2 ** 20
+    return list(rows.values())
+
+
+def models_table(rows: Sequence[Dict], header: str) -> str:
+    def spread(d: Dict[str, float]) -> str:
+        return f"{d['median']:.3f} [{d['q1']:.3f}-{d['q3']:.3f}]"
+
+    lines = [header, "", "| model | MoH impl | inference ms | x dense | training ms | x dense | training peak MB |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        peak = "-" if r.get("train_peak_mb") is None else f"{r['train_peak_mb']:.0f}"
+        lines.append(f"| {r['model']} | {r['impl']} | {r['infer_ms']['median']:.1f} | {spread(r['infer_x_dense'])} | "
+                     f"{r['train_ms']['median']:.1f} | {spread(r['train_x_dense'])} | {peak} |")
+    return "\n".join(lines) + "\n"
+
+
+def bench_models(pairs: Optional[Sequence[str]] = None, impls: Sequence[str] = ("auto", "masked"), batch: int = 2,
+                 img_size: Optional[int] = None, rounds: int = 15, warmup: int = 2, min_seconds: float = 0.0,
+                 device: str = "auto", dtype: str = "float32", threads: Optional[int] = None, quick: bool = False,
+                 out: Optional[str] = None) -> List[Dict]:
+    """Images/s of each ``moh:dense`` pair (inference and training), print the table and return its rows;
+    ``out`` also gets the table, and every number goes to ``<out>.json``. ``quick``: one small pair at 64 px."""
+    from moh_vision.models import model_family
+
+    if threads:
+        torch.set_num_threads(threads)
+    where, torch_dtype = resolve_device(device), DTYPES[dtype]
+    rows = []
+    for pair in pairs or (QUICK_PAIRS if quick else DEFAULT_PAIRS):
+        moh, _, dense = pair.partition(":")
+        if not dense:
+            raise ConfigError(f"pairs wants moh:dense, got {pair}")
+        size = img_size or (64 if quick else (256 if model_family(moh) == "dit" else 224))
+        rows += bench_pair(moh, dense, impls, batch, size, rounds, warmup, min_seconds, where, torch_dtype)
+    machine = torch.cuda.get_device_name(where) if where.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
+    header = (f"{machine}, {dtype}, batch {batch}; dense and MoH interleaved, {rounds}+ rounds: "
+              f"median ms per step, and the per-round ratio to the dense twin as median [quartiles]")
+    table = models_table(rows, header)
+    print(table)
+    if out:
+        Path(out).write_text(table)
+        Path(out).with_suffix(".json").write_text(json.dumps({"header": header, "torch": torch.__version__,
+                                                              "rows": rows}, indent=1))
+    return rows

@@ -1,0 +1,293 @@
+"""One table and plot for every job of a multirun (``tools/sweep_report.py``).
+
+Reads each job's ``summary.json`` and ``config.yaml`` and groups jobs into *arms*: jobs that differ only
+in their seed. The arm of a job is what its Hydra overrides (``.hydra/overrides.yaml``) set to values
+that vary across the sweep, the seed excepted: ``+compare=moh_50`` gives arm ``moh_50`` (the
+``experiment=compare_attention`` comparison), ``attention.activation_ratio=0.5`` gives
+``activation_ratio=0.5``. Without Hydra's records a job's arm is its model and full attention config,
+so two MoH arms with the same ratio but other heads are never merged. Per arm: mean and standard
+deviation over seeds of the metric, active GFLOPs, GFLOPs, parameters and measured training images/s.
+
+:func:`write_sweep_report` writes ``sweep_report.md``, ``sweep_report.csv`` and ``sweep_report.png`` (the
+metric against the activation ratio, against active GFLOPs and against images/s, one labelled point per
+arm with error bars of one standard deviation over seeds in both directions). Each attention type has one
+colour in every panel (mha blue, moh green, moa orange, preset purple) and each model one marker.
+"""
+from __future__ import annotations
+
+import csv
+import json
+import math
+import statistics
+from collections import defaultdict
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Sequence
+
+import yaml
+
+from moh_vision.checkpoints import run_config
+from moh_vision.errors import ConfigError
+
+DEFAULT_EXTRA = ("active_gflops", "gflops", "params", "images_per_sec")
+
+SEED_KEYS = ("seed", "+seed", "++seed")
+ARM_GROUP_KEYS = ("compare", "+compare", "++compare")  # a config group whose option names the arm
+
+
+def _overrides(job_dir: Path) -> Optional[Dict[str, str]]:
+    """``key -> value`` of the Hydra overrides this job ran with (None if Hydra kept no record)."""
+    path = job_dir / ".hydra" / "overrides.yaml"
+    if not path.is_file():
+        return None
+    out = {}
+    for item in yaml.safe_load(path.read_text()) or []:
+        key, _, value = str(item).partition("=")
+        out[key] = value
+    return out
+
+
+def _config_signature(cfg: Dict[str, Any]) -> str:
+    model = cfg.get("model") or {}
+    attention = {k: v for k, v in (cfg.get("attention") or {}).items() if v is not None}
+    return json.dumps({"model": model.get("name"), "kwargs": model.get("kwargs") or {}, "attention": attention},
+                      sort_keys=True)
+
+
+def load_jobs(root: Path) -> List[Dict[str, Any]]:
+    jobs = []
+    for summary_path in sorted(root.rglob("summary.json")):
+        job_dir = summary_path.parent
+        summary = json.loads(summary_path.read_text())
+        try:
+            cfg = run_config(job_dir)
+        except ConfigError:  # a job without its config: grouped by its summary alone
+            cfg = {}
+        attention = (cfg.get("attention") or {})
+        jobs.append({
+            "dir": str(job_dir.relative_to(root)),
+            "model": (cfg.get("model") or {}).get("name", summary.get("model")),
+            "attention": attention.get("name") or "preset",
+            "ratio": job_ratio(attention, summary),
+            "seed": cfg.get("seed"),
+            "overrides": _overrides(job_dir),
+            "signature": _config_signature(cfg),
+            "summary": summary,
+        })
+    assign_arms(jobs)
+    return jobs
+
+
+def job_ratio(attention: Dict[str, Any], summary: Dict[str, Any]) -> float:
+    """A job's activation ratio: the one it asked for (any variant's ``activation_ratio``), else the
+    active-head fraction its layers declared (``summary.json``: explicit heads, presets), else 1."""
+    requested = attention.get("activation_ratio")
+    if requested is not None and attention.get("topk") is None:  # explicit heads win over the ratio
+        return float(requested)
+    realised = summary.get("active_head_fraction")
+    return round(float(realised), 4) if realised is not None else 1.0
+
+
+def _short(key: str, value: str) -> str:
+    if key in ARM_GROUP_KEYS:
+        return value
+    return f"{key.lstrip('+').split('.')[-1]}={value}"
+
+
+def assign_arms(jobs: List[Dict[str, Any]]) -> None:
+    """Set ``job["arm"]``: the non-seed overrides that vary across the sweep, else the job's config.
+
+    Jobs of one arm differ only in their seed. Labels made from configs (no Hydra record, or only the seed
+    varies) may coincide for different configs (two MoH arms with explicit heads and no ratio): those get
+    ``#1``, ``#2``, ... so that no two arms are ever merged.
+    """
+    recorded = [j["overrides"] for j in jobs if j["overrides"] is not None]
+    keys = sorted({k for o in recorded for k in o})
+    varying = [k for k in keys if k not in SEED_KEYS and len({o.get(k) for o in recorded}) > 1]
+    for job in jobs:
+        if varying and job["overrides"] is not None:
+            job["arm"] = ",".join(_short(k, job["overrides"][k]) for k in varying if k in job["overrides"]) \
+                or "(defaults)"
+            job["arm_id"] = "overrides:" + job["arm"]
+        else:
+            ratio = f"@{job['ratio']}" if job["ratio"] != 1.0 else ""
+            job["arm"] = f"{job['model']}/{job['attention']}{ratio}"
+            job["arm_id"] = "config:" + job["signature"]
+    ids_by_label: Dict[str, List[str]] = defaultdict(list)
+    for job in jobs:
+        if job["arm_id"] not in ids_by_label[job["arm"]]:
+            ids_by_label[job["arm"]].append(job["arm_id"])
+    for job in jobs:
+        ids = ids_by_label[job["arm"]]
+        if len(ids) > 1:
+            job["arm"] = f"{job['arm']}#{ids.index(job['arm_id']) + 1}"
+
+
+def _stats(values: List[float]) -> Dict[str, float]:
+    values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
+    if not values:
+        return {"mean": float("nan"), "std": float("nan"), "n": 0}
+    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
+            "n": len(values)}
+
+
+def aggregate(jobs: List[Dict[str, Any]], metrics: List[str]) -> List[Dict[str, Any]]:
+    groups: Dict[str, List[Dict[str, Any]]] = defaultdict(list)
+    for job in jobs:
+        groups[job["arm"]].append(job)  # unique per arm_id (assign_arms)
+
+    def order(item):
+        arm, members = item
+        first = members[0]
+        return (str(first["model"]), str(first["attention"]), first["ratio"] if first["ratio"] is not None else 0, arm)
+
+    rows = []
+    for arm, members in sorted(groups.items(), key=order):
+        first = members[0]
+        ratios = {m["ratio"] for m in members}
+        row = {"arm": arm, "model": first["model"], "attention": first["attention"],
+               "activation_ratio": first["ratio"] if len(ratios) == 1 else None, "seeds": len(members),
+               "seed_list": " ".join(str(m["seed"]) for m in sorted(members, key=lambda m: str(m["seed"])))}
+        for metric in metrics:
+            st = _stats([m["summary"].get(metric) for m in members])
+            row[f"{metric} mean"], row[f"{metric} std"] = st["mean"], st["std"]
+        rows.append(row)
+    return rows
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        return "nan" if math.isnan(v) else f"{v:.4g}"
+    return str(v)
+
+
+HEADERS = ["arm", "model", "attention", "activation_ratio", "seeds"]
+
+
+def write_markdown(rows: List[Dict[str, Any]], metrics: List[str], path: Path) -> str:
+    headers = HEADERS + list(metrics)
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    for r in rows:
+        cells = [_fmt(r[h]) for h in HEADERS]
+        for m in metrics:
+            mean, std = r[f"{m} mean"], r[f"{m} std"]
+            cells.append(f"{_fmt(mean)} ± {_fmt(std)}" if r["seeds"] > 1 else _fmt(mean))
+        lines.append("| " + " | ".join(cells) + " |")
+    text = "\n".join(lines) + "\n"
+    path.write_text(text)
+    return text
+
+
+def write_csv(rows: List[Dict[str, Any]], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not math.isnan(value)
+
+
+# One colour per attention type in every panel (matplotlib's colour cycle restarts per panel and skips
+# nothing, so a family without points in one panel used to shift the colours of the others there).
+ATTENTION_COLORS = {"mha": "tab:blue", "moh": "tab:green", "moa": "tab:orange", "preset": "tab:purple"}
+SPARE_COLORS = ("tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
+MODEL_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">")
+
+
+def family_styles(rows: List[Dict[str, Any]]) -> Dict[str, Dict[str, str]]:
+    """``"model / attention" -> {"color", "marker"}``: the colour follows the attention type, the marker
+    the model, the same in every panel."""
+    attentions = sorted({str(r["attention"]) for r in rows})
+    spare = iter(SPARE_COLORS * (1 + len(attentions) // len(SPARE_COLORS)))
+    colors = {a: ATTENTION_COLORS.get(a) or next(spare) for a in attentions}
+    models = sorted({str(r["model"]) for r in rows})
+    markers = {m: MODEL_MARKERS[i % len(MODEL_MARKERS)] for i, m in enumerate(models)}
+    return {f"{r['model']} / {r['attention']}": {"color": colors[str(r["attention"])],
+                                                 "marker": markers[str(r["model"])]} for r in rows}
+
+
+def make_figure(rows: List[Dict[str, Any]], metric: str):
+    """The report's figure: the metric against the activation ratio, active GFLOPs and images/s."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    def measured(key: str) -> bool:
+        return any(_finite(r.get(f"{key} mean")) for r in rows)
+
+    xs = [("activation_ratio", "activation ratio")]
+    xs += [(key, label) for key, label in (("active_gflops", "active GFLOPs"), ("images_per_sec", "training images/s"))
+           if measured(key)]
+    styles = family_styles(rows)
+    fig, axes = plt.subplots(1, len(xs), figsize=(5.5 * len(xs), 4.8), squeeze=False)
+    for ax, (key, label) in zip(axes[0], xs):
+        by_family: Dict[str, List[Dict[str, Any]]] = defaultdict(list)
+        for r in rows:
+            by_family[f"{r['model']} / {r['attention']}"].append(r)
+        for family, members in by_family.items():
+            x = [m["activation_ratio"] if key == "activation_ratio" else m[f"{key} mean"] for m in members]
+            xerr = [0.0 if key == "activation_ratio" else m[f"{key} std"] for m in members]
+            y = [m[f"{metric} mean"] for m in members]
+            yerr = [m[f"{metric} std"] for m in members]
+            keep = sorted((i for i in range(len(x)) if _finite(x[i]) and _finite(y[i])), key=lambda i: x[i])
+            if not keep:
+                continue
+            style = styles[family]
+            ax.errorbar([x[i] for i in keep], [y[i] for i in keep], yerr=[yerr[i] for i in keep],
+                        xerr=[xerr[i] if _finite(xerr[i]) else 0.0 for i in keep], marker=style["marker"],
+                        color=style["color"], capsize=3, linestyle="-" if len(keep) > 1 else "none", label=family)
+            for i in keep:  # every point names its arm, so arms of one family are told apart
+                ax.annotate(members[i]["arm"], (x[i], y[i]), textcoords="offset points", xytext=(4, 4), fontsize=7,
+                            color=style["color"])
+        # few ticks, plain numbers without an offset, slanted: long values (0.004012, 12345) never collide
+        ax.xaxis.set_major_locator(MaxNLocator(nbins=4, min_n_ticks=2))
+        ax.ticklabel_format(axis="x", style="plain", useOffset=False)
+        for tick in ax.get_xticklabels():
+            tick.set_rotation(30)
+            tick.set_horizontalalignment("right")
+        ax.set_xlabel(label)
+        ax.set_ylabel(metric)
+        ax.grid(alpha=0.3)
+    handles = {}
+    for ax in axes[0]:  # one legend for every family, wherever it was plotted
+        for handle, name in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(name, handle)
+    if handles:
+        axes[0][-1].legend(list(handles.values()), list(handles), fontsize=8)
+    fig.suptitle(f"{metric}: mean ± std over seeds, one point per arm", fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def plot(rows: List[Dict[str, Any]], metric: str, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    fig = make_figure(rows, metric)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_sweep_report(root: Path, metric: Optional[str] = None, extra: Sequence[str] = DEFAULT_EXTRA,
+                       out: Optional[Path] = None) -> List[Dict[str, Any]]:
+    """Report the jobs under ``root`` (searched recursively for ``summary.json``) into ``out`` (default
+    ``root``): ``metric`` (default ``val/acc1``, or ``sample/class_acc`` for diffusion) and the ``extra``
+    summary keys, per arm. Prints the table and returns its rows."""
+    root = Path(root)
+    if not root.is_dir():
+        raise ConfigError(f"{root} is not a directory")
+    jobs = load_jobs(root)
+    if not jobs:
+        raise ConfigError(f"no summary.json under {root} (did the jobs finish?)")
+    metric = metric or ("val/acc1" if "val/acc1" in jobs[0]["summary"] else "sample/class_acc")
+    metrics = [metric] + [m for m in extra if m != metric]
+    rows = aggregate(jobs, metrics)
+    out = Path(out) if out else root
+    out.mkdir(parents=True, exist_ok=True)
+    text = write_markdown(rows, metrics, out / "sweep_report.md")
+    write_csv(rows, out / "sweep_report.csv")
+    plot(rows, metric, out / "sweep_report.png")
+    print(text)
+    print(f"{len(jobs)} jobs in {len(rows)} arms -> {out / 'sweep_report.md'}, .csv, .png")
+    return rows

@@ -1,0 +1,283 @@
+"""Class-conditional samples from a trained DiT / MoH-DiT checkpoint, for grids and FID (``tools/sample.py``).
+
+The checkpoint carries the task/model/data/attention config; the model and task are rebuilt from it (EMA
+weights by default) and latents are decoded with the VAE of ``task.vae.path`` (or ``vae=``). Classes are
+balanced and sorted; batch ``k`` of ``batch_size`` samples uses seed ``(seed, k)``, and ranks take every
+WORLD_SIZE-th batch, so the output does not depend on the number of ranks. Finished batches are kept in
+``out/.parts-<hash>/`` until the end, so an interrupted run resumes when rerun with the same settings and
+``out``. Rank 0 writes:
+
+* ``samples.npz``: ``arr_0`` uint8 [N, H, W, 3], the input of ADM's evaluation suite (DiT's FID protocol);
+* ``labels.npy``: the class of every sample; ``samples.png``: a labelled grid (rows = classes);
+* ``sample.json``: what was sampled and the metrics: the digits proxies (``sample/class_acc``,
+  ``sample/fd_digits``) for digits checkpoints, and FID / Inception Score / precision / recall
+  (torch-fidelity, local Inception weights) with ``fid_ref`` and ``inception_weights``.
+
+:func:`sample` takes the options of ``tools/sample.py`` (a mapping with attribute access).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import shutil
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
+
+import numpy as np
+import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
+
+from moh_vision.checkpoints import atomic_write
+from moh_vision.errors import ConfigError
+from .distributed import barrier, cleanup, init_distributed
+from .loggers import write_json
+from .run import rebuild_run, shared_output_dir, weights_of
+
+log = logging.getLogger(__name__)
+
+DEFAULT_OUT = "outputs/sample/%Y-%m-%d/%H-%M-%S"  # strftime pattern; under torchrun rank 0's time decides
+OVERRIDABLE = ("steps", "sampler", "cfg_scale", "clip_denoised", "batch_size")
+
+
+# ---------------------------------------------------------------------------------------------
+# What to sample
+# ---------------------------------------------------------------------------------------------
+def balanced_labels(num_samples: int, num_classes: int) -> torch.Tensor:
+    """``num_samples`` labels, each class ``N // C`` or one more times, sorted by class."""
+    return torch.sort(torch.arange(num_samples) % num_classes, stable=True).values
+
+
+def batch_seed(seed: int, k: int) -> int:
+    return int(seed) * 1_000_003 + int(k)
+
+
+def sample_count(cfg: Mapping[str, Any], num_classes: int) -> int:
+    if cfg.num_samples is not None and cfg.per_class is not None:
+        raise ConfigError("give num_samples= or per_class=, not both")
+    n = int(cfg.num_samples) if cfg.num_samples is not None else int(cfg.per_class or 8) * num_classes
+    if n < 1:
+        raise ConfigError(f"num_samples={n}: nothing to sample")
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# Rebuilding the model from a training checkpoint
+# ---------------------------------------------------------------------------------------------
+def shape_from_weights(weights: Dict[str, torch.Tensor], class_dropout_prob: float) -> SimpleNamespace:
+    """Data shape of a DiT from its (official-layout) state dict, for when the data are not at hand."""
+    try:
+        proj = weights["x_embedder.proj.weight"]  # [hidden, in_channels, p, p]
+        tokens = weights["pos_embed"].shape[1]
+        rows = weights["y_embedder.embedding_table.weight"].shape[0]
+    except KeyError as err:
+        raise ConfigError(f"the checkpoint's weights are not a DiT's (no {err})") from err
+    side = math.isqrt(tokens) * proj.shape[-1]
+    return SimpleNamespace(num_classes=rows - int(class_dropout_prob > 0), in_chans=proj.shape[1], img_size=side,
+                           class_names=None)
+
+
+def load_model(cfg: Mapping[str, Any], device: torch.device):
+    """(task, model, data, checkpoint info) from ``cfg.ckpt``, with the sampling overrides applied."""
+    run = rebuild_run(cfg.ckpt, build_data=False)
+    state, used, container, task = run.state, run.path, run.config, run.task
+    if "diffusion" not in str(container["task"].get("_target_", "")).lower():
+        raise ConfigError(f"{used} is not a diffusion training checkpoint (no task=diffusion config inside)")
+    key = "model_ema" if cfg.ema else "model"
+    weights = weights_of(run, bool(cfg.ema), off_switch="ema=false")
+    try:
+        data = instantiate(OmegaConf.create(container["data"]))
+    except Exception as err:  # e.g. the latents directory lives on another machine: only the shape is needed
+        log.warning("data of the checkpoint unavailable (%s); taking the shape from the weights", err)
+        data = shape_from_weights(weights, task.class_dropout_prob)
+    model = task.build_model(data)
+    model.load_state_dict(weights)
+    apply_overrides(task, cfg)
+    info = {"checkpoint": str(used), "step": state.get("step"), "model": container["model"]["name"],
+            "weights": key, "attention": (container.get("attention") or {}).get("name") or "preset"}
+    return task, model.to(device).eval(), data, info
+
+
+def apply_overrides(task, cfg: Mapping[str, Any]) -> None:
+    for name in OVERRIDABLE:
+        if cfg.get(name) is not None:
+            task.sample_cfg[name] = cfg[name]
+    if cfg.guidance_channels is not None:
+        gc = str(cfg.guidance_channels)
+        if gc != "all" and not gc.isdigit():
+            raise ConfigError(f"guidance_channels={gc}: use a channel count (3: DiT's quirk) or all")
+        task.sample_cfg["guidance_channels"] = None if gc == "all" else int(gc)
+    if task.sample_cfg["sampler"] not in ("ddpm", "ddim"):
+        raise ConfigError(f"sampler={task.sample_cfg['sampler']}: use ddpm or ddim")
+    if float(task.sample_cfg["cfg_scale"]) < 1:
+        raise ConfigError(f"cfg_scale={task.sample_cfg['cfg_scale']} must be >= 1 (1 = no guidance)")
+    if cfg.vae:
+        task.vae_cfg = {**task.vae_cfg, "path": str(cfg.vae)}
+
+
+# ---------------------------------------------------------------------------------------------
+# Sampling (every rank) and merging (rank 0)
+# ---------------------------------------------------------------------------------------------
+def run_digest(info: Dict[str, Any], settings: Dict[str, Any]) -> str:
+    text = json.dumps({**info, **settings}, sort_keys=True, default=str)
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def part_path(parts: Path, k: int) -> Path:
+    return parts / f"batch_{k:06d}.npz"
+
+
+def save_part(path: Path, images: np.ndarray, labels: np.ndarray) -> None:
+    atomic_write(path, lambda f: np.savez(f, images=images, labels=labels))
+
+
+@torch.no_grad()
+def sample_batches(task, model, labels: torch.Tensor, batches: Iterable[int], seed: int, device: torch.device,
+                   parts: Path, bar=None, decode_batch_size: int = 32) -> None:
+    """Sample, decode and store the given batches (skipping stored ones).
+
+    The VAE decodes ``decode_batch_size`` latents at a time (at 256 px it holds hundreds of MB per image).
+    """
+    from moh_vision.analysis.grids import to_uint8
+
+    size = int(task.sample_cfg["batch_size"])
+    for k in batches:
+        path = part_path(parts, k)
+        chunk = labels[k * size:(k + 1) * size]
+        if not path.exists():
+            latents = task.sample(model, chunk, device, seed=batch_seed(seed, k))
+            images = np.concatenate([to_uint8(task.decode(x)) for x in latents.split(decode_batch_size)])
+            save_part(path, images, chunk.numpy())
+        if bar is not None:
+            bar.update(len(chunk))
+
+
+def merge_parts(parts: Path, num_batches: int) -> Tuple[np.ndarray, np.ndarray]:
+    arrays, labels = [], []
+    for k in range(num_batches):
+        with np.load(part_path(parts, k)) as part:
+            arrays.append(part["images"])
+            labels.append(part["labels"])
+    return np.concatenate(arrays), np.concatenate(labels).astype(np.int64)
+
+
+def sample_images(task, model, num_samples: int, seed: int, device: torch.device, parts: Path, dist,
+                  progress: bool = True, decode_batch_size: int = 32) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """All ranks sample their batches; rank 0 returns (uint8 NHWC images, labels), others None."""
+    labels = balanced_labels(num_samples, task.null_class)
+    size = int(task.sample_cfg["batch_size"])
+    num_batches = (num_samples + size - 1) // size
+    mine = list(range(dist.rank, num_batches, dist.world_size))
+    bar = None
+    if progress and dist.is_main:
+        from tqdm.auto import tqdm
+        bar = tqdm(total=sum(len(labels[k * size:(k + 1) * size]) for k in mine), unit="img",
+                   desc=f"sampling (rank 0 of {dist.world_size})", dynamic_ncols=True)
+    parts.mkdir(parents=True, exist_ok=True)
+    sample_batches(task, model, labels, mine, seed, device, parts, bar, decode_batch_size)
+    if bar is not None:
+        bar.close()
+    barrier(dist)
+    if not dist.is_main:
+        return None
+    return merge_parts(parts, num_batches)
+
+
+# ---------------------------------------------------------------------------------------------
+# Outputs and metrics (rank 0)
+# ---------------------------------------------------------------------------------------------
+def to_float(images: np.ndarray) -> torch.Tensor:
+    """uint8 NHWC -> float [-1, 1] NCHW (exactly invertible by ``to_uint8``)."""
+    return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
+
+
+def write_grid(images: np.ndarray, labels: np.ndarray, path: Path, num_classes: int, grid_classes: int,
+               per_class: int, class_names=None) -> Path:
+    from moh_vision.analysis.grids import save_class_grid
+
+    rows = np.unique(np.linspace(0, num_classes - 1, min(grid_classes, num_classes)).round().astype(int))
+    rows = [c for c in rows if (labels == c).any()]
+    per_row = max(1, min([per_class] + [int((labels == c).sum()) for c in rows]))
+    pick = np.concatenate([np.flatnonzero(labels == c)[:per_row] for c in rows])
+    return save_class_grid(to_float(images[pick]), torch.from_numpy(labels[pick]), path, per_row=per_row,
+                           class_names=class_names)
+
+
+def digits_metrics(task, data, images: np.ndarray, labels: np.ndarray, classifier_path: Path) -> Dict[str, float]:
+    from moh_vision.analysis.metrics import digits_sample_metrics, load_or_train_classifier, real_digits
+
+    classifier = load_or_train_classifier(classifier_path, data.img_size)
+    reference, _ = real_digits(data.val)
+    return digits_sample_metrics(classifier, to_float(images), torch.from_numpy(labels), reference)
+
+
+def check_metric_inputs(cfg: Mapping[str, Any]) -> None:
+    """Fail before sampling, not after hours of it, when the metric inputs are wrong."""
+    if cfg.fid_ref is None:
+        return
+    from moh_vision.analysis.generative_metrics import check_inception_weights
+
+    check_inception_weights(cfg.inception_weights)
+    if not Path(str(cfg.fid_ref)).expanduser().exists():
+        raise ConfigError(f"fid_ref={cfg.fid_ref} does not exist; expected a folder of real images or an .npz")
+
+
+def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
+    from moh_vision.analysis.grids import save_adm_npz
+
+    start = time.time()
+    dist = init_distributed(cfg.device)
+    try:
+        out = shared_output_dir(Path(cfg.out or time.strftime(DEFAULT_OUT)), dist)
+        device = dist.device
+        if device.type == "cuda":
+            torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
+            torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
+        check_metric_inputs(cfg)
+        task, model, data, info = load_model(cfg, device)
+        if task.vae_cfg.get("path"):
+            from moh_vision.data.latents import load_vae
+            load_vae(task.vae_cfg["path"], device)  # fail now if missing; cached for decoding
+        num_samples = sample_count(cfg, task.null_class)
+        settings = {"num_samples": num_samples, "seed": int(cfg.seed), "vae": task.vae_cfg.get("path"),
+                    **{k: task.sample_cfg[k] for k in (*OVERRIDABLE, "guidance_channels")}}
+        parts = out / f".parts-{run_digest(info, settings)}"
+        if dist.is_main:
+            log.info("sampling %d images (%d classes) from %s [%s weights, step %s]: %s", num_samples,
+                     task.null_class, info["checkpoint"], info["weights"], info["step"],
+                     ", ".join(f"{k}={v}" for k, v in settings.items() if k != "num_samples"))
+        merged = sample_images(task, model, num_samples, int(cfg.seed), device, parts, dist, bool(cfg.progress),
+                               int(cfg.decode_batch_size))
+        if merged is None:
+            return {}
+        images, labels = merged
+        files = {"npz": str(save_adm_npz(images, out / "samples.npz")),
+                 "labels": str(atomic_write(out / "labels.npy", lambda f: np.save(f, labels))),
+                 "grid": str(write_grid(images, labels, out / "samples.png", task.null_class, int(cfg.grid_classes),
+                                        int(cfg.grid_per_class), getattr(data, "class_names", None)))}
+        metrics: Dict[str, float] = {}
+        if task.is_digits:
+            path = Path(str(cfg.digits_classifier or Path(info["checkpoint"]).parent.parent / "digits_classifier.pt"))
+            metrics.update(digits_metrics(task, data, images, labels, path))
+        if cfg.fid_ref is not None:
+            from moh_vision.analysis.generative_metrics import generative_metrics
+            found = generative_metrics(images, str(cfg.fid_ref), cfg.inception_weights, device,
+                                       batch_size=int(cfg.metrics_batch_size), feature_layer=str(cfg.fid_feature_layer))
+            metrics.update({f"sample/{k}": v for k, v in found.items()})
+        counts = np.bincount(labels, minlength=task.null_class)
+        summary = {**info, **settings, "num_classes": task.null_class, "per_class_min": int(counts.min()),
+                   "per_class_max": int(counts.max()), "image_shape": list(images.shape[1:]),
+                   "space": "latent (decoded)" if task.vae_cfg.get("path") else "pixel", "world_size": dist.world_size,
+                   "files": files, "metrics": metrics, "wall_time_s": time.time() - start}
+        write_json(out / "sample.json", summary)
+        shutil.rmtree(parts, ignore_errors=True)
+        if metrics:
+            log.info("metrics: %s", ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        log.info("wrote %s (%s) to %s", Path(files["npz"]).name, "x".join(map(str, images.shape)), out)
+        return summary
+    finally:
+        cleanup(dist)
