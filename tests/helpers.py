@@ -39,3 +39,19 @@ def load_tool(name: str):
 
 def read_summary(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
+
+
+def bf16_train_outputs(modules, x):
+    """Each module's train-mode output under CPU bf16 autocast (checked bf16, with a finite input
+    gradient after a backward), as float: what the sparse-vs-masked autocast tests compare."""
+    import torch
+    outs = []
+    for m in modules:
+        xi = x.clone().requires_grad_(True)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = m.train()(xi)
+        assert y.dtype == torch.bfloat16
+        y.float().square().mean().backward()
+        assert torch.isfinite(xi.grad).all()
+        outs.append(y.float())
+    return outs

@@ -20,6 +20,7 @@ from moh_vision.attention.moh import choose_impl
 from moh_vision.attention import sparse as sparse_module
 from moh_vision.attention.sparse import build_dispatch, padded_layout, sparse_flops_ratio, sparse_moh_forward
 from moh_vision.errors import ConfigError
+from helpers import bf16_train_outputs
 
 ROUTERS = ("wg", "wg_0", "wg_1")
 
@@ -133,15 +134,7 @@ def test_dense_weighted_layer_falls_back_to_masked(opts):
 def test_sparse_under_bfloat16_autocast_matches_masked():
     ref, sparse = make_pair(32, 4, shared_heads=1, topk=2)
     x = torch.randn(2, 10, 32)
-    outs = []
-    for m in (ref, sparse):
-        xi = x.clone().requires_grad_(True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = m.train()(xi)
-        assert y.dtype == torch.bfloat16
-        y.float().square().mean().backward()
-        assert torch.isfinite(xi.grad).all()
-        outs.append(y.float())
+    outs = bf16_train_outputs((ref, sparse), x)
     torch.testing.assert_close(outs[1], outs[0], rtol=0.05, atol=0.05)
 
 

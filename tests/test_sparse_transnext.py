@@ -6,6 +6,7 @@ import timm
 import torch
 
 import moh_vision.models  # noqa: F401  (registers the TransNeXt kernels and models)
+from helpers import bf16_train_outputs
 from moh_vision.attention import build_attention, record_routing, register_kernel
 from moh_vision.attention import registry as registry_module
 from moh_vision.attention.sparse import build_dispatch, kernels_supporting, sparse_forward, sparse_support
@@ -167,15 +168,7 @@ def test_window_index_matches_unfold():
 def test_sparse_under_bfloat16_autocast_close_to_masked(kernel):
     ref, sparse = make_pair(kernel, 48, 6, shared_heads=2, topk=2)
     x = torch.randn(2, ref.num_tokens, 48)
-    outs = []
-    for m in (ref, sparse):
-        xi = x.clone().requires_grad_(True)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = m.train()(xi)
-        assert y.dtype == torch.bfloat16
-        y.float().square().mean().backward()
-        assert torch.isfinite(xi.grad).all()
-        outs.append(y.float())
+    outs = bf16_train_outputs((ref, sparse), x)
     torch.testing.assert_close(outs[1], outs[0], rtol=0.05, atol=0.05)
 
 

@@ -232,29 +232,30 @@ def test_model_default_cfgs_non_std(model_name, attention, batch_size=1):
 # ---------------------------------------------------------------------------------------------
 # test_model_forward_features / ..._intermediates_features / ..._intermediates
 # ---------------------------------------------------------------------------------------------
-@parametrize_models
-@pytest.mark.parametrize("model_name", MODELS)  # timm skips vit_* here; issue 16 asks features_only of the ViT too
-def test_model_forward_features(model_name, attention, batch_size=1):
-    model = create(model_name, attention, pretrained=False, features_only=True).eval()
+def check_features_only(model, batch_size: int) -> None:
+    """timm's checks of a ``features_only`` model: input size within bounds, one map per feature_info
+    entry with its channels and reduction."""
     channels, reductions = model.feature_info.channels(), model.feature_info.reduction()
-    assert len(channels) >= 3
     input_size = get_input_size(model=model, target=TARGET_FFEAT_SIZE)
     assert max(input_size) <= MAX_FFEAT_SIZE
     output_fmt = getattr(model, "output_fmt", "NCHW")
     outputs = model(torch.randn((batch_size, *input_size)))
     check_feature_outputs(outputs, channels, reductions, input_size, batch_size, output_fmt)
+
+
+@parametrize_models
+@pytest.mark.parametrize("model_name", MODELS)  # timm skips vit_* here; issue 16 asks features_only of the ViT too
+def test_model_forward_features(model_name, attention, batch_size=1):
+    model = create(model_name, attention, pretrained=False, features_only=True).eval()
+    assert len(model.feature_info.channels()) >= 3
+    check_features_only(model, batch_size)
 
 
 @parametrize_models
 @pytest.mark.parametrize("model_name", MODELS)
 def test_model_forward_intermediates_features(model_name, attention, batch_size=1):
     model = create(model_name, attention, pretrained=False, features_only=True, feature_cls="getter").eval()
-    channels, reductions = model.feature_info.channels(), model.feature_info.reduction()
-    input_size = get_input_size(model=model, target=TARGET_FFEAT_SIZE)
-    assert max(input_size) <= MAX_FFEAT_SIZE
-    output_fmt = getattr(model, "output_fmt", "NCHW")
-    outputs = model(torch.randn((batch_size, *input_size)))
-    check_feature_outputs(outputs, channels, reductions, input_size, batch_size, output_fmt)
+    check_features_only(model, batch_size)
 
 
 @parametrize_models
