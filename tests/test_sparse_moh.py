@@ -255,7 +255,8 @@ needs_interpreter = pytest.mark.skipif(not triton_interpreter_usable(), reason="
 # Triton decides when it is imported whether its standard library (tl.sum, tl.max, ...) is
 # interpreted, so the interpreter runs in a fresh process with TRITON_INTERPRET=1 from the start.
 INTERPRETER_SCRIPT = """
-import importlib.util, sys
+import importlib.util, os, sys
+sys.path.insert(0, os.path.dirname(sys.argv[1]))  # the tests' helpers module
 spec = importlib.util.spec_from_file_location("sparse_tests", sys.argv[1])
 tests = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(tests)
