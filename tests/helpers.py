@@ -55,3 +55,16 @@ def bf16_train_outputs(modules, x):
         assert torch.isfinite(xi.grad).all()
         outs.append(y.float())
     return outs
+
+
+def recorded_backward(m, x, grad_out, train: bool):
+    """One forward in a routing recorder, then backward of ``sum(y * grad_out) + aux`` (aux at weight 1):
+    ``(y, input gradient, {parameter: gradient}, recorder)``, what the sparse-vs-masked tests compare."""
+    from moh_vision.attention import record_routing
+    m.train(train)
+    m.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    with record_routing(m) as routing:
+        y = m(x)
+    ((y * grad_out).sum() + routing.aux_loss(coef=1.0)).backward()
+    return y.detach(), x.grad, {name: p.grad for name, p in m.named_parameters()}, routing

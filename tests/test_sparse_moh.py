@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from moh_vision.attention import build_attention, record_routing, register_kernel
+from moh_vision.attention import build_attention, register_kernel
 from moh_vision.attention import registry as registry_module
 from moh_vision.attention.kernels import DotProductAttention
 from moh_vision.attention.moh import choose_impl
 from moh_vision.attention import sparse as sparse_module
 from moh_vision.attention.sparse import build_dispatch, padded_layout, sparse_flops_ratio, sparse_moh_forward
 from moh_vision.errors import ConfigError
-from helpers import bf16_train_outputs
+from helpers import bf16_train_outputs, recorded_backward
 
 ROUTERS = ("wg", "wg_0", "wg_1")
 
@@ -43,16 +43,9 @@ def make_pair(dim, heads, impl="sparse", seed=0, router_scale=1.0, **opts):
 
 def run(m, x, grad_out, train):
     """Forward + backward of ``sum(y * grad_out) + aux``; returns what must match."""
-    m.train(train)
-    m.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_(True)
-    with record_routing(m) as routing:
-        y = m(x)
-    loss = (y * grad_out).sum() + routing.aux_loss(coef=1.0)
-    loss.backward()
-    grads = {name: p.grad for name, p in m.named_parameters()}
+    y, x_grad, grads, routing = recorded_backward(m, x, grad_out, train)
     (record,) = routing.records
-    return y.detach(), x.grad, grads, record.aux_loss, record.stats
+    return y, x_grad, grads, record.aux_loss, record.stats
 
 
 def assert_same(ref_run, other_run, rtol=1e-4, atol=1e-5):

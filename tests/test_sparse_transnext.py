@@ -6,8 +6,8 @@ import timm
 import torch
 
 import moh_vision.models  # noqa: F401  (registers the TransNeXt kernels and models)
-from helpers import bf16_train_outputs
-from moh_vision.attention import build_attention, record_routing, register_kernel
+from helpers import bf16_train_outputs, recorded_backward
+from moh_vision.attention import build_attention, register_kernel
 from moh_vision.attention import registry as registry_module
 from moh_vision.attention.sparse import build_dispatch, kernels_supporting, sparse_forward, sparse_support
 from moh_vision.errors import ConfigError
@@ -49,14 +49,8 @@ def make_pair(kernel, dim, heads, seed=0, **opts):
 
 def run(m, x, grad_out, train):
     """Forward + backward of ``sum(y * grad_out) + aux``: output, input and parameter gradients, aux loss."""
-    m.train(train)
-    m.zero_grad(set_to_none=True)
-    x = x.detach().clone().requires_grad_(True)
-    with record_routing(m) as routing:
-        y = m(x)
-    aux = routing.aux_loss(coef=1.0)
-    (y * grad_out).sum().add(aux).backward()
-    return y.detach(), x.grad, {n: p.grad for n, p in m.named_parameters()}, aux.detach()
+    y, x_grad, grads, routing = recorded_backward(m, x, grad_out, train)
+    return y, x_grad, grads, routing.aux_loss(coef=1.0).detach()
 
 
 def close(actual, expected, name="", rtol=1e-4, atol=1e-5):
