@@ -102,9 +102,8 @@ class RoutingRecorder:
             part = stacked.sum() if reduction == "sum" else stacked.mean()
             total = part if total is None else total + part
         if total is None:
-            device = next(iter(self.model.parameters())).device if self.model is not None and any(
-                True for _ in self.model.parameters()) else None
-            return torch.zeros((), device=device)
+            param = next(self.model.parameters(), None) if self.model is not None else None
+            return torch.zeros((), device=param.device if param is not None else None)
         return coef * total
 
     def stats(self) -> Dict[str, Dict[str, Any]]:
