@@ -1,17 +1,14 @@
-"""Train a model: ``python train.py [task=diffusion] [model=...] [attention=moh attention.activation_ratio=0.5] ...``
+"""Train a model: ``python train.py [experiment=...] [model=...] [attention=moh attention.activation_ratio=0.5] ...``
 
 With no arguments: a small MoH TransNeXt on the embedded digits (CPU, no download). See README.md.
 """
-import hydra
-from omegaconf import DictConfig
-
-from moh_vision.cli import run_cli
+from moh_vision.config import hydra_main
 
 
-@hydra.main(version_base="1.3", config_path="configs", config_name="train")
-def main(cfg: DictConfig) -> float:
+@hydra_main("train")
+def main(cfg) -> float:
     from moh_vision.engine.run import train
-    summary = run_cli(train, cfg)
+    summary = train(cfg)
     return summary.get("val/acc1", summary.get("sample/class_acc", 0.0))  # the value Optuna sweeps optimise
 
 

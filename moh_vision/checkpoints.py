@@ -287,3 +287,24 @@ def _unsupported_global(err: BaseException) -> str:
         if "Unsupported global" in line or "GLOBAL" in line:
             return line.strip()[:200]
     return _first_line(err)
+
+
+def check_checkpoint_file(path: Union[str, os.PathLike]) -> Optional[str]:
+    """None when ``path`` looks like a checkpoint a loader here can read (torch's zip or legacy pickle
+    format, or safetensors), else what is wrong, in words. Reads a few bytes: fit for checking a
+    config before a run starts; a file that passes can still be truncated (the loader then says so)."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        return "no such checkpoint file"
+    if not path.is_file():
+        return "not a file"
+    try:
+        with open(path, "rb") as handle:
+            head = handle.read(16)
+    except OSError as err:
+        return f"cannot be read ({err.strerror})"
+    if head.startswith(b"PK\x03\x04") or head[:1] == b"\x80":  # torch.save zip / legacy pickle
+        return None
+    if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size:
+        return None  # safetensors: an 8-byte header length, then the JSON header
+    return "not a checkpoint (neither torch.save's format nor safetensors)" if head else "an empty file"

@@ -34,15 +34,29 @@ def user_error_in(err: BaseException) -> Optional[Exception]:
 
 
 def run_cli(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``; a user error becomes one ``error:`` line on stderr and exit status 2 (1 for a RunError)."""
+    """``fn(*args)``; a user error becomes one ``error:`` line on stderr and exit status 2 (1 for a RunError).
+    A run that stops on a RunError or fails with a traceback also records it in its log file
+    (``train.log``), which a rejected configuration never creates."""
     try:
         return fn(*args)
     except Exception as err:
         user_error = user_error_in(err)
+        if not isinstance(user_error, ConfigError):
+            _log_to_files(f"error: {user_error}" if user_error else "the run failed:",
+                          exc_info=None if user_error else sys.exc_info())
         if user_error is None:
             raise
         print(f"error: {user_error}", file=sys.stderr)
         sys.exit(2 if isinstance(user_error, ConfigError) else 1)
+
+
+def _log_to_files(message: str, exc_info: Any = None) -> None:
+    """Write ``message`` (and a traceback) into the root logger's log files only: the console gets the
+    one ``error:`` line or Python's own traceback, not a second copy."""
+    record = logging.getLogger(__name__).makeRecord(__name__, logging.ERROR, __file__, 0, message, (), exc_info)
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, logging.FileHandler):
+            handler.handle(record)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -245,14 +259,6 @@ def run_tool(fn: Callable[..., Any], argv: Optional[Sequence[str]], options: Seq
 # ----------------------------------------------------------------------------------------------
 # The configuration groups, as the command line composes them
 # ----------------------------------------------------------------------------------------------
-def compose(config_name: str, overrides: Sequence[str] = ()) -> Any:
-    """``configs/<config_name>.yaml`` composed with Hydra overrides, as the entry points see it."""
-    from hydra import compose as hydra_compose, initialize_config_dir
-
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
-        return hydra_compose(config_name=config_name, overrides=list(overrides))
-
-
 def attention_config(name: Optional[str], options: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
     """The ``attention`` group as ``train.py attention=<name> attention.<key>=...`` composes it (None: none)."""
     if name is None:

@@ -11,6 +11,8 @@ import torch
 
 
 def pytest_configure(config):
+    from moh_vision.config import register_configs
+    register_configs()  # the schema and the model presets, for tests that compose with Hydra's own API
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"  # subprocesses the tests start inherit it

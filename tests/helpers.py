@@ -68,3 +68,20 @@ def recorded_backward(m, x, grad_out, train: bool):
         y = m(x)
     ((y * grad_out).sum() + routing.aux_loss(coef=1.0)).backward()
     return y.detach(), x.grad, {name: p.grad for name, p in m.named_parameters()}, routing
+
+
+def model_config(name: str, **overrides) -> dict:
+    """A model config as train.py passes it to a task: every key present."""
+    return {"name": name, "checkpoint_path": None, "init_from": None, "kwargs": {}, **overrides}
+
+
+ATTENTION_PRESET = {"name": None, "aux_loss_weight": 0.01}  # keep the model's own attention
+
+
+def trainer_config(**overrides):
+    """The trainer's typed config with the defaults of the schema, shrunk for tests (no progress bar,
+    no FLOP count); ``ema={...}`` overrides the EMA options."""
+    from moh_vision.config import EmaConfig, TrainerConfig
+    ema = EmaConfig(**overrides.pop("ema", {}))
+    settings = {"progress": False, "count_flops": False, "device": "cpu", **overrides}
+    return TrainerConfig(ema=ema, **settings)

@@ -1,5 +1,5 @@
 """A data module for tests: the digits, with images that turn to NaN from a given training index on
-(simulating corrupt inputs). Selected from the command line with ``data._target_=nan_data.NaNDigits``."""
+(simulating corrupt inputs). Selected from the command line with ``data=custom data.name=nan_data:NaNDigits``."""
 import torch
 
 from moh_vision.data.digits import DigitsData

@@ -13,7 +13,7 @@ from moh_vision.analysis import routing_plots
 from moh_vision.attention import routed_modules
 from moh_vision.errors import ConfigError
 
-from helpers import load_tool as load, run_entry
+from helpers import ATTENTION_PRESET, load_tool as load, model_config, run_entry
 from moh_vision.analysis.routing_analysis import analyse, layer_statistics, write_outputs
 from moh_vision.engine.analyze_routing import task_forward
 
@@ -105,7 +105,7 @@ def test_dit_and_vit_grids_and_moa(tmp_path):
     torch.manual_seed(0)
     batch = [(torch.randn(3, 1, 16, 16), torch.tensor([1, 2, 3]))]
 
-    task = DiffusionTask(model={"name": "dit_tiny_2"})
+    task = DiffusionTask(model=model_config("dit_tiny_2"), attention=ATTENTION_PRESET)
     dit = timm.create_model("dit_tiny_2", attention="moh", shared_heads=1, topk=2)
     sums, maps, images, seen = analyse(dit, batch, task_forward(task, dit, cpu, timestep=100), 3, 1)
     stats = layer_statistics(dit, sums)

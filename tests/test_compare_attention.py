@@ -31,7 +31,7 @@ def test_arms_share_backbone_data_and_recipe_and_differ_in_attention():
     cfgs = {arm: arm_config(arm) for arm in ARMS}
     for arm, cfg in cfgs.items():
         assert cfg.model.name == "plain_vit_nano" and cfg.model.kwargs.num_heads == 8, arm
-        assert cfg.data._target_.endswith("DigitsData") and cfg.trainer == cfgs["mha"].trainer, arm
+        assert cfg.data.name == "digits" and cfg.trainer == cfgs["mha"].trainer, arm
         assert cfg.optim == cfgs["mha"].optim and cfg.sched == cfgs["mha"].sched, arm
     assert [cfgs[a].attention.name for a in ARMS] == ["mha", "moh", "moh", "moh", "moa"]
     assert [cfgs[a].attention.get("activation_ratio") for a in ARMS[1:4]] == [0.5, 0.75, 0.9]

@@ -167,8 +167,6 @@ def test_mixup_gives_soft_targets_that_sum_to_one(tree):
 
 def test_repeated_aug_auto_follows_the_world_size(tree, monkeypatch):
     """DeiT repeats each image x3 over processes; in one process the copies would share a batch."""
-    import yaml
-
     from moh_vision.data.imagefolder import resolve_repeated_aug
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert ImageFolderData(tree, **SMALL).repeated_aug == 1
@@ -180,8 +178,8 @@ def test_repeated_aug_auto_follows_the_world_size(tree, monkeypatch):
     for bad in ("three", -1):
         with pytest.raises(ConfigError, match="auto or an integer"):
             resolve_repeated_aug(bad)
-    config = yaml.safe_load(open(os.path.join(os.path.dirname(__file__), "..", "configs", "data", "imagefolder.yaml")))
-    assert config["repeated_aug"] == "auto"
+    from moh_vision.config import ImageFolderData as Schema
+    assert Schema().repeated_aug == "auto"
 
 
 # --------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import load_tool, read_summary, run_entry
+from helpers import ATTENTION_PRESET, load_tool, model_config, read_summary, run_entry
 from moh_vision.data.extract_latents import Extraction, extract_latents
 from moh_vision.data.latents import SCALE_FACTOR, LatentsData, center_crop_arr, load_shard, load_vae
 from moh_vision.data.sampler import SeededItems
@@ -160,7 +160,7 @@ def test_train_diffusion_on_latents_end_to_end(latents, tmp_path):
     assert np.isfinite(summary["val/loss"]) and np.isfinite(summary["val_ema/loss"])
     state = torch.load(tmp_path / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
     assert state["model"]["x_embedder.proj.weight"].shape[1] == 4, "the model sees 4 latent channels"
-    assert state["config"]["data"]["_target_"].endswith("LatentsData")
+    assert state["config"]["data"]["name"] == "latents"
     grid = Image.open(tmp_path / "samples" / "epoch_0000.png")
     assert grid.mode == "RGB" and grid.height >= CLASSES * IMAGE_SIZE, "the grid holds decoded RGB images"
 
@@ -169,7 +169,7 @@ def test_latents_without_the_diffusion_task_is_a_one_line_error(latents):
     from moh_vision.tasks.classification import ClassificationTask
     data = LatentsData(str(latents["out"]), val_size=4)
     with pytest.raises(ConfigError, match="task=diffusion.*experiment=latent_diffusion"):
-        ClassificationTask(model={"name": "transnext_nano"}).build_model(data)
+        ClassificationTask(model=model_config("transnext_nano"), attention=ATTENTION_PRESET).build_model(data)
 
 
 OFFICIAL_STEPS = {**{f"moh_dit_{s}_2_{r}": 400_000 for s in "sbl" for r in (90, 75)},
@@ -186,7 +186,7 @@ def test_imagenet_experiments_compose_the_official_recipe(name, steps):
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=[f"experiment={name}", "data.root=/latents"])
     assert cfg.model.name == name and cfg.attention.name == (None if name.startswith("moh") else "mha")
-    assert cfg.task._target_.endswith("DiffusionTask") and cfg.data._target_.endswith("LatentsData")
+    assert cfg.task.name == "diffusion" and cfg.data.name == "latents"
     recipe = (cfg.trainer.batch_size, cfg.optim.lr, cfg.optim.weight_decay, cfg.sched.name, cfg.trainer.clip_grad)
     assert recipe == (256, 1e-4, 0.0, "constant", 0.0)
     assert cfg.trainer.ema.enabled and cfg.trainer.ema.decay == 0.9999 and cfg.trainer.max_steps == steps

@@ -18,7 +18,7 @@ from moh_vision.analysis.routing_stats import RoutingMeter
 # Deterministic, checkpoint every step, log every step.
 CLS = ("trainer.deterministic=true", "trainer.ckpt_every_steps=1", "trainer.log_every=1", "trainer.progress=false",
        "trainer.num_workers=0", "trainer.epochs=2", "trainer.batch_size=256", "trainer.count_flops=false")
-DIFF = ("task=diffusion", "data.img_size=8", "trainer.deterministic=true", "trainer.ckpt_every_steps=1",
+DIFF = ("experiment=diffusion", "data.img_size=8", "trainer.deterministic=true", "trainer.ckpt_every_steps=1",
         "trainer.log_every=1", "trainer.progress=false", "trainer.num_workers=0", "trainer.epochs=2",
         "trainer.batch_size=256", "trainer.count_flops=false", "task.sample.per_class=1",
         "task.sample.eval_per_class=0", "task.sample.steps=5", "task.sample.every_epochs=0")
@@ -150,7 +150,7 @@ def test_full_disk_during_save_keeps_previous_checkpoint(tmp_path):
 def test_nonfinite_steps_are_skipped_then_stop_with_last_good_checkpoint(tmp_path):
     run_entry("train.py", *CLS, "trainer.max_steps=3", f"hydra.run.dir={tmp_path}")
     good = weights(tmp_path)
-    proc = run_entry("train.py", *CLS, "data._target_=nan_data.NaNDigits", "+data.nan_from=0",
+    proc = run_entry("train.py", *CLS, "data=custom", "data.name=nan_data:NaNDigits", "+data.kwargs.nan_from=0",
                      "trainer.max_nonfinite_in_a_row=3", f"hydra.run.dir={tmp_path}",
                      env={"PYTHONPATH": ENV["PYTHONPATH"]}, check=False)
     assert proc.returncode == 1
@@ -166,7 +166,7 @@ def test_nonfinite_steps_are_skipped_then_stop_with_last_good_checkpoint(tmp_pat
 
 def test_a_few_nonfinite_steps_are_skipped_and_training_goes_on(tmp_path):
     # a handful of NaN images (8 of 1438): the batches that hold one are skipped, the run finishes
-    run_entry("train.py", *CLS, "data._target_=nan_data.NaNDigits", "+data.nan_from=1430",
+    run_entry("train.py", *CLS, "data=custom", "data.name=nan_data:NaNDigits", "+data.kwargs.nan_from=1430",
               "trainer.batch_size=64", "trainer.epochs=1", f"hydra.run.dir={tmp_path}",
               env={"PYTHONPATH": ENV["PYTHONPATH"]})
     summary = read_summary(tmp_path)

@@ -36,13 +36,13 @@ def one_thread():
 def checkpoint(tmp_path_factory):
     """A checkpoint as the trainer writes it (model, model_ema, config) for the digits diffusion default,
     with random weights in place of training (DiT's zero-init output would make guidance a no-op)."""
-    from hydra.utils import instantiate
+    from moh_vision.config import build_data, build_task
 
     run = tmp_path_factory.mktemp("digits_run")
-    cfg = compose_config("train", ["task=diffusion"])
+    cfg = compose_config("train", ["experiment=diffusion"])
     config = OmegaConf.to_container(cfg, resolve=True)
-    data = instantiate(cfg.data)
-    task = instantiate(cfg.task, model=config["model"], attention=config["attention"], _recursive_=False)
+    data = build_data(config["data"])
+    task = build_task(config["task"], model=config["model"], attention=config["attention"])
     torch.manual_seed(0)
     model = task.build_model(data)
     weights = {}

@@ -29,7 +29,8 @@ def test_default_run_writes_every_output(trained):
     assert summary["steps"] == 3 and summary["model"] == "transnext_nano" and summary["attention"] == "moh"
     assert 0.0 <= summary["val/acc1"] <= 100.0 and summary["val/count"] == 359
     cfg = yaml.safe_load((trained / "config.yaml").read_text())
-    assert cfg["attention"]["activation_ratio"] == 0.75 and cfg["data"]["_target_"].endswith("DigitsData")
+    assert cfg["attention"]["name"] == "moh" and cfg["attention"]["activation_ratio"] is None  # the 0.75 policy
+    assert cfg["data"]["name"] == "digits"
     rows = list(csv.DictReader(open(trained / "metrics.csv")))
     assert [r["train/loss"] != "" for r in rows[:3]] == [True, True, True]
     assert rows[-1]["val/acc1"] != ""
@@ -136,12 +137,12 @@ def test_wandb_logger_works_offline(tmp_path):
 
 
 @pytest.mark.parametrize("override,fragment", [
-    ("model=resnet_moh", "Could not find 'model/resnet_moh'"),  # Hydra lists the options
+    ("model=resnet_moh", "model=resnet_moh is unknown; options: dit,"),  # the options are listed
     ("model.name=transnext_nanoo", "did you mean transnext_nano"),
     ("attention=moh attention.activation_ratio=1.5", "outside (0, 1]"),
-    ("attention=nonexistent", "Could not find 'attention/nonexistent'"),
+    ("attention=nonexistent", "attention=nonexistent is unknown; options: mha, moa, moh"),
     ("data.img_size=40", "multiple of 32"),
-    ("trainer.val_at_start=sometimes", "trainer.val_at_start='sometimes'; allowed: auto, true, false"),
+    ("trainer.val_at_start=sometimes", "trainer.val_at_start=sometimes: must be one of auto, true, false"),
 ])
 def test_bad_config_fails_with_one_line(tmp_path, override, fragment):
     proc = run_entry("train.py", *override.split(), *FAST_TRAIN, f"hydra.run.dir={tmp_path}", check=False)

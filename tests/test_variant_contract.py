@@ -173,13 +173,11 @@ def test_the_add_your_own_example_is_one_file(tmp_path):
 
 
 def test_explicit_heads_win_over_the_ratio():
-    """``attention.shared_heads=2 attention.topk=2`` works with the YAML's activation_ratio in place."""
-    from hydra import compose, initialize_config_dir
-
+    """``attention.shared_heads=2 attention.topk=1`` win over an activation_ratio that is also set."""
+    from moh_vision.config import compose
     from moh_vision.models import build_model
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        cfg = compose("train", overrides=["model=plain_vit_nano", "attention.shared_heads=2", "attention.topk=1"])
-    assert cfg.attention.activation_ratio == 0.75
+    cfg = compose("train", overrides=["model=plain_vit_nano", "attention.shared_heads=2", "attention.topk=1",
+                                      "attention.activation_ratio=0.75"])
     model = build_model("plain_vit_nano", attention=dict(cfg.attention))
     layers = [m for _, m in __import__("moh_vision").attention.find_attention(model)]
     assert {(m.shared_heads, m.topk) for m in layers} == {(2, 1)}

@@ -65,7 +65,7 @@ def load_jobs(root: Path) -> List[Dict[str, Any]]:
         attention = (cfg.get("attention") or {})
         jobs.append({
             "dir": str(job_dir.relative_to(root)),
-            "model": (cfg.get("model") or {}).get("name", summary.get("model")),
+            "model": (cfg.get("model") or {}).get("name") or summary.get("model"),
             "attention": attention.get("name") or "preset",
             "ratio": job_ratio(attention, summary),
             "seed": cfg.get("seed"),

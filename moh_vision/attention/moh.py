@@ -92,8 +92,8 @@ class MoH(SharedPlusTopK, RoutedMixin):
             module docstring).
         topk: routed heads each token selects (the official ``routed_head``). Explicit
             ``shared_heads`` + ``topk`` win over ``activation_ratio``.
-        activation_ratio: fraction of heads a token uses, used when ``topk`` is not given; see
-            :func:`~moh_vision.attention.routing.resolve_moh_heads` for the policy.
+        activation_ratio: fraction of heads a token uses, used when ``topk`` is not given (None:
+            0.75); see :func:`~moh_vision.attention.routing.resolve_moh_heads` for the policy.
         impl: how the heads are executed; every choice gives the same outputs and gradients.
             ``"masked"`` computes every head and zeroes unselected ones (the official reference,
             any kernel); ``"sparse"`` computes queries, attention and output projection only for
@@ -119,7 +119,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
     reference_impl = "masked"
 
     def __init__(self, dim: int, num_heads: int, *, shared_heads: Union[int, str, None] = None,
-                 topk: Optional[int] = None, activation_ratio: Optional[float] = 0.75, impl: str = "auto",
+                 topk: Optional[int] = None, activation_ratio: Optional[float] = None, impl: str = "auto",
                  learn_shared_steps: int = 500, shared_estimator: str = "ste", **kernel_options):
         super().__init__(dim, num_heads, **kernel_options)
         if impl not in MOH_IMPLS:

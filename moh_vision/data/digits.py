@@ -77,6 +77,8 @@ class DigitsData:
         normalize: ``"standard"`` ((x - 0.5) / 0.5 for classification) or ``"symmetric"`` ([-1, 1], diffusion: same map).
     """
 
+    digit_metrics = True  # capability (moh_vision.tasks.protocols): samples scored by the digits classifier
+
     def __init__(self, img_size: int = 32, in_chans: int = 1, val_fraction: float = 0.2, split_seed: int = 0,
                  augment: bool = True, max_shift: float = 0.1, max_rotate: float = 10.0, max_scale: float = 0.1):
         if in_chans not in (1, 3):

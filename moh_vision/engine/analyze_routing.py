@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 from moh_vision.analysis.routing_analysis import (analyse, default_out, layer_statistics, wandb_metrics,
                                                   write_outputs)
 from moh_vision.attention import routed_layer_names
-from moh_vision.cli import compose
+from moh_vision.config import compose
 from moh_vision.errors import ConfigError
 from moh_vision.tasks.classification import split_batch
 from .distributed import pick_device
@@ -66,17 +66,19 @@ def log_to_wandb(mode: str, container: Dict[str, Any], state: Dict[str, Any], ou
     wandb run (resumed by the id its checkpoint recorded), or, for a run that had none, a new run of
     job type ``routing_analysis`` in its project and group. Returns the run id, or None when wandb is
     off or unusable."""
-    logger_cfg = dict(container.get("logger") or {})
-    if mode == "none" or (mode == "auto" and logger_cfg.get("name") != "wandb"):
+    from moh_vision.config import WandbLogger as WandbOptions
+
+    saved = dict(container["logger"])
+    if mode == "none" or (mode == "auto" and saved["name"] != "wandb"):
         return None
+    options = WandbOptions(**{**saved, "name": "wandb"})  # a csv run's analysis: the schema's defaults
     run_id = state.get("wandb_run_id")
     try:
         from .loggers import WandbLogger
         run = WandbLogger(out.parent if run_id else out, {"trained": container},
-                          project=logger_cfg.get("project", "moh-vision"), entity=logger_cfg.get("entity"),
-                          group=logger_cfg.get("group"), name=None if run_id else f"routing-{summary['model']}",
-                          job_type="train" if run_id else "routing_analysis", mode=logger_cfg.get("mode", "auto"),
-                          run_id=run_id)
+                          project=options.project, entity=options.entity,
+                          group=options.group, name=None if run_id else f"routing-{summary['model']}",
+                          job_type="train" if run_id else "routing_analysis", mode=options.mode, run_id=run_id)
     except Exception as err:  # wandb missing or failing: the files are the result anyway
         log.warning("wandb logging skipped (%s: %s)", type(err).__name__, err)
         return None

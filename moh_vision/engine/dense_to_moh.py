@@ -26,9 +26,10 @@ import torch
 
 from moh_vision.attention import routed_modules
 from moh_vision.checkpoints import atomic_save, plain_tensors
-from moh_vision.cli import CONFIG_DIR, attention_config, compose
+from moh_vision.cli import attention_config
+from moh_vision.config import compose
 from moh_vision.errors import ConfigError, RunError
-from moh_vision.models import build_model, model_family
+from moh_vision.models import build_model, list_models, model_family
 from moh_vision.models.continue_tuning import (DEFAULT_ROUTER_STD, ContinueTuningError, init_from_dense,
                                                read_dense_checkpoint, routing_like)
 from .distributed import pick_device
@@ -74,8 +75,8 @@ def _hydra_value(value: Any) -> str:
 
 def train_overrides(model: str, attention: Dict[str, Any], model_kwargs: Dict[str, Any]) -> List[str]:
     """The ``train.py`` overrides that build this target."""
-    overrides = ["task=diffusion"] if model_family(model) == "dit" else []
-    overrides.append(f"model={model}" if (CONFIG_DIR / "model" / f"{model}.yaml").is_file() else f"model.name={model}")
+    overrides = ["experiment=diffusion"] if model_family(model) == "dit" else []
+    overrides.append(f"model={model}" if model in list_models() else f"model.name={model}")
     overrides.append(f"attention={attention['name'] or 'preset'}")
     overrides += [f"attention.{k}={_hydra_value(v)}" for k, v in attention.items() if k != "name"]
     return overrides + [f"++model.kwargs.{k}={_hydra_value(v)}" for k, v in model_kwargs.items()]
@@ -88,16 +89,16 @@ def build_pair(model: str, attention: Dict[str, Any], model_kwargs: Dict[str, An
         target = build_model(model, attention=attention, **model_kwargs)
         dense = build_model(model, attention={"name": "mha"}, **model_kwargs) if compare_outputs else None
         return dense, target, None, None
-    from hydra.utils import instantiate
     from omegaconf import OmegaConf
 
+    from moh_vision.config import build_data, build_task
+
     cfg = compose("train", [*train_overrides(model, attention, model_kwargs), *eval_overrides])
-    data = instantiate(cfg.data)
+    data = build_data(OmegaConf.to_container(cfg.data, resolve=True))
     config = OmegaConf.to_container(cfg, resolve=True)
     config["model"].update(checkpoint_path=None, init_from=None)
-    task = instantiate(cfg.task, model=config["model"], attention=config["attention"], _recursive_=False)
-    dense_task = instantiate(cfg.task, model=config["model"], attention={"name": "mha", "aux_loss_weight": 0.0},
-                             _recursive_=False)
+    task = build_task(config["task"], model=config["model"], attention=config["attention"])
+    dense_task = build_task(config["task"], model=config["model"], attention={"name": "mha", "aux_loss_weight": 0.0})
     return dense_task.build_model(data), task.build_model(data), task, data
 
 

@@ -11,11 +11,11 @@ from typing import Any, Dict, Optional
 
 import torch
 from hydra.core.hydra_config import HydraConfig
-from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from moh_vision.errors import ConfigError
 from moh_vision import checkpoints as ckpt_io
+from moh_vision.config import EvalConfig, TrainConfig, build_data, build_task, group_name, validate
+from moh_vision.errors import ConfigError
 from .distributed import broadcast_object, cleanup, init_distributed
 from .loggers import Loggers, write_json
 from .trainer import Preempted, Trainer
@@ -33,37 +33,35 @@ def hydra_output_dir() -> Path:
         return Path(os.getcwd())
 
 
-def run_group_and_name(cfg: DictConfig) -> Dict[str, Optional[str]]:
-    """wandb group = experiment / sweep / tag name; wandb run name = the command-line overrides."""
+def run_group_and_name(logger: Any, tag: Optional[str]) -> Dict[str, Optional[str]]:
+    """wandb group = logger.group, else the experiment / sweep / tag name; wandb run name = the
+    command-line overrides."""
     try:
         hc = HydraConfig.get()
         choices = hc.runtime.choices
         overrides = hc.job.override_dirname or None
     except ValueError:
         choices, overrides = {}, None
-    group = (cfg.logger.get("group") if "logger" in cfg else None) or choices.get("experiment") \
-        or choices.get("sweep") or cfg.get("tag")
+    group = logger.group or choices.get("experiment") or choices.get("sweep") or tag
     return {"group": group, "name": overrides or "default"}
 
 
-def make_loggers(cfg: DictConfig, out_dir: Path, is_main: bool, config: Dict[str, Any], run_id: Optional[str],
-                 job_type: str) -> Loggers:
-    logger_cfg = OmegaConf.to_container(cfg.logger, resolve=True) if "logger" in cfg else {"name": "csv"}
-    kind = logger_cfg.pop("name", "csv")
+def make_loggers(logger: Any, tag: Optional[str], out_dir: Path, is_main: bool, config: Dict[str, Any],
+                 run_id: Optional[str], job_type: str) -> Loggers:
+    """The run's loggers from its typed ``logger`` config (csv, none or wandb)."""
     wandb_options = None
-    if kind == "wandb":
-        names = run_group_and_name(cfg)
-        wandb_options = {"project": logger_cfg.get("project", "moh-vision"), "entity": logger_cfg.get("entity"),
-                         "group": names["group"], "name": names["name"], "tags": logger_cfg.get("tags") or [],
-                         "mode": logger_cfg.get("mode", "auto")}
-    return Loggers(out_dir, kind=kind, enabled=is_main, wandb_options=wandb_options, config=config,
+    if logger.name == "wandb":
+        names = run_group_and_name(logger, tag)
+        wandb_options = {"project": logger.project, "entity": logger.entity, "group": names["group"],
+                         "name": names["name"], "tags": list(logger.tags), "mode": logger.mode}
+    return Loggers(out_dir, kind=logger.name, enabled=is_main, wandb_options=wandb_options, config=config,
                    run_id=run_id, job_type=job_type)
 
 
-def _previous_wandb_id(trainer_cfg: DictConfig, out_dir: Path) -> Optional[str]:
+def _previous_wandb_id(resume: str, out_dir: Path) -> Optional[str]:
     """Continue the same wandb run when resuming."""
     try:
-        path = ckpt_io.resolve_resume(trainer_cfg.get("resume", "auto"), out_dir)
+        path = ckpt_io.resolve_resume(resume, out_dir)
         if path is None:
             return None
         state, _ = ckpt_io.load_with_fallback(path)
@@ -94,21 +92,23 @@ def requeue_slurm_job() -> None:
 
 
 def train(cfg: DictConfig) -> Dict[str, Any]:
-    dist = init_distributed(cfg.trainer.get("device", "auto"))
-    out_dir = shared_output_dir(hydra_output_dir(), dist)
+    run: TrainConfig = validate(cfg)  # every value checked: nothing is built or written before this
     config = OmegaConf.to_container(cfg, resolve=True)
+    dist = init_distributed(run.trainer.device)
+    out_dir = shared_output_dir(hydra_output_dir(), dist)
     if dist.is_main:
         out_dir.mkdir(parents=True, exist_ok=True)
-    data = instantiate(cfg.data)
-    task = instantiate(cfg.task, model=config["model"], attention=config["attention"], _recursive_=False)
-    loggers = make_loggers(cfg, out_dir, dist.is_main, config, _previous_wandb_id(cfg.trainer, out_dir), "train")
-    trainer = Trainer(config["trainer"], out_dir, dist, loggers, optim=config["optim"], sched=config["sched"],
-                      config=config, seed=int(cfg.seed))
+    data = build_data(run.data)
+    task = build_task(run.task, model=config["model"], attention=config["attention"])
+    loggers = make_loggers(run.logger, run.tag, out_dir, dist.is_main, config,
+                           _previous_wandb_id(run.trainer.resume, out_dir), "train")
+    trainer = Trainer(run.trainer, out_dir, dist, loggers, optim=run.optim, sched=run.sched, config=config,
+                      seed=run.seed)
     try:
         summary = trainer.fit(task, data)
     except Preempted as stop:
         loggers.finish(exit_code=REQUEUE_EXIT_CODE)
-        if dist.is_main and cfg.trainer.get("requeue_on_preempt", True):
+        if dist.is_main and run.trainer.requeue_on_preempt:
             requeue_slurm_job()
         log.warning("stopped by %s at step %d; checkpoint saved to %s; resume with trainer.resume=auto "
                     "(same output dir) or trainer.resume=%s", stop, trainer.step, trainer.last_good_checkpoint,
@@ -130,14 +130,13 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
 
 class RebuiltRun(SimpleNamespace):
     """What a checkpoint's own config rebuilds: ``state``, ``path``, ``config`` (plain dict), ``task``
-    and ``data`` (None when ``build_data=False``)."""
+    and ``data`` (None when ``with_data=False``)."""
 
 
-def rebuild_run(ckpt: str, data: Optional[DictConfig] = None, build_data: bool = True) -> RebuiltRun:
+def rebuild_run(ckpt: str, data: Optional[DictConfig] = None, with_data: bool = True) -> RebuiltRun:
     """Load ``ckpt`` and rebuild its task (and data) from the config inside it, as it was trained.
 
-    ``data`` replaces the saved data config (a full group config with ``_target_``) or updates it
-    (single keys). The model's ``checkpoint_path``/``init_from`` are cleared: the weights come from
+    ``data`` replaces the saved data config (another data group) or updates it (single keys). The model's ``checkpoint_path``/``init_from`` are cleared: the weights come from
     this checkpoint, and the files that seeded the run need not exist any more.
     """
     state, used = ckpt_io.load_with_fallback(Path(str(ckpt)).expanduser())
@@ -145,15 +144,15 @@ def rebuild_run(ckpt: str, data: Optional[DictConfig] = None, build_data: bool =
     if "task" not in saved or "model" not in saved:
         raise ConfigError(f"{used} carries no training config (was it written by train.py?); load its weights "
                           f"with timm.create_model(..., checkpoint_path=)")
-    if data is not None:
-        saved.data = OmegaConf.merge(saved.data, data) if "_target_" not in data else data
+    if data is not None:  # data=<name> replaces the saved data config; data.<key>=... updates it
+        saved.data = data if "name" in data and group_name(dict(data)) != group_name(dict(saved.data)) \
+            else OmegaConf.merge({k: v for k, v in saved.data.items() if k != "_target_"}, data)
     config = OmegaConf.to_container(saved, resolve=True)
     config["model"]["checkpoint_path"] = None
     config["model"]["init_from"] = None
-    task = instantiate(OmegaConf.create(config["task"]), model=config["model"], attention=config["attention"],
-                       _recursive_=False)
+    task = build_task(config["task"], model=config["model"], attention=config["attention"])
     return RebuiltRun(state=state, path=used, config=config, task=task,
-                      data=instantiate(OmegaConf.create(config["data"])) if build_data else None)
+                      data=build_data(config["data"]) if with_data else None)
 
 
 def weights_of(run: RebuiltRun, use_ema: bool, off_switch: str = "eval.use_ema=false") -> Dict[str, torch.Tensor]:
@@ -169,23 +168,24 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     """Top-1/top-5 (or the diffusion task's metrics) of a checkpoint; its config travels inside it."""
     from moh_vision.engine.distributed import pick_device
 
-    run = rebuild_run(cfg.ckpt, cfg.get("data"))
+    options: EvalConfig = validate(cfg)
+    run = rebuild_run(options.ckpt, cfg.data)
     out_dir = hydra_output_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
-    device = pick_device(cfg.eval.device)
+    device = pick_device(options.eval.device)
     data, task, container, state, used = run.data, run.task, run.config, run.state, run.path
-    use_ema = bool(cfg.eval.use_ema)
+    use_ema = options.eval.use_ema
     model = task.build_model(data)
     model.load_state_dict(weights_of(run, use_ema))
     model = model.to(device)
-    trainer_like = _EvalRunner(cfg, device, data, task)
+    trainer_like = _EvalRunner(options, device, data, task)
     metrics = trainer_like.run(model)
     summary = {"checkpoint": str(used), "use_ema": use_ema, "model": container["model"]["name"],
                "params": sum(p.numel() for p in model.parameters()), "step": state.get("step"), **metrics}
     write_json(out_dir / "summary.json", summary)
     OmegaConf.save(OmegaConf.create({"eval": OmegaConf.to_container(cfg, resolve=True), "trained": container}),
                    out_dir / "config.yaml")
-    loggers = make_loggers(cfg, out_dir, True, {"eval": OmegaConf.to_container(cfg, resolve=True)},
+    loggers = make_loggers(options.logger, None, out_dir, True, {"eval": OmegaConf.to_container(cfg, resolve=True)},
                            None, "eval")
     loggers.log_epoch({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=int(state.get("step") or 0))
     loggers.finish(summary=summary)
@@ -196,17 +196,17 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
 class _EvalRunner:
     """The bits of the trainer that evaluation needs: a val loader, AMP, and the task's metrics."""
 
-    def __init__(self, cfg: DictConfig, device: torch.device, data, task):
+    def __init__(self, options: EvalConfig, device: torch.device, data, task):
+        import contextlib
+
         from torch.utils.data import DataLoader
-        self.cfg, self.device, self.data, self.task = cfg, device, data, task
-        self.loader = DataLoader(data.val, batch_size=int(cfg.eval.batch_size), shuffle=False,
-                                 num_workers=int(cfg.eval.num_workers), collate_fn=data.collate_fn)
-        amp = cfg.eval.get("amp", "none")
-        if amp in ("bf16", "fp16"):
-            dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+        self.device, self.data, self.task = device, data, task
+        self.loader = DataLoader(data.val, batch_size=options.eval.batch_size, shuffle=False,
+                                 num_workers=options.eval.num_workers, collate_fn=data.collate_fn)
+        if options.eval.amp in ("bf16", "fp16"):
+            dtype = torch.bfloat16 if options.eval.amp == "bf16" else torch.float16
             self.amp = lambda: torch.autocast(device.type, dtype=dtype)
         else:
-            import contextlib
             self.amp = contextlib.nullcontext
 
     def run(self, model) -> Dict[str, Any]:

@@ -29,10 +29,10 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
-from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
 from moh_vision.checkpoints import atomic_write
+from moh_vision.config import build_data, group_name
 from moh_vision.errors import ConfigError
 from .distributed import barrier, cleanup, init_distributed
 from .loggers import write_json
@@ -83,14 +83,14 @@ def shape_from_weights(weights: Dict[str, torch.Tensor], class_dropout_prob: flo
 
 def load_model(cfg: Mapping[str, Any], device: torch.device):
     """(task, model, data, checkpoint info) from ``cfg.ckpt``, with the sampling overrides applied."""
-    run = rebuild_run(cfg.ckpt, build_data=False)
+    run = rebuild_run(cfg.ckpt, with_data=False)
     state, used, container, task = run.state, run.path, run.config, run.task
-    if "diffusion" not in str(container["task"].get("_target_", "")).lower():
+    if group_name(container["task"]) != "diffusion":
         raise ConfigError(f"{used} is not a diffusion training checkpoint (no task=diffusion config inside)")
     key = "model_ema" if cfg.ema else "model"
     weights = weights_of(run, bool(cfg.ema), off_switch="ema=false")
     try:
-        data = instantiate(OmegaConf.create(container["data"]))
+        data = build_data(container["data"])
     except Exception as err:  # e.g. the latents directory lives on another machine: only the shape is needed
         log.warning("data of the checkpoint unavailable (%s); taking the shape from the weights", err)
         data = shape_from_weights(weights, task.class_dropout_prob)
@@ -239,11 +239,11 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
             torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
         check_metric_inputs(cfg)
         task, model, data, info = load_model(cfg, device)
-        if task.vae_cfg.get("path"):
+        if task.vae_cfg["path"]:
             from moh_vision.data.latents import load_vae
             load_vae(task.vae_cfg["path"], device)  # fail now if missing; cached for decoding
         num_samples = sample_count(cfg, task.null_class)
-        settings = {"num_samples": num_samples, "seed": int(cfg.seed), "vae": task.vae_cfg.get("path"),
+        settings = {"num_samples": num_samples, "seed": int(cfg.seed), "vae": task.vae_cfg["path"],
                     **{k: task.sample_cfg[k] for k in (*OVERRIDABLE, "guidance_channels")}}
         parts = out / f".parts-{run_digest(info, settings)}"
         if dist.is_main:
@@ -271,7 +271,7 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
         counts = np.bincount(labels, minlength=task.null_class)
         summary = {**info, **settings, "num_classes": task.null_class, "per_class_min": int(counts.min()),
                    "per_class_max": int(counts.max()), "image_shape": list(images.shape[1:]),
-                   "space": "latent (decoded)" if task.vae_cfg.get("path") else "pixel", "world_size": dist.world_size,
+                   "space": "latent (decoded)" if task.vae_cfg["path"] else "pixel", "world_size": dist.world_size,
                    "files": files, "metrics": metrics, "wall_time_s": time.time() - start}
         write_json(out / "sample.json", summary)
         shutil.rmtree(parts, ignore_errors=True)

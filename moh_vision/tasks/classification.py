@@ -10,6 +10,7 @@ from torch import nn
 from moh_vision.attention import record_routing
 from moh_vision.errors import ConfigError
 from moh_vision.models import build_model
+from moh_vision.tasks.protocols import EpochContext, capability
 
 Tensor = torch.Tensor
 
@@ -25,32 +26,36 @@ def split_batch(batch) -> Tuple[Tensor, Tensor, int]:
 
 class ClassificationTask:
     """Cross-entropy (soft targets under mixup/cutmix, label smoothing otherwise) plus the routed
-    layers' auxiliary loss times ``aux_loss_weight``."""
+    layers' auxiliary loss times ``aux_loss_weight`` (default: the attention config's).
+
+    A ``Task`` (``moh_vision.tasks.protocols``): ``model`` is the model config (``name``,
+    ``checkpoint_path``, ``init_from``, ``kwargs``), ``attention`` the attention config."""
 
     name = "classification"
     primary_metric, primary_mode = "val/acc1", "max"
+    flops_kwargs = None  # the images are the model's only input
 
-    def __init__(self, model: Mapping[str, Any], attention: Optional[Mapping[str, Any]] = None,
+    def __init__(self, model: Mapping[str, Any], attention: Mapping[str, Any],
                  aux_loss_weight: Optional[float] = None):
         self.model_cfg = dict(model)
-        self.attention_cfg = dict(attention or {})
-        weight = self.attention_cfg.get("aux_loss_weight", 0.01) if aux_loss_weight is None else aux_loss_weight
+        self.attention_cfg = dict(attention)
+        weight = self.attention_cfg["aux_loss_weight"] if aux_loss_weight is None else aux_loss_weight
         self.aux_loss_weight = float(weight)
         self.mixup = None
         self.label_smoothing = 0.0
 
     # --- setup ----------------------------------------------------------------------------------
     def build_model(self, data) -> nn.Module:
-        intended = getattr(data, "task", self.name)
-        if intended != self.name:
+        intended = capability(data, "task")
+        if intended not in (None, self.name):
             raise ConfigError(f"{type(data).__name__} is data for task={intended}, not {self.name}: add task={intended} "
                               f"(for latents: experiment=latent_diffusion data.root=<dir>)")
         cfg = self.model_cfg
-        self.mixup, self.label_smoothing = data.mixup, float(getattr(data, "label_smoothing", 0.0))
-        return build_model(cfg["name"], attention=self.attention_cfg, checkpoint_path=cfg.get("checkpoint_path"),
-                           init_from=cfg.get("init_from"),
+        self.mixup, self.label_smoothing = data.mixup, float(data.label_smoothing)
+        return build_model(cfg["name"], attention=self.attention_cfg, checkpoint_path=cfg["checkpoint_path"],
+                           init_from=cfg["init_from"],
                            num_classes=data.num_classes, in_chans=data.in_chans, img_size=data.img_size,
-                           **dict(cfg.get("kwargs") or {}))
+                           **dict(cfg["kwargs"] or {}))
 
     @staticmethod
     def input_shape(data) -> Tuple[int, ...]:
@@ -106,4 +111,8 @@ class ClassificationTask:
         if sums.get("skipped"):
             out[f"{prefix}/skipped_images"] = sums["skipped"]
         return out
+
+    def on_epoch_end(self, ctx: EpochContext) -> Dict[str, float]:
+        """Nothing to do after validation: the trainer's metrics are all there is."""
+        return {}
 

@@ -1,6 +1,7 @@
 """Class-conditional diffusion (DiT / MoH-DiT): batch -> loss dict, validation loss, sample grids and metrics."""
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any, Dict, Mapping, Optional, Tuple
@@ -9,18 +10,20 @@ import torch
 from torch import nn
 
 from moh_vision.attention import record_routing
+from moh_vision.config import SampleConfig, VaeConfig
 from moh_vision.diffusion import create_diffusion, guided_model_fn
 from moh_vision.errors import ConfigError
-from moh_vision.models import build_model, model_family, unwrap_model
+from moh_vision.models import build_model, model_family
+from moh_vision.tasks.protocols import EpochContext, capability
 from .classification import split_batch
 
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
 
-DEFAULT_SAMPLE = {"every_epochs": 0, "steps": "100", "sampler": "ddpm", "cfg_scale": 1.5, "guidance_channels": None,
-                  "per_class": 8, "grid_classes": 10, "eval_per_class": 0, "clip_denoised": None, "seed": 0,
-                  "batch_size": 250, "decode_batch_size": 32}
+# The sampling and VAE options and their defaults: the schema's (moh_vision/config.py), for the Python API too.
+DEFAULT_SAMPLE = dataclasses.asdict(SampleConfig())
+DEFAULT_VAE = dataclasses.asdict(VaeConfig())
 
 
 class DiffusionTask:
@@ -29,18 +32,21 @@ class DiffusionTask:
 
     ``sample`` controls the grids (rows = classes) written every ``every_epochs`` epochs and at the
     end, and the sample metrics (``sample/class_acc``, ``sample/fd_digits``) on ``eval_per_class``
-    samples per class when the data are the digits.
+    samples per class when the data declare ``digit_metrics``.
+
+    A ``Task`` (``moh_vision.tasks.protocols``): ``model`` is the model config (``name``,
+    ``checkpoint_path``, ``init_from``, ``kwargs``), ``attention`` the attention config.
     """
 
     name = "diffusion"
     primary_metric, primary_mode = "val/loss", "min"
 
-    def __init__(self, model: Mapping[str, Any], attention: Optional[Mapping[str, Any]] = None,
+    def __init__(self, model: Mapping[str, Any], attention: Mapping[str, Any],
                  aux_loss_weight: Optional[float] = None, diffusion_steps: int = 1000, noise_schedule: str = "linear",
                  learn_sigma: bool = True, class_dropout_prob: float = 0.1,
                  sample: Optional[Mapping[str, Any]] = None, vae: Optional[Mapping[str, Any]] = None):
-        self.model_cfg, self.attention_cfg = dict(model), dict(attention or {})
-        weight = self.attention_cfg.get("aux_loss_weight", 0.01) if aux_loss_weight is None else aux_loss_weight
+        self.model_cfg, self.attention_cfg = dict(model), dict(attention)
+        weight = self.attention_cfg["aux_loss_weight"] if aux_loss_weight is None else aux_loss_weight
         self.aux_loss_weight = float(weight)
         self.learn_sigma, self.class_dropout_prob = bool(learn_sigma), float(class_dropout_prob)
         self.diffusion = create_diffusion("", noise_schedule=noise_schedule, learn_sigma=learn_sigma,
@@ -51,7 +57,7 @@ class DiffusionTask:
         if unknown:
             raise ConfigError(f"task.sample got unknown option(s) {sorted(unknown)}; known: {sorted(DEFAULT_SAMPLE)}")
         self.sample_cfg = {**DEFAULT_SAMPLE, **dict(sample or {})}
-        self.vae_cfg = {"path": None, "scale_factor": 0.18215, **dict(vae or {})}
+        self.vae_cfg = {**DEFAULT_VAE, **dict(vae or {})}
         self._classifier = None
 
     # --- setup ----------------------------------------------------------------------------------
@@ -62,24 +68,25 @@ class DiffusionTask:
         self.data = data
         self.null_class = data.num_classes
         self._resolve_vae(data)
-        return build_model(name, attention=self.attention_cfg, checkpoint_path=self.model_cfg.get("checkpoint_path"),
-                           init_from=self.model_cfg.get("init_from"),
+        return build_model(name, attention=self.attention_cfg, checkpoint_path=self.model_cfg["checkpoint_path"],
+                           init_from=self.model_cfg["init_from"],
                            input_size=data.img_size, in_channels=data.in_chans, num_classes=data.num_classes,
                            learn_sigma=self.learn_sigma, class_dropout_prob=self.class_dropout_prob,
-                           **dict(self.model_cfg.get("kwargs") or {}))
+                           **dict(self.model_cfg["kwargs"] or {}))
 
     def _resolve_vae(self, data) -> None:
         """Latent data need their VAE to decode samples: ``task.vae.path``, else the one the latents
         were extracted with (recorded in their index) when it exists on this machine."""
-        if not hasattr(data, "scale_factor"):  # pixel data
+        scale_factor = capability(data, "scale_factor")
+        if scale_factor is None:  # pixel data
             return
         if not self.vae_cfg["path"]:
-            recorded = getattr(data, "vae_path", None)
+            recorded = capability(data, "vae_path")
             if not recorded or not Path(recorded).is_dir():
                 raise ConfigError(f"latent data need task.vae.path=<local AutoencoderKL dir> to decode samples "
                                   f"(the latents were extracted with {recorded or 'an unrecorded VAE'})")
             self.vae_cfg["path"] = recorded
-        self.vae_cfg["scale_factor"] = float(data.scale_factor)
+        self.vae_cfg["scale_factor"] = float(scale_factor)
 
     @staticmethod
     def input_shape(data) -> Tuple[int, ...]:
@@ -159,33 +166,33 @@ class DiffusionTask:
                                          device=device, generator=g))
         return torch.cat(outs)
 
-    def on_epoch_end(self, trainer, last_epoch: bool) -> Dict[str, float]:
+    def on_epoch_end(self, ctx: EpochContext) -> Dict[str, float]:
         """Write a labelled grid every ``sample.every_epochs`` epochs and at the end; metrics at the end."""
         cfg = self.sample_cfg
         every = int(cfg["every_epochs"] or 0)
-        if not last_epoch and not (every and (trainer.epoch + 1) % every == 0):
+        if not ctx.last_epoch and not (every and (ctx.epoch + 1) % every == 0):
             return {}
-        if not trainer.dist.is_main:
+        if not ctx.is_main:
             return {}
-        model = (trainer.ema.module if trainer.ema is not None else unwrap_model(trainer.model)).eval()
-        device = trainer.device
+        model, device = ctx.model_for_eval.eval(), ctx.device
         per_class, classes = int(cfg["per_class"]), min(int(cfg["grid_classes"]), self.data.num_classes)
         if per_class > 0 and classes > 0:
             from moh_vision.analysis.grids import save_class_grid
             labels = torch.arange(classes).repeat_interleave(per_class)
             images = self.decode(self.sample(model, labels, device, seed=int(cfg["seed"])))
-            path = trainer.out_dir / "samples" / f"epoch_{trainer.epoch:04d}.png"
+            path = ctx.out_dir / "samples" / f"epoch_{ctx.epoch:04d}.png"
             save_class_grid(images, labels, path, per_row=per_class)
-            trainer.loggers.log_image("samples/grid", path, step=trainer.step, caption=f"epoch {trainer.epoch}")
+            ctx.log_image("samples/grid", path, caption=f"epoch {ctx.epoch}")
         metrics: Dict[str, float] = {}
-        if last_epoch and int(cfg["eval_per_class"]) > 0 and self.is_digits:
-            metrics = self.digits_metrics(model, device, trainer.out_dir)
+        if ctx.last_epoch and int(cfg["eval_per_class"]) > 0 and self.is_digits:
+            metrics = self.digits_metrics(model, device, ctx.out_dir)
             log.info("sample metrics: %s", ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         return metrics
 
     @property
     def is_digits(self) -> bool:
-        return type(self.data).__name__ == "DigitsData"
+        """The data declare ``digit_metrics``: samples can be scored by the digits classifier."""
+        return bool(capability(self.data, "digit_metrics"))
 
     def digits_metrics(self, model: nn.Module, device: torch.device, out_dir: Path) -> Dict[str, float]:
         """Class accuracy and classifier-feature Frechet distance of ``eval_per_class`` samples per class."""
@@ -199,7 +206,7 @@ class DiffusionTask:
     def decode(self, x: Tensor) -> Tensor:
         """Data space -> images in [-1, 1]: identity for pixel data; for latents the VAE decoder,
         ``decode_batch_size`` at a time (a 256px decode is memory-hungry)."""
-        if not self.vae_cfg.get("path"):
+        if not self.vae_cfg["path"]:
             return x
         from moh_vision.data.latents import load_vae
         vae = load_vae(self.vae_cfg["path"], device=x.device)

@@ -1,0 +1,678 @@
+"""The one typed configuration of ``train.py`` and ``eval.py``: every option's type, default and allowed
+values, in one place.
+
+Why Hydra structured configs (dataclasses) and not pydantic: Hydra composes the config groups, the
+experiments and the sweeps; a dataclass registered in Hydra's ConfigStore types every option *while*
+Hydra composes (``trainer.epochs=abc`` never reaches Python), ``--cfg job`` prints the typed result, and
+nothing else has to be installed. What types cannot say (``>= 1``, a choice, a file that must be a
+readable checkpoint) is each field's metadata, checked by :func:`validate` before anything is built or
+written.
+
+How a group option is written: ``configs/<group>/<option>.yaml`` extends its schema
+(``defaults: [/schema/<group>/<schema>@_here_, _self_]``) and sets only what differs from it. Every group
+dispatches the same way: its ``name`` selects what Python builds (:data:`DATA_CLASSES`,
+:data:`TASK_CLASSES`; the attention registry, the optimizer and schedule by their names). Models are
+data: one file per family in ``configs/model/`` and one generated option per registered preset
+(:func:`register_configs`), so ``model=<preset>`` lists every model the package registers.
+
+Errors: :func:`explain` turns Hydra's composition errors and :func:`validate` raises for values into one
+line naming the key, the bad value and what is allowed (:class:`~moh_vision.errors.ConfigError`, exit 2).
+"""
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from moh_vision.cli import CONFIG_DIR, run_cli
+from moh_vision.errors import ConfigError
+
+
+# ----------------------------------------------------------------------------------------------
+# Field metadata: what a type cannot say
+# ----------------------------------------------------------------------------------------------
+def option(default: Any = MISSING, *, at_least: Optional[float] = None, above: Optional[float] = None,
+           at_most: Optional[float] = None, below: Optional[float] = None, choices: Sequence[Any] = (),
+           path: Optional[str] = None, help: str = "") -> Any:
+    """A dataclass field with its allowed values. ``path``: ``"checkpoint"`` (a readable weights file),
+    ``"resume"`` (auto | never | a checkpoint), ``"dir"`` (an existing directory)."""
+    meta = {key: value for key, value in dict(at_least=at_least, above=above, at_most=at_most, below=below,
+                                             choices=tuple(choices), path=path, help=help).items()
+            if value not in (None, ())}
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def allowed_text(meta: Dict[str, Any]) -> str:
+    """The allowed values of a field in words, e.g. ``at least 1`` or ``one of none, bf16, fp16``."""
+    parts = []
+    if "choices" in meta:
+        parts.append("one of " + ", ".join(_word(c) for c in meta["choices"]))
+    for key, words in (("at_least", "at least"), ("above", "above"), ("at_most", "at most"), ("below", "below")):
+        if key in meta:
+            parts.append(f"{words} {meta[key]:g}")
+    if "path" in meta:
+        parts.append({"checkpoint": "a readable checkpoint file", "resume": "auto, never or a checkpoint file",
+                      "dir": "an existing directory"}[meta["path"]])
+    return " and ".join(parts)
+
+
+def _word(value: Any) -> str:
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# The schema
+# ----------------------------------------------------------------------------------------------
+AMP = ("none", "bf16", "fp16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass
+class EmaConfig:
+    enabled: bool = False
+    decay: float = option(0.9999, above=0.0, below=1.0)
+    warmup: bool = option(False, help="decay min(decay, (1+n)/(10+n)) for short runs")
+
+
+@dataclass
+class TrainerConfig:
+    epochs: int = option(30, at_least=1)
+    max_steps: Optional[int] = option(None, at_least=1, help="stop earlier than epochs x steps per epoch")
+    batch_size: int = option(64, at_least=1, help="global: split over ranks and grad_accum")
+    val_batch_size: Optional[int] = option(None, at_least=1, help="default: the per-rank training batch")
+    grad_accum: int = option(1, at_least=1)
+    clip_grad: float = option(1.0, at_least=0.0, help="max global grad norm; 0 disables")
+    amp: str = option("none", choices=AMP, help="fp16 uses a grad scaler")
+    compile: bool = False
+    throughput_warmup_steps: int = option(1, at_least=0, help="optimizer steps per process left out of "
+                                          "summary images_per_sec (with compile=true the first step compiles)")
+    ema: EmaConfig = field(default_factory=EmaConfig)
+    device: str = option("auto", choices=DEVICES)
+    num_workers: int = option(0, at_least=0)
+    log_every: int = option(10, at_least=1, help="steps")
+    val_every_epochs: int = option(1, at_least=1)
+    val_at_start: Any = option("auto", choices=("auto", True, False),
+                               help="validate the initial weights (epoch -1); auto: when the model starts from weights")
+    ckpt_every_steps: int = option(0, at_least=0, help="0: only at epoch ends")
+    resume: str = option("auto", path="resume", help="auto: last.pt of this output dir; never; or a checkpoint")
+    deterministic: bool = False
+    max_nonfinite_in_a_row: int = option(10, at_least=1)
+    requeue_on_preempt: bool = option(True, help="inside a plain sbatch job: scontrol requeue after preemption")
+    progress: bool = True
+    count_flops: bool = True
+
+
+@dataclass
+class OptimConfig:
+    name: str = option("adamw", choices=("adamw",))
+    lr: float = option(2.0e-3, above=0.0)
+    weight_decay: float = option(0.05, at_least=0.0, help="not on 1-D params, biases and the model's no-decay list")
+    betas: List[float] = option([0.9, 0.999])
+    eps: float = option(1.0e-8, above=0.0)
+    no_weight_decay_keywords: List[str] = option([], help="extra name fragments to exclude from weight decay")
+
+
+@dataclass
+class CosineSched:
+    name: str = option("cosine", choices=("cosine",))
+    warmup_epochs: float = option(2, at_least=0.0)
+    warmup_steps: int = option(0, at_least=0, help="optimizer steps of warm-up added to warmup_epochs")
+    warmup_lr: float = option(1.0e-6, at_least=0.0)
+    min_lr: float = option(1.0e-5, at_least=0.0)
+
+
+@dataclass
+class ConstantSched:
+    name: str = option("constant", choices=("constant",))
+    warmup_epochs: float = option(0, at_least=0.0)
+    warmup_steps: int = option(0, at_least=0, help="optimizer steps of warm-up added to warmup_epochs")
+    warmup_lr: float = option(1.0e-6, at_least=0.0)
+
+
+@dataclass
+class CsvLogger:
+    name: str = option("csv", choices=("csv",))
+
+
+@dataclass
+class NoneLogger:
+    name: str = option("none", choices=("none",))
+
+
+@dataclass
+class WandbLogger:
+    name: str = option("wandb", choices=("wandb",))
+    project: str = "moh-vision"
+    entity: Optional[str] = None
+    group: Optional[str] = option(None, help="default: the experiment / sweep / tag name")
+    tags: List[str] = option([])
+    mode: str = option("auto", choices=("auto", "online", "offline", "disabled"))
+
+
+@dataclass
+class ModelConfig:
+    name: str = option(MISSING, help="a registered model (model=<name> picks one)")
+    checkpoint_path: Optional[str] = option(None, path="checkpoint", help="this model's own weights, loaded strictly")
+    init_from: Optional[str] = option(None, path="checkpoint",
+                                      help="a dense checkpoint of this backbone to continue-tune from")
+    kwargs: Dict[str, Any] = option({}, help="extra constructor arguments, e.g. {drop_path_rate: 0.1}")
+
+
+@dataclass
+class DigitsData:
+    name: str = option("digits", choices=("digits",))
+    img_size: int = option(32, at_least=8)
+    in_chans: int = option(1, choices=(1, 3))
+    val_fraction: float = option(0.2, above=0.0, below=1.0)
+    split_seed: int = option(0, at_least=0)
+    augment: bool = True
+    max_shift: float = option(0.1, at_least=0.0, below=1.0)
+    max_rotate: float = option(10.0, at_least=0.0, at_most=180.0)
+    max_scale: float = option(0.1, at_least=0.0, below=1.0)
+
+
+@dataclass
+class ImageFolderData:
+    name: str = option("imagefolder", choices=("imagefolder", "imagenet"))
+    root: str = option(MISSING, path="dir")
+    img_size: int = option(224, at_least=8)
+    in_chans: int = option(3, choices=(1, 3))
+    auto_augment: Optional[str] = "rand-m9-mstd0.5-inc1"
+    color_jitter: Optional[float] = option(0.4, at_least=0.0)
+    interpolation: str = option("bicubic", choices=("bicubic", "bilinear", "nearest"))
+    re_prob: Optional[float] = option(0.25, at_least=0.0, at_most=1.0)
+    mixup: Optional[float] = option(0.8, at_least=0.0)
+    cutmix: Optional[float] = option(1.0, at_least=0.0)
+    mixup_switch_prob: float = option(0.5, at_least=0.0, at_most=1.0)
+    mixup_prob: float = option(1.0, at_least=0.0, at_most=1.0)
+    label_smoothing: Optional[float] = option(0.1, at_least=0.0, below=1.0)
+    repeated_aug: Any = option("auto", help="auto: 3 with more than one process (DeiT), 1 in a single process")
+    eval_crop_pct: Optional[float] = option(0.875, above=0.0, at_most=1.0)
+    on_bad_image: str = option("skip", choices=("skip", "raise"))
+
+
+@dataclass
+class LatentsData:
+    name: str = option("latents", choices=("latents",))
+    root: str = option(MISSING, path="dir")
+    flip: bool = True
+    sample_posterior: bool = True
+    val_size: int = option(1000, at_least=1)
+    val_holdout: bool = False
+
+
+@dataclass
+class CustomData:
+    """Your own data class (the Data protocol), by import path: ``data=custom data.name=my_pkg.data:MyData
+    +data.kwargs.root=/x``; its constructor checks its own arguments."""
+    name: str = option(MISSING, help="module:Class")
+    kwargs: Dict[str, Any] = option({}, help="constructor arguments")
+
+
+@dataclass
+class ClassificationTask:
+    name: str = option("classification", choices=("classification",))
+
+
+@dataclass
+class SampleConfig:
+    every_epochs: int = option(20, at_least=0, help="a labelled grid every N epochs (0: only the final one)")
+    steps: str = option("ddim50", help="respaced steps: '250' (DDPM) or 'ddim50'")
+    sampler: str = option("ddim", choices=("ddpm", "ddim"))
+    cfg_scale: float = option(2.0, at_least=1.0)
+    guidance_channels: Optional[int] = option(None, at_least=1, help="null: guide every channel; 3: DiT's")
+    per_class: int = option(8, at_least=0, help="grid columns (0: no grid)")
+    grid_classes: int = option(10, at_least=1)
+    eval_per_class: int = option(20, at_least=0, help="samples per class for the digits' sample metrics")
+    clip_denoised: Optional[bool] = option(None, help="null: clip pixels to [-1, 1], never latents")
+    seed: int = option(0, at_least=0)
+    batch_size: int = option(250, at_least=1)
+    decode_batch_size: int = option(32, at_least=1)
+
+
+@dataclass
+class VaeConfig:
+    path: Optional[str] = option(None, path="dir", help="a local diffusers AutoencoderKL directory")
+    scale_factor: float = option(0.18215, above=0.0)
+
+
+@dataclass
+class DiffusionTask:
+    name: str = option("diffusion", choices=("diffusion",))
+    diffusion_steps: int = option(1000, at_least=2)
+    noise_schedule: str = option("linear", choices=("linear", "squaredcos_cap_v2"))
+    learn_sigma: bool = True
+    class_dropout_prob: float = option(0.1, at_least=0.0, below=1.0)
+    sample: SampleConfig = field(default_factory=SampleConfig)
+    vae: VaeConfig = field(default_factory=VaeConfig)
+
+
+@dataclass
+class TrainConfig:
+    """``python train.py``: the root of the composed config."""
+    attention: Dict[str, Any] = MISSING
+    model: ModelConfig = MISSING
+    data: Any = MISSING
+    optim: OptimConfig = MISSING
+    sched: Any = MISSING
+    trainer: TrainerConfig = MISSING
+    logger: Any = MISSING
+    task: Any = MISSING
+    seed: int = option(0, at_least=0)
+    tag: Optional[str] = option(None, help="free-form run tag (the wandb group when set)")
+
+
+@dataclass
+class EvalOptions:
+    use_ema: bool = False
+    batch_size: int = option(128, at_least=1)
+    num_workers: int = option(2, at_least=0)
+    device: str = option("auto", choices=DEVICES)
+    amp: str = option("none", choices=AMP)
+
+
+@dataclass
+class EvalConfig:
+    """``python eval.py``: a checkpoint and, optionally, other data."""
+    ckpt: str = option(MISSING, path="checkpoint")
+    data: Any = None
+    logger: Any = MISSING
+    eval: EvalOptions = field(default_factory=EvalOptions)
+
+
+# What each group's ``name`` builds.
+DATA_CLASSES = {"digits": "moh_vision.data.digits:DigitsData",
+                "imagefolder": "moh_vision.data.imagefolder:ImageFolderData",
+                "imagenet": "moh_vision.data.imagefolder:ImageNetData",
+                "latents": "moh_vision.data.latents:LatentsData"}
+TASK_CLASSES = {"classification": "moh_vision.tasks.classification:ClassificationTask",
+                "diffusion": "moh_vision.tasks.diffusion:DiffusionTask"}
+# The model families each task trains (``model_family`` of the model's name).
+TASK_MODEL_FAMILIES = {"classification": ("transnext", "vit"), "diffusion": ("dit",)}
+SCHEMAS = {"data": {"digits": DigitsData, "imagefolder": ImageFolderData, "latents": LatentsData,
+                    "custom": CustomData},
+           "task": {"classification": ClassificationTask, "diffusion": DiffusionTask},
+           "sched": {"cosine": CosineSched, "constant": ConstantSched},
+           "logger": {"csv": CsvLogger, "none": NoneLogger, "wandb": WandbLogger},
+           "model": {"model": ModelConfig}, "optim": {"adamw": OptimConfig}, "trainer": {"default": TrainerConfig}}
+
+
+def register_configs() -> None:
+    """Put the schema and the model presets into Hydra's ConfigStore (idempotent; the entry points and
+    :func:`compose` call it before composing)."""
+    from hydra.core.config_store import ConfigStore
+
+    from moh_vision.models import list_models, model_family
+
+    store = ConfigStore.instance()
+    store.store(name="train_schema", node=TrainConfig)
+    store.store(name="eval_schema", node=EvalConfig)
+    for group, schemas in SCHEMAS.items():
+        for name, schema in schemas.items():
+            store.store(group=f"schema/{group}", name=name, node=schema)
+    for name in list_models():  # a preset is data: its family's file plus its name
+        store.store(group="model", name=name, node={"defaults": [model_family(name), "_self_"], "name": name})
+
+
+# ----------------------------------------------------------------------------------------------
+# Composition (the entry points' Hydra, tools and tests) and its errors
+# ----------------------------------------------------------------------------------------------
+def compose(config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """``configs/<config_name>.yaml`` composed with Hydra overrides, as the entry points see it; a bad
+    override is a one-line :class:`ConfigError`."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    register_configs()
+    try:
+        with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base="1.3"):
+            return hydra_compose(config_name=config_name, overrides=list(overrides))
+    except ConfigError:
+        raise
+    except Exception as err:  # noqa: BLE001 - explain() decides what is a user error
+        message = explain(err)
+        if message is None:
+            raise
+        raise ConfigError(message) from None
+
+
+def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[], Any]]:
+    """``@hydra_main("train")``: what ``train.py``/``eval.py`` use instead of ``@hydra.main``. The schema
+    and the model presets are registered first; a bad override, an unknown option or group choice is one
+    ``error:`` line and exit status 2 before Hydra creates anything, and the function runs under
+    :func:`run_cli`. The decorated function is the Hydra task (its file names the job and its log)."""
+    import functools
+    import os
+    import sys
+
+    import hydra
+
+    def decorate(fn: Callable[[Any], Any]) -> Callable[[], Any]:
+        @functools.wraps(fn)
+        def task(cfg: Any) -> Any:
+            return run_cli(fn, cfg)
+
+        hydra_task = hydra.main(version_base="1.3", config_path=str(CONFIG_DIR), config_name=config_name)(task)
+
+        def entry() -> Any:
+            register_configs()
+            os.environ["HYDRA_FULL_ERROR"] = "1"  # Hydra raises; this entry decides what the user sees
+            try:
+                return hydra_task()
+            except Exception as err:
+                message = explain(err)
+                if message is None:
+                    raise
+                print(f"error: {message}", file=sys.stderr)
+                sys.exit(2)
+        return entry
+    return decorate
+
+
+def explain(err: BaseException) -> Optional[str]:
+    """One line for a Hydra/OmegaConf composition error a user caused (a bad override, an unknown group
+    option or key); None for anything else."""
+    from hydra.errors import HydraException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
+
+    if isinstance(err, MissingConfigException):
+        first = str(err).strip().splitlines()[0]
+        found = re.search(r"Could not find '([^']+)/([^'/]+)'", first)
+        if found:
+            group, name = found.groups()
+            return f"{group}={name} is unknown; options: {', '.join(group_options(group))}"
+        return first
+    if isinstance(err, OverrideParseException):
+        return f"cannot parse an override: {str(err).strip().splitlines()[0]}"
+    if not isinstance(err, HydraException):  # errors inside a run are the run's (moh_vision.cli.run_cli)
+        return None
+    cause = err.__cause__ if isinstance(err.__cause__, OmegaConfBaseException) else err
+    key = getattr(cause, "full_key", None)
+    given = re.search(r"override (\S+?)=(.*)$", str(err).splitlines()[0])
+    value = given.group(2) if given else None
+    if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and key:
+        parent, _, leaf = str(key).rpartition(".")
+        known = known_keys(parent)
+        return f"unknown option {key}" + (f"; {parent or 'the config'} has: {', '.join(known)}" if known else "")
+    if isinstance(cause, ValidationError) and key:
+        meta, annotation = schema_field(str(key))
+        expects = type_words(annotation) if annotation is not None else "another value"
+        allowed = allowed_text(meta)
+        shown = f"{key}={value}" if value is not None else str(key)
+        return f"{shown}: expected {expects}" + (f" ({allowed})" if allowed else "")
+    return " ".join(str(err).split())[:400]
+
+
+def group_options(group: str) -> List[str]:
+    """The options of a config group: its YAML files and the generated model presets."""
+    names = {p.stem for p in (CONFIG_DIR / group).glob("*.yaml")}
+    if group == "model":
+        from moh_vision.models import list_models
+        names.update(list_models())
+    return sorted(names)
+
+
+def _root_schema(key: str) -> type:
+    return EvalConfig if key.split(".")[0] in ("ckpt", "eval") else TrainConfig
+
+
+def schema_field(key: str, root: Optional[type] = None) -> Tuple[Dict[str, Any], Any]:
+    """(metadata, type annotation) of the schema field at dotted ``key``; ({}, None) when unknown. A group
+    whose schema depends on its option (data, task, ...) is searched in every option's schema."""
+    parts = key.split(".")
+    candidates = [root or _root_schema(key)]
+    if parts[0] in SCHEMAS:
+        candidates = list(SCHEMAS[parts[0]].values())
+        parts = parts[1:]
+    for schema in candidates:
+        found = _field_in(schema, parts)
+        if found is not None:
+            return found
+    return {}, None
+
+
+def _field_in(schema: type, parts: Sequence[str]) -> Optional[Tuple[Dict[str, Any], Any]]:
+    hints = typing.get_type_hints(schema)
+    fields = {f.name: f for f in dataclasses.fields(schema)}
+    if not parts or parts[0] not in fields:
+        return None
+    hint = hints[parts[0]]
+    if len(parts) == 1:
+        return dict(fields[parts[0]].metadata), hint
+    return _field_in(hint, parts[1:]) if dataclasses.is_dataclass(hint) else None
+
+
+def known_keys(parent: str) -> List[str]:
+    """The option names under ``parent`` ('' = the root) in the schema."""
+    schemas: List[type] = [TrainConfig]
+    if parent:
+        head = parent.split(".")[0]
+        schemas = list(SCHEMAS[head].values()) if head in SCHEMAS else []
+        rest = parent.split(".")[1:] if head in SCHEMAS else parent.split(".")
+        resolved = []
+        for schema in schemas or [TrainConfig]:
+            hints = typing.get_type_hints(schema)
+            for part in rest:
+                schema = hints.get(part) if dataclasses.is_dataclass(schema) else None
+                hints = typing.get_type_hints(schema) if dataclasses.is_dataclass(schema) else {}
+            if dataclasses.is_dataclass(schema):
+                resolved.append(schema)
+        schemas = resolved
+    return sorted({f.name for schema in schemas for f in dataclasses.fields(schema)})
+
+
+def type_words(annotation: Any) -> str:
+    """A type annotation in words: ``an integer``, ``a number or null``, ``true or false``..."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin is typing.Union:
+        inner = [a for a in args if a is not type(None)]
+        words = " or ".join(type_words(a) for a in inner)
+        return f"{words} or null" if len(inner) < len(args) else words
+    if origin in (list, List):
+        return f"a list of {type_words(args[0]).split(' ', 1)[-1]}s" if args else "a list"
+    if origin in (dict, Dict):
+        return "a mapping {key: value}"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "text"}.get(annotation, "a value")
+
+
+# ----------------------------------------------------------------------------------------------
+# Values: what types cannot check
+# ----------------------------------------------------------------------------------------------
+def validate(cfg: DictConfig) -> Any:
+    """Check every value of a composed ``train``/``eval`` config against the schema (ranges, choices,
+    files, the attention's options, the model with its arguments) and return it as typed objects
+    (``OmegaConf.to_object``). Raises a one-line :class:`ConfigError`; nothing has been built or written."""
+    from omegaconf.errors import MissingMandatoryValue
+
+    try:
+        OmegaConf.resolve(cfg)
+        typed = OmegaConf.to_object(cfg)
+    except MissingMandatoryValue as err:
+        key = getattr(err, "full_key", "") or "a value"
+        meta, annotation = schema_field(str(key))
+        what = allowed_text(meta) or (type_words(annotation) if annotation is not None else "a value")
+        raise ConfigError(f"{key} is required: give {key}=<{what}>") from None
+    _check_fields(typed, "")
+    if isinstance(getattr(typed, "data", None), CustomData):
+        data_class(typed.data.name)
+    if isinstance(typed, TrainConfig):
+        check_attention(typed.attention)
+        check_model(typed.model, typed.attention)
+        check_task_model(typed.task.name, typed.model.name)
+    return typed
+
+
+def _check_fields(obj: Any, prefix: str) -> None:
+    for f in dataclasses.fields(obj):
+        value, key = getattr(obj, f.name), f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            _check_fields(value, key + ".")
+            continue
+        _check_value(key, value, dict(f.metadata))
+
+
+def _check_value(key: str, value: Any, meta: Dict[str, Any]) -> None:
+    if value is None or not meta:
+        return
+    bad = "choices" in meta and value not in meta["choices"]
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        bad = bad or ("at_least" in meta and value < meta["at_least"]) or ("above" in meta and value <= meta["above"]) \
+            or ("at_most" in meta and value > meta["at_most"]) or ("below" in meta and value >= meta["below"])
+    if bad:
+        raise ConfigError(f"{key}={_word(value)}: must be {allowed_text(meta)}")
+    if meta.get("path"):
+        check_path(key, str(value), meta["path"])
+
+
+def check_path(key: str, value: str, kind: str) -> None:
+    """A path option names what it should: an existing directory, or a file a checkpoint loader can read."""
+    from moh_vision.checkpoints import check_checkpoint_file, previous_path
+
+    if kind == "resume" and value in ("auto", "never"):
+        return
+    path = Path(value).expanduser()
+    if kind == "resume" and not path.exists() and previous_path(path).exists():
+        path = previous_path(path)  # the run stopped while replacing it: its previous copy resumes
+    if kind == "dir":
+        if not path.is_dir():
+            raise ConfigError(f"{key}={value}: {'not a directory' if path.exists() else 'no such directory'}")
+        return
+    problem = check_checkpoint_file(path)
+    if problem:
+        raise ConfigError(f"{key}={value}: {problem}")
+
+
+def check_attention(attention: Dict[str, Any]) -> None:
+    """The ``attention`` group: a registered variant (or null: the model preset's own), known options of
+    the right types; their ranges are checked when the model is built (:func:`check_model`)."""
+    from moh_vision.attention import attention_class, attention_options, list_attention, list_kernels
+
+    name = attention.get("name")
+    weight = attention.get("aux_loss_weight")
+    if not isinstance(weight, (int, float)) or isinstance(weight, bool) or weight < 0:
+        raise ConfigError(f"attention.aux_loss_weight={_word(weight)}: must be a number at least 0")
+    if name is None:
+        extra = sorted(k for k, v in attention.items() if k not in ("name", "aux_loss_weight") and v is not None)
+        if extra:
+            raise ConfigError(f"attention=preset keeps the model's own attention; remove attention.{extra[0]}")
+        return
+    if name not in list_attention():
+        raise ConfigError(f"attention.name={name} is unknown; registered: {', '.join(list_attention())}")
+    known: List[str] = []
+    hints: Dict[str, Any] = {}
+    for kernel in list_kernels():
+        known += [o for o in attention_options(name, kernel) if o not in known]
+        for klass in attention_class(name, kernel).__mro__:
+            if "__init__" in vars(klass):
+                hints = {**typing.get_type_hints(klass.__init__), **hints}
+    for key, value in attention.items():
+        if key in ("name", "aux_loss_weight"):
+            continue
+        if key not in known:
+            raise ConfigError(f"unknown option attention.{key} for attention={name}; it has: {', '.join(known)}")
+        per_layer = value if isinstance(value, (list, tuple)) else [value]  # a list: one value per layer
+        if key in hints and not all(v is None or _matches(v, hints[key]) for v in per_layer):
+            raise ConfigError(f"attention.{key}={_word(value)}: expected {type_words(hints[key])} "
+                              f"(or a list of them, one per layer)")
+
+
+def _matches(value: Any, annotation: Any) -> bool:
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return True
+    if origin is typing.Union:
+        return any(_matches(value, a) for a in args)
+    if origin in (list, List, typing.Sequence, Sequence) or annotation in (list, List):
+        return isinstance(value, (list, tuple)) and all(_matches(v, args[0]) for v in value) if args else True
+    if annotation is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if annotation is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if annotation is type(None):
+        return value is None
+    return isinstance(value, annotation) if isinstance(annotation, type) else True
+
+
+def check_model(model: ModelConfig, attention: Dict[str, Any]) -> None:
+    """Build the model once on the meta device (no memory, no weights): a bad model name, a constructor
+    argument it does not take or an attention option out of range fails here, before the run starts."""
+    import torch
+
+    from moh_vision.models.build import build_model
+
+    if model.checkpoint_path and model.init_from:
+        raise ConfigError("give model.checkpoint_path (this model's own weights) or model.init_from (a dense "
+                          "checkpoint to continue-tune from), not both")
+    try:
+        with torch.device("meta"):
+            build_model(model.name, attention=attention, **dict(model.kwargs))
+    except ConfigError as err:
+        raise ConfigError(f"model={model.name} with attention={attention.get('name') or 'preset'}: {err}") from None
+
+
+def check_task_model(task: str, model: str) -> None:
+    """A task trains the model families it knows (:data:`TASK_MODEL_FAMILIES`)."""
+    from moh_vision.models import model_family
+
+    families = TASK_MODEL_FAMILIES[task]
+    if model_family(model) not in families:
+        hint = " (experiment=diffusion sets a DiT, the digits and their recipe)" if task == "diffusion" else ""
+        raise ConfigError(f"task={task} trains {' or '.join(families)} models, not model={model} "
+                          f"({model_family(model)}){hint}")
+
+
+# ----------------------------------------------------------------------------------------------
+# Building what a group names
+# ----------------------------------------------------------------------------------------------
+def _load(target: str) -> Any:
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def _options(group_cfg: Any) -> Dict[str, Any]:
+    values = dataclasses.asdict(group_cfg) if dataclasses.is_dataclass(group_cfg) else dict(group_cfg)
+    values.pop("name", None)
+    return values
+
+
+# Configs saved by earlier releases dispatch data and task by ``_target_``.
+_LEGACY_TARGETS = {target.replace(":", "."): name for table in (DATA_CLASSES, TASK_CLASSES)
+                   for name, target in table.items()}
+
+
+def group_name(group_cfg: Any) -> str:
+    """The ``name`` a data/task config dispatches on (a config saved by an earlier release: its ``_target_``)."""
+    values = group_cfg if isinstance(group_cfg, dict) else vars(group_cfg)
+    if "_target_" in values:
+        return _LEGACY_TARGETS[values["_target_"]]
+    return values["name"]
+
+
+def build_data(data_cfg: Any) -> Any:
+    """The data object a ``data`` config names (``data=custom``: the class at ``module:Class``)."""
+    name = group_name(data_cfg)
+    values = {k: v for k, v in _options(data_cfg).items() if k != "_target_"}
+    if ":" in name:
+        return data_class(name)(**values["kwargs"])
+    return _load(DATA_CLASSES[name])(**values)
+
+
+def data_class(path: str) -> type:
+    """The class ``module:Class`` names, or a one-line error."""
+    try:
+        return _load(path)
+    except (ImportError, AttributeError, ValueError) as err:
+        raise ConfigError(f"data.name={path}: cannot import it ({err}); give module:Class") from None
+
+
+def build_task(task_cfg: Any, model: Dict[str, Any], attention: Dict[str, Any]) -> Any:
+    """The task object a ``task`` config names, for ``model`` and ``attention`` (plain dicts)."""
+    values = {k: v for k, v in _options(task_cfg).items() if k != "_target_"}
+    return _load(TASK_CLASSES[group_name(task_cfg)])(model=model, attention=attention, **values)

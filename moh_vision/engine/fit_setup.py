@@ -1,0 +1,190 @@
+"""What ``Trainer.fit`` builds before its first step, as plain functions of the config.
+
+``build_parts`` returns the model and everything that trains it (``FitParts``): loaders whose order
+resumes mid-epoch (``Loaders``), AdamW and the schedule, AMP, the grad scaler, EMA, and the
+compiled / DDP-wrapped model. Nothing here keeps state of its own.
+"""
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Callable, ContextManager, Dict, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from moh_vision.data.sampler import EpochSampler, SeededItems
+from moh_vision.errors import ConfigError
+from moh_vision.tasks.protocols import Data, Task
+from .distributed import DistInfo
+from .ema import EMA
+from .optim import Schedule, build_optimizer
+
+log = logging.getLogger(__name__)
+
+AmpContext = Callable[[], ContextManager]
+
+
+def seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
+    """Python, NumPy and torch seeded with ``seed`` (the caller adds the rank); ``deterministic``
+    asks torch for deterministic kernels (warning where there is none)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        if device.type == "cuda":
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.backends.cudnn.benchmark = False
+
+
+def amp_context(amp: str, device: torch.device) -> AmpContext:
+    """``trainer.amp``: a factory of autocast contexts (bf16, fp16) or of null contexts (none)."""
+    if amp == "none":
+        return contextlib.nullcontext
+    if amp not in ("bf16", "fp16"):
+        raise ConfigError(f"trainer.amp={amp} is unknown; use none, bf16 or fp16")
+    dtype = torch.bfloat16 if amp == "bf16" else torch.float16
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+@dataclass(frozen=True)
+class Loaders:
+    """This rank's training and validation loaders, and the epoch arithmetic they fix.
+
+    The training order is a pure function of (seed, epoch) (``EpochSampler``), and each item's
+    augmentation of (seed, epoch, index) (``SeededItems``): ``start_epoch`` positions both, so an
+    epoch can restart at any batch.
+    """
+
+    train: DataLoader
+    val: DataLoader
+    items: SeededItems
+    sampler: EpochSampler
+    per_rank_batch: int
+    accum: int
+    steps_per_epoch: int  # optimizer steps
+
+    def start_epoch(self, epoch: int, batch_in_epoch: int) -> None:
+        self.items.epoch = epoch
+        self.sampler.set_epoch(epoch, start=batch_in_epoch * self.per_rank_batch)
+
+
+def build_loaders(cfg: Any, data: Data, dist: DistInfo, seed: int) -> Loaders:
+    """Loaders for ``trainer.batch_size`` (global: split over ranks and ``grad_accum``)."""
+    accum, global_batch = cfg.grad_accum, cfg.batch_size
+    if global_batch % (dist.world_size * accum):
+        raise ConfigError(f"trainer.batch_size={global_batch} must be divisible by world size "
+                          f"{dist.world_size} x grad_accum {accum}")
+    per_rank_batch = global_batch // (dist.world_size * accum)
+    items = SeededItems(data.train, seed=seed)
+    sampler = EpochSampler(len(data.train), shuffle=True, seed=seed, rank=dist.rank, world_size=dist.world_size,
+                           repeats=data.repeated_aug, drop_last=True)
+    if len(sampler) < per_rank_batch:
+        raise ConfigError(f"trainer.batch_size={global_batch} is larger than the training set "
+                          f"({len(data.train)} items) allows per rank")
+    workers = cfg.num_workers
+    # Own generators: making a loader iterator draws a base seed, which must not come from the global
+    # RNG, or a run resumed mid-epoch would diverge from an uninterrupted one.
+    common = dict(num_workers=workers, collate_fn=data.collate_fn, pin_memory=dist.device.type == "cuda",
+                  persistent_workers=False, multiprocessing_context="fork" if workers > 0 else None)
+    train = DataLoader(items, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
+                       generator=torch.Generator(), **common)
+    val_indices = list(range(dist.rank, len(data.val), dist.world_size))
+    val_batch = cfg.val_batch_size if cfg.val_batch_size is not None else per_rank_batch
+    val = DataLoader(data.val, batch_size=val_batch, sampler=val_indices, shuffle=False,
+                     generator=torch.Generator(), **common)
+    steps_per_epoch = len(sampler) // per_rank_batch // accum
+    if steps_per_epoch < 1:
+        raise ConfigError("an epoch has no optimizer step; lower trainer.batch_size or trainer.grad_accum")
+    return Loaders(train=train, val=val, items=items, sampler=sampler, per_rank_batch=per_rank_batch,
+                   accum=accum, steps_per_epoch=steps_per_epoch)
+
+
+def build_schedule(sched: Any, base_lr: float, total_steps: int, steps_per_epoch: int) -> Schedule:
+    """``sched``'s fields are ``Schedule``'s keywords, with the warm-up in epochs (``warmup_epochs``)
+    plus, where the schedule has the field, in steps (``warmup_steps``)."""
+    fields = dict(vars(sched))
+    epochs = float(fields.pop("warmup_epochs"))
+    fields["warmup_steps"] = int(round(epochs * steps_per_epoch)) + int(fields["warmup_steps"])
+    return Schedule(fields.pop("name"), base_lr, total_steps, **fields)
+
+
+def wrap_model(model: nn.Module, compile_model: bool, dist: DistInfo) -> nn.Module:
+    """The model that trains: ``torch.compile``d when asked, inside DDP under torchrun."""
+    wrapped = torch.compile(model) if compile_model else model
+    if dist.enabled:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+        ids = [dist.device.index] if dist.device.type == "cuda" else None
+        wrapped = DDP(wrapped, device_ids=ids)
+    return wrapped
+
+
+def count_model_flops(model: nn.Module, task: Task, data: Data) -> Dict[str, float]:
+    """The FLOP report of one forward (``moh_vision.analysis.flop_count``), or {} if counting fails."""
+    from moh_vision.analysis.flop_count import count_flops
+    try:
+        return count_flops(model, task.input_shape(data), model_kwargs=task.flops_kwargs)
+    except Exception as err:  # FLOPs are a report, never a reason to stop training
+        log.warning("FLOP counting failed (%s: %s)", type(err).__name__, err)
+        return {}
+
+
+def flops_text(flops: Dict[str, float]) -> str:
+    if "gflops" not in flops:
+        return "FLOPs not counted"
+    active = f", {flops['active_gflops']:.4g} active" if "active_gflops" in flops else ""
+    return f"{flops['gflops']:.4g} GFLOPs{active} per image"
+
+
+@dataclass(frozen=True)
+class FitParts:
+    """The task, its model and what trains it, for one ``Trainer.fit``.
+
+    ``model`` is the bare model (checkpoints, EMA, evaluation); ``train_model`` the one the
+    training step calls (compiled and/or in DDP). ``flops`` is empty off the main rank or when
+    ``trainer.count_flops`` is off.
+    """
+
+    task: Task
+    model_name: str
+    model: nn.Module
+    train_model: nn.Module
+    params: int
+    flops: Dict[str, float]
+    loaders: Loaders
+    total_steps: int
+    optimizer: torch.optim.Optimizer
+    schedule: Schedule
+    amp: AmpContext
+    scaler: Optional[torch.amp.GradScaler]
+    ema: Optional[EMA]
+    may_skip_images: bool  # the validation set can skip unreadable images (skip counts get columns)
+
+
+def build_parts(cfg: Any, optim: Any, sched: Any, dist: DistInfo, seed: int, task: Task, data: Data) -> FitParts:
+    """Everything ``fit`` trains with, from the trainer, optimizer and schedule configs."""
+    if cfg.val_at_start not in ("auto", True, False):
+        raise ConfigError(f"trainer.val_at_start={cfg.val_at_start!r}; allowed: auto, true, false")
+    model = task.build_model(data).to(dist.device)
+    flops = count_model_flops(model, task, data) if cfg.count_flops and dist.is_main else {}
+    loaders = build_loaders(cfg, data, dist, seed)
+    total_steps = cfg.epochs * loaders.steps_per_epoch
+    if cfg.max_steps:
+        total_steps = min(total_steps, cfg.max_steps)
+    optimizer = build_optimizer(model, **vars(optim))
+    schedule = build_schedule(sched, optim.lr, total_steps, loaders.steps_per_epoch)
+    ema = EMA(model, cfg.ema.decay, cfg.ema.warmup) if cfg.ema.enabled else None
+    return FitParts(
+        task=task, model_name=task.model_cfg["name"], model=model, train_model=wrap_model(model, cfg.compile, dist),
+        params=sum(p.numel() for p in model.parameters()), flops=flops, loaders=loaders, total_steps=total_steps,
+        optimizer=optimizer, schedule=schedule, amp=amp_context(cfg.amp, dist.device),
+        scaler=torch.amp.GradScaler(dist.device.type) if cfg.amp == "fp16" else None, ema=ema,
+        # data that never skip (digits, latents) get no skipped-image columns unless something was skipped
+        may_skip_images=getattr(data.val, "on_bad_image", None) is not None,
+    )

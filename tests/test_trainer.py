@@ -1,0 +1,145 @@
+"""The trainer in-process: its collaborators' interfaces (Task, Data, EpochContext), what a fit
+writes, and the rule that no attribute is created outside ``__init__``."""
+import ast
+import dataclasses
+import inspect
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from helpers import ATTENTION_PRESET, model_config, read_summary, trainer_config
+from moh_vision.config import ConstantSched, OptimConfig
+from moh_vision.data.digits import DigitsData
+from moh_vision.engine import bookkeeping, fit_setup, preemption, trainer as trainer_module
+from moh_vision.engine.distributed import DistInfo
+from moh_vision.engine.loggers import Loggers
+from moh_vision.tasks.protocols import DATA_CAPABILITIES, Data, EpochContext, Task, capability
+from moh_vision.engine.trainer import Trainer
+from moh_vision.tasks.classification import ClassificationTask
+from moh_vision.tasks.diffusion import DiffusionTask
+
+ENGINE_MODULES = (trainer_module, bookkeeping, fit_setup, preemption)
+
+
+def _self_assignments(function: ast.AST):
+    """(attribute, line) of every ``self.<attribute> = / += / : T =`` in ``function``, nested functions
+    included (``self.a.b = ...`` sets an attribute of ``self.a``, not of ``self``)."""
+    def targets(node):
+        if isinstance(node, (ast.Tuple, ast.List)):
+            for element in node.elts:
+                yield from targets(element)
+        elif isinstance(node, ast.Starred):
+            yield from targets(node.value)
+        elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+            yield node.attr, node.lineno
+
+    for node in ast.walk(function):
+        if isinstance(node, ast.Assign):
+            for target in node.targets:
+                yield from targets(target)
+        elif isinstance(node, (ast.AugAssign, ast.AnnAssign)):
+            yield from targets(node.target)
+
+
+def test_no_attribute_is_created_outside_init():
+    """Trainer and its collaborators: every attribute a method sets was set in ``__init__`` first."""
+    found = []
+    for module in ENGINE_MODULES:
+        for cls in ast.walk(ast.parse(inspect.getsource(module))):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            methods = [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            declared = {a for f in methods if f.name == "__init__" for a, _ in _self_assignments(f)}
+            found += [f"{module.__name__}.{cls.name}.{f.name} sets self.{attr} (line {line})"
+                      for f in methods if f.name != "__init__"
+                      for attr, line in _self_assignments(f) if attr not in declared]
+    assert not found, "attributes first set outside __init__:\n" + "\n".join(found)
+
+
+def test_the_ast_check_sees_an_attribute_created_late():
+    late = ast.parse("class A:\n    def m(self):\n        self.a, self.b = 2, 3\n        self.c += 1\n"
+                     "        self.a.x = 4\n        def f():\n            self.d: int = 5\n")
+    assert [attr for attr, _ in _self_assignments(late.body[0].body[0])] == ["a", "b", "c", "d"]
+
+
+def test_tasks_and_data_conform_to_the_protocols():
+    data = DigitsData(img_size=16)
+    assert isinstance(data, Data)
+    for task in (ClassificationTask(model_config("plain_vit_nano"), ATTENTION_PRESET),
+                 DiffusionTask(model_config("dit_tiny_2"), ATTENTION_PRESET)):
+        assert isinstance(task, Task), type(task).__name__
+
+
+def test_digit_metrics_is_a_declared_capability():
+    """The diffusion task scores samples with the digits classifier because the data say so, not
+    because of their class; data that declare nothing get the documented default."""
+    task = DiffusionTask(model_config("dit_tiny_2"), ATTENTION_PRESET)
+    task.build_model(DigitsData(img_size=8))
+    assert task.is_digits
+    shape_only = SimpleNamespace(num_classes=10, in_chans=1, img_size=8)  # what sampling builds without data
+    task.build_model(shape_only)
+    assert not task.is_digits
+    assert capability(shape_only, "digit_metrics") is DATA_CAPABILITIES["digit_metrics"] is False
+    assert capability(shape_only, "scale_factor") is None  # pixel data
+
+
+def _fit(tmp_path: Path, task, data, **trainer_overrides):
+    cfg = trainer_config(**{"epochs": 1, "max_steps": 2, "batch_size": 16, "log_every": 1, **trainer_overrides})
+    config = {"attention": dict(ATTENTION_PRESET), "model": dict(task.model_cfg)}
+    trainer = Trainer(cfg, tmp_path, DistInfo(), Loggers(tmp_path), optim=OptimConfig(lr=1e-3),
+                      sched=ConstantSched(warmup_epochs=0), config=config, seed=0)
+    return trainer, trainer.fit(task, data)
+
+
+class RecordingTask(ClassificationTask):
+    """Classification that keeps the context of every end-of-epoch call."""
+
+    def __init__(self):
+        super().__init__(model_config("plain_vit_nano"), ATTENTION_PRESET)
+        self.contexts = []
+
+    def on_epoch_end(self, ctx):
+        self.contexts.append(ctx)
+        return {"val/extra": 1.0}
+
+
+def test_fit_writes_summary_checkpoint_and_gives_tasks_an_epoch_context(tmp_path):
+    torch.set_num_threads(1)
+    task = RecordingTask()
+    trainer, summary = _fit(tmp_path, task, DigitsData(img_size=16), epochs=2, max_steps=None, batch_size=256,
+                            ema={"enabled": True, "warmup": True})
+    assert summary["steps"] == trainer.step == 2 * trainer.parts.loaders.steps_per_epoch
+    assert summary["epochs"] == 2 and summary["val/extra"] == 1.0
+    for key in ("model", "params", "wall_time_s", "train_time_s", "images_per_sec", "compile_time_s",
+                "throughput_warmup_steps", "nonfinite_skipped", "skipped_images", "routing_warnings",
+                "val/acc1", "val_ema/acc1", "best/val/acc1", "best/epoch", "attention", "checkpoint"):
+        assert key in summary, key
+    assert summary["attention"] == "preset" and "train/skipped_images" not in summary  # digits never skip
+
+    contexts = task.contexts
+    assert [c.epoch for c in contexts] == [0, 1] and [c.last_epoch for c in contexts] == [False, True]
+    ctx = contexts[-1]
+    assert isinstance(ctx, EpochContext) and ctx.is_main and ctx.out_dir == tmp_path
+    assert ctx.model_for_eval is trainer.parts.ema.module, "the EMA model when the run keeps one"
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        ctx.epoch = 5
+
+    state = torch.load(tmp_path / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
+    assert set(state) == {"format", "model", "optimizer", "scaler", "step", "epoch", "batch_in_epoch", "rng",
+                          "world_size", "best", "counters", "skipped_files", "throughput", "meters", "config",
+                          "model_name", "wandb_run_id", "model_ema", "ema_updates"}
+    assert state["step"] == summary["steps"] and state["epoch"] == 2 and state["batch_in_epoch"] == 0
+    assert state["ema_updates"] == summary["steps"]
+    assert set(state["throughput"]) == {"time", "samples", "steps", "warmup_time", "warmup_samples", "warmup_steps"}
+    assert state["skipped_files"] == {"train": {}, "val": {}}
+    assert (tmp_path / "checkpoints" / "best.pt").is_file() and (tmp_path / "config.yaml").is_file()
+    assert (tmp_path / "metrics.csv").read_text().count("\n") > 2
+
+    # a rerun in the same directory resumes at the end: nothing to train, the summary is kept
+    rerun_task = RecordingTask()
+    rerun, again = _fit(tmp_path, rerun_task, DigitsData(img_size=16), epochs=2, max_steps=None, batch_size=256,
+                        ema={"enabled": True, "warmup": True})
+    assert rerun.steps_at_start == rerun.step == summary["steps"] and rerun_task.contexts == []
+    assert again == read_summary(tmp_path)
