@@ -16,15 +16,15 @@ DIGITS = dict(num_classes=10, in_chans=1, img_size=32)  # what the classificatio
 
 def arm_config(arm):
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
-        return compose("train", overrides=["experiment=compare_attention", f"+compare={arm}"])
+        return compose("train", overrides=["experiment=compare_attention", f"+experiment/compare={arm}"])
 
 
 def test_experiment_is_one_multirun_over_arms_and_seeds():
     text = yaml.safe_load((REPO / "configs" / "experiment" / "compare_attention.yaml").read_text())
     assert text["hydra"]["mode"] == "MULTIRUN"
     params = text["hydra"]["sweeper"]["params"]
-    assert params["+compare"].split(",") == list(ARMS) and params["seed"].split(",") == ["0", "1", "2"]
-    assert sorted(p.stem for p in (REPO / "configs" / "compare").glob("*.yaml")) == sorted(ARMS)
+    assert params["+experiment/compare"].split(",") == list(ARMS) and params["seed"].split(",") == ["0", "1", "2"]
+    assert sorted(p.stem for p in (REPO / "configs" / "experiment" / "compare").glob("*.yaml")) == sorted(ARMS)
 
 
 def test_arms_share_backbone_data_and_recipe_and_differ_in_attention():
@@ -55,10 +55,12 @@ def test_moa_matches_the_active_compute_of_moh_50(caplog):
 
 def test_shrunk_multirun_and_report(tmp_path, capsys):
     """2 arms x 1 seed, two steps each, through the real experiment; then the report."""
-    arms = 'hydra.sweeper.params={+compare:"moh_50,moa_matched",seed:"0"}'
+    arms = 'hydra.sweeper.params={+experiment/compare:"moh_50,moa_matched",seed:"0"}'
     run_entry("train.py", "experiment=compare_attention", arms, "trainer.epochs=1", "trainer.max_steps=2",
               "trainer.batch_size=32", "trainer.progress=false", f"hydra.sweep.dir={tmp_path}")
-    assert len(list(tmp_path.rglob("summary.json"))) == 2
+    # one flat directory per job, named by its arm and seed (the group's '/' does not nest it)
+    assert sorted(p.parent.name for p in tmp_path.glob("*/summary.json")) == \
+        ["0_compare=moh_50,seed=0", "1_compare=moa_matched,seed=0"]
     assert load_tool("sweep_report").main([f"dir={tmp_path}"]) == 0  # in-process: no second package import
     printed = capsys.readouterr().out
     rows = {r["arm"]: r for r in csv.DictReader(open(tmp_path / "sweep_report.csv"))}
@@ -94,10 +96,10 @@ def report_rows(root):
 def test_report_groups_seeds_into_arms_and_never_merges_two_moh_arms(tmp_path):
     moh = {"name": "moh", "activation_ratio": 0.5}
     for seed in (0, 1):
-        fake_job(tmp_path / "sweep", f"a{seed}", moh, 90.0 + seed, seed, ["+compare=moh_50", f"seed={seed}"])
+        fake_job(tmp_path / "sweep", f"a{seed}", moh, 90.0 + seed, seed, ["+experiment/compare=moh_50", f"seed={seed}"])
         fake_job(tmp_path / "sweep", f"b{seed}", {**moh, "activation_ratio": 0.75}, 95.0 + seed, seed,
-                 ["+compare=moh_75", f"seed={seed}"])
-        fake_job(tmp_path / "sweep", f"c{seed}", {"name": "mha"}, 97.0, seed, ["+compare=mha", f"seed={seed}"])
+                 ["+experiment/compare=moh_75", f"seed={seed}"])
+        fake_job(tmp_path / "sweep", f"c{seed}", {"name": "mha"}, 97.0, seed, ["+experiment/compare=mha", f"seed={seed}"])
     rows = report_rows(tmp_path / "sweep")
     assert sorted(rows) == ["mha", "moh_50", "moh_75"]
     assert [rows[a]["seeds"] for a in sorted(rows)] == ["2", "2", "2"]

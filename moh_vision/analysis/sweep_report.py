@@ -2,7 +2,7 @@
 
 Reads each job's ``summary.json`` and ``config.yaml`` and groups jobs into *arms*: jobs that differ only
 in their seed. The arm of a job is what its Hydra overrides (``.hydra/overrides.yaml``) set to values
-that vary across the sweep, the seed excepted: ``+compare=moh_50`` gives arm ``moh_50`` (the
+that vary across the sweep, the seed excepted: ``+experiment/compare=moh_50`` gives arm ``moh_50`` (the
 ``experiment=compare_attention`` comparison), ``attention.activation_ratio=0.5`` gives
 ``activation_ratio=0.5``. Without Hydra's records a job's arm is its model and full attention config,
 so two MoH arms with the same ratio but other heads are never merged. Per arm: mean and standard
@@ -31,7 +31,8 @@ from moh_vision.errors import ConfigError
 DEFAULT_EXTRA = ("active_gflops", "gflops", "params", "images_per_sec")
 
 SEED_KEYS = ("seed", "+seed", "++seed")
-ARM_GROUP_KEYS = ("compare", "+compare", "++compare")  # a config group whose option names the arm
+# a config group whose option names the arm (the comparison arms; "compare" in multiruns of earlier releases)
+ARM_GROUP_KEYS = tuple(f"{plus}{group}" for group in ("experiment/compare", "compare") for plus in ("", "+", "++"))
 
 
 def _overrides(job_dir: Path) -> Optional[Dict[str, str]]:
