@@ -5,9 +5,16 @@ worker at a time, so module-scoped fixtures and files a test module writes stay 
 Each worker then uses one intra-op thread: two workers with two threads each on a 2-core machine would
 fight for the cores, and the tests' tensors are small enough that one thread is faster anyway.
 """
+import importlib.util
+import logging
 import os
+import sys
+from pathlib import Path
 
+import pytest
 import torch
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
@@ -16,3 +23,26 @@ def pytest_configure(config):
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
         os.environ["OMP_NUM_THREADS"] = "1"  # subprocesses the tests start inherit it
+
+
+@pytest.fixture
+def train_in_process(monkeypatch, capsys):
+    """``train_in_process(*words)`` runs ``python train.py <words>`` in this process (Hydra, the schema, the
+    run): returns (exit code, stderr); 0 when it finished. Hydra's logging set-up for the job is undone."""
+    spec = importlib.util.spec_from_file_location("train", REPO / "train.py")
+    entry = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(entry)
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", root.handlers[:])
+    monkeypatch.setattr(root, "level", root.level)
+
+    def run(*words):
+        monkeypatch.setattr(sys, "argv", ["train.py", *words])
+        capsys.readouterr()
+        try:
+            entry.main()
+            code = 0
+        except SystemExit as stop:
+            code = stop.code
+        return code, capsys.readouterr().err
+    return run

@@ -7,7 +7,6 @@ name; each path option with a missing and a garbage file; each group with an unk
 """
 import copy
 import dataclasses
-import importlib.util
 import logging
 import sys
 import typing
@@ -93,6 +92,7 @@ def _cases():
                 yield f"{key}=garbage", setup, key, "{garbage}"
             if meta.get("path") == "dir":
                 yield f"{key}=missing-dir", setup, key, "{missing}"
+                yield f"{key}=a-file", setup, key, "{garbage}"
         if group:
             yield f"{group}.unknown", setup, f"{group}.no_such_option", "1"
     for group in ("attention", "model", "data", "optim", "sched", "trainer", "logger", "task", "experiment", "sweep"):
@@ -216,24 +216,14 @@ def test_a_failed_run_logs_its_traceback_to_the_log_file(tmp_path):
     assert "a bad value" not in text  # a rejected config writes nothing
 
 
-def test_train_py_rejects_before_writing_anything(tmp_path, monkeypatch, capsys):
+def test_train_py_rejects_before_writing_anything(tmp_path, train_in_process):
     """The real entry point (train.py's main, in-process): exit 2, one stderr line, and the run directory holds
     only Hydra's .hydra/ (a value error) or does not exist (a type error stops Hydra before it creates it)."""
-    spec = importlib.util.spec_from_file_location("train", REPO / "train.py")
-    train = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train)
-    root = logging.getLogger()
-    handlers, level = root.handlers[:], root.level  # Hydra configures logging for its job: put it back after
-    monkeypatch.setattr(root, "handlers", handlers[:])
-    monkeypatch.setattr(root, "level", level)
     for word, line in (("trainer.batch_size=0", "error: trainer.batch_size=0: must be at least 1"),
                        ("trainer.epochs=abc", "error: trainer.epochs=abc: expected an integer (at least 1)")):
         run_dir = tmp_path / word.split("=")[0]
-        monkeypatch.setattr(sys, "argv", ["train.py", word, f"hydra.run.dir={run_dir}"])
-        with pytest.raises(SystemExit) as stop:
-            train.main()
-        assert stop.value.code == 2
-        assert capsys.readouterr().err.strip() == line
+        code, stderr = train_in_process(word, f"hydra.run.dir={run_dir}")
+        assert code == 2 and stderr.strip() == line
         assert not run_dir.exists() or sorted(p.name for p in run_dir.iterdir()) == [".hydra"]
     assert (tmp_path / "trainer.batch_size" / ".hydra").is_dir()
 
@@ -266,3 +256,28 @@ def test_no_config_option_has_a_default_hidden_in_code():
             for number, line in enumerate(path.read_text().splitlines(), 1) if pattern.search(line)]
     assert not hits, "\n".join(hits)
     assert pattern.search('x = self.cfg.get("amp", "none")') and pattern.search('(cfg.get("model") or {}).get("a", 1)')
+
+
+def test_a_truncated_checkpoint_is_one_line_at_load(tmp_path):
+    """A file that starts like a checkpoint but is cut short passes the up-front check; loading it is then a
+    one-line ConfigError, not a torch traceback."""
+    from moh_vision.models import build_model
+
+    whole = tmp_path / "whole.pt"
+    torch.save({"model": {"w": torch.zeros(1000)}}, whole)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(whole.read_bytes()[:300])
+    run = validate(compose("train", [f"model.checkpoint_path={cut}"]))  # the format looks right
+    with pytest.raises(ConfigError) as err:
+        build_model(run.model.name, attention=run.attention, checkpoint_path=run.model.checkpoint_path)
+    assert "\n" not in str(err.value) and "cut.pt" in str(err.value)
+
+
+def test_no_code_tests_a_type_name():
+    """Capabilities and families are declared, never read from a class name."""
+    import re
+    pattern = re.compile(r"__name__\s*(==|!=|in\b)|__class__\.__name__")
+    hits = [f"{path.relative_to(REPO)}:{number}" for path in (REPO / "moh_vision").rglob("*.py")
+            for number, line in enumerate(path.read_text().splitlines(), 1)
+            if pattern.search(line) and "__main__" not in line]
+    assert not hits, hits

@@ -147,14 +147,13 @@ def test_full_disk_during_save_keeps_previous_checkpoint(tmp_path):
     assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
 
 
-def test_nonfinite_steps_are_skipped_then_stop_with_last_good_checkpoint(tmp_path):
-    run_entry("train.py", *CLS, "trainer.max_steps=3", f"hydra.run.dir={tmp_path}")
+def test_nonfinite_steps_are_skipped_then_stop_with_last_good_checkpoint(tmp_path, train_in_process):
+    assert train_in_process(*CLS, "trainer.max_steps=3", f"hydra.run.dir={tmp_path}")[0] == 0
     good = weights(tmp_path)
-    proc = run_entry("train.py", *CLS, "data=custom", "data.name=nan_data:NaNDigits", "+data.kwargs.nan_from=0",
-                     "trainer.max_nonfinite_in_a_row=3", f"hydra.run.dir={tmp_path}",
-                     env={"PYTHONPATH": ENV["PYTHONPATH"]}, check=False)
-    assert proc.returncode == 1
-    last_line = proc.stderr.strip().splitlines()[-1]
+    code, stderr = train_in_process(*CLS, "data=custom", "data.name=nan_data:NaNDigits", "+data.kwargs.nan_from=0",
+                                    "trainer.max_nonfinite_in_a_row=3", f"hydra.run.dir={tmp_path}")
+    assert code == 1
+    last_line = stderr.strip().splitlines()[-1]
     assert "3 non-finite steps in a row" in last_line and "at step" in last_line and "last.pt" in last_line
     assert "nan" in last_line
     after = weights(tmp_path)
@@ -164,11 +163,10 @@ def test_nonfinite_steps_are_skipped_then_stop_with_last_good_checkpoint(tmp_pat
     assert any(r.get("train/nonfinite_skipped") for r in rows), "skips are logged"
 
 
-def test_a_few_nonfinite_steps_are_skipped_and_training_goes_on(tmp_path):
+def test_a_few_nonfinite_steps_are_skipped_and_training_goes_on(tmp_path, train_in_process):
     # a handful of NaN images (8 of 1438): the batches that hold one are skipped, the run finishes
-    run_entry("train.py", *CLS, "data=custom", "data.name=nan_data:NaNDigits", "+data.kwargs.nan_from=1430",
-              "trainer.batch_size=64", "trainer.epochs=1", f"hydra.run.dir={tmp_path}",
-              env={"PYTHONPATH": ENV["PYTHONPATH"]})
+    assert train_in_process(*CLS, "data=custom", "data.name=nan_data:NaNDigits", "+data.kwargs.nan_from=1430",
+                            "trainer.batch_size=64", "trainer.epochs=1", f"hydra.run.dir={tmp_path}")[0] == 0
     summary = read_summary(tmp_path)
     assert 1 <= summary["nonfinite_skipped"] < summary["steps"]
     assert summary["val/acc1"] > 0
@@ -183,21 +181,20 @@ BAD = [
 
 
 @pytest.mark.parametrize("override,fragment", BAD)
-def test_bad_input_one_line_nonzero_and_nothing_destroyed(tmp_path, override, fragment):
-    proc = run_entry("train.py", *override.split(), *CLS, f"hydra.run.dir={tmp_path}", check=False)
-    assert proc.returncode == 2
-    last_line = proc.stderr.strip().splitlines()[-1]
-    assert last_line.startswith("error: ") and fragment in last_line, proc.stderr[-2000:]
+def test_bad_input_one_line_nonzero_and_nothing_destroyed(tmp_path, override, fragment, train_in_process):
+    code, stderr = train_in_process(*override.split(), *CLS, f"hydra.run.dir={tmp_path}")
+    assert code == 2
+    last_line = stderr.strip().splitlines()[-1]
+    assert last_line.startswith("error: ") and fragment in last_line, stderr[-2000:]
     assert not (tmp_path / "checkpoints").exists()
 
 
-def test_data_root_without_images_and_empty_class(tmp_path):
+def test_data_root_without_images_and_empty_class(tmp_path, train_in_process):
     root = tmp_path / "data"
     for split in ("train", "val"):
         (root / split / "a").mkdir(parents=True)
-    proc = run_entry("train.py", "data=imagefolder", f"data.root={root}", *CLS, f"hydra.run.dir={tmp_path / 'r'}",
-                     check=False)
-    assert proc.returncode == 2 and "error: " in proc.stderr.strip().splitlines()[-1]
+    code, stderr = train_in_process("data=imagefolder", f"data.root={root}", *CLS, f"hydra.run.dir={tmp_path / 'r'}")
+    assert code == 2 and "error: " in stderr.strip().splitlines()[-1]
 
 
 def test_resume_or_eval_with_a_checkpoint_of_another_model(tmp_path):

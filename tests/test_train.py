@@ -144,11 +144,11 @@ def test_wandb_logger_works_offline(tmp_path):
     ("data.img_size=40", "multiple of 32"),
     ("trainer.val_at_start=sometimes", "trainer.val_at_start=sometimes: must be one of auto, true, false"),
 ])
-def test_bad_config_fails_with_one_line(tmp_path, override, fragment):
-    proc = run_entry("train.py", *override.split(), *FAST_TRAIN, f"hydra.run.dir={tmp_path}", check=False)
-    assert proc.returncode != 0
-    err = proc.stderr.strip().splitlines()
-    assert err and fragment in (err[-1] if proc.returncode == 2 else proc.stderr), proc.stderr[-2000:]
+def test_bad_config_fails_with_one_line(tmp_path, override, fragment, train_in_process):
+    code, stderr = train_in_process(*override.split(), *FAST_TRAIN, f"hydra.run.dir={tmp_path}")
+    assert code == 2
+    err = stderr.strip().splitlines()
+    assert err and fragment in err[-1], stderr[-2000:]
 
 
 def test_ema_warmup_decay_forgets_the_init_and_counts_updates():
