@@ -306,13 +306,15 @@ SCHEMAS = {"data": {"digits": DigitsData, "imagefolder": ImageFolderData, "laten
 
 
 def register_configs() -> None:
-    """Put the schema and the model presets into Hydra's ConfigStore (idempotent; the entry points and
-    :func:`compose` call it before composing)."""
+    """Put the schema and the model presets into Hydra's ConfigStore, once (the entry points and
+    :func:`compose` call it before composing; storing every node again costs ~40 ms)."""
     from hydra.core.config_store import ConfigStore
 
     from moh_vision.models import list_models, model_family
 
     store = ConfigStore.instance()
+    if "train_schema.yaml" in store.repo:
+        return
     store.store(name="train_schema", node=TrainConfig)
     store.store(name="eval_schema", node=EvalConfig)
     for group, schemas in SCHEMAS.items():
@@ -411,60 +413,42 @@ def explain(err: BaseException) -> Optional[str]:
 
 
 def group_options(group: str) -> List[str]:
-    """The options of a config group: its YAML files and the generated model presets."""
+    """The options of a config group: its YAML files and what :func:`register_configs` stored (the presets)."""
+    from hydra.core.config_store import ConfigStore
+
+    stored = ConfigStore.instance().repo
+    for part in group.split("/"):
+        stored = stored.get(part, {}) if isinstance(stored, dict) else {}
     names = {p.stem for p in (CONFIG_DIR / group).glob("*.yaml")}
-    if group == "model":
-        from moh_vision.models import list_models
-        names.update(list_models())
-    return sorted(names)
+    return sorted(names | {name[:-len(".yaml")] for name in stored if name.endswith(".yaml")})
 
 
-def _root_schema(key: str) -> type:
-    return EvalConfig if key.split(".")[0] in ("ckpt", "eval") else TrainConfig
+def _schemas_at(parts: Sequence[str]) -> List[type]:
+    """The schema dataclasses that can sit at the dotted path ``parts`` ([]: the root). A group whose schema
+    depends on its option (data, task, ...) gives every option's schema."""
+    if parts and parts[0] in SCHEMAS:
+        schemas, parts = list(SCHEMAS[parts[0]].values()), parts[1:]
+    else:
+        schemas = [EvalConfig if parts and parts[0] in ("ckpt", "eval") else TrainConfig]
+    for part in parts:
+        hints = [typing.get_type_hints(schema).get(part) for schema in schemas]
+        schemas = [hint for hint in hints if dataclasses.is_dataclass(hint)]
+    return schemas
 
 
-def schema_field(key: str, root: Optional[type] = None) -> Tuple[Dict[str, Any], Any]:
-    """(metadata, type annotation) of the schema field at dotted ``key``; ({}, None) when unknown. A group
-    whose schema depends on its option (data, task, ...) is searched in every option's schema."""
-    parts = key.split(".")
-    candidates = [root or _root_schema(key)]
-    if parts[0] in SCHEMAS:
-        candidates = list(SCHEMAS[parts[0]].values())
-        parts = parts[1:]
-    for schema in candidates:
-        found = _field_in(schema, parts)
-        if found is not None:
-            return found
+def schema_field(key: str) -> Tuple[Dict[str, Any], Any]:
+    """(metadata, type annotation) of the schema field at dotted ``key``; ({}, None) when unknown."""
+    *parent, leaf = key.split(".")
+    for schema in _schemas_at(parent):
+        fields = {f.name: f for f in dataclasses.fields(schema)}
+        if leaf in fields:
+            return dict(fields[leaf].metadata), typing.get_type_hints(schema)[leaf]
     return {}, None
-
-
-def _field_in(schema: type, parts: Sequence[str]) -> Optional[Tuple[Dict[str, Any], Any]]:
-    hints = typing.get_type_hints(schema)
-    fields = {f.name: f for f in dataclasses.fields(schema)}
-    if not parts or parts[0] not in fields:
-        return None
-    hint = hints[parts[0]]
-    if len(parts) == 1:
-        return dict(fields[parts[0]].metadata), hint
-    return _field_in(hint, parts[1:]) if dataclasses.is_dataclass(hint) else None
 
 
 def known_keys(parent: str) -> List[str]:
     """The option names under ``parent`` ('' = the root) in the schema."""
-    schemas: List[type] = [TrainConfig]
-    if parent:
-        head = parent.split(".")[0]
-        schemas = list(SCHEMAS[head].values()) if head in SCHEMAS else []
-        rest = parent.split(".")[1:] if head in SCHEMAS else parent.split(".")
-        resolved = []
-        for schema in schemas or [TrainConfig]:
-            hints = typing.get_type_hints(schema)
-            for part in rest:
-                schema = hints.get(part) if dataclasses.is_dataclass(schema) else None
-                hints = typing.get_type_hints(schema) if dataclasses.is_dataclass(schema) else {}
-            if dataclasses.is_dataclass(schema):
-                resolved.append(schema)
-        schemas = resolved
+    schemas = _schemas_at(parent.split(".") if parent else [])
     return sorted({f.name for schema in schemas for f in dataclasses.fields(schema)})
 
 

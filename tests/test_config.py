@@ -57,10 +57,6 @@ def _schema_options():
             yield group, option, cls
 
 
-def _base(num: typing.Optional[float]) -> type:
-    return int if num is int else float
-
-
 def _cases():
     """(id, overrides, key, bad value) for every bad value the sweep tries."""
     for group, option, cls in _schema_options():
