@@ -197,17 +197,13 @@ class _EvalRunner:
     """The bits of the trainer that evaluation needs: a val loader, AMP, and the task's metrics."""
 
     def __init__(self, options: EvalConfig, device: torch.device, data, task):
-        import contextlib
-
         from torch.utils.data import DataLoader
+
+        from .fit_setup import amp_context
         self.device, self.data, self.task = device, data, task
         self.loader = DataLoader(data.val, batch_size=options.eval.batch_size, shuffle=False,
                                  num_workers=options.eval.num_workers, collate_fn=data.collate_fn)
-        if options.eval.amp in ("bf16", "fp16"):
-            dtype = torch.bfloat16 if options.eval.amp == "bf16" else torch.float16
-            self.amp = lambda: torch.autocast(device.type, dtype=dtype)
-        else:
-            self.amp = contextlib.nullcontext
+        self.amp = amp_context(options.eval.amp, device)
 
     def run(self, model) -> Dict[str, Any]:
         sums = self.task.evaluate(model, self.loader, self.device, amp=self.amp)
