@@ -23,7 +23,7 @@ def test_experiment_is_one_multirun_over_arms_and_seeds():
     text = yaml.safe_load((REPO / "configs" / "experiment" / "compare_attention.yaml").read_text())
     assert text["hydra"]["mode"] == "MULTIRUN"
     params = text["hydra"]["sweeper"]["params"]
-    assert params["+experiment/compare"].split(",") == list(ARMS) and params["seed"].split(",") == ["0", "1", "2"]
+    assert params["+experiment/compare"].split(",") == list(ARMS) and params["seed"].split(",") == ["0", "1", "2", "3", "4"]
     assert sorted(p.stem for p in (REPO / "configs" / "experiment" / "compare").glob("*.yaml")) == sorted(ARMS)
 
 

@@ -1,6 +1,7 @@
 """train.py / eval.py / sweeps / DDP, composed from the real configs and shrunk."""
 import csv
 import logging
+import math
 import sys
 
 import pytest
@@ -33,6 +34,11 @@ def test_default_run_writes_every_output(trained):
     assert cfg["data"]["name"] == "digits"
     rows = list(csv.DictReader(open(trained / "metrics.csv")))
     assert [r["train/loss"] != "" for r in rows[:3]] == [True, True, True]
+    # per-step rows carry the loss's parts, the gradient norm and the routers' entropy (issue 15, item 16)
+    step = rows[0]
+    assert float(step["train/loss"]) == pytest.approx(float(step["train/ce"]) + float(step["train/aux"]), rel=1e-5)
+    assert float(step["train/aux"]) > 0 and float(step["train/grad_norm"]) > 0
+    assert 0 < float(step["train/router_entropy"]) <= math.log(8)  # transnext_nano's widest routed pool
     assert rows[-1]["val/acc1"] != ""
     # fvcore's import-time torch.jit.script call used to print a FutureWarning in every run
     assert "FutureWarning" not in (trained / "stderr.txt").read_text()

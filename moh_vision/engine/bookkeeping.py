@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import time
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
@@ -50,6 +52,50 @@ class EpochMeters:
         row = {f"train/epoch_{key}": sums[key] / n for key in ("loss", "ce", "aux") if key in sums}
         row.update({f"train/{key[4:]}": value / n for key, value in sums.items() if key.startswith("log/")})
         row.update(self.routing.summary(prefix="routing"))
+        return row
+
+
+class StepWindow:
+    """What one per-step log row averages over the optimizer steps since the previous row:
+    ``train/loss`` and its parts (``train/ce``, ``train/aux``), the gradient norm before clipping
+    (``train/grad_norm``), the routers' mean entropy over routed layers (``train/router_entropy``,
+    nats) and images/s. Routing trouble shows here within tens of steps, not at the end of an epoch.
+    A new row starts a new window."""
+
+    PARTS = ("ce", "aux")
+
+    def __init__(self):
+        self.sums: Dict[str, float] = {}
+        self.counts: Dict[str, int] = {}
+        self.steps = 0
+        self.samples = 0
+        self.start = time.time()
+
+    def _add(self, key: str, value: float) -> None:
+        self.sums[key] = self.sums.get(key, 0.0) + value
+        self.counts[key] = self.counts.get(key, 0) + 1
+
+    def add(self, out: Mapping[str, Any], grad_norm: Optional[float], samples: int) -> None:
+        """One optimizer step: its last micro-batch's loss dict and the gradient norm (None: not stepped)."""
+        self.samples += samples
+        if grad_norm is None:
+            return
+        self.steps += 1
+        self._add("loss", float(out["loss"].detach()))
+        for key in self.PARTS:
+            if key in out:
+                self._add(key, float(out[key]))
+        if math.isfinite(grad_norm):  # fp16: an overflowing step the scaler skipped has an inf norm
+            self._add("grad_norm", grad_norm)
+        entropies = [float(st["entropy"]) for st in (out.get("routing") or {}).values()
+                     if st.get("entropy") is not None and st.get("topk", 0) > 0]
+        if entropies:
+            self._add("router_entropy", sum(entropies) / len(entropies))
+
+    def row(self) -> Dict[str, float]:
+        elapsed = max(time.time() - self.start, 1e-9)
+        row = {f"train/{key}": self.sums[key] / self.counts[key] for key in self.sums}
+        row["train/images_per_sec"] = self.samples / elapsed
         return row
 
 

@@ -24,7 +24,7 @@ from moh_vision import checkpoints as ckpt_io
 from moh_vision.attention import after_optimizer_step
 from moh_vision.errors import ConfigError, RunError
 from moh_vision.tasks.protocols import Data, EpochContext, Task
-from .bookkeeping import EpochMeters, SkippedFiles, Throughput, all_finite, write_routing_artifacts
+from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, all_finite, write_routing_artifacts
 from .distributed import DistInfo, broadcast_object, reduce_sums
 from .fit_setup import FitParts, build_parts, flops_text, seed_everything
 from .loggers import Loggers, write_json
@@ -139,7 +139,7 @@ class Trainer:
             from tqdm.auto import tqdm
             bar = tqdm(total=loaders.steps_per_epoch, initial=self.batch_in_epoch // loaders.accum,
                        desc=f"epoch {self.epoch}", dynamic_ncols=True, leave=False)
-        window = {"loss": 0.0, "n": 0, "samples": 0, "t": time.time()}
+        window = StepWindow()
         micro = 0
         tick = time.time()
         for batch in loaders.train:
@@ -164,18 +164,16 @@ class Trainer:
                 self._nonfinite(loss)
             if not last_micro:
                 continue
-            stepped = self._optimizer_step(finite)
+            grad_norm = self._optimizer_step(finite)
             samples = int(out["num_samples"]) * loaders.accum * self.dist.world_size
             self.throughput.count(time.time() - tick, samples)
             tick = time.time()
-            if stepped:
-                window["loss"] += float(loss.detach())
-                window["n"] += 1
-            window["samples"] += samples
+            window.add(out, grad_norm, samples)
             if bar is not None:
                 bar.update(1)
-            if self.step % self.cfg.log_every == 0 and window["n"]:
+            if self.step % self.cfg.log_every == 0 and window.steps:
                 self._log_window(window, bar)
+                window = StepWindow()
             if self.cfg.ckpt_every_steps and self.step % self.cfg.ckpt_every_steps == 0:
                 self.save()
             if self.signals.requested(self.dist):
@@ -187,8 +185,9 @@ class Trainer:
         if bar is not None:
             bar.close()
 
-    def _optimizer_step(self, finite: bool) -> bool:
-        """Clip, step (unless the loss or the gradients were non-finite), schedule, EMA. True if stepped."""
+    def _optimizer_step(self, finite: bool) -> Optional[float]:
+        """Clip, step (unless the loss or the gradients were non-finite), schedule, EMA. The gradient
+        norm before clipping if stepped (with AMP: unscaled), else None."""
         parts = self.parts
         self.lr = parts.schedule.apply(parts.optimizer, self.step)
         params = [p for p in parts.model.parameters() if p.grad is not None]
@@ -214,7 +213,7 @@ class Trainer:
                 parts.ema.update(parts.model)
         parts.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return stepped
+        return float(norm) if stepped else None
 
     def _nonfinite(self, loss: torch.Tensor, where: str = "loss") -> None:
         """Count a skipped step; stop after ``trainer.max_nonfinite_in_a_row`` in a row."""
@@ -228,16 +227,13 @@ class Trainer:
                 f"stopping: {self.counters['nonfinite_in_a_row']} non-finite steps in a row, last at step {self.step} "
                 f"({where} = {float(loss.detach())}); last good checkpoint: {self.last_good_checkpoint or 'none yet'}")
 
-    def _log_window(self, window: Dict[str, float], bar) -> None:
-        elapsed = max(time.time() - window["t"], 1e-9)
-        row = {"train/loss": window["loss"] / window["n"], "train/lr": self.lr,
-               "train/images_per_sec": window["samples"] / elapsed, "epoch": self.epoch}
+    def _log_window(self, window: StepWindow, bar) -> None:
+        row = {**window.row(), "train/lr": self.lr, "epoch": self.epoch}
         if bar is not None:
             bar.set_postfix(loss=f"{row['train/loss']:.4f}", lr=f"{self.lr:.2e}",
                             img_s=f"{row['train/images_per_sec']:.0f}")
         if self.dist.is_main:
             self.loggers.log_step(row, step=self.step)
-        window.update(loss=0.0, n=0, samples=0, t=time.time())
 
     # ------------------------------------------------------------------------------------------
     # validation and the end of an epoch
