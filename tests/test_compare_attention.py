@@ -105,6 +105,11 @@ def test_report_groups_seeds_into_arms_and_never_merges_two_moh_arms(tmp_path):
     assert [rows[a]["seeds"] for a in sorted(rows)] == ["2", "2", "2"]
     assert float(rows["moh_50"]["val/acc1 mean"]) == 90.5 and float(rows["moh_75"]["val/acc1 mean"]) == 95.5
     assert float(rows["moh_50"]["val/acc1 std"]) == pytest.approx(0.7071, abs=1e-4)
+    # 95% interval of the mean, Student's t with 1 degree of freedom: 12.706 * 0.7071 / sqrt(2)
+    assert float(rows["moh_50"]["val/acc1 ci95"]) == pytest.approx(6.353, abs=1e-3)
+    assert rows["moh_50"]["val/acc1 per_seed"] == "90 / 91" and float(rows["mha"]["val/acc1 ci95"]) == 0.0
+    table = (tmp_path / "sweep" / "sweep_report.md").read_text()
+    assert "| 90.5 ± 0.7071 | [84.15, 96.85] | 90 / 91 |" in table
 
     # no Hydra records: two MoH configs with explicit heads (no ratio) are still two arms
     for seed in (0, 1):

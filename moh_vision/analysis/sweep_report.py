@@ -124,11 +124,18 @@ def assign_arms(jobs: List[Dict[str, Any]]) -> None:
 
 
 def _stats(values: List[float]) -> Dict[str, float]:
+    """Mean, sample standard deviation and the half-width of the two-sided 95% confidence interval of
+    the mean (Student's t with n - 1 degrees of freedom; nan for fewer than two values)."""
     values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     if not values:
-        return {"mean": float("nan"), "std": float("nan"), "n": 0}
-    return {"mean": statistics.fmean(values), "std": statistics.stdev(values) if len(values) > 1 else 0.0,
-            "n": len(values)}
+        return {"mean": float("nan"), "std": float("nan"), "ci95": float("nan"), "n": 0}
+    n = len(values)
+    std = statistics.stdev(values) if n > 1 else 0.0
+    ci95 = float("nan")
+    if n > 1:
+        from scipy.stats import t  # scipy comes with scikit-learn (the digits)
+        ci95 = float(t.ppf(0.975, n - 1)) * std / math.sqrt(n)
+    return {"mean": statistics.fmean(values), "std": std, "ci95": ci95, "n": n}
 
 
 def aggregate(jobs: List[Dict[str, Any]], metrics: List[str]) -> List[Dict[str, Any]]:
@@ -148,9 +155,12 @@ def aggregate(jobs: List[Dict[str, Any]], metrics: List[str]) -> List[Dict[str, 
         row = {"arm": arm, "model": first["model"], "attention": first["attention"],
                "activation_ratio": first["ratio"] if len(ratios) == 1 else None, "seeds": len(members),
                "seed_list": " ".join(str(m["seed"]) for m in sorted(members, key=lambda m: str(m["seed"])))}
-        for metric in metrics:
+        by_seed = sorted(members, key=lambda m: str(m["seed"]))
+        for i, metric in enumerate(metrics):
             st = _stats([m["summary"].get(metric) for m in members])
-            row[f"{metric} mean"], row[f"{metric} std"] = st["mean"], st["std"]
+            row[f"{metric} mean"], row[f"{metric} std"], row[f"{metric} ci95"] = st["mean"], st["std"], st["ci95"]
+            if i == 0:  # the reported metric, seed by seed (a stalled seed shows here, not in the mean)
+                row[f"{metric} per_seed"] = " / ".join(_fmt(m["summary"].get(metric)) for m in by_seed)
         rows.append(row)
     return rows
 
@@ -165,13 +175,20 @@ HEADERS = ["arm", "model", "attention", "activation_ratio", "seeds"]
 
 
 def write_markdown(rows: List[Dict[str, Any]], metrics: List[str], path: Path) -> str:
-    headers = HEADERS + list(metrics)
+    """One row per arm: every metric as mean ± std over seeds; the first (reported) metric also with
+    its 95% confidence interval of the mean and its value per seed (in seed order)."""
+    main = metrics[0]
+    headers = HEADERS + [f"{main} mean ± std", "95% CI", "per seed"] + list(metrics[1:])
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:
         cells = [_fmt(r[h]) for h in HEADERS]
         for m in metrics:
             mean, std = r[f"{m} mean"], r[f"{m} std"]
             cells.append(f"{_fmt(mean)} ± {_fmt(std)}" if r["seeds"] > 1 else _fmt(mean))
+            if m == main:
+                half = r[f"{m} ci95"]
+                cells.append(f"[{_fmt(mean - half)}, {_fmt(mean + half)}]" if r["seeds"] > 1 else "")
+                cells.append(r[f"{m} per_seed"])
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
     path.write_text(text)
