@@ -388,3 +388,45 @@ def test_bfloat16_autocast_forward_backward(name, opts):
     loss.backward()
     assert y.dtype == torch.bfloat16
     assert torch.isfinite(x.grad).all()
+
+
+@pytest.mark.parametrize("options", [dict(activation_ratio=0.75), dict(activation_ratio=0.5, shared_heads="learned"),
+                                     dict(shared_heads=1, topk=2), dict(shared_heads=0, topk=3),
+                                     dict(shared_heads=6, topk=0)])
+def test_masked_path_fuses_qkv_and_routers_into_one_gemm_with_the_same_values(options):
+    """Issue 17: the masked path computes qkv and every router in one GEMM; outputs, the aux loss and
+    every gradient equal those of separate calls, and a FLOP-counting trace sees them apart."""
+    torch.manual_seed(0)
+    m = build_attention("moh", 48, 6, impl="masked", **options)
+    randomise_router(m)
+    assert m.fuses_qkv_and_routers()
+    x = torch.randn(2, 10, 48)
+
+    def loss_and_grads(fused: bool):
+        xr = x.clone().requires_grad_()
+        with record_routing(m) as routing:
+            if fused:
+                y = m(xr)
+            else:  # the same layer, each projection called on its own
+                route = m.route(xr, {name: router(xr) for name, router in m.routers()})
+                y = m.output(m.heads(xr), route.gates)
+            loss = (y ** 2).sum() + routing.aux_loss(coef=0.1)
+        grads = torch.autograd.grad(loss, [xr, *m.parameters()], allow_unused=True)
+        return y, grads
+
+    calls = []
+    qkv_forward = m.qkv.forward
+    m.qkv.forward = lambda t: calls.append("qkv") or qkv_forward(t)
+    y, grads = loss_and_grads(fused=True)
+    assert calls == []  # the qkv module was not called on its own
+    y_ref, grads_ref = loss_and_grads(fused=False)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)
+    for g, g_ref in zip(grads, grads_ref):
+        assert (g is None) == (g_ref is None)
+        if g is not None:
+            torch.testing.assert_close(g, g_ref, rtol=1e-4, atol=1e-5)
+    calls.clear()
+    torch.jit.trace(m.eval(), (x,), check_trace=False)
+    assert calls == ["qkv"]  # traced (FLOP counting): qkv and the routers are separate children
+    m.train().routers()[0][1].register_forward_hook(lambda *_: None)
+    assert not m.fuses_qkv_and_routers()  # a hook on a projection must still fire: no fusion

@@ -56,15 +56,16 @@ token would gain from a head it did not select), which only the masked path comp
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional, Tuple, Union
+from typing import Dict, NamedTuple, Optional, Tuple, Union
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from moh_vision.errors import ConfigError
 from .registry import register_attention
 from .routing import (RoutedMixin, SharedPlusTopK, load_balance_loss, renormalised_topk_gates, resolve_moh_heads, topk_mask)
-from .sparse import choose_impl, kernels_supporting, sparse_forward, sparse_support  # noqa: F401 (choose_impl)
+from .sparse import choose_impl, kernel_class, kernels_supporting, sparse_forward, sparse_support  # noqa: F401 (choose_impl)
 
 Tensor = torch.Tensor
 
@@ -229,7 +230,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
             mask = torch.where(frozen, self.shared_mask, clean)
         return mask, frozen, soft
 
-    def route_learned(self, x: Tensor) -> Route:
+    def route_learned(self, x: Tensor, logits: Optional[Dict[str, Tensor]] = None) -> Route:
         """:meth:`route` on the learned partition: the official gates computed over the heads the
         mask shares and the heads it routes, scattered back to head order, plus (training, warm-up)
         the straight-through term that carries a gradient to ``shared_score``."""
@@ -238,13 +239,14 @@ class MoH(SharedPlusTopK, RoutedMixin):
         order = mask.to(torch.int32).argsort(descending=True, stable=True)  # shared heads first, each set ascending
         inverse = order.argsort()  # position of every head in that order
         shared_idx, routed_idx = order[:h_s], order[h_s:]
-        mix = self.wg_0(x).softmax(dim=-1) * 2
+        logits = self.router_logits(x) if logits is None else logits
+        mix = logits["wg_0"].softmax(dim=-1) * 2
         if h_s > 1:
-            shared_logits = self.wg_1(x)
+            shared_logits = logits["wg_1"]
             shared = shared_logits.index_select(-1, shared_idx).softmax(dim=-1) * h_s
         else:
             shared = x.new_ones(*x.shape[:-1], h_s)
-        probs = self.wg(x).index_select(-1, routed_idx).softmax(dim=-1)
+        probs = logits["wg"].index_select(-1, routed_idx).softmax(dim=-1)
         index, selected = topk_mask(probs.detach(), k)
         routed = renormalised_topk_gates(probs, selected, k)
         gates = torch.cat([shared * mix[..., :1], routed * mix[..., 1:]], dim=-1).index_select(-1, inverse)
@@ -265,15 +267,57 @@ class MoH(SharedPlusTopK, RoutedMixin):
                                 shared_frozen=frozen.detach().clone())
         return Route(gates, index, order, bool(frozen))
 
-    def route(self, x: Tensor) -> Route:
+    # --- routing ---------------------------------------------------------------------------------
+    def routers(self) -> Tuple[Tuple[str, nn.Linear], ...]:
+        """The layer's router projections that exist (``wg``, ``wg_0``, ``wg_1``), in that order."""
+        return tuple((name, r) for name in ("wg", "wg_0", "wg_1") if isinstance(r := getattr(self, name, None), nn.Linear))
+
+    def router_logits(self, x: Tensor) -> Dict[str, Tensor]:
+        """Every router's logits from ONE matmul over ``x`` (the routers read the same input; three
+        GEMMs a few columns wide would each make a pass over ``x``, forward and backward). A layer
+        whose router is not a plain ``nn.Linear`` (e.g. wrapped by an adapter) calls each one."""
+        routers = self.routers()
+        if len(routers) < 2 or any(type(r) is not nn.Linear or r.bias is not None for _, r in routers):
+            return {name: r(x) for name, r in routers}
+        fused = F.linear(x, torch.cat([r.weight for _, r in routers]))
+        return dict(zip((name for name, _ in routers), fused.split([r.out_features for _, r in routers], dim=-1)))
+
+    def fuses_qkv_and_routers(self) -> bool:
+        """Whether the masked path computes the kernel's ``qkv`` projection and the routers in one GEMM:
+        the kernel declares ``heads_take_qkv = True`` in its own class body (its ``heads(x, qkv)`` takes
+        ``self.qkv(x)`` precomputed), both are plain ``nn.Linear`` without hooks (a hook on them still
+        fires) and no trace is running (the FLOP counter attributes work by child module, so it must
+        see them apart)."""
+        qkv = getattr(self, "qkv", None)
+        declared = vars(kernel_class(self)).get("heads_take_qkv", False)  # the kernel's own class, not a parent's
+        parts = [qkv, *(r for _, r in self.routers())]
+        return (declared and len(parts) > 1 and not torch.jit.is_tracing()
+                and all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks) for p in parts)
+                and all(r.bias is None for r in parts[1:]))
+
+    def qkv_and_router_logits(self, x: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
+        """``self.qkv(x)`` and :meth:`router_logits` from one GEMM over the concatenated weights (the
+        routers have no bias: theirs is zero), split after; the values are those of the separate calls."""
+        routers = self.routers()
+        weight = torch.cat([self.qkv.weight, *(r.weight for _, r in routers)])
+        bias = self.qkv.bias
+        if bias is not None:
+            bias = torch.cat([bias, bias.new_zeros(weight.shape[0] - bias.shape[0])])
+        qkv, *logits = F.linear(x, weight, bias).split([self.qkv.out_features, *(r.out_features for _, r in routers)],
+                                                      dim=-1)
+        return qkv, dict(zip((name for name, _ in routers), logits))
+
+    def route(self, x: Tensor, logits: Optional[Dict[str, Tensor]] = None) -> Route:
         """Per-token head gates ``[B, N, h]`` and the selected routed head indices ``[B, N, k]``
         (relative to the routed pool; ``None`` when nothing is routed). Hands the aux loss and the
-        statistics to the open recorder, if any."""
+        statistics to the open recorder, if any. ``logits``: the routers' outputs on ``x`` when the
+        caller computed them already (:meth:`qkv_and_router_logits`)."""
         if self.learned_shared:
-            return self.route_learned(x)
+            return self.route_learned(x, logits)
         h_s, k = self.shared_heads, self.topk
+        logits = self.router_logits(x) if logits is None else logits
         if h_s > 1:
-            shared = self.wg_1(x).softmax(dim=-1) * h_s
+            shared = logits["wg_1"].softmax(dim=-1) * h_s
         else:
             shared = x.new_ones(*x.shape[:-1], h_s)
         if k == 0:
@@ -281,11 +325,11 @@ class MoH(SharedPlusTopK, RoutedMixin):
                 self.record_routing(torch.ones_like(shared), None, None, gates=shared)
             return Route(shared, None)
 
-        probs = self.wg(x).softmax(dim=-1)
+        probs = logits["wg"].softmax(dim=-1)
         index, mask = topk_mask(probs.detach(), k)
         routed = renormalised_topk_gates(probs, mask, k)
         if h_s > 0:
-            mix = self.wg_0(x).softmax(dim=-1) * 2
+            mix = logits["wg_0"].softmax(dim=-1) * 2
             gates = torch.cat([shared * mix[..., :1], routed * mix[..., 1:]], dim=-1)
         else:
             gates = routed
@@ -295,8 +339,11 @@ class MoH(SharedPlusTopK, RoutedMixin):
         return Route(gates, index)
 
     def forward(self, x: Tensor) -> Tensor:
+        impl = self.execution_path(x)
+        if impl == "masked" and self.fuses_qkv_and_routers():
+            qkv, logits = self.qkv_and_router_logits(x)
+            return self.output(self.heads(x, qkv), self.route(x, logits).gates)
         route = self.route(x)
-        impl = self.execution_path(x, route)
         if impl == "masked":
             return self.output(self.heads(x), route.gates)
         routed_attention = None
