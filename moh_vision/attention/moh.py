@@ -272,12 +272,20 @@ class MoH(SharedPlusTopK, RoutedMixin):
         """The layer's router projections that exist (``wg``, ``wg_0``, ``wg_1``), in that order."""
         return tuple((name, r) for name in ("wg", "wg_0", "wg_1") if isinstance(r := getattr(self, name, None), nn.Linear))
 
+    @staticmethod
+    def fusable(qkv: Optional[nn.Module], routers: Tuple[Tuple[str, nn.Linear], ...]) -> bool:
+        """Whether these projections' GEMMs can run as one: plain ``nn.Linear`` without hooks (a hook
+        must still fire), routers without bias, and no trace running (the FLOP counter's trace
+        attributes work by child module, so it must see them apart)."""
+        parts = ([] if qkv is None else [qkv]) + [r for _, r in routers]
+        return (len(parts) > 1 and not torch.jit.is_tracing() and all(r.bias is None for _, r in routers)
+                and all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks) for p in parts))
+
     def router_logits(self, x: Tensor) -> Dict[str, Tensor]:
-        """Every router's logits from ONE matmul over ``x`` (the routers read the same input; three
-        GEMMs a few columns wide would each make a pass over ``x``, forward and backward). A layer
-        whose router is not a plain ``nn.Linear`` (e.g. wrapped by an adapter) calls each one."""
+        """Every router's logits, from ONE matmul over ``x`` where :meth:`fusable` (the routers read the
+        same input; GEMMs a few columns wide would each make a pass over ``x``, forward and backward)."""
         routers = self.routers()
-        if len(routers) < 2 or any(type(r) is not nn.Linear or r.bias is not None for _, r in routers):
+        if not self.fusable(None, routers):
             return {name: r(x) for name, r in routers}
         fused = F.linear(x, torch.cat([r.weight for _, r in routers]))
         return dict(zip((name for name, _ in routers), fused.split([r.out_features for _, r in routers], dim=-1)))
@@ -285,15 +293,9 @@ class MoH(SharedPlusTopK, RoutedMixin):
     def fuses_qkv_and_routers(self) -> bool:
         """Whether the masked path computes the kernel's ``qkv`` projection and the routers in one GEMM:
         the kernel declares ``heads_take_qkv = True`` in its own class body (its ``heads(x, qkv)`` takes
-        ``self.qkv(x)`` precomputed), both are plain ``nn.Linear`` without hooks (a hook on them still
-        fires) and no trace is running (the FLOP counter attributes work by child module, so it must
-        see them apart)."""
-        qkv = getattr(self, "qkv", None)
+        ``self.qkv(x)`` precomputed) and the projections are :meth:`fusable`."""
         declared = vars(kernel_class(self)).get("heads_take_qkv", False)  # the kernel's own class, not a parent's
-        parts = [qkv, *(r for _, r in self.routers())]
-        return (declared and len(parts) > 1 and not torch.jit.is_tracing()
-                and all(type(p) is nn.Linear and not (p._forward_hooks or p._forward_pre_hooks) for p in parts)
-                and all(r.bias is None for r in parts[1:]))
+        return declared and self.fusable(getattr(self, "qkv", None), self.routers())
 
     def qkv_and_router_logits(self, x: Tensor) -> Tuple[Tensor, Dict[str, Tensor]]:
         """``self.qkv(x)`` and :meth:`router_logits` from one GEMM over the concatenated weights (the
