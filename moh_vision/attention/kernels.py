@@ -76,11 +76,9 @@ class HeadAttention(nn.Module):
         B, N, _ = t.shape
         return t.reshape(B, N, heads, self.head_dim).transpose(1, 2)
 
-    def project_qkv(self, x: Tensor, qkv: Optional[Tensor] = None) -> Tuple[Tensor, Tensor, Tensor]:
-        """q, k, v ``[B, h, N, d]`` from ``self.qkv(x)`` (or from ``qkv``, that output computed already)."""
+    def project_qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
         B, N, _ = x.shape
-        qkv = self.qkv(x) if qkv is None else qkv
-        q, k, v = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return q, k, v
 
     # --- the kernel ----------------------------------------------------------------------------
@@ -130,7 +128,6 @@ class DotProductAttention(HeadAttention):
     """
 
     flops_roles = {"q_norm": "per_head", "k_norm": "fixed"}
-    heads_take_qkv = True  # heads(x, qkv) accepts self.qkv(x) computed by the caller (MoH fuses it with its routers)
 
     def __init__(self, dim: int, num_heads: int, head_dim: Optional[int] = None, qkv_bias: bool = True,
                  qk_norm: bool = False, attn_drop: float = 0.0, proj_drop: float = 0.0, fused_attn: bool = True):
@@ -144,6 +141,5 @@ class DotProductAttention(HeadAttention):
         q, k = self.q_norm(q), self.k_norm(k)
         return dot_product_attention(q, k, v, self.attn_drop if self.training else 0.0, self.fused_attn)
 
-    def heads(self, x: Tensor, qkv: Optional[Tensor] = None) -> Tensor:
-        # variants with projections of their own (MoA) override project_qkv(x) and never pass qkv
-        return self.attend(*(self.project_qkv(x) if qkv is None else self.project_qkv(x, qkv)))
+    def heads(self, x: Tensor) -> Tensor:
+        return self.attend(*self.project_qkv(x))
