@@ -21,3 +21,20 @@ def test_bench_models_skips_an_impl_the_model_cannot_run(capsys):
                                            "warmup=0", "impl=triton,masked"])
     assert [r["impl"] for r in rows] == ["-", "masked"]
     assert "skip moh_transnext_small_75 impl=triton" in capsys.readouterr().err  # Triton: sdpa kernels only
+
+
+def test_cpu_peak_memory_replays_allocations_and_frees_in_order():
+    """Two 4 MiB tensors held together inside one profiled range (as in a backward node, which frees
+    its saved tensors after allocating the gradients): the peak is both, not their net zero."""
+    import torch
+
+    from moh_vision.analysis.benchmark import peak_memory
+
+    n = 1 << 20
+
+    def call():
+        with torch.autograd.profiler.record_function("node"):
+            a, b = torch.ones(n), torch.ones(n)
+            del a, b
+
+    assert peak_memory(call, torch.device("cpu")) == 2 * 4 * n

@@ -12,8 +12,9 @@ The two benchmarks themselves are below: :func:`bench_attention` (MoH's executio
 MHA, one attention layer) and :func:`bench_models` (MoH models against their dense twins, images/s).
 
 Peak memory (:func:`peak_memory`): on CUDA the allocator's high-water mark of one call; on the CPU
-the peak of the bytes PyTorch's CPU allocator holds during one call, from the profiler's memory
-events (tensors only: Python objects and the allocator's own caches are not counted).
+the peak of the bytes PyTorch's CPU allocator holds during one call, replayed from the profiler's
+individual allocation and free events (tensors only: Python objects and the allocator's own caches
+are not counted).
 """
 from __future__ import annotations
 
@@ -109,8 +110,39 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
+_MEASURED_CALL = "peak_memory: measured call"
+
+
+def _cpu_memory_trace(prof) -> Optional[tuple]:
+    """The CPU allocations (bytes > 0) and frees (bytes < 0) the profiler recorded as ``(time_ns,
+    address, bytes)`` in time order, and the ``(start, end)`` time of the ``_MEASURED_CALL`` range;
+    None where this torch does not expose its event tree."""
+    try:
+        from torch._C._profiler import _EventType
+        nodes = list(prof.profiler.kineto_results.experimental_event_tree())
+    except (ImportError, AttributeError):
+        return None
+    events, measured = [], None
+    while nodes:
+        node = nodes.pop()
+        if node.tag == _EventType.Allocation and node.extra_fields.device.type == "cpu":
+            events.append((node.start_time_ns, node.extra_fields.ptr, node.extra_fields.alloc_size))
+        elif node.name == _MEASURED_CALL:
+            measured = (node.start_time_ns, node.end_time_ns)
+        nodes.extend(node.children)
+    return (sorted(events, key=lambda event: event[0]), measured) if measured else None
+
+
 def peak_memory(call: Callable[[], None], device: torch.device) -> Optional[int]:
-    """Bytes held at the peak of one ``call`` above what was held before it (None if unmeasurable)."""
+    """Bytes held at the peak of one ``call`` above what was held before it (None if unmeasurable).
+
+    CPU: ``call`` runs twice under the profiler and the second run is measured by replaying every
+    allocation and free in time order. (The first run allocates what the second frees, e.g. a
+    training step's previous gradients: the profiler cannot size blocks allocated before it
+    started. Summing each op's *net* memory at the op's start instead would credit a backward node's
+    frees of its saved tensors before the gradients it allocates: several MB too little for paths
+    with large autograd nodes, such as masked MoH.)
+    """
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -120,18 +152,29 @@ def peak_memory(call: Callable[[], None], device: torch.device) -> Optional[int]
         return int(torch.cuda.max_memory_allocated(device) - before)
     if device.type != "cpu":
         return None
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, record_function
     with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         call()
-    # every op's own allocations (children excluded) and the frees recorded outside ops, in time order
-    events = sorted(prof.events(), key=lambda e: e.time_range.start)
-    if not any(e.self_cpu_memory_usage for e in events):
+        with record_function(_MEASURED_CALL):
+            call()
+    trace = _cpu_memory_trace(prof)
+    if trace is None:
         return None
-    held, peak = 0, 0
-    for event in events:
-        held += int(event.self_cpu_memory_usage)
-        peak = max(peak, held)
-    return peak
+    events, (start, end) = trace
+    sizes, held, before, peak = {}, 0, None, 0  # sizes: address -> bytes of the blocks allocated while profiling
+    for time_ns, address, size in events:
+        if time_ns > end:
+            break
+        if before is None and time_ns >= start:
+            before = peak = held
+        if size > 0:
+            sizes[address] = size
+            held += size
+        elif address in sizes:
+            held -= sizes.pop(address)
+        if before is not None:
+            peak = max(peak, held)
+    return None if before is None else peak - before
 
 
 # ----------------------------------------------------------------------------------------------

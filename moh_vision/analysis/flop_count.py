@@ -120,10 +120,11 @@ def gathered_projection_flops(inputs, outputs) -> Counter:
 
 
 def scattered_projection_flops(inputs, outputs) -> Counter:
-    """sparse MoH ``ScatteredHeadProjection``: ``[R, d]`` head rows projected to ``C`` and added."""
+    """sparse MoH ``ScatteredHeadProjection``: ``[R, d]`` head rows gated, projected to ``C`` and added."""
     y, o = _shape(inputs[0]), _shape(inputs[1])
     rows = o[0]
-    return Counter({"linear": math.prod(o) * y[-1], POINTWISE_PREFIX + "index_add": rows * y[-1]})
+    return Counter({"linear": math.prod(o) * y[-1], POINTWISE_PREFIX + "mul": math.prod(o),
+                    POINTWISE_PREFIX + "index_add": rows * y[-1]})
 
 
 def routed_flash_attention_flops(inputs, outputs) -> Counter:

@@ -29,9 +29,11 @@ for all heads, to the longest list of any head, see :func:`one_call_for_all_head
 kernel needs no padding at all.
 
 Gradients are ordinary autograd except for two small ``autograd.Function``\\ s that gather
-inputs / scatter outputs head by head through one reused buffer (:class:`GatheredHeadProjection`,
-:class:`ScatteredHeadProjection`): the packed copies of ``x`` and of the output rows are
-``topk`` times the size of ``x``, and keeping them for backward would cost memory and time.
+inputs / scatter outputs head by head, a chunk of rows at a time, through one reused scratch buffer
+(:class:`GatheredHeadProjection`, :class:`ScatteredHeadProjection`): the packed copies of ``x``
+and of the output rows are ``topk`` times the size of ``x``, and keeping them for backward would
+cost memory and time. The scatter also applies the routed gates (so no gated copy of the rows is
+kept for backward) and adds into the shared heads' output in place.
 Outputs and gradients (router weights and input included) are those of the masked path up to
 float summation order.
 
@@ -170,7 +172,23 @@ def padded_layout(dispatch: Dispatch, lengths: Optional[Tuple[int, ...]] = None)
 
 # ----------------------------------------------------------------------------------------------
 # Head-by-head gather/scatter projections (autograd Functions)
+#
+# Both work through scratch buffers of at most ``SCRATCH_ELEMENTS`` elements (1 MiB in fp32): a
+# head's rows are processed in chunks, so a ``[rows, C]`` gather or product is not ``topk / E`` the
+# size of ``x`` (a whole segment: 2.2 MB at 196 tokens x 10, dim 384, top-3 of 4 routed heads). A
+# chunk of a few hundred rows keeps the GEMMs as fast as whole segments.
 # ----------------------------------------------------------------------------------------------
+SCRATCH_ELEMENTS = 1 << 18
+
+
+def _chunks(segments, width: int):
+    """``(head, start, stop)`` for every head segment cut into pieces of at most
+    ``SCRATCH_ELEMENTS // width`` rows, and that piece size (the scratch buffers' row count)."""
+    step = max(1, SCRATCH_ELEMENTS // width)
+    pieces = [(e, s, min(s + step, stop)) for e, (start, stop) in enumerate(segments) for s in range(start, stop, step)]
+    return pieces, max([stop - start for _, start, stop in pieces], default=0)
+
+
 def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
@@ -179,7 +197,7 @@ class GatheredHeadProjection(torch.autograd.Function):
     """``out[r] = x[rows[r]] @ weight_e^T + bias_e`` for the rows ``r`` of each head segment ``e``.
 
     ``x``: [T, C]; ``weight``: [E * d, C] (head e = rows ``e*d:(e+1)*d``); ``bias``: [E * d] or
-    None. The gathered inputs are never stored: backward gathers again, head by head.
+    None. The gathered inputs are never stored: backward gathers again, chunk by chunk.
     """
 
     @staticmethod
@@ -187,8 +205,9 @@ class GatheredHeadProjection(torch.autograd.Function):
         E = len(segments)
         d, C = weight.shape[0] // E, x.shape[1]
         out = x.new_empty(rows.shape[0], d)
-        buf = x.new_empty(max(stop - start for start, stop in segments), C)
-        for e, (start, stop) in enumerate(segments):
+        pieces, size = _chunks(segments, C)
+        buf = x.new_empty(size, C)
+        for e, start, stop in pieces:
             gathered = torch.index_select(x, 0, rows[start:stop], out=buf[:stop - start])
             w = weight[e * d:(e + 1) * d]
             if bias is None:
@@ -207,57 +226,79 @@ class GatheredHeadProjection(torch.autograd.Function):
         grad_out = grad_out.contiguous()
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
         grad_x = torch.zeros_like(x) if need_x else None
-        grad_w = torch.empty_like(weight) if need_w else None
-        grad_b = weight.new_empty(weight.shape[0]) if need_b and ctx.has_bias else None
-        buf = x.new_empty(max(stop - start for start, stop in segments), x.shape[1])
-        for e, (start, stop) in enumerate(segments):
-            g, heads = grad_out[start:stop], slice(e * d, (e + 1) * d)
+        grad_w = torch.zeros_like(weight) if need_w else None  # chunks of a head accumulate
+        grad_b = weight.new_zeros(weight.shape[0]) if need_b and ctx.has_bias else None
+        pieces, size = _chunks(segments, x.shape[1])
+        buf = x.new_empty(size, x.shape[1])
+        for e, start, stop in pieces:
+            g, heads, chunk = grad_out[start:stop], slice(e * d, (e + 1) * d), buf[:stop - start]
             if grad_w is not None:
-                gathered = torch.index_select(x, 0, rows[start:stop], out=buf[:stop - start])
-                torch.mm(g.t(), gathered, out=grad_w[heads])
+                grad_w[heads].addmm_(g.t(), torch.index_select(x, 0, rows[start:stop], out=chunk))
             if grad_b is not None:
-                torch.sum(g, dim=0, out=grad_b[heads])
+                grad_b[heads] += g.sum(0)
             if grad_x is not None:
-                grad_x.index_add_(0, rows[start:stop], torch.mm(g, weight[heads], out=buf[:stop - start]))
+                grad_x.index_add_(0, rows[start:stop], torch.mm(g, weight[heads], out=chunk))
         return grad_x, grad_w, grad_b, None, None
 
 
 class ScatteredHeadProjection(torch.autograd.Function):
-    """``y + sum over rows r of o[r] @ weight_e^T`` added at row ``rows[r]``, head segment by segment.
+    """``y[rows[r]] += (gate[r] * o[r]) @ weight_e^T`` for the rows ``r`` of each head segment ``e``.
 
-    ``y``: [T, C]; ``o``: [R, d]; ``weight``: [C, E * d] (head e = columns ``e*d:(e+1)*d``). Rows
-    repeat across heads (a token uses several), so outputs are accumulated with ``index_add_``.
+    ``y``: [T, C], updated **in place** and returned: callers pass a fresh tensor nobody else reads
+    (the shared heads' output projection, or the bias). ``o``: [R, d] ungated head outputs;
+    ``gate``: [R]; ``weight``: [C, E * d] (head e = columns ``e*d:(e+1)*d``). Rows repeat across
+    heads (a token uses several), so outputs are accumulated with ``index_add_``.
+
+    Memory: the gated rows are formed chunk by chunk in a scratch buffer and again in backward, so
+    only ``o`` and ``gate`` are saved (not a gated ``[R, d]`` copy as well), and ``y`` is not copied.
+    Gradients are the masked path's: the gated rows get ``grad[rows] @ W_e``; times ``gate`` that
+    is ``o``'s gradient, dotted with ``o`` row by row it is ``gate``'s.
     """
 
     @staticmethod
-    def forward(ctx, y, o, weight, rows, segments):
-        d = o.shape[1]
-        out = y.clone()
-        buf = o.new_empty(max(stop - start for start, stop in segments), y.shape[1])
-        for e, (start, stop) in enumerate(segments):
-            contrib = torch.mm(o[start:stop], weight[:, e * d:(e + 1) * d].t(), out=buf[:stop - start])
+    def forward(ctx, y, o, gate, weight, rows, segments):
+        d, C = o.shape[1], y.shape[-1]
+        # under torch.jit.trace (FLOP counting) on a copy: adds into the traced input would stay in
+        # the graph beside this op and be counted twice
+        tracing = torch.jit.is_tracing()
+        result = y.clone() if tracing else y
+        out = result.view(-1, C)
+        pieces, size = _chunks(segments, C)
+        buf, gated = o.new_empty(size, C), o.new_empty(size, d)
+        for e, start, stop in pieces:
+            g = torch.mul(o[start:stop], gate[start:stop, None], out=gated[:stop - start])
+            contrib = torch.mm(g, weight[:, e * d:(e + 1) * d].t(), out=buf[:stop - start])
             out.index_add_(0, rows[start:stop], contrib)
-        ctx.save_for_backward(o, weight, rows)
+        if not tracing:
+            ctx.mark_dirty(y)
+        ctx.save_for_backward(o, gate, weight, rows)
         ctx.segments = segments
-        return out
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
-        o, weight, rows = ctx.saved_tensors
-        d = o.shape[1]
-        grad_out = grad_out.contiguous()
-        need_y, need_o, need_w = ctx.needs_input_grad[:3]
+        o, gate, weight, rows = ctx.saved_tensors
+        d, C = o.shape[1], grad_out.shape[-1]
+        flat = grad_out.contiguous().view(-1, C)
+        need_y, need_o, need_gate, need_w = ctx.needs_input_grad[:4]
         grad_o = torch.empty_like(o) if need_o else None
-        grad_w = torch.empty_like(weight) if need_w else None
-        buf = grad_out.new_empty(max(stop - start for start, stop in ctx.segments), grad_out.shape[1])
-        for e, (start, stop) in enumerate(ctx.segments):
-            heads = slice(e * d, (e + 1) * d)
-            g = torch.index_select(grad_out, 0, rows[start:stop], out=buf[:stop - start])
-            if grad_o is not None:
-                torch.mm(g, weight[:, heads], out=grad_o[start:stop])
-            if grad_w is not None:
-                grad_w[:, heads] = g.t() @ o[start:stop]
-        return grad_out if need_y else None, grad_o, grad_w, None, None
+        grad_gate = torch.empty_like(gate) if need_gate else None
+        grad_w = torch.zeros_like(weight) if need_w else None  # chunks of a head accumulate
+        pieces, size = _chunks(ctx.segments, C)
+        buf, small = flat.new_empty(size, C), o.new_empty(size, d)
+        for e, start, stop in pieces:
+            heads, n = slice(e * d, (e + 1) * d), stop - start
+            g = torch.index_select(flat, 0, rows[start:stop], out=buf[:n])
+            if need_o or need_gate:
+                g_gated = torch.mm(g, weight[:, heads], out=small[:n])  # gradient of the gated rows
+                if need_gate:
+                    torch.sum(g_gated * o[start:stop], dim=1, out=grad_gate[start:stop])
+                if need_o:
+                    torch.mul(g_gated, gate[start:stop, None], out=grad_o[start:stop])
+            if need_w:
+                gated = torch.mul(o[start:stop], gate[start:stop, None], out=small[:n])
+                grad_w[:, heads].addmm_(g.t(), gated)
+        return grad_out if need_y else None, grad_o, grad_gate, grad_w, None, None
 
 
 def _run_projection(fn, *args):
@@ -337,7 +378,8 @@ def one_call_for_all_heads(q: Tensor, batch: int) -> bool:
 def sdpa_routed_attention(m) -> RoutedAttention:
     """Scaled dot-product attention as the kernel runs it (dropout, fused flag) over the routed
     heads' queries, padded to rectangles with cheap ``d``-wide gathers; the padding is dropped
-    after."""
+    after. The packed queries are let go once padded (the padded copy is what SDPA keeps for
+    backward): callers pass them as a temporary, so they are freed before the attention runs."""
 
     def attend(q: Tensor, k: Tensor, v: Tensor, dispatch: Dispatch) -> Tensor:
         B, E, d = dispatch.batch, k.shape[1], q.shape[-1]
@@ -346,11 +388,13 @@ def sdpa_routed_attention(m) -> RoutedAttention:
             L = max(dispatch.lengths)
             source, position = padded_layout(dispatch, (L,) * E)
             q_padded = q.index_select(0, source).view(E, B, L, d).transpose(0, 1)
+            del q
             o = dot_product_attention(q_padded, k, v, dropout, m.fused_attn)
             return o.transpose(0, 1).reshape(-1, d).index_select(0, position)
         source, position = padded_layout(dispatch)
         # split, not slicing: backward then assembles dq/dk/dv with one cat, not a zero-fill per head
         qs = q.index_select(0, source).split([B * length for length in dispatch.lengths])
+        del q
         ks, vs = k.split(1, dim=1), v.split(1, dim=1)
         outputs = [dot_product_attention(q_e.view(B, 1, length, d), k_e, v_e, dropout, m.fused_attn).reshape(-1, d)
                    if length else q_e  # a head no token chose: nothing to attend
@@ -370,11 +414,19 @@ def split_proj(m) -> Tuple[Tensor, Tensor]:
 
 
 def shared_output(m, o_shared: Tensor, gates: Tensor, w_shared: Tensor) -> Tensor:
-    """``sum over shared heads of g_i H_i W_O^i`` plus the projection bias: ``[B, N, C]``."""
+    """``sum over shared heads of g_i H_i W_O^i`` plus the projection bias: ``[B * N, C]``, a tensor
+    of its own (a 2-d GEMM's output, not a view) that :func:`add_routed_output` adds to in place."""
     h_s, d = m.shared_heads, m.head_dim
     B, _, N, _ = o_shared.shape
     o = o_shared * gates[..., :h_s].transpose(1, 2).unsqueeze(-1).to(o_shared.dtype)
-    return F.linear(o.transpose(1, 2).reshape(B, N, h_s * d), w_shared, m.proj.bias)
+    return F.linear(o.transpose(1, 2).reshape(B * N, h_s * d), w_shared, m.proj.bias)
+
+
+def bias_output(m, rows: int, dtype: torch.dtype, device) -> Tensor:
+    """Without shared heads the routed heads start from the projection bias alone: ``[rows, C]``
+    (zeros without a bias), a tensor of its own like :func:`shared_output`'s."""
+    y = torch.zeros(rows, m.proj.weight.shape[0], dtype=dtype, device=device)
+    return y + m.proj.bias.to(dtype) if m.proj.bias is not None else y
 
 
 def packed_gates(m, gates: Tensor, dispatch: Dispatch) -> Tensor:
@@ -385,12 +437,13 @@ def packed_gates(m, gates: Tensor, dispatch: Dispatch) -> Tensor:
 
 
 def add_routed_output(m, y: Tensor, o_routed: Tensor, gates: Tensor, w_routed: Tensor, dispatch: Dispatch) -> Tensor:
-    """``y + sum over chosen routed heads of g_i H_i W_O^i``: each head's packed rows are projected
-    with that head's columns of ``proj`` and added to the rows of their tokens."""
-    B, N, C = y.shape
-    o = o_routed * packed_gates(m, gates, dispatch).unsqueeze(-1).to(o_routed.dtype)
-    out = _run_projection(ScatteredHeadProjection, y.reshape(B * N, C), o, w_routed, dispatch.rows, dispatch.segments)
-    return out.view(B, N, C)
+    """``y + sum over chosen routed heads of g_i H_i W_O^i`` as ``[B, N, C]``: each head's packed rows
+    are gated, projected with that head's columns of ``proj`` and added to the rows of their tokens.
+    ``y`` [B * N, C] (:func:`shared_output` or :func:`bias_output`) is updated in place: it must not
+    be a view, or autograd would copy it whole (``CopySlices``) to rebase the view's history."""
+    gate = packed_gates(m, gates, dispatch).to(o_routed.dtype)
+    out = _run_projection(ScatteredHeadProjection, y, o_routed, gate, w_routed, dispatch.rows, dispatch.segments)
+    return out.view(*gates.shape[:2], out.shape[-1])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,7 +487,7 @@ def sparse_moh_forward(m, x: Tensor, gates: Tensor, index: Tensor,
     ``m`` is an MoH module over the ``sdpa`` kernel with ``topk > 0``. Equals
     ``m.output(m.heads(x), gates)`` (the masked path) in value and gradient.
     """
-    B, N, C = x.shape
+    B, N, _ = x.shape
     h_s = m.shared_heads
     w_qkv = split_qkv(m)
     w_out_shared, w_out_routed = split_proj(m)
@@ -444,14 +497,12 @@ def sparse_moh_forward(m, x: Tensor, gates: Tensor, index: Tensor,
         o_shared = m.attend(project_shared_queries(m, x, w_qkv), k_shared, v_shared)
         y = shared_output(m, o_shared, gates, w_out_shared)
     else:  # no shared head: the routed heads start from the bias alone
-        y = torch.zeros(B, N, C, dtype=k_routed.dtype, device=x.device)
-        if m.proj.bias is not None:
-            y = y + m.proj.bias.to(y.dtype)
+        y = bias_output(m, B * N, k_routed.dtype, x.device)
 
     dispatch = build_dispatch(index, m.num_heads - h_s)
-    q_routed = project_routed_queries(x, w_qkv, dispatch)
     attend = routed_attention or sdpa_routed_attention(m)
-    o_routed = attend(m.q_norm(q_routed), m.k_norm(k_routed), v_routed, dispatch)
+    # the packed queries as a temporary: ``attend`` may free them once it has laid them out
+    o_routed = attend(m.q_norm(project_routed_queries(x, w_qkv, dispatch)), m.k_norm(k_routed), v_routed, dispatch)
     y = add_routed_output(m, y, o_routed, gates, w_out_routed, dispatch)
     return m.proj_drop(y)
 
@@ -601,9 +652,7 @@ def sparse_kernel_forward(m, x: Tensor, gates: Tensor, index: Tensor, order: Opt
         q_shared = F.linear(x, w_q_shared, b_q_shared).view(B, N, h_s, d).transpose(1, 2)
         y = shared_output(m, m.attend_heads(q_shared, keys, shared), gates, w_out_shared)
     else:  # no shared head: the routed heads start from the bias alone
-        y = torch.zeros(B, N, C, dtype=x.dtype, device=x.device)  # cast to the autocast dtype by the projection
-        if m.proj.bias is not None:
-            y = y + m.proj.bias.to(y.dtype)
+        y = bias_output(m, B * N, x.dtype, x.device)  # cast to the autocast dtype by the projection
 
     dispatch = build_dispatch(index, E)
     q_routed = _run_projection(GatheredHeadProjection, x.reshape(B * N, C), w_q_routed, b_q_routed,
