@@ -4,6 +4,7 @@ Every path must give the masked path's outputs AND gradients (input, every param
 weights included), and leave the same aux loss and routing statistics. Triton runs here in its
 CPU interpreter (small shapes) and, on a GPU machine, compiled (``-m gpu``).
 """
+import json
 import math
 import os
 import subprocess
@@ -208,22 +209,23 @@ def test_unknown_impl_and_triton_with_attention_dropout_are_rejected():
 
 
 def test_auto_choice_follows_measured_thresholds():
-    # CPU, dim 768, 12 heads of 64: half the heads pays at 196 and 1024 tokens; 11 of 12 does not;
-    # very short sequences stay masked
-    assert choose_impl("cpu", 1024, 768, 12, 64, 3, 3) == "sparse"
-    assert choose_impl("cpu", 196, 768, 12, 64, 3, 3) == "sparse"
-    assert choose_impl("cpu", 1024, 768, 12, 64, 5, 6) == "masked"
-    assert choose_impl("cpu", 16, 768, 12, 64, 3, 3) == "masked"
-    assert choose_impl("cpu", 1024, 768, 12, 64, 12, 0) == "masked"
+    # CPU, dim 768, 12 heads of 64, about 2,000 tokens per call: half the heads pays at 196 and 1024
+    # tokens; 11 of 12 does not; very short sequences stay masked
+    assert choose_impl("cpu", 1024, 768, 12, 64, 3, 3, batch=2) == "sparse"
+    assert choose_impl("cpu", 196, 768, 12, 64, 3, 3, batch=10) == "sparse"
+    assert choose_impl("cpu", 1024, 768, 12, 64, 5, 6, batch=2) == "masked"
+    assert choose_impl("cpu", 16, 768, 12, 64, 3, 3, batch=128) == "masked"
+    assert choose_impl("cpu", 1024, 768, 12, 64, 12, 0, batch=2) == "masked"
     # CUDA: nothing was verified on a GPU, so the reference path
     for shape in [(1024, 768, 12, 64, 3, 3), (4096, 1152, 16, 72, 4, 4)]:
-        assert choose_impl("cuda", *shape) == "masked"
+        assert choose_impl("cuda", *shape, batch=2) == "masked"
 
 
 def test_auto_module_runs_the_chosen_path():
     m = build_attention("moh", 384, 6, activation_ratio=0.5)  # impl defaults to auto
     assert m.impl == "auto" and (m.shared_heads, m.topk) == (1, 2)
-    assert m.execution_path(torch.zeros(1, 1024, 384)) == "sparse"
+    assert m.execution_path(torch.zeros(2, 1024, 384)) == "sparse"
+    assert m.execution_path(torch.zeros(1, 1024, 384)) == "masked"  # fewer tokens per call than measured
     assert m.execution_path(torch.zeros(2, 10, 384)) == "masked"  # too short to pay
     narrow = build_attention("moh", 96, 12, activation_ratio=0.5)  # head_dim 8: never measured
     assert narrow.execution_path(torch.zeros(1, 1024, 96)) == "masked"
@@ -409,8 +411,14 @@ def test_bench_quick_run_writes_a_table(tmp_path, capsys):
     from helpers import load_tool  # not at the top: the Triton interpreter loads this file without tests/ on the path
 
     out = tmp_path / "bench.csv"
-    assert load_tool("bench_attention").main(["quick=true", "device=cpu", f"out={out}"]) == 0
+    fit = tmp_path / "auto_cpu.json"
+    assert load_tool("bench_attention").main(["quick=true", "device=cpu", f"out={out}", f"fit={fit}"]) == 0
     table = capsys.readouterr().out
     assert "sparse_fwdbwd" in table and "auto_fwd_pick" in table
     header = out.read_text().splitlines()[0]
     assert header.startswith("seqlen,batch,ratio")
+    # the thresholds fitted from this run: its shapes are the measured limits
+    from moh_vision.attention.auto_table import load_table
+    rule = load_table(fit).sdpa
+    assert [n for n, _ in rule.overhead] == [50] and (rule.min_dim, rule.min_head_dim, rule.min_batch_tokens) == (64, 16, 100)
+    assert json.loads(out.with_suffix(".json").read_text())["device"] == "cpu"

@@ -21,7 +21,9 @@ from __future__ import annotations
 import contextlib
 import csv
 import json
+import math
 import os
+import platform
 import statistics
 import sys
 import time
@@ -307,7 +309,8 @@ def bench_seqlen(bench: AttentionBench, seqlen: int, device: torch.device) -> Li
 
     for ratio in bench.ratios:
         m = models[("masked", ratio)]
-        rows[ratio].update(shared=m.shared_heads, topk=m.topk, active=m.active_heads() / m.num_heads,
+        rows[ratio].update(dim=bench.dim, heads=bench.heads, head_dim=m.head_dim,
+                           shared=m.shared_heads, topk=m.topk, active=m.active_heads() / m.num_heads,
                            bound=sparse_flops_ratio(bench.dim, bench.heads, m.head_dim, seqlen, m.shared_heads, m.topk),
                            max_rel_err=errors[ratio])
     return list(rows.values())
@@ -364,7 +367,7 @@ def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: O
     table = attention_table(rows, header)
     print(table)
     if out:
-        Path(out).with_suffix(".json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+        Path(out).with_suffix(".json").write_text(json.dumps(run_record(bench, device, header, rows), indent=1))
         with open(out, "w", newline="") as f:
             if str(out).endswith(".csv"):
                 writer = csv.DictWriter(f, fieldnames=attention_columns(rows))
@@ -373,6 +376,89 @@ def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: O
             else:
                 f.write(table + "\n")
     return rows
+
+
+def machine_description() -> str:
+    """The CPU model and core count (``/proc/cpuinfo`` where there is one)."""
+    model = platform.processor() or platform.machine()
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{model}, {os.cpu_count()} cores"
+
+
+def run_record(bench: AttentionBench, device: torch.device, header: str, rows: List[dict]) -> dict:
+    """One benchmark run as JSON: what was measured, where, and every row (what ``fit_from`` reads)."""
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_description()
+    return {"header": header, "device": device.type, "machine": where, "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "settings": {k: (list(v) if isinstance(v, tuple) else v)
+                                                             for k, v in vars(bench).items()},
+            "rows": rows}
+
+
+# ----------------------------------------------------------------------------------------------
+# impl="auto" thresholds fitted from attention benchmark runs (``tools/bench_attention.py fit=...``)
+# ----------------------------------------------------------------------------------------------
+def _cents_up(value: float) -> float:
+    return math.ceil(round(value * 100, 6)) / 100
+
+
+def fit_sdpa_rule(rows: Sequence[dict], max_predicted: float = 0.95):
+    """The ``sdpa`` rule of :mod:`moh_vision.attention.auto_table` from benchmark rows (any number of
+    runs, widths and batch sizes together).
+
+    Overhead at a sequence length: the largest ``sparse/dense - bound`` measured there in any mode,
+    rounded up to 0.01, so the predicted sparse time is never below a measured one. Then, where the
+    rule would still send a measured row to the sparse path although sparse measured slower than
+    masked in some mode, that length's overhead is raised until the row goes masked: auto never picks
+    a path that measured slower. The limits are the smallest width, head width and tokens per call
+    measured (outside them auto runs masked)."""
+    from moh_vision.attention.auto_table import SdpaRule
+
+    rows = [r for r in rows if any(f"sparse_{mode}" in r for mode in ("fwd", "fwdbwd"))]
+    if not rows:
+        raise ConfigError("fit: the benchmark rows hold no sparse-path timings")
+    missing = [k for k in ("dim", "head_dim", "seqlen", "batch", "bound") if k not in rows[0]]
+    if missing:
+        raise ConfigError(f"fit: benchmark rows lack {', '.join(missing)} (written by an older version: rerun it)")
+    modes = [mode for mode in ("fwd", "fwdbwd") if f"sparse_{mode}" in rows[0]]
+    overhead: Dict[int, float] = {}
+    for r in rows:
+        worst = max(r[f"sparse_{mode}"] for mode in modes) - r["bound"]
+        overhead[r["seqlen"]] = max(overhead.get(r["seqlen"], -1.0), _cents_up(worst))
+    for r in rows:
+        slower = any(r[f"sparse_{mode}"] > r[f"masked_{mode}"] for mode in modes)
+        if slower and r["bound"] + overhead[r["seqlen"]] <= max_predicted + 1e-9:
+            overhead[r["seqlen"]] = _cents_up(max_predicted - r["bound"] + 0.005)
+    return SdpaRule(overhead=tuple(sorted(overhead.items())), max_predicted=max_predicted,
+                    min_dim=min(r["dim"] for r in rows), min_head_dim=min(r["head_dim"] for r in rows),
+                    min_batch_tokens=min(r["batch"] * r["seqlen"] for r in rows))
+
+
+def fitted_table(runs: Sequence[dict], max_predicted: float = 0.95):
+    """An auto table whose ``sdpa`` rule is fitted from benchmark ``runs`` (:func:`run_record` dicts of
+    one device type); its kernel rules are kept from that device's current table."""
+    from types import MappingProxyType
+
+    from moh_vision.attention.auto_table import AutoTable, auto_table
+
+    devices = {run.get("device") for run in runs}
+    if len(devices) != 1 or None in devices:
+        raise ConfigError(f"fit: runs from one device type expected, got {sorted(map(str, devices))}")
+    device = devices.pop()
+    current = auto_table(device)
+    rule = fit_sdpa_rule([r for run in runs for r in run["rows"]], max_predicted)
+    provenance = {"machine": sorted({run.get("machine", "?") for run in runs}),
+                  "torch": sorted({run.get("torch", "?") for run in runs}),
+                  "threads": sorted({run.get("threads", 0) for run in runs}),
+                  "runs": [run.get("settings", {}) for run in runs],
+                  "fitted": time.strftime("%Y-%m-%d"), "by": "tools/bench_attention.py fit=... (fit_sdpa_rule)"}
+    notes = ("sdpa fitted by moh_vision.analysis.benchmark.fit_sdpa_rule from the runs in provenance.",)
+    notes += tuple(n for n in (current.notes if current else ()) if not n.startswith("sdpa"))
+    return AutoTable(source="fitted", sdpa=rule, kernels=current.kernels if current else MappingProxyType({}),
+                     provenance=MappingProxyType(provenance), notes=notes)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ from typing import Callable, List, Optional, Tuple, Union
 import torch
 import torch.nn.functional as F
 
+from .auto_table import AutoTable, auto_table
 from .kernels import DotProductAttention, dot_product_attention
 
 Tensor = torch.Tensor
@@ -518,7 +519,7 @@ class SparseSupport:
     ``(m, x, gates, index, order, routed_attention) -> y``; None: :func:`sparse_kernel_forward`
     over the kernel's ``sparse_context`` / ``attend_heads`` / ``attend_rows``. ``auto``: what
     ``impl="auto"`` runs, ``(m, x) -> "sparse" | "masked"`` for a layer with ``topk > 0`` and its
-    input ``x`` [B, N, C] (a rule from the kernel's measurements, e.g. :func:`measured_cpu_auto`);
+    input ``x`` [B, N, C] (a rule from the kernel's measurements, e.g. :func:`table_auto`);
     None: always masked.
     """
 
@@ -527,18 +528,16 @@ class SparseSupport:
     auto: Optional[Callable[..., str]] = None
 
 
-def measured_cpu_auto(min_tokens: int, min_batch_tokens: int, max_active: float) -> Callable[..., str]:
-    """An ``auto`` rule read off CPU measurements: sparse on the CPU for inputs of at least
-    ``min_tokens`` tokens per image and ``min_batch_tokens`` per call, in layers where at most
-    ``max_active`` of the heads are active per token (``(shared_heads + topk) / num_heads``);
-    masked elsewhere, on GPUs included (not measured)."""
+def table_auto(kernel: str) -> Callable[..., str]:
+    """An ``auto`` rule for a kernel with its own sparse driver: the ``kernels.<kernel>`` entry of the
+    measured thresholds for the input's device (:mod:`moh_vision.attention.auto_table`); masked where
+    that device has none."""
 
     def auto(m, x: Tensor) -> str:
-        batch, tokens = x.shape[0], x.shape[1]
+        table = auto_table(x.device.type)
+        rule = table.kernels.get(kernel) if table is not None else None
         active = (m.shared_heads + m.topk) / m.num_heads
-        pays = (x.device.type == "cpu" and tokens >= min_tokens and batch * tokens >= min_batch_tokens
-                and active <= max_active + 1e-9)
-        return "sparse" if pays else "masked"
+        return "sparse" if rule is not None and rule.pays(x.shape[1], x.shape[0], active) else "masked"
 
     return auto
 
@@ -669,49 +668,20 @@ def sparse_kernel_forward(m, x: Tensor, gates: Tensor, index: Tensor, order: Opt
 # Sparse MoH costs about its FLOP bound (``sparse_flops_ratio``: keys/values for every head plus
 # queries, attention and output projection of the active heads, over dense) plus an overhead
 # (gathers, scatters, one call per routed head) that shrinks as sequences grow; masked MoH costs
-# ~1.00-1.05x dense. ``auto`` runs sparse when ``bound + overhead(tokens) <= 0.95``: predicted to
-# beat masked by a margin larger than the noise of the measurements below.
-#
-# Measured on CPU only: 2-core AMD EPYC VM (AVX-512), torch 2.14.1, fp32, 1 thread, process CPU
-# time (the machine was shared with other jobs, so wall time was useless), with
-#   python tools/bench_attention.py threads=1 clock=cpu seqlens=64,196,576,1024 \
-#       ratios=0.5,0.6,0.67,0.75,0.83,0.9          (and seqlens=4096 ratios=0.5,0.75,0.9)
-# for (dim, heads) = (768, 12), (384, 6) [seqlens 64 256 1024], (1152, 16) [seqlens 256 1024],
-# ~2048 tokens per batch, forward and forward+backward. Overhead = the largest
-# ``sparse/dense - bound`` seen at that length (forward was the worse mode; noise about +-0.03),
-# outliers aside; between lengths it is interpolated in log(tokens). Shorter than 64 tokens,
-# narrower than dim 384 or head_dim 64 (outside the measurements): masked.
-# CUDA: no GPU was available, so nothing is picked there but the reference path until
-# ``tools/bench_attention.py device=cuda`` has been run and a table like this one added.
+# ~1.00-1.05x dense. The measured overheads and limits are data, per device type:
+# moh_vision/attention/auto_cpu.json (how they were measured: its provenance), read by
+# moh_vision/attention/auto_table.py and refitted by ``tools/bench_attention.py fit=...``.
+# A device with no table (CUDA so far: no GPU was available) runs the reference path.
 # ----------------------------------------------------------------------------------------------
-CPU_SPARSE_OVERHEAD = ((64, 0.18), (196, 0.15), (576, 0.12), (1024, 0.12), (4096, 0.04))
-SPARSE_MAX_PREDICTED = 0.95
-MEASURED_MIN_DIM, MEASURED_MIN_HEAD_DIM = 384, 64
-
-
-def sparse_overhead(tokens: int, table=CPU_SPARSE_OVERHEAD) -> Optional[float]:
-    """Measured overhead of the sparse path at ``tokens`` per image (None below the table)."""
-    if tokens < table[0][0]:
-        return None
-    for (n0, o0), (n1, o1) in zip(table, table[1:]):
-        if tokens <= n1:
-            t = (math.log(tokens) - math.log(n0)) / (math.log(n1) - math.log(n0))
-            return o0 + t * (o1 - o0)
-    return table[-1][1]
-
-
 def choose_impl(device: str, tokens: int, dim: int, num_heads: int, head_dim: int, shared_heads: int,
-                topk: int) -> str:
-    """``"sparse"`` or ``"masked"`` for an MoH layer over ``sdpa`` (what ``impl="auto"`` runs)."""
-    if topk == 0 or device != "cpu":
-        return "masked"
-    if dim < MEASURED_MIN_DIM or head_dim < MEASURED_MIN_HEAD_DIM:  # outside what was measured
-        return "masked"
-    overhead = sparse_overhead(tokens)
-    if overhead is None:
+                topk: int, *, batch: int, table: Optional[AutoTable] = None) -> str:
+    """``"sparse"`` or ``"masked"`` for an MoH layer over ``sdpa`` (what ``impl="auto"`` runs) on a call
+    of ``batch`` x ``tokens``; ``table``: the thresholds (default: the measured ones for ``device``)."""
+    table = auto_table(device) if table is None else table
+    if topk == 0 or table is None or table.sdpa is None:
         return "masked"
     bound = sparse_flops_ratio(dim, num_heads, head_dim, tokens, shared_heads, topk)
-    return "sparse" if bound + overhead <= SPARSE_MAX_PREDICTED else "masked"
+    return "sparse" if table.sdpa.pays(tokens, batch, dim, head_dim, bound) else "masked"
 
 
 def _sdpa_forward(m, x: Tensor, gates: Tensor, index: Tensor, order: Optional[Tensor] = None,
@@ -722,7 +692,8 @@ def _sdpa_forward(m, x: Tensor, gates: Tensor, index: Tensor, order: Optional[Te
 
 
 def _sdpa_auto(m, x: Tensor) -> str:
-    return choose_impl(x.device.type, x.shape[1], m.dim, m.num_heads, m.head_dim, m.shared_heads, m.topk)
+    return choose_impl(x.device.type, x.shape[1], m.dim, m.num_heads, m.head_dim, m.shared_heads, m.topk,
+                       batch=x.shape[0])
 
 
 # ``sdpa``'s declaration lives here because this module is its driver (kernels.py cannot import it)

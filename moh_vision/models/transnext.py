@@ -37,7 +37,7 @@ from timm.models._features import feature_take_indices
 from torch.utils.checkpoint import checkpoint
 
 from moh_vision.attention import HeadAttention, attention_options, build_attention, layer_options, register_kernel
-from moh_vision.attention.sparse import PackedRows, SparseSupport, measured_cpu_auto
+from moh_vision.attention.sparse import PackedRows, SparseSupport, table_auto
 from moh_vision.errors import ConfigError
 from .factory import build_from_preset, instance_cfg
 from .families import register_family
@@ -127,20 +127,9 @@ def _inverse_softplus(value: float, shape: Sequence[int]) -> Tensor:
 # ----------------------------------------------------------------------------------------------
 HeadIndex = Union[None, slice, Tensor]  # which heads a per-head step computes: None = all, in order
 
-# MoH over these kernels runs sparse (moh_vision.attention.sparse) where it was measured faster than
-# masked. CPU only: 2-core shared VM, torch fp32, 1 thread, process CPU time, dense / masked / sparse
-# interleaved (11 rounds, median of per-round ratios; rough: quartiles often +-0.05), PyTorch-default
-# routers, activation_ratio 0.5 and 0.75 (a 3-head layer: 2 of 3 active). sparse / masked:
-#   aggregated, 196 tokens (stage 3 at 224 px, sr 2), dim 192/8 heads and 288/12, batch 2 and 8:
-#     fwd 0.64-0.88, fwd+bwd 0.57-0.87; batch 1: 0.73-0.93 except dim 192 at ratio 0.75 (1.00-1.01)
-#   aggregated, 784 tokens (stage 2, sr 4; dim 144/6, 96/4) and 3136 tokens (stage 1, sr 8; dim 72/3,
-#     48/2), batch 2: 0.49-0.83
-#   full, 49 tokens (stage 4 at 224 px; dim 384/16, 576/24; batch 2 and 8): 0.92-1.40 (slower)
-#   full, 144 tokens (stage 4 at 384 px; dim 576/24): ratio 0.5, batch 2 and 8: 0.75-0.94; ratio 0.75:
-#     0.85-1.07; batch 1: 0.98-1.06. 256 tokens, batch 2: ratio 0.5: 0.70-0.80; 0.75: 0.83-0.98
-# GPUs: not measured, so masked.
-AGGREGATED_SPARSE_AUTO = measured_cpu_auto(min_tokens=196, min_batch_tokens=392, max_active=0.75)
-FULL_SPARSE_AUTO = measured_cpu_auto(min_tokens=144, min_batch_tokens=288, max_active=0.5)
+# MoH over these kernels runs sparse (moh_vision.attention.sparse) under impl="auto" where it was
+# measured faster than masked: the thresholds are data, the ``kernels`` entries of
+# moh_vision/attention/auto_<device>.json (CPU measured; on GPUs, masked).
 
 
 def _take(t: Tensor, heads: HeadIndex) -> Tensor:
@@ -264,7 +253,7 @@ class TransNeXtFullAttention(_TransNeXtAttention):
 
     # MoH may run this kernel sparse (moh_vision.attention.sparse): queries, attention and output
     # projection only for the selected (token, head) pairs, through the three methods below.
-    sparse_moh = SparseSupport(auto=FULL_SPARSE_AUTO)
+    sparse_moh = SparseSupport(auto=table_auto("transnext_full"))
 
     def heads(self, x: Tensor) -> Tensor:
         self.check_tokens(x)
@@ -400,7 +389,7 @@ class TransNeXtAggregatedAttention(_TransNeXtAttention):
 
     # MoH may run this kernel sparse (moh_vision.attention.sparse): queries, attention and output
     # projection only for the selected (token, head) pairs, through the three methods below.
-    sparse_moh = SparseSupport(auto=AGGREGATED_SPARSE_AUTO)
+    sparse_moh = SparseSupport(auto=table_auto("transnext_aggregated"))
 
     def heads(self, x: Tensor) -> Tensor:
         self.check_tokens(x)

@@ -1,0 +1,196 @@
+"""What ``impl="auto"`` runs, as data: thresholds measured by the benchmark, one file per device type.
+
+``auto_<device>.json`` (next to this module; ``cpu`` is the only one measured so far) holds
+
+- ``sdpa``: the rule for MoH over plain attention. The sparse path costs about its FLOPs bound
+  (``sparse_flops_ratio``: queries, attention and output projection of the active heads over dense)
+  plus an ``overhead`` that shrinks as sequences grow (``[tokens per image, overhead]`` points,
+  interpolated in log(tokens)); sparse is picked when ``bound + overhead <= max_predicted`` and the
+  layer lies inside what was measured (``min_dim``, ``min_head_dim``, ``min_batch_tokens`` = batch x
+  tokens per call).
+- ``kernels``: per kernel with its own sparse driver (e.g. ``transnext_aggregated``), sparse for at
+  least ``min_tokens`` per image and ``min_batch_tokens`` per call where at most ``max_active`` of the
+  heads are active.
+- ``provenance`` (machine, torch, dtype, threads, clock, command) and ``notes``.
+
+``python tools/bench_attention.py ... fit=<file>`` measures and writes the ``sdpa`` rule
+(:func:`moh_vision.analysis.benchmark.fit_sdpa_rule`); ``fit_from=<bench .json files>`` fits from earlier runs.
+``MOH_VISION_AUTO_<DEVICE>=<file>`` (e.g. ``MOH_VISION_AUTO_CUDA``) replaces the packaged file. A device with
+no table runs masked, the reference path.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from moh_vision.errors import ConfigError
+
+PACKAGED_DIR = Path(__file__).resolve().parent
+ENV_PREFIX = "MOH_VISION_AUTO_"
+
+
+@dataclass(frozen=True)
+class SdpaRule:
+    """Sparse MoH over ``sdpa`` where ``bound + overhead(tokens) <= max_predicted`` (see the module doc)."""
+
+    overhead: Tuple[Tuple[int, float], ...]
+    max_predicted: float = 0.95
+    min_dim: int = 1
+    min_head_dim: int = 1
+    min_batch_tokens: int = 1
+
+    def overhead_at(self, tokens: int) -> Optional[float]:
+        """The measured overhead at ``tokens`` per image (None below the shortest measured length)."""
+        points = self.overhead
+        if tokens < points[0][0]:
+            return None
+        for (n0, o0), (n1, o1) in zip(points, points[1:]):
+            if tokens <= n1:
+                t = (math.log(tokens) - math.log(n0)) / (math.log(n1) - math.log(n0))
+                return o0 + t * (o1 - o0)
+        return points[-1][1]
+
+    def pays(self, tokens: int, batch: int, dim: int, head_dim: int, bound: float) -> bool:
+        """Whether the sparse path is predicted faster for a layer whose sparse FLOPs are ``bound`` of dense."""
+        if dim < self.min_dim or head_dim < self.min_head_dim or batch * tokens < self.min_batch_tokens:
+            return False  # outside what was measured
+        overhead = self.overhead_at(tokens)
+        return overhead is not None and bound + overhead <= self.max_predicted + 1e-9
+
+
+@dataclass(frozen=True)
+class KernelRule:
+    """Sparse for at least ``min_tokens`` per image and ``min_batch_tokens`` per call, at most ``max_active`` active."""
+
+    min_tokens: int
+    min_batch_tokens: int
+    max_active: float
+
+    def pays(self, tokens: int, batch: int, active: float) -> bool:
+        return tokens >= self.min_tokens and batch * tokens >= self.min_batch_tokens and active <= self.max_active + 1e-9
+
+
+@dataclass(frozen=True)
+class AutoTable:
+    """One device type's thresholds (immutable), read from ``source``."""
+
+    source: str
+    sdpa: Optional[SdpaRule] = None
+    kernels: Mapping[str, KernelRule] = field(default_factory=lambda: MappingProxyType({}))
+    provenance: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    notes: Tuple[str, ...] = ()
+
+    def as_dict(self) -> Dict[str, Any]:
+        """The JSON form (what :func:`parse_table` reads)."""
+        out: Dict[str, Any] = {"provenance": dict(self.provenance), "notes": list(self.notes)}
+        if self.sdpa is not None:
+            rule = self.sdpa
+            out["sdpa"] = {"overhead": [list(p) for p in rule.overhead], "max_predicted": rule.max_predicted,
+                           "min_dim": rule.min_dim, "min_head_dim": rule.min_head_dim,
+                           "min_batch_tokens": rule.min_batch_tokens}
+        out["kernels"] = {name: {"min_tokens": r.min_tokens, "min_batch_tokens": r.min_batch_tokens,
+                                 "max_active": r.max_active} for name, r in self.kernels.items()}
+        return out
+
+
+def _fields(data: Any, where: str, required: Tuple[str, ...], optional: Tuple[str, ...] = ()) -> Dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{where}: expected a mapping, got {type(data).__name__}")
+    unknown = sorted(set(data) - set(required) - set(optional))
+    missing = [k for k in required if k not in data]
+    if unknown or missing:
+        raise ConfigError(f"{where}: " + "; ".join(
+            ([f"missing {', '.join(missing)}"] if missing else []) + ([f"unknown {', '.join(unknown)}"] if unknown else [])))
+    return data
+
+
+def _number(value: Any, where: str, integer: bool = False, low: float = 0.0) -> Any:
+    kind = int if integer else (int, float)
+    if isinstance(value, bool) or not isinstance(value, kind) or not value >= low or not math.isfinite(value):
+        raise ConfigError(f"{where}: expected {'an integer' if integer else 'a number'} >= {low}, got {value!r}")
+    return value
+
+
+def _sdpa_rule(data: Any, where: str) -> SdpaRule:
+    d = _fields(data, where, ("overhead",), ("max_predicted", "min_dim", "min_head_dim", "min_batch_tokens"))
+    points = d["overhead"]
+    if not isinstance(points, list) or not points:
+        raise ConfigError(f"{where}.overhead: expected a non-empty list of [tokens, overhead]")
+    parsed = []
+    for i, p in enumerate(points):
+        if not isinstance(p, list) or len(p) != 2:
+            raise ConfigError(f"{where}.overhead[{i}]: expected [tokens, overhead], got {p!r}")
+        parsed.append((_number(p[0], f"{where}.overhead[{i}] tokens", True, 1),
+                       float(_number(p[1], f"{where}.overhead[{i}] overhead", low=-1.0))))
+    if any(b[0] <= a[0] for a, b in zip(parsed, parsed[1:])):
+        raise ConfigError(f"{where}.overhead: token counts must increase")
+    ints = {k: _number(d[k], f"{where}.{k}", True, 1) for k in ("min_dim", "min_head_dim", "min_batch_tokens") if k in d}
+    return SdpaRule(tuple(parsed), float(_number(d.get("max_predicted", 0.95), f"{where}.max_predicted")), **ints)
+
+
+def _kernel_rule(data: Any, where: str) -> KernelRule:
+    d = _fields(data, where, ("min_tokens", "min_batch_tokens", "max_active"))
+    return KernelRule(_number(d["min_tokens"], f"{where}.min_tokens", True, 1),
+                      _number(d["min_batch_tokens"], f"{where}.min_batch_tokens", True, 1),
+                      float(_number(d["max_active"], f"{where}.max_active")))
+
+
+def parse_table(data: Any, source: str) -> AutoTable:
+    """An :class:`AutoTable` from its JSON form; a malformed one raises a one-line :class:`ConfigError`."""
+    where = f"auto thresholds {source}"
+    d = _fields(data, where, (), ("sdpa", "kernels", "provenance", "notes"))
+    kernels = d.get("kernels", {})
+    if not isinstance(kernels, dict):
+        raise ConfigError(f"{where}.kernels: expected a mapping of kernel name to rule")
+    provenance = d.get("provenance", {})
+    if not isinstance(provenance, dict):
+        raise ConfigError(f"{where}.provenance: expected a mapping")
+    notes = d.get("notes", [])
+    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
+        raise ConfigError(f"{where}.notes: expected a list of strings")
+    return AutoTable(source=source,
+                     sdpa=_sdpa_rule(d["sdpa"], f"{where}.sdpa") if d.get("sdpa") is not None else None,
+                     kernels=MappingProxyType({str(k): _kernel_rule(v, f"{where}.kernels.{k}") for k, v in kernels.items()}),
+                     provenance=MappingProxyType(dict(provenance)), notes=tuple(notes))
+
+
+def load_table(path) -> AutoTable:
+    """Read and check one thresholds file."""
+    path = Path(path)
+    try:
+        data = json.loads(path.read_text())
+    except OSError as err:
+        raise ConfigError(f"auto thresholds {path}: cannot read ({err.strerror or err})") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"auto thresholds {path}: not JSON ({err.msg}, line {err.lineno})") from None
+    return parse_table(data, str(path))
+
+
+def write_table(table: AutoTable, path) -> Path:
+    """Write ``table`` as JSON (atomically: a temporary file renamed over ``path``)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(table.as_dict(), indent=1) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+@lru_cache(maxsize=None)
+def _cached(device_type: str, override: Optional[str]) -> Optional[AutoTable]:
+    if override:
+        return load_table(override)
+    packaged = PACKAGED_DIR / f"auto_{device_type}.json"
+    return load_table(packaged) if packaged.is_file() else None
+
+
+def auto_table(device_type: str) -> Optional[AutoTable]:
+    """The thresholds for ``device_type`` (``cpu``, ``cuda``, ...): ``$MOH_VISION_AUTO_<DEVICE>`` if set,
+    else the packaged ``auto_<device>.json``; None where nothing was measured (auto then runs masked)."""
+    return _cached(device_type, os.environ.get(ENV_PREFIX + device_type.upper()) or None)

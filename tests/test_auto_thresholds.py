@@ -1,0 +1,162 @@
+"""impl="auto" thresholds are data: the packaged table, its checks, overrides, and fitting it from benchmark runs."""
+import dataclasses
+import json
+import random
+
+import pytest
+import torch
+
+from helpers import load_tool
+from moh_vision.analysis.benchmark import fit_sdpa_rule, fitted_table
+from moh_vision.attention import build_attention
+from moh_vision.attention.auto_table import auto_table, load_table, parse_table, write_table
+from moh_vision.attention.sparse import choose_impl, sparse_flops_ratio
+from moh_vision.errors import ConfigError
+
+
+def test_packaged_cpu_table_loads_and_is_immutable():
+    table = auto_table("cpu")
+    assert table is not None and table.source.endswith("auto_cpu.json")
+    assert table.sdpa.min_batch_tokens > 0 and table.provenance["machine"]
+    assert set(table.kernels) == {"transnext_aggregated", "transnext_full"}
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        table.sdpa.max_predicted = 2.0
+    with pytest.raises(TypeError):
+        table.kernels["transnext_full"] = table.kernels["transnext_aggregated"]
+    assert auto_table("cuda") is None  # nothing measured on a GPU: auto runs masked there
+
+
+@pytest.mark.parametrize("data, message", [
+    ([1, 2], "expected a mapping"),
+    ({"sdpa": {"overhead": []}}, "sdpa.overhead: expected a non-empty list"),
+    ({"sdpa": {"overhead": [[196, 0.1], [64, 0.2]]}}, "token counts must increase"),
+    ({"sdpa": {"overhead": [[196, "x"]]}}, r"overhead\[0\] overhead: expected a number"),
+    ({"sdpa": {"overhead": [[196, 0.1]], "min_dim": 1.5}}, "min_dim: expected an integer"),
+    ({"sdpa": {"overhead": [[196, 0.1]], "typo": 1}}, "unknown typo"),
+    ({"kernels": {"transnext_full": {"min_tokens": 1}}}, "kernels.transnext_full: missing min_batch_tokens"),
+    ({"kernels": {"k": {"min_tokens": 1, "min_batch_tokens": 1, "max_active": -0.5}}}, "max_active: expected"),
+])
+def test_malformed_tables_fail_in_one_line(data, message):
+    with pytest.raises(ConfigError, match=message) as err:
+        parse_table(data, "t.json")
+    assert "\n" not in str(err.value) and str(err.value).startswith("auto thresholds t.json")
+
+
+def test_unreadable_files_fail_in_one_line(tmp_path):
+    (tmp_path / "bad.json").write_text("{oops")
+    with pytest.raises(ConfigError, match="bad.json: not JSON"):
+        load_table(tmp_path / "bad.json")
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_table(tmp_path / "missing.json")
+
+
+def test_write_then_load_round_trips(tmp_path):
+    table = auto_table("cpu")
+    again = load_table(write_table(table, tmp_path / "t.json"))
+    assert (again.sdpa, dict(again.kernels), dict(again.provenance), again.notes) == \
+        (table.sdpa, dict(table.kernels), dict(table.provenance), table.notes)
+
+
+def test_choice_uses_tokens_per_call():
+    # dim 768, 12 heads of 64, half active, 196 tokens: one image per call was never measured to pay
+    assert choose_impl("cpu", 196, 768, 12, 64, 3, 3, batch=1) == "masked"
+    assert choose_impl("cpu", 196, 768, 12, 64, 3, 3, batch=10) == "sparse"
+    m = build_attention("moh", 768, 12, activation_ratio=0.5)
+    assert [m.execution_path(torch.zeros(b, 196, 768, device="meta")) for b in (1, 10)] == ["masked", "masked"]
+    assert [m.execution_path(torch.zeros(b, 196, 768)) for b in (1, 10)] == ["masked", "sparse"]
+
+
+def test_env_variable_replaces_the_packaged_table(tmp_path, monkeypatch):
+    everywhere = {"sdpa": {"overhead": [[1, 0.0]]},
+                  "kernels": {"transnext_aggregated": {"min_tokens": 10 ** 6, "min_batch_tokens": 1, "max_active": 1.0}}}
+    (tmp_path / "t.json").write_text(json.dumps(everywhere))
+    monkeypatch.setenv("MOH_VISION_AUTO_CPU", str(tmp_path / "t.json"))
+    assert choose_impl("cpu", 16, 768, 12, 64, 3, 3, batch=1) == "sparse"
+    assert auto_table("cpu").kernels["transnext_aggregated"].min_tokens == 10 ** 6
+    monkeypatch.setenv("MOH_VISION_AUTO_CUDA", str(tmp_path / "t.json"))
+    assert choose_impl("cuda", 16, 768, 12, 64, 3, 3, batch=1) == "sparse"
+    monkeypatch.delenv("MOH_VISION_AUTO_CPU")
+    assert choose_impl("cpu", 16, 768, 12, 64, 3, 3, batch=1) == "masked"
+    monkeypatch.setenv("MOH_VISION_AUTO_CPU", str(tmp_path / "missing.json"))
+    with pytest.raises(ConfigError, match="missing.json: cannot read"):
+        choose_impl("cpu", 16, 768, 12, 64, 3, 3, batch=1)
+
+
+def bench_row(seqlen, batch, shared, topk, sparse, masked, dim=384, heads=6):
+    bound = sparse_flops_ratio(dim, heads, dim // heads, seqlen, shared, topk)
+    row = {"seqlen": seqlen, "batch": batch, "dim": dim, "heads": heads, "head_dim": dim // heads, "shared": shared,
+           "topk": topk, "bound": bound}
+    for mode, (s, mk) in zip(("fwd", "fwdbwd"), zip(sparse, masked)):
+        row.update({f"sparse_{mode}": s, f"masked_{mode}": mk})
+    return row
+
+
+def test_fit_takes_the_worst_overhead_rounded_up_and_the_measured_limits():
+    rows = [bench_row(196, 10, 1, 2, (0.80, 0.75), (1.04, 1.03)), bench_row(196, 10, 1, 3, (0.95, 0.90), (1.03, 1.02)),
+            bench_row(1024, 2, 1, 2, (0.70, 0.66), (1.02, 1.01), dim=768, heads=12)]
+    rule = fit_sdpa_rule(rows)
+    worst_196 = max(r["sparse_fwd"] - r["bound"] for r in rows[:2])
+    assert rule.overhead[0][0] == 196 and worst_196 <= rule.overhead[0][1] < worst_196 + 0.01 + 1e-9
+    assert (rule.min_dim, rule.min_head_dim, rule.min_batch_tokens) == (384, 64, 1960)
+    # the prediction is never below what was measured
+    assert all(r["bound"] + rule.overhead_at(r["seqlen"]) >= r["sparse_fwd"] - 1e-9 for r in rows)
+
+
+def test_fit_never_picks_a_path_that_measured_slower():
+    rng = random.Random(0)
+    rows = []
+    for seqlen, batch in ((64, 32), (196, 10), (576, 3), (1024, 2)):
+        for shared, topk in ((1, 1), (1, 2), (2, 2), (1, 4)):
+            bound = sparse_flops_ratio(384, 6, 64, seqlen, shared, topk)
+            sparse = [bound + rng.uniform(0.0, 0.3) for _ in range(2)]
+            masked = [rng.uniform(0.6, 1.1) for _ in range(2)]  # sometimes below sparse
+            rows.append(bench_row(seqlen, batch, shared, topk, sparse, masked))
+    assert any(r["sparse_fwd"] > r["masked_fwd"] for r in rows)
+    rule = fit_sdpa_rule(rows)
+    table = parse_table({"sdpa": {"overhead": [list(p) for p in rule.overhead], "max_predicted": rule.max_predicted,
+                                  "min_dim": rule.min_dim, "min_head_dim": rule.min_head_dim,
+                                  "min_batch_tokens": rule.min_batch_tokens}}, "fitted")
+    picks = [choose_impl("cpu", r["seqlen"], 384, 6, 64, r["shared"], r["topk"], batch=r["batch"], table=table)
+             for r in rows]
+    assert "sparse" in picks
+    for r, pick in zip(rows, picks):
+        if pick == "sparse":
+            assert r["sparse_fwd"] <= r["masked_fwd"] and r["sparse_fwdbwd"] <= r["masked_fwdbwd"]
+            assert max(r["sparse_fwd"], r["sparse_fwdbwd"]) <= rule.max_predicted + 1e-9
+
+
+def test_fit_rejects_rows_without_what_it_needs():
+    with pytest.raises(ConfigError, match="no sparse-path timings"):
+        fit_sdpa_rule([{"seqlen": 196}])
+    row = bench_row(196, 10, 1, 2, (0.8, 0.8), (1.0, 1.0))
+    del row["head_dim"]
+    with pytest.raises(ConfigError, match="lack head_dim"):
+        fit_sdpa_rule([row])
+    with pytest.raises(ConfigError, match="one device type"):
+        fitted_table([{"device": "cpu", "rows": [row]}, {"device": "cuda", "rows": [row]}])
+
+
+def test_tool_fits_from_earlier_runs_and_keeps_the_kernel_rules(tmp_path, capsys):
+    records = []
+    for i, dim in enumerate((384, 768)):
+        rows = [bench_row(n, max(1, 2048 // n), 1, 2, (0.7 + 0.1 * i, 0.7), (1.0, 1.0), dim=dim, heads=dim // 64)
+                for n in (196, 1024)]
+        records.append(tmp_path / f"b{dim}.json")
+        records[-1].write_text(json.dumps({"header": "h", "device": "cpu", "machine": "test", "torch": "x",
+                                           "threads": 1, "settings": {"dim": dim}, "rows": rows}))
+    out = tmp_path / "auto_cpu.json"
+    tool = load_tool("bench_attention")
+    assert tool.main([f"fit_from={records[0]},{records[1]}", f"fit={out}"]) == 0
+    assert "thresholds written to" in capsys.readouterr().out
+    table = load_table(out)
+    assert table.sdpa.min_dim == 384 and table.sdpa.min_batch_tokens == 1960
+    assert [n for n, _ in table.sdpa.overhead] == [196, 1024]
+    assert dict(table.kernels) == dict(auto_table("cpu").kernels)
+    assert table.provenance["machine"] == ["test"] and len(table.provenance["runs"]) == 2
+    with pytest.raises(SystemExit):  # a user error: one line, exit code 2
+        tool.main([f"fit_from={records[0]}"])
+    assert "fit_from needs fit=<file>" in capsys.readouterr().err
+    (tmp_path / "not_a_run.json").write_text("{}")
+    with pytest.raises(SystemExit):
+        tool.main([f"fit_from={tmp_path / 'not_a_run.json'}", f"fit={out}"])
+    assert "not a bench_attention record" in capsys.readouterr().err
