@@ -102,6 +102,20 @@ def test_fit_takes_the_worst_overhead_rounded_up_and_the_measured_limits():
     assert all(r["bound"] + rule.overhead_at(r["seqlen"]) >= r["sparse_fwd"] - 1e-9 for r in rows)
 
 
+def test_fit_overhead_comes_from_the_rows_where_sparse_won():
+    win = bench_row(196, 10, 1, 2, (0.95, 0.90), (1.06, 1.05))
+    lose = bench_row(196, 10, 2, 3, (1.30, 1.25), (1.05, 1.04))  # many routed heads: far slower
+    rule = fit_sdpa_rule([win, lose])
+    assert rule.overhead_at(196) < lose["sparse_fwd"] - lose["bound"]  # the loser does not inflate it
+    picks = [choose_impl("cpu", 196, 384, 6, 64, r["shared"], r["topk"], batch=10,
+                         table=parse_table({"sdpa": {"overhead": [list(p) for p in rule.overhead]}}, "t"))
+             for r in (win, lose)]
+    assert picks == ["sparse", "masked"]
+    # a length where sparse never won: every measured row there stays masked
+    only_losers = fit_sdpa_rule([bench_row(64, 32, 1, 2, (1.10, 1.08), (1.05, 1.04))])
+    assert 0.73 + only_losers.overhead_at(64) > only_losers.max_predicted
+
+
 def test_fit_never_picks_a_path_that_measured_slower():
     rng = random.Random(0)
     rows = []

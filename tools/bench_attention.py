@@ -47,7 +47,7 @@ OPTIONS = (
     Option("out", help="also write the table: .csv, otherwise markdown (and every number to .json)"),
     Option("fit", help="write the impl=auto thresholds fitted from the measurements to this .json file"),
     Option("fit_from", type=list_of(text), help="fit from these earlier runs' .json records instead of measuring"),
-    Option("max_predicted", 0.95, number, "fit: pick sparse where its predicted time x dense is at most this"),
+    Option("max_predicted", 1.0, number, "fit: pick sparse where its predicted time x dense is at most this"),
 )
 
 

@@ -405,16 +405,18 @@ def _cents_up(value: float) -> float:
     return math.ceil(round(value * 100, 6)) / 100
 
 
-def fit_sdpa_rule(rows: Sequence[dict], max_predicted: float = 0.95):
+def fit_sdpa_rule(rows: Sequence[dict], max_predicted: float = 1.0):
     """The ``sdpa`` rule of :mod:`moh_vision.attention.auto_table` from benchmark rows (any number of
     runs, widths and batch sizes together).
 
-    Overhead at a sequence length: the largest ``sparse/dense - bound`` measured there in any mode,
-    rounded up to 0.01, so the predicted sparse time is never below a measured one. Then, where the
-    rule would still send a measured row to the sparse path although sparse measured slower than
-    masked in some mode, that length's overhead is raised until the row goes masked: auto never picks
-    a path that measured slower. The limits are the smallest width, head width and tokens per call
-    measured (outside them auto runs masked)."""
+    Overhead at a sequence length: the largest ``sparse/dense - bound`` (worse mode) among the rows
+    there where sparse beat masked in every mode, rounded up to 0.01, so the predicted sparse time is
+    never below a measured winner's (a length where sparse never won gets an overhead that keeps every
+    measured row masked). Rows where sparse lost do not set the overhead; instead, where the rule would
+    still send one of them to the sparse path, that length's overhead is raised until it goes masked:
+    auto never picks a path that measured slower. ``max_predicted`` 1.0: sparse where it is predicted
+    no slower than dense attention (masked MoH measured at or above dense everywhere). The limits are
+    the smallest width, head width and tokens per call measured (outside them auto runs masked)."""
     from moh_vision.attention.auto_table import SdpaRule
 
     rows = [r for r in rows if any(f"sparse_{mode}" in r for mode in ("fwd", "fwdbwd"))]
@@ -424,20 +426,27 @@ def fit_sdpa_rule(rows: Sequence[dict], max_predicted: float = 0.95):
     if missing:
         raise ConfigError(f"fit: benchmark rows lack {', '.join(missing)} (written by an older version: rerun it)")
     modes = [mode for mode in ("fwd", "fwdbwd") if f"sparse_{mode}" in rows[0]]
+
+    def wins(r: dict) -> bool:
+        return all(r[f"sparse_{mode}"] < r[f"masked_{mode}"] for mode in modes)
+
+    def masking(bound: float) -> float:  # the smallest overhead (in cents) that sends ``bound`` masked
+        return _cents_up(max_predicted - bound + 0.005)
+
     overhead: Dict[int, float] = {}
+    for n in sorted({r["seqlen"] for r in rows}):
+        at_n = [r for r in rows if r["seqlen"] == n]
+        winners = [max(r[f"sparse_{mode}"] for mode in modes) - r["bound"] for r in at_n if wins(r)]
+        overhead[n] = _cents_up(max(winners)) if winners else masking(min(r["bound"] for r in at_n))
     for r in rows:
-        worst = max(r[f"sparse_{mode}"] for mode in modes) - r["bound"]
-        overhead[r["seqlen"]] = max(overhead.get(r["seqlen"], -1.0), _cents_up(worst))
-    for r in rows:
-        slower = any(r[f"sparse_{mode}"] > r[f"masked_{mode}"] for mode in modes)
-        if slower and r["bound"] + overhead[r["seqlen"]] <= max_predicted + 1e-9:
-            overhead[r["seqlen"]] = _cents_up(max_predicted - r["bound"] + 0.005)
+        if not wins(r) and r["bound"] + overhead[r["seqlen"]] <= max_predicted + 1e-9:
+            overhead[r["seqlen"]] = masking(r["bound"])
     return SdpaRule(overhead=tuple(sorted(overhead.items())), max_predicted=max_predicted,
                     min_dim=min(r["dim"] for r in rows), min_head_dim=min(r["head_dim"] for r in rows),
                     min_batch_tokens=min(r["batch"] * r["seqlen"] for r in rows))
 
 
-def fitted_table(runs: Sequence[dict], max_predicted: float = 0.95):
+def fitted_table(runs: Sequence[dict], max_predicted: float = 1.0):
     """An auto table whose ``sdpa`` rule is fitted from benchmark ``runs`` (:func:`run_record` dicts of
     one device type); its kernel rules are kept from that device's current table."""
     from types import MappingProxyType

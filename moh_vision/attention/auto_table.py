@@ -40,7 +40,7 @@ class SdpaRule:
     """Sparse MoH over ``sdpa`` where ``bound + overhead(tokens) <= max_predicted`` (see the module doc)."""
 
     overhead: Tuple[Tuple[int, float], ...]
-    max_predicted: float = 0.95
+    max_predicted: float = 1.0
     min_dim: int = 1
     min_head_dim: int = 1
     min_batch_tokens: int = 1
@@ -131,7 +131,7 @@ def _sdpa_rule(data: Any, where: str) -> SdpaRule:
     if any(b[0] <= a[0] for a, b in zip(parsed, parsed[1:])):
         raise ConfigError(f"{where}.overhead: token counts must increase")
     ints = {k: _number(d[k], f"{where}.{k}", True, 1) for k in ("min_dim", "min_head_dim", "min_batch_tokens") if k in d}
-    return SdpaRule(tuple(parsed), float(_number(d.get("max_predicted", 0.95), f"{where}.max_predicted")), **ints)
+    return SdpaRule(tuple(parsed), float(_number(d.get("max_predicted", 1.0), f"{where}.max_predicted")), **ints)
 
 
 def _kernel_rule(data: Any, where: str) -> KernelRule:
