@@ -426,3 +426,30 @@ def test_routers_run_as_one_gemm_with_the_values_of_separate_calls(options):
     calls.clear()
     torch.jit.trace(m.eval(), (x,), check_trace=False)
     assert sorted(calls) == names  # traced for FLOP counting: each router a child call
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gated_merge_equals_multiply_then_merge(dtype):
+    """Issue 17: the masked path's gates are applied while merging the heads (one pass); outputs and the
+    gradients of both the head outputs and the gates equal the two-step form's."""
+    from moh_vision.attention.kernels import GatedMerge
+
+    torch.manual_seed(0)
+    B, h, N, d = 2, 5, 7, 8
+    o = torch.randn(B, N, h, d, dtype=dtype).transpose(1, 2)  # a non-contiguous [B, h, N, d], as SDPA may return
+    gates = torch.rand(B, N, h)  # fp32 gates with bf16 heads, as under autocast
+    grad = torch.randn(B, N, h * d, dtype=dtype)
+
+    def run(merge):
+        oi, gi = o.detach().clone().requires_grad_(), gates.clone().requires_grad_()
+        y = merge(oi, gi)
+        y.backward(grad)
+        return y, oi.grad, gi.grad
+
+    fused = run(GatedMerge.apply)
+    reference = run(lambda oi, gi: (oi * gi.transpose(1, 2).unsqueeze(-1).to(dtype)).transpose(1, 2).reshape(B, N, h * d))
+    assert fused[0].is_contiguous() and fused[1].stride() == o.stride() and fused[2].dtype == torch.float32
+    torch.testing.assert_close(fused[0], reference[0], rtol=0, atol=0)  # the same products
+    torch.testing.assert_close(fused[1], reference[1], rtol=0, atol=0)
+    tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(fused[2], reference[2], **tol)  # a reduction over d: the order may differ
