@@ -84,7 +84,7 @@ class EmaConfig:
 
 @dataclass
 class TrainerConfig:
-    epochs: int = option(30, at_least=1)
+    epochs: int = option(15, at_least=1)
     max_steps: Optional[int] = option(None, at_least=1, help="stop earlier than epochs x steps per epoch")
     batch_size: int = option(64, at_least=1, help="global: split over ranks and grad_accum")
     val_batch_size: Optional[int] = option(None, at_least=1, help="default: the per-rank training batch")

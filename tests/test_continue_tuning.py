@@ -292,13 +292,14 @@ def run_measurement(root, seed):
     """Dense (30 epochs) -> step-0 conversion -> continue_digits (10 epochs); MoH 0.5 from scratch (30 epochs)."""
     root = Path(root)
     quiet = ("trainer.progress=false", f"seed={seed}")
-    run_entry("train.py", "attention=mha", *quiet, f"hydra.run.dir={root / 'dense'}")
+    recipe = ("trainer.epochs=30",)  # the 30-epoch recipe the README measured (the default run has 15)
+    run_entry("train.py", "attention=mha", *recipe, *quiet, f"hydra.run.dir={root / 'dense'}")
     dense_ckpt = root / "dense" / "checkpoints" / "last.pt"
     run_entry("tools/convert_dense_to_moh.py", f"dense={dense_ckpt}", "model=transnext_nano", "activation_ratio=0.5",
               f"out={root / 'step0.pt'}", "data=digits")
     run_entry("train.py", "experiment=continue_digits", f"model.init_from={dense_ckpt}", *quiet,
               f"hydra.run.dir={root / 'continue'}")
-    run_entry("train.py", "attention.activation_ratio=0.5", *quiet, f"hydra.run.dir={root / 'scratch'}")
+    run_entry("train.py", "attention.activation_ratio=0.5", *recipe, *quiet, f"hydra.run.dir={root / 'scratch'}")
 
 
 def summarize_measurement(root, seed):
