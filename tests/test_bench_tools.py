@@ -1,6 +1,8 @@
 """The benchmark tools run end to end (their timings are for a quiet machine, not for tests)."""
 import json
 
+import torch
+
 from helpers import load_tool
 
 
@@ -38,3 +40,15 @@ def test_cpu_peak_memory_replays_allocations_and_frees_in_order():
             del a, b
 
     assert peak_memory(call, torch.device("cpu")) == 2 * 4 * n
+
+
+def test_bench_models_times_a_dense_model_as_moh_against_itself():
+    from moh_vision.analysis.benchmark import build_for_bench
+    from moh_vision.attention import find_attention
+
+    rows = load_tool("bench_models").main(["pairs=dit_s_2:dit_s_2", "img_size=64", "rounds=1", "warmup=0",
+                                           "impl=masked", "attention=moh", "attention.activation_ratio=0.5"])
+    assert [(r["model"], r["impl"]) for r in rows] == [("dit_s_2", "-"), ("dit_s_2 (moh 0.5)", "masked")]
+    model = build_for_bench("dit_s_2", 64, "sparse", torch.device("cpu"), {"name": "moh", "activation_ratio": 0.5})
+    layers = [m for _, m in find_attention(model)]
+    assert layers and all(m.impl == "sparse" and m.active_heads() == m.num_heads // 2 for m in layers)

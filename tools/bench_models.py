@@ -3,19 +3,22 @@
     python tools/bench_models.py                                   # the default pairs, CPU, batch 2
     python tools/bench_models.py pairs=moh_dit_s_2_75:dit_s_2 batch=8 impl=auto,masked,sparse
     python tools/bench_models.py quick=true                        # tiny models (CI smoke test)
+    python tools/bench_models.py pairs=transnext_micro:transnext_micro attention=moh attention.activation_ratio=0.5
 
 Each MoH model runs with every ``impl`` given (how its MoH layers execute: ``auto`` is what training
 uses); its dense twin runs once. Inference: eval mode, no gradients. Training: forward, backward and an
 AdamW step. "x dense" is the MoH model's time over its twin's in the same round (the candidates run
 interleaved, round by round), as median [quartiles]; training peak memory is measured on one extra step
-(:mod:`moh_vision.analysis.benchmark`). ``out=t.md`` also writes ``t.json``.
+(:mod:`moh_vision.analysis.benchmark`). ``out=t.md`` also writes ``t.json``. ``attention=<name>`` with
+``attention.<key>=...`` gives the first model of every pair that attention in every layer (as ``train.py``
+composes it), so a dense model can be timed as MoH against itself.
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
 from moh_vision.analysis.benchmark import DTYPES, bench_models
-from moh_vision.cli import Option, boolean, integer, list_of, number, run_tool, text
+from moh_vision.cli import Option, attention_config, boolean, integer, list_of, number, run_tool, text, yaml_value
 
 OPTIONS = (
     Option("pairs", type=list_of(text), help="moh_model:dense_model pairs (default: MoH-ViT-B/50, DiT-XL, DiT-B)"),
@@ -31,12 +34,15 @@ OPTIONS = (
     Option("threads", type=integer, minimum=1, help="torch.set_num_threads (CPU)"),
     Option("quick", False, boolean, "one small pair at small inputs (smoke test)"),
     Option("out", help="also write the markdown table here, and every number as JSON beside it (.json)"),
+    Option("attention", help="the MoH side's attention in every layer: mha | moh | moa | ... (default: as registered)"),
+    Option("attention.*", type=yaml_value, help="one option of that attention, e.g. attention.activation_ratio=0.5"),
 )
 
 
 def bench(opts) -> List[Dict]:
     return bench_models(opts.pairs, opts.impl, opts.batch, opts.img_size, opts.rounds, opts.warmup, opts.min_seconds,
-                        opts.device, opts.dtype, opts.threads, opts.quick, opts.out)
+                        opts.device, opts.dtype, opts.threads, opts.quick, opts.out,
+                        attention_config(opts.attention, opts.attention_options))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[Dict]:

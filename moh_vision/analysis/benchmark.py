@@ -477,21 +477,24 @@ DEFAULT_PAIRS = ("moh_transnext_base_50:transnext_base", "moh_dit_xl_2_75:dit_xl
 QUICK_PAIRS = ("moh_dit_s_2_75:dit_s_2",)
 
 
-def build_for_bench(name: str, img_size: int, impl: str, device: torch.device) -> torch.nn.Module:
-    """Model ``name`` as registered (a preset keeps its own attention and heads); layers whose variant
-    has execution paths run ``impl`` (refused with the variant's reason where it cannot)."""
+def build_for_bench(name: str, img_size: int, impl: str, device: torch.device,
+                    attention: Optional[Dict] = None) -> torch.nn.Module:
+    """Model ``name`` as registered (a preset keeps its own attention and heads), or with ``attention``
+    (``{"name": "moh", "activation_ratio": 0.5, ...}``) in every layer; layers whose variant has
+    execution paths run ``impl`` (refused with the variant's reason where it cannot)."""
     from moh_vision.attention import find_attention
     from moh_vision.models import build_model, model_family
 
     # DiT works on 256px images as 32x32 latents (1/8); TransNeXt and ViT on the images.
     kwargs: Dict = {"input_size": img_size // 8} if model_family(name) == "dit" else {"img_size": img_size}
+    if attention is not None:
+        kwargs["attention"] = dict(attention)
     with torch.device("meta"):
         layers = find_attention(build_model(name, **kwargs))
     variant = layers[0][1] if layers else None
-    attention = None
     if variant is not None and variant.reference_impl is not None:  # it has paths: ask for ``impl``
-        attention = {"name": variant.attention_name, "impl": impl}
-    return build_model(name, attention=attention, **kwargs).to(device)
+        kwargs["attention"] = {**kwargs.get("attention", {}), "name": variant.attention_name, "impl": impl}
+    return build_model(name, **kwargs).to(device)
 
 
 def make_step(model: torch.nn.Module, batch: int, device: torch.device, train: bool,
@@ -524,12 +527,15 @@ def make_step(model: torch.nn.Module, batch: int, device: torch.device, train: b
 
 
 def bench_pair(moh: str, dense: str, impls: Sequence[str], batch: int, img_size: int, rounds: int, warmup: int,
-               min_seconds: float, device: torch.device, dtype: torch.dtype) -> List[Dict]:
-    """The dense twin and the MoH model under every impl, interleaved round by round."""
+               min_seconds: float, device: torch.device, dtype: torch.dtype,
+               attention: Optional[Dict] = None) -> List[Dict]:
+    """The dense twin and the MoH model (with ``attention``, if given) under every impl, interleaved round
+    by round."""
     models = {(dense, "-"): build_for_bench(dense, img_size, "masked", device)}
+    label = moh if attention is None else f"{moh} ({attention_label(attention)})"
     for impl in impls:
         try:
-            models[(moh, impl)] = build_for_bench(moh, img_size, impl, device)
+            models[(label, impl)] = build_for_bench(moh, img_size, impl, device, attention)
         except Exception as err:  # an impl this model cannot run (e.g. sparse on TransNeXt's own kernels)
             print(f"skip {moh} impl={impl}: {err}", file=sys.stderr)
     rows = {key: {"model": key[0], "impl": key[1], "batch": batch} for key in models}
@@ -548,6 +554,12 @@ def bench_pair(moh: str, dense: str, impls: Sequence[str], batch: int, img_size:
     return list(rows.values())
 
 
+def attention_label(attention: Dict) -> str:
+    """``moh 0.5`` for ``{"name": "moh", "activation_ratio": 0.5, ...}`` (the options a row was run with)."""
+    ratio = attention.get("activation_ratio")
+    return attention.get("name", "?") + ("" if ratio is None else f" {ratio:g}")
+
+
 def models_table(rows: Sequence[Dict], header: str) -> str:
     def spread(d: Dict[str, float]) -> str:
         return f"{d['median']:.3f} [{d['q1']:.3f}-{d['q3']:.3f}]"
@@ -564,9 +576,11 @@ def models_table(rows: Sequence[Dict], header: str) -> str:
 def bench_models(pairs: Optional[Sequence[str]] = None, impls: Sequence[str] = ("auto", "masked"), batch: int = 2,
                  img_size: Optional[int] = None, rounds: int = 15, warmup: int = 2, min_seconds: float = 0.0,
                  device: str = "auto", dtype: str = "float32", threads: Optional[int] = None, quick: bool = False,
-                 out: Optional[str] = None) -> List[Dict]:
+                 out: Optional[str] = None, attention: Optional[Dict] = None) -> List[Dict]:
     """Images/s of each ``moh:dense`` pair (inference and training), print the table and return its rows;
-    ``out`` also gets the table, and every number goes to ``<out>.json``. ``quick``: one small pair at 64 px."""
+    ``out`` also gets the table, and every number goes to ``<out>.json``. ``quick``: one small pair at 64 px.
+    ``attention``: the MoH side's attention in every layer (e.g. ``transnext_micro:transnext_micro`` with
+    ``{"name": "moh", "activation_ratio": 0.5}``); None: as registered."""
     from moh_vision.models import model_family
 
     if threads:
@@ -578,7 +592,7 @@ def bench_models(pairs: Optional[Sequence[str]] = None, impls: Sequence[str] = (
         if not dense:
             raise ConfigError(f"pairs wants moh:dense, got {pair}")
         size = img_size or (64 if quick else (256 if model_family(moh) == "dit" else 224))
-        rows += bench_pair(moh, dense, impls, batch, size, rounds, warmup, min_seconds, where, torch_dtype)
+        rows += bench_pair(moh, dense, impls, batch, size, rounds, warmup, min_seconds, where, torch_dtype, attention)
     machine = torch.cuda.get_device_name(where) if where.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     header = (f"{machine}, {dtype}, batch {batch}; dense and MoH interleaved, {rounds}+ rounds: "
               f"median ms per step, and the per-round ratio to the dense twin as median [quartiles]")
