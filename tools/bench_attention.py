@@ -19,16 +19,11 @@ How it times: :mod:`moh_vision.analysis.benchmark`.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import fields
-from pathlib import Path
 from typing import Optional, Sequence
 
-from moh_vision.analysis.benchmark import (CLOCKS, DTYPES, QUICK_ATTENTION, AttentionBench, bench_attention,
-                                           fitted_table, resolve_device, run_record)
-from moh_vision.attention.auto_table import write_table
+from moh_vision.analysis.benchmark import CLOCKS, DTYPES, QUICK_ATTENTION, AttentionBench, bench_and_fit
 from moh_vision.cli import Option, boolean, integer, list_of, number, run_tool, text
-from moh_vision.errors import ConfigError
 
 OPTIONS = (
     Option("dim", 768, integer, "model width", minimum=1),
@@ -51,36 +46,10 @@ OPTIONS = (
 )
 
 
-def load_runs(paths: Sequence[str]) -> list:
-    runs = []
-    for path in paths:
-        try:
-            run = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as err:
-            raise ConfigError(f"fit_from {path}: cannot read a benchmark record ({err})") from None
-        if not isinstance(run, dict) or "rows" not in run or "device" not in run:
-            raise ConfigError(f"fit_from {path}: not a bench_attention record (written with out=<file>)")
-        runs.append(run)
-    return runs
-
-
 def bench(opts) -> int:
-    if opts.fit_from:
-        if not opts.fit:
-            raise ConfigError("fit_from needs fit=<file> (where to write the thresholds)")
-        runs = load_runs(opts.fit_from)
-    else:
-        settings = {f.name: opts[f.name] for f in fields(AttentionBench)}
-        setup = AttentionBench(**{**settings, **(QUICK_ATTENTION if opts.quick else {})})
-        rows = bench_attention(setup, opts.threads, opts.out)
-        runs = [run_record(setup, resolve_device(setup.device), "", rows)]
-    if opts.fit:
-        table = fitted_table(runs, opts.max_predicted)
-        path = write_table(table, opts.fit)
-        rule = table.sdpa
-        print(f"impl=auto thresholds written to {path}: overhead {[list(p) for p in rule.overhead]}, "
-              f"max_predicted {rule.max_predicted}, min_dim {rule.min_dim}, min_head_dim {rule.min_head_dim}, "
-              f"min_batch_tokens {rule.min_batch_tokens}")
+    settings = {f.name: opts[f.name] for f in fields(AttentionBench)}
+    setup = AttentionBench(**{**settings, **(QUICK_ATTENTION if opts.quick else {})})
+    bench_and_fit(setup, opts.threads, opts.out, opts.fit, opts.fit_from, opts.max_predicted)
     return 0
 
 

@@ -470,6 +470,45 @@ def fitted_table(runs: Sequence[dict], max_predicted: float = 1.0):
                      provenance=MappingProxyType(provenance), notes=notes)
 
 
+def load_runs(paths: Sequence[str]) -> List[dict]:
+    """Benchmark records (:func:`run_record`, written with ``out=``) read back for ``fit_from``."""
+    runs = []
+    for path in paths:
+        try:
+            run = json.loads(Path(path).read_text())
+        except (OSError, json.JSONDecodeError) as err:
+            raise ConfigError(f"fit_from {path}: cannot read a benchmark record ({err})") from None
+        if not isinstance(run, dict) or "rows" not in run or "device" not in run:
+            raise ConfigError(f"fit_from {path}: not a bench_attention record (written with out=<file>)")
+        runs.append(run)
+    return runs
+
+
+def bench_and_fit(bench: AttentionBench, threads: Optional[int] = None, out: Optional[str] = None,
+                  fit: Optional[str] = None, fit_from: Optional[Sequence[str]] = None,
+                  max_predicted: float = 1.0) -> Optional[object]:
+    """``tools/bench_attention.py``: measure (:func:`bench_attention`), or read earlier runs (``fit_from``),
+    and with ``fit`` write the auto thresholds fitted from them (:func:`fitted_table`); returns that table."""
+    from moh_vision.attention.auto_table import write_table
+
+    if fit_from:
+        if not fit:
+            raise ConfigError("fit_from needs fit=<file> (where to write the thresholds)")
+        runs = load_runs(fit_from)
+    else:
+        rows = bench_attention(bench, threads, out)
+        runs = [run_record(bench, resolve_device(bench.device), "", rows)]
+    if not fit:
+        return None
+    table = fitted_table(runs, max_predicted)
+    path = write_table(table, fit)
+    rule = table.sdpa
+    print(f"impl=auto thresholds written to {path}: overhead {[list(p) for p in rule.overhead]}, "
+          f"max_predicted {rule.max_predicted}, min_dim {rule.min_dim}, min_head_dim {rule.min_head_dim}, "
+          f"min_batch_tokens {rule.min_batch_tokens}")
+    return table
+
+
 # ----------------------------------------------------------------------------------------------
 # Whole MoH models against their dense twins (``tools/bench_models.py``)
 # ----------------------------------------------------------------------------------------------
