@@ -57,13 +57,16 @@ def test_write_then_load_round_trips(tmp_path):
         (table.sdpa, dict(table.kernels), dict(table.provenance), table.notes)
 
 
-def test_choice_uses_tokens_per_call():
-    # dim 768, 12 heads of 64, half active, 196 tokens: one image per call was never measured to pay
-    assert choose_impl("cpu", 196, 768, 12, 64, 3, 3, batch=1) == "masked"
-    assert choose_impl("cpu", 196, 768, 12, 64, 3, 3, batch=10) == "sparse"
-    m = build_attention("moh", 768, 12, activation_ratio=0.5)
-    assert [m.execution_path(torch.zeros(b, 196, 768, device="meta")) for b in (1, 10)] == ["masked", "masked"]
+def test_choice_uses_tokens_per_call(tmp_path, monkeypatch):
+    # a table measured at >= 1,000 tokens per call: one 196-token image per call is outside it
+    table = {"sdpa": {"overhead": [[64, 0.2], [1024, 0.1]], "min_batch_tokens": 1000}}
+    assert choose_impl("cpu", 196, 768, 12, 64, 3, 3, batch=1, table=parse_table(table, "t")) == "masked"
+    assert choose_impl("cpu", 196, 768, 12, 64, 3, 3, batch=10, table=parse_table(table, "t")) == "sparse"
+    (tmp_path / "t.json").write_text(json.dumps(table))
+    monkeypatch.setenv("MOH_VISION_AUTO_CPU", str(tmp_path / "t.json"))
+    m = build_attention("moh", 768, 12, activation_ratio=0.5)  # impl auto: reads the table per call
     assert [m.execution_path(torch.zeros(b, 196, 768)) for b in (1, 10)] == ["masked", "sparse"]
+    assert m.execution_path(torch.zeros(10, 196, 768, device="meta")) == "masked"  # no table for that device
 
 
 def test_env_variable_replaces_the_packaged_table(tmp_path, monkeypatch):
