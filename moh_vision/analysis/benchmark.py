@@ -346,9 +346,10 @@ def attention_table(rows: List[dict], header: str) -> str:
     return "\n".join(lines)
 
 
-def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: Optional[str] = None) -> List[dict]:
-    """Time every MoH path against dense MHA at every sequence length, print the table and return its rows;
-    ``out`` (``.csv``, else markdown) also gets the table, and every number goes to ``<out>.json``."""
+def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: Optional[str] = None) -> dict:
+    """Time every MoH path against dense MHA at every sequence length, print the table and return the run
+    (:func:`run_record`: its rows and where they were measured); ``out`` (``.csv``, else markdown) also gets
+    the table, and that record goes to ``<out>.json``."""
     if threads:
         torch.set_num_threads(threads)
     device = resolve_device(bench.device)
@@ -366,8 +367,9 @@ def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: O
         print(f"done seqlen {seqlen}", file=sys.stderr, flush=True)
     table = attention_table(rows, header)
     print(table)
+    record = run_record(bench, device, header, rows)
     if out:
-        Path(out).with_suffix(".json").write_text(json.dumps(run_record(bench, device, header, rows), indent=1))
+        Path(out).with_suffix(".json").write_text(json.dumps(record, indent=1))
         with open(out, "w", newline="") as f:
             if str(out).endswith(".csv"):
                 writer = csv.DictWriter(f, fieldnames=attention_columns(rows))
@@ -375,7 +377,7 @@ def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: O
                 writer.writerows([{c: r[c] for c in attention_columns(rows)} for r in rows])
             else:
                 f.write(table + "\n")
-    return rows
+    return record
 
 
 def machine_description() -> str:
@@ -496,8 +498,7 @@ def bench_and_fit(bench: AttentionBench, threads: Optional[int] = None, out: Opt
             raise ConfigError("fit_from needs fit=<file> (where to write the thresholds)")
         runs = load_runs(fit_from)
     else:
-        rows = bench_attention(bench, threads, out)
-        runs = [run_record(bench, resolve_device(bench.device), "", rows)]
+        runs = [bench_attention(bench, threads, out)]
     if not fit:
         return None
     table = fitted_table(runs, max_predicted)

@@ -63,7 +63,6 @@ shared heads are passed as a head order (no permuted copy of the module).
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, List, Optional, Tuple, Union
 
