@@ -453,3 +453,30 @@ def test_gated_merge_equals_multiply_then_merge(dtype):
     torch.testing.assert_close(fused[1], reference[1], rtol=0, atol=0)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(fused[2], reference[2], **tol)  # a reduction over d: the order may differ
+
+
+@pytest.mark.parametrize("name,opts", [("moh", dict(activation_ratio=0.75)), ("moh", dict(activation_ratio=1.0)),
+                                       ("moh", dict(activation_ratio=0.5, shared_heads="learned")), ("moa", {})])
+def test_routed_layers_compile_as_one_graph(name, opts):
+    """``trainer.compile=true``: a routed layer (default ``impl="auto"``) traces as one graph, with no
+    break at the gated head merge or the auto rule (both broke it before), and computes what eager does."""
+    torch.manual_seed(0)
+    m = build_attention(name, 32, 4, **opts)
+    randomise_router(m)
+    x = torch.randn(2, 9, 32)
+
+    def run(fn):
+        xi = x.clone().requires_grad_()
+        y = fn(xi)
+        y.square().sum().backward()
+        grads = [xi.grad] + [p.grad.clone() for p in m.parameters() if p.grad is not None]
+        m.zero_grad(set_to_none=True)
+        return y, grads
+
+    torch._dynamo.reset()
+    compiled = run(torch.compile(m, fullgraph=True, backend="aot_eager"))  # fullgraph: a break raises
+    eager = run(m)
+    torch.testing.assert_close(compiled[0], eager[0])
+    assert len(compiled[1]) == len(eager[1])
+    for c, e in zip(compiled[1], eager[1]):
+        torch.testing.assert_close(c, e)

@@ -122,7 +122,9 @@ class HeadAttention(nn.Module):
         B, h, N, d = o.shape
         if gates is None:
             return o.transpose(1, 2).reshape(B, N, h * d)
-        if torch.jit.is_tracing():  # the FLOP counter's trace sees the plain ops (a custom Function is opaque)
+        # plain ops where a custom Function would be opaque: the FLOP counter's trace, and torch.compile
+        # (which cannot trace its out= writes and fuses the plain ops itself)
+        if torch.jit.is_tracing() or torch.compiler.is_compiling():
             return (o * gates.transpose(1, 2).unsqueeze(-1).to(o.dtype)).transpose(1, 2).reshape(B, N, h * d)
         return GatedMerge.apply(o, gates)
 

@@ -347,6 +347,10 @@ class MoH(SharedPlusTopK, RoutedMixin):
             return "masked"
         if self.impl != "auto":
             return self.impl
+        if torch.compiler.is_compiling():
+            # under torch.compile the sparse path's per-head token lists (data-dependent sizes) would
+            # break the graph; masked compiles whole, and the compiler fuses its routing ops
+            return "masked"
         support = sparse_support(self)
         if support is None or support.auto is None:  # no sparse path, or never measured faster than masked
             return "masked"
