@@ -52,3 +52,29 @@ def test_bench_models_times_a_dense_model_as_moh_against_itself():
     model = build_for_bench("dit_s_2", 64, "sparse", torch.device("cpu"), {"name": "moh", "activation_ratio": 0.5})
     layers = [m for _, m in find_attention(model)]
     assert layers and all(m.impl == "sparse" and m.active_heads() == m.num_heads // 2 for m in layers)
+
+
+def test_bench_models_compiles_every_model_and_leaves_compilation_untimed(monkeypatch):
+    compiled = []
+
+    def compile_fast(model):  # dynamo's graph capture only: the plumbing, not inductor's code generation
+        compiled.append(model)
+        return torch._dynamo.optimize("eager")(model)
+
+    from moh_vision.analysis import benchmark
+
+    warmups = []
+
+    def interleave(calls, **kwargs):
+        warmups.append(kwargs["warmup"])
+        return real_interleave(calls, **kwargs)
+
+    real_interleave = benchmark.interleave
+    monkeypatch.setattr(torch, "compile", compile_fast)
+    monkeypatch.setattr(benchmark, "interleave", interleave)
+    torch._dynamo.reset()
+    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "impl=auto", "compile=true"])
+    assert [(type(m).__name__, r["model"], r["compiled"]) for m, r in zip(compiled, rows)] == [
+        ("DiT", "dit_s_2", True), ("DiT", "moh_dit_s_2_75", True)]
+    assert warmups == [1, 1]  # inference, training: the call that compiles is never a timed one
+    assert all(r["infer_ms"]["n"] == 1 and r["train_ms"]["n"] == 1 for r in rows)

@@ -4,6 +4,7 @@
     python tools/bench_models.py pairs=moh_dit_s_2_75:dit_s_2 batch=8 impl=auto,masked,sparse
     python tools/bench_models.py quick=true                        # tiny models (CI smoke test)
     python tools/bench_models.py pairs=transnext_micro:transnext_micro attention=moh attention.activation_ratio=0.5
+    python tools/bench_models.py pairs=moh_dit_s_2_75:dit_s_2 compile=true      # both models torch.compile'd
 
 Each MoH model runs with every ``impl`` given (how its MoH layers execute: ``auto`` is what training
 uses); its dense twin runs once. Inference: eval mode, no gradients. Training: forward, backward and an
@@ -33,6 +34,7 @@ OPTIONS = (
     Option("dtype", "float32", choices=tuple(DTYPES), help="autocast precision (float32: none)"),
     Option("threads", type=integer, minimum=1, help="torch.set_num_threads (CPU)"),
     Option("quick", False, boolean, "one small pair at small inputs (smoke test)"),
+    Option("compile", False, boolean, "torch.compile every model, as trainer.compile=true (compilation untimed)"),
     Option("out", help="also write the markdown table here, and every number as JSON beside it (.json)"),
     Option("attention", help="the MoH side's attention in every layer: mha | moh | moa | ... (default: as registered)"),
     Option("attention.*", type=yaml_value, help="one option of that attention, e.g. attention.activation_ratio=0.5"),
@@ -42,7 +44,7 @@ OPTIONS = (
 def bench(opts) -> List[Dict]:
     return bench_models(opts.pairs, opts.impl, opts.batch, opts.img_size, opts.rounds, opts.warmup, opts.min_seconds,
                         opts.device, opts.dtype, opts.threads, opts.quick, opts.out,
-                        attention_config(opts.attention, opts.attention_options))
+                        attention_config(opts.attention, opts.attention_options), opts.compile)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[Dict]:

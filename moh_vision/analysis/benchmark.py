@@ -568,9 +568,10 @@ def make_step(model: torch.nn.Module, batch: int, device: torch.device, train: b
 
 def bench_pair(moh: str, dense: str, impls: Sequence[str], batch: int, img_size: int, rounds: int, warmup: int,
                min_seconds: float, device: torch.device, dtype: torch.dtype,
-               attention: Optional[Dict] = None) -> List[Dict]:
+               attention: Optional[Dict] = None, compile_models: bool = False) -> List[Dict]:
     """The dense twin and the MoH model (with ``attention``, if given) under every impl, interleaved round
-    by round."""
+    by round; ``compile_models``: each one ``torch.compile``d (as ``trainer.compile=true``), its first
+    call per mode (the compilation) left out of the timings."""
     models = {(dense, "-"): build_for_bench(dense, img_size, "masked", device)}
     label = moh if attention is None else f"{moh} ({attention_label(attention)})"
     for impl in impls:
@@ -578,7 +579,10 @@ def bench_pair(moh: str, dense: str, impls: Sequence[str], batch: int, img_size:
             models[(label, impl)] = build_for_bench(moh, img_size, impl, device, attention)
         except Exception as err:  # an impl this model cannot run (e.g. sparse on TransNeXt's own kernels)
             print(f"skip {moh} impl={impl}: {err}", file=sys.stderr)
-    rows = {key: {"model": key[0], "impl": key[1], "batch": batch} for key in models}
+    if compile_models:
+        models = {key: torch.compile(m) for key, m in models.items()}
+        warmup = max(warmup, 1)
+    rows = {key: {"model": key[0], "impl": key[1], "batch": batch, "compiled": compile_models} for key in models}
     for mode in ("infer", "train"):
         steps = {key: make_step(m, batch, device, mode == "train", dtype) for key, m in models.items()}
         times = interleave(steps, rounds=rounds, warmup=warmup, min_seconds=min_seconds, device=device)
@@ -616,11 +620,13 @@ def models_table(rows: Sequence[Dict], header: str) -> str:
 def bench_models(pairs: Optional[Sequence[str]] = None, impls: Sequence[str] = ("auto", "masked"), batch: int = 2,
                  img_size: Optional[int] = None, rounds: int = 15, warmup: int = 2, min_seconds: float = 0.0,
                  device: str = "auto", dtype: str = "float32", threads: Optional[int] = None, quick: bool = False,
-                 out: Optional[str] = None, attention: Optional[Dict] = None) -> List[Dict]:
+                 out: Optional[str] = None, attention: Optional[Dict] = None,
+                 compile_models: bool = False) -> List[Dict]:
     """Images/s of each ``moh:dense`` pair (inference and training), print the table and return its rows;
     ``out`` also gets the table, and every number goes to ``<out>.json``. ``quick``: one small pair at 64 px.
     ``attention``: the MoH side's attention in every layer (e.g. ``transnext_micro:transnext_micro`` with
-    ``{"name": "moh", "activation_ratio": 0.5}``); None: as registered."""
+    ``{"name": "moh", "activation_ratio": 0.5}``); None: as registered. ``compile_models``: every model
+    ``torch.compile``d (under compile, ``impl="auto"`` runs masked)."""
     from moh_vision.models import model_family
 
     if threads:
@@ -632,9 +638,11 @@ def bench_models(pairs: Optional[Sequence[str]] = None, impls: Sequence[str] = (
         if not dense:
             raise ConfigError(f"pairs wants moh:dense, got {pair}")
         size = img_size or (64 if quick else (256 if model_family(moh) == "dit" else 224))
-        rows += bench_pair(moh, dense, impls, batch, size, rounds, warmup, min_seconds, where, torch_dtype, attention)
+        rows += bench_pair(moh, dense, impls, batch, size, rounds, warmup, min_seconds, where, torch_dtype, attention,
+                           compile_models)
     machine = torch.cuda.get_device_name(where) if where.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    header = (f"{machine}, {dtype}, batch {batch}; dense and MoH interleaved, {rounds}+ rounds: "
+    compiled = ", every model torch.compile'd" if compile_models else ""
+    header = (f"{machine}, {dtype}, batch {batch}{compiled}; dense and MoH interleaved, {rounds}+ rounds: "
               f"median ms per step, and the per-round ratio to the dense twin as median [quartiles]")
     table = models_table(rows, header)
     print(table)
