@@ -102,7 +102,8 @@ class MoH(SharedPlusTopK, RoutedMixin):
             path: ``sdpa`` and TransNeXt's two, see :mod:`~moh_vision.attention.sparse`);
             ``"triton"`` is ``sparse`` with a Triton attention kernel for the routed heads (``sdpa``;
             CUDA, on CPU only under ``TRITON_INTERPRET=1``); ``"auto"`` picks per call from the
-            kernel's measured rule (``sdpa``: :func:`choose_impl`; TransNeXt: its own table).
+            kernel's measured rule (``sdpa``: :func:`choose_impl`; TransNeXt: its own table), and runs
+            masked under ``torch.compile`` (which then compiles the layer as one graph).
         learn_shared_steps: with ``shared_heads="learned"``: optimizer steps of warm-up before the
             shared heads are frozen (0: frozen at once, on the initial partition = the first ``h_s``
             heads). Ignored otherwise.
