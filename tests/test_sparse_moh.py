@@ -397,6 +397,32 @@ def test_routed_output_is_added_in_place():
     torch.testing.assert_close(y0.grad, torch.ones(6, 8))
 
 
+
+@pytest.mark.parametrize("groups,bias,used", [((2, 4), True, (True, True, True, True)),
+                                              ((0, 6), False, (False, False, True, True)),
+                                              ((2, 4), True, (True, False, True, False))],
+                         ids=["shared+routed", "no_shared", "values_unread"])
+def test_key_value_heads_backward_equals_autograd(groups, bias, used):
+    """``KeyValueHeads`` writes the head groups' key/value gradients into one buffer: its outputs, and the
+    input, weight and bias gradients, are those of the plain linear/view/permute/split chain (a group
+    whose keys or values nobody read gets a zero gradient)."""
+    torch.manual_seed(0)
+    B, N, C, h, d = 2, 5, 12, sum(groups), 4
+    x, w = torch.randn(B, N, C, requires_grad=True), torch.randn(2 * h * d, C, requires_grad=True)
+    b = torch.randn(2 * h * d, requires_grad=True) if bias else None
+    leaves = [t for t in (x, w, b) if t is not None]
+    shape = (B, N, 2, h, d)
+
+    def grads(outputs):
+        loss = sum((o.sin() * (i + 1)).sum() for i, (o, keep) in enumerate(zip(outputs, used)) if keep)
+        return [o.detach() for o in outputs], torch.autograd.grad(loss, leaves)
+
+    fused = grads(sparse_module.KeyValueHeads.apply(x, w, b, shape, groups))
+    plain = grads(sparse_module._key_value_groups(torch.nn.functional.linear(x, w, b).view(shape), groups))
+    for got, want in zip(fused[0] + list(fused[1]), plain[0] + list(plain[1])):
+        torch.testing.assert_close(got, want)
+
+
 # ---------------------------------------------------------------------------------------------
 # The benchmark tool
 # ---------------------------------------------------------------------------------------------

@@ -336,13 +336,59 @@ def split_qkv(m) -> QKVWeights:
     return QKVWeights(*weights, *biases)
 
 
+def _key_value_groups(kv: Tensor, groups: Tuple[int, ...]) -> Tuple[Tensor, ...]:
+    """``[B, N, 2, h, d]`` keys and values -> ``(k, v)`` of each head group, each ``[B, heads, N, d]``."""
+    out = []
+    for part in kv.permute(2, 0, 3, 1, 4).split(groups, dim=2):
+        out += part.unbind(0)
+    return tuple(out)
+
+
+class KeyValueHeads(torch.autograd.Function):
+    """Keys and values of every head for every token from one GEMM, as ``(k, v)`` per head group
+    (``groups``: head counts; the outputs are views of the GEMM's result).
+
+    Backward writes the groups' gradients straight into one ``[B, N, 2, h, d]`` buffer (one pass) and
+    runs the input and weight GEMMs on it. Through autograd the same gradient would be assembled by a
+    stack, a cat and a copy (the unbind, split and view/permute chain): three passes over it.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, shape, groups):
+        kv = F.linear(x, weight, bias).view(*shape)
+        ctx.save_for_backward(x, weight)
+        ctx.shape, ctx.groups, ctx.has_bias = shape, groups, bias is not None
+        return _key_value_groups(kv, groups)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, *grads):
+        x, weight = ctx.saved_tensors
+        dtype = next((g.dtype for g in grads if g is not None), x.dtype)
+        buf = torch.empty(ctx.shape, dtype=dtype, device=x.device)
+        for dst, grad in zip(_key_value_groups(buf, ctx.groups), grads):
+            if grad is None:  # a head group nobody read (e.g. a routed head no token chose)
+                dst.zero_()
+            else:
+                dst.copy_(grad)
+        flat = buf.view(-1, weight.shape[0])
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = (flat @ weight).view(x.shape) if need_x else None
+        grad_w = flat.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
+        grad_b = flat.sum(0) if need_b and ctx.has_bias else None
+        return grad_x, grad_w, grad_b, None, None
+
+
 def project_keys_values(m, x: Tensor, w: QKVWeights):
     """Keys and values of every head for every token (one GEMM), split into shared and routed
     heads: ``(k_shared, v_shared), (k_routed, v_routed)``, each ``[B, heads, N, d]``."""
     B, N, _ = x.shape
-    kv = F.linear(x, w.kv, w.kv_bias).view(B, N, 2, m.num_heads, m.head_dim).permute(2, 0, 3, 1, 4)
-    shared, routed = kv.split([m.shared_heads, m.num_heads - m.shared_heads], dim=2)
-    return shared.unbind(0), routed.unbind(0)
+    shape, groups = (B, N, 2, m.num_heads, m.head_dim), (m.shared_heads, m.num_heads - m.shared_heads)
+    if torch.jit.is_tracing() or torch.compiler.is_compiling():  # plain ops: the FLOP counter's trace sees the GEMM
+        k_shared, v_shared, k_routed, v_routed = _key_value_groups(F.linear(x, w.kv, w.kv_bias).view(shape), groups)
+    else:
+        k_shared, v_shared, k_routed, v_routed = _run_projection(KeyValueHeads, x, w.kv, w.kv_bias, shape, groups)
+    return (k_shared, v_shared), (k_routed, v_routed)
 
 
 def project_shared_queries(m, x: Tensor, w: QKVWeights) -> Tensor:
