@@ -40,6 +40,13 @@ def resolve_head_dim(dim: int, num_heads: int, head_dim: Optional[int]) -> int:
     return dim // num_heads
 
 
+def custom_functions_opaque() -> bool:
+    """Whether a custom autograd Function would hide its work: under ``torch.jit.trace`` (the FLOP
+    counter sees a Function as one opaque op) and ``torch.compile`` (which cannot trace their ``out=``
+    writes and fuses plain ops itself). Fast paths built as Functions run their plain-op twins then."""
+    return torch.jit.is_tracing() or torch.compiler.is_compiling()
+
+
 class GatedMerge(torch.autograd.Function):
     """``(o * gates) -> [B, N, h * d]`` for ``o`` [B, h, N, d] and ``gates`` [B, N, h], in one pass: the gate
     multiply writes the merged layout directly (multiply, then merge, would read and write ``o`` twice;
@@ -122,9 +129,7 @@ class HeadAttention(nn.Module):
         B, h, N, d = o.shape
         if gates is None:
             return o.transpose(1, 2).reshape(B, N, h * d)
-        # plain ops where a custom Function would be opaque: the FLOP counter's trace, and torch.compile
-        # (which cannot trace its out= writes and fuses the plain ops itself)
-        if torch.jit.is_tracing() or torch.compiler.is_compiling():
+        if custom_functions_opaque():
             return (o * gates.transpose(1, 2).unsqueeze(-1).to(o.dtype)).transpose(1, 2).reshape(B, N, h * d)
         return GatedMerge.apply(o, gates)
 

@@ -70,7 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from .auto_table import AutoTable, auto_table
-from .kernels import DotProductAttention, dot_product_attention
+from .kernels import DotProductAttention, custom_functions_opaque, dot_product_attention
 
 Tensor = torch.Tensor
 
@@ -384,7 +384,7 @@ def project_keys_values(m, x: Tensor, w: QKVWeights):
     heads: ``(k_shared, v_shared), (k_routed, v_routed)``, each ``[B, heads, N, d]``."""
     B, N, _ = x.shape
     shape, groups = (B, N, 2, m.num_heads, m.head_dim), (m.shared_heads, m.num_heads - m.shared_heads)
-    if torch.jit.is_tracing() or torch.compiler.is_compiling():  # plain ops: the FLOP counter's trace sees the GEMM
+    if custom_functions_opaque():
         k_shared, v_shared, k_routed, v_routed = _key_value_groups(F.linear(x, w.kv, w.kv_bias).view(shape), groups)
     else:
         k_shared, v_shared, k_routed, v_routed = _run_projection(KeyValueHeads, x, w.kv, w.kv_bias, shape, groups)
