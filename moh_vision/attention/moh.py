@@ -63,6 +63,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from moh_vision.errors import ConfigError
+from .gates import moh_gates
+from .kernels import custom_functions_opaque
 from .registry import register_attention
 from .routing import (RoutedMixin, SharedPlusTopK, load_balance_loss, renormalised_topk_gates, resolve_moh_heads, topk_mask)
 from .sparse import choose_impl, kernels_supporting, sparse_forward, sparse_support  # noqa: F401 (choose_impl)
@@ -273,21 +275,37 @@ class MoH(SharedPlusTopK, RoutedMixin):
         """The layer's router projections that exist (``wg``, ``wg_0``, ``wg_1``), in that order."""
         return tuple((name, r) for name in ("wg", "wg_0", "wg_1") if isinstance(r := getattr(self, name, None), nn.Linear))
 
-    def router_logits(self, x: Tensor) -> Dict[str, Tensor]:
-        """Every router's logits, from ONE matmul over ``x`` where the routers are plain bias-free
-        ``nn.Linear`` without hooks (a hook must still fire) and no trace is running (the FLOP counter's
-        trace attributes work by child module). The routers read the same input, and GEMMs a few
-        columns wide would each make a pass over ``x``, forward and backward: fused, the three routers
-        of a 384-wide layer cost ~1.2 ms instead of ~4.4 ms fwd+bwd at 1,960 tokens (1 CPU thread).
-        Fusing them into the ``qkv`` GEMM as well was measured and gained nothing more: the split's
-        backward copies the whole qkv gradient once more."""
+    def plain_routers(self) -> bool:
+        """Whether the routers are bias-free ``nn.Linear`` without hooks (a hook must still fire), so that
+        their weights can be stacked and run as one GEMM."""
+        return all(type(r) is nn.Linear and r.bias is None and not (r._forward_hooks or r._forward_pre_hooks)
+                   for _, r in self.routers())
+
+    def stacked_router_weight(self) -> Tensor:
+        """The routers' weights stacked in :meth:`routers` order, ``[L, C]``."""
         routers = self.routers()
-        plain = all(type(r) is nn.Linear and r.bias is None and not (r._forward_hooks or r._forward_pre_hooks)
-                    for _, r in routers)
-        if len(routers) < 2 or not plain or torch.jit.is_tracing():
+        return routers[0][1].weight if len(routers) == 1 else torch.cat([r.weight for _, r in routers])
+
+    def router_logits(self, x: Tensor) -> Dict[str, Tensor]:
+        """Every router's logits, from ONE matmul over ``x`` where the routers are plain (see
+        :meth:`plain_routers`) and no trace is running (the FLOP counter's trace attributes work by child
+        module). The routers read the same input, and GEMMs a few columns wide would each make a pass over
+        ``x``, forward and backward: fused, the three routers of a 384-wide layer cost ~1.2 ms instead of
+        ~4.4 ms fwd+bwd at 1,960 tokens (1 CPU thread). Fusing them into the ``qkv`` GEMM as well was
+        measured and gained nothing more: the split's backward copies the whole qkv gradient once more."""
+        routers = self.routers()
+        if len(routers) < 2 or not self.plain_routers() or torch.jit.is_tracing():
             return {name: r(x) for name, r in routers}
-        fused = F.linear(x, torch.cat([r.weight for _, r in routers]))
+        fused = F.linear(x, self.stacked_router_weight())
         return dict(zip((name for name, _ in routers), fused.split([r.out_features for _, r in routers], dim=-1)))
+
+    def head_major_gates(self, x: Tensor) -> bool:
+        """Whether :meth:`route` runs :class:`~moh_vision.attention.gates.MoHGates` (one autograd node,
+        head-major; same values): routed layers with plain routers, in eager mode (``jit.trace`` and
+        ``torch.compile`` see the formulas written out), outside autocast (which picks each op's dtype)."""
+        return (self.topk > 0 and not self.learned_shared and not custom_functions_opaque()
+                and not torch.is_autocast_enabled(x.device.type) and x.dim() == 3
+                and x.dtype == self.wg.weight.dtype and self.plain_routers())
 
     def route(self, x: Tensor) -> Route:
         """Per-token head gates ``[B, N, h]`` and the selected routed head indices ``[B, N, k]``
@@ -296,6 +314,13 @@ class MoH(SharedPlusTopK, RoutedMixin):
         if self.learned_shared:
             return self.route_learned(x)
         h_s, k = self.shared_heads, self.topk
+        if self.head_major_gates(x):
+            gates, index, probs, mask, loss = moh_gates(x, self.stacked_router_weight(), h_s, k, self.wants_aux_loss())
+            gates = gates.transpose(1, 2)  # [B, N, h], head-major in memory
+            if self.recording():
+                active = torch.cat([mask.new_ones(mask.shape[0], h_s, mask.shape[2]), mask], dim=1)
+                self.record_routing(active, probs, loss, gates=gates, heads_dim=1)
+            return Route(gates, index.transpose(1, 2))
         logits = self.router_logits(x)
         if h_s > 1:
             shared = logits["wg_1"].softmax(dim=-1) * h_s

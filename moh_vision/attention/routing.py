@@ -103,10 +103,10 @@ def load_balance_loss(probs: Tensor, mask: Tensor) -> Tensor:
     return num_experts * (me * ce).sum()
 
 
-def mean_entropy(probs: Tensor) -> Tensor:
-    """Mean over tokens of the entropy (nats) of a distribution over the last dim."""
+def mean_entropy(probs: Tensor, dim: int = -1) -> Tensor:
+    """Mean over tokens of the entropy (nats) of a distribution over ``dim`` (default: the last)."""
     p = probs.float()
-    return -(p * p.clamp_min(1e-12).log()).sum(dim=-1).mean()
+    return -(p * p.clamp_min(1e-12).log()).sum(dim=dim).mean()
 
 
 class RoutedMixin(AttentionVariant):
@@ -126,16 +126,24 @@ class RoutedMixin(AttentionVariant):
         return self.training and torch.is_grad_enabled()
 
     def record_routing(self, active: Tensor, probs: Optional[Tensor], loss: Optional[Tensor],
-                       gates: Optional[Tensor] = None, **extra) -> None:
+                       gates: Optional[Tensor] = None, heads_dim: int = -1, **extra) -> None:
         """Hand what this forward decided to the open recorder: [..., h] active mask, router
-        probabilities, aux loss (training only), gates, and ``extra`` statistics."""
+        probabilities, aux loss (training only), gates [..., h], and ``extra`` statistics.
+        ``heads_dim``: the dimension of ``active`` and ``probs`` that runs over heads (``1`` for
+        head-major ``[B, h, N]``); the recorder always gets the selection as ``[..., h]``."""
         recorder = active_recorder()
         if recorder is None:
             return
         with torch.no_grad():
+            if heads_dim != -1 and heads_dim != active.dim() - 1:
+                others = tuple(d for d in range(active.dim()) if d != heads_dim)
+                load = active.float().mean(dim=others)
+                active = active.movedim(heads_dim, -1)
+            else:
+                load = active.reshape(-1, active.shape[-1]).float().mean(dim=0)
             stats = {
-                "load": active.reshape(-1, active.shape[-1]).float().mean(dim=0),
-                "entropy": None if probs is None else mean_entropy(probs),
+                "load": load,
+                "entropy": None if probs is None else mean_entropy(probs, dim=heads_dim),
                 "num_heads": active.shape[-1],
                 "shared_heads": getattr(self, "shared_heads", 0),
                 "topk": getattr(self, "topk", 0),
