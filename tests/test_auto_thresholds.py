@@ -1,6 +1,7 @@
 """impl="auto" thresholds are data: the packaged table, its checks, overrides, and fitting it from benchmark runs."""
 import dataclasses
 import json
+import math
 import random
 
 import pytest
@@ -33,6 +34,10 @@ def test_packaged_cpu_table_loads_and_is_immutable():
     ({"sdpa": {"overhead": [[196, "x"]]}}, r"overhead\[0\] overhead: expected a number"),
     ({"sdpa": {"overhead": [[196, 0.1]], "min_dim": 1.5}}, "min_dim: expected an integer"),
     ({"sdpa": {"overhead": [[196, 0.1]], "typo": 1}}, "unknown typo"),
+    ({"sdpa": {"overhead": [[196, 0.1]], "training_overhead": []}}, "sdpa.training_overhead: expected a non-empty"),
+    ({"sdpa": {"overhead": [[196, 0.1]], "min_dim": 384, "wider": [{"min_dim": 384, "overhead": [[196, 0.1]]}]}},
+     "wider: min_dim must increase"),
+    ({"sdpa": {"overhead": [[196, 0.1]], "wider": [{"overhead": [[196, 0.1]]}]}}, r"wider\[0\]: missing min_dim"),
     ({"kernels": {"transnext_full": {"min_tokens": 1}}}, "kernels.transnext_full: missing min_batch_tokens"),
     ({"kernels": {"k": {"min_tokens": 1, "min_batch_tokens": 1, "max_active": -0.5}}}, "max_active: expected"),
 ])
@@ -101,8 +106,27 @@ def test_fit_takes_the_worst_overhead_rounded_up_and_the_measured_limits():
     worst_196 = max(r["sparse_fwd"] - r["bound"] for r in rows[:2])
     assert rule.overhead[0][0] == 196 and worst_196 <= rule.overhead[0][1] < worst_196 + 0.01 + 1e-9
     assert (rule.min_dim, rule.min_head_dim, rule.min_batch_tokens) == (384, 64, 1960)
-    # the prediction is never below what was measured
-    assert all(r["bound"] + rule.overhead_at(r["seqlen"]) >= r["sparse_fwd"] - 1e-9 for r in rows)
+    # the prediction is never below what was measured, each width by its own curves
+    assert all(r["bound"] + rule.overhead_at(r["seqlen"], dim=r["dim"]) >= r["sparse_fwd"] - 1e-9 for r in rows)
+    assert [w.min_dim for w in rule.wider] == [768] and rule.overhead_at(1024) is not None
+
+
+def test_each_width_gets_its_own_curves_and_wider_layers_the_widest_they_reach(tmp_path):
+    """A high overhead measured at dim 384 must not send a dim-768 layer that measured faster to masked
+    (one curve for both widths did); a layer takes the curves of the widest measured width it reaches."""
+    narrow = bench_row(196, 10, 1, 2, (0.98, 0.98), (1.07, 1.06))  # bound 0.70: overhead 0.28
+    wide = bench_row(196, 10, 3, 3, (0.97, 0.96), (1.04, 1.05), dim=768, heads=12)  # bound 0.73: overhead 0.24-0.25
+    rule = fit_sdpa_rule([narrow, wide])
+    assert rule.min_dim == 384 and [w.min_dim for w in rule.wider] == [768]
+    assert rule.overhead_at(196, dim=384) == pytest.approx(0.28) and rule.overhead_at(196, dim=1152) == pytest.approx(0.25)
+    assert rule.overhead_at(196, training=True, dim=768) == pytest.approx(0.24)
+    table = load_table(write_table(dataclasses.replace(auto_table("cpu"), sdpa=rule), tmp_path / "t.json"))
+    assert table.sdpa == rule  # the wider curves round-trip through the JSON
+    assert choose_impl("cpu", 196, 768, 12, 64, 3, 3, batch=10, table=table) == "sparse"
+    assert choose_impl("cpu", 196, 1152, 16, 72, 4, 4, batch=10, table=table) == "sparse"  # 0.73 + 0.25 (768's)
+    assert rule.overhead_at(196, dim=512) == pytest.approx(0.28)  # between the widths: the narrower one's
+    one_curve = fit_sdpa_rule([dict(r, dim=384, heads=6, head_dim=64) for r in (narrow, wide)])
+    assert not one_curve.pays(196, 10, 768, 64, wide["bound"])  # what a single curve decided
 
 
 def test_fit_overhead_comes_from_the_rows_where_sparse_won():
@@ -130,16 +154,56 @@ def test_fit_never_picks_a_path_that_measured_slower():
             rows.append(bench_row(seqlen, batch, shared, topk, sparse, masked))
     assert any(r["sparse_fwd"] > r["masked_fwd"] for r in rows)
     rule = fit_sdpa_rule(rows)
+    assert rule.training_overhead is not None and rule.training_overhead != rule.overhead
     table = parse_table({"sdpa": {"overhead": [list(p) for p in rule.overhead], "max_predicted": rule.max_predicted,
                                   "min_dim": rule.min_dim, "min_head_dim": rule.min_head_dim,
-                                  "min_batch_tokens": rule.min_batch_tokens}}, "fitted")
-    picks = [choose_impl("cpu", r["seqlen"], 384, 6, 64, r["shared"], r["topk"], batch=r["batch"], table=table)
-             for r in rows]
-    assert "sparse" in picks
-    for r, pick in zip(rows, picks):
-        if pick == "sparse":
-            assert r["sparse_fwd"] <= r["masked_fwd"] and r["sparse_fwdbwd"] <= r["masked_fwdbwd"]
-            assert max(r["sparse_fwd"], r["sparse_fwdbwd"]) <= rule.max_predicted + 1e-9
+                                  "min_batch_tokens": rule.min_batch_tokens,
+                                  "training_overhead": [list(p) for p in rule.training_overhead]}}, "fitted")
+    for mode, training in (("fwd", False), ("fwdbwd", True)):  # each kind of call by its own measurements
+        picks = [choose_impl("cpu", r["seqlen"], 384, 6, 64, r["shared"], r["topk"], batch=r["batch"], table=table,
+                             training=training) for r in rows]
+        assert "sparse" in picks
+        for r, pick in zip(rows, picks):
+            if pick == "sparse":
+                assert r[f"sparse_{mode}"] <= r[f"masked_{mode}"] and r[f"sparse_{mode}"] <= rule.max_predicted + 1e-9
+
+
+def test_training_calls_use_the_training_overhead_where_the_table_has_one(monkeypatch):
+    """Sparse's backward saves more than its forward: a row where sparse won training but lost inference
+    goes sparse only in training calls (train mode with autograd on), as the benchmark's auto column reports."""
+    row = bench_row(196, 10, 2, 2, (1.04, 0.99), (1.06, 1.05))  # a 4-of-6 layer at 196 tokens
+    rule = fit_sdpa_rule([row])
+    assert row["bound"] + rule.overhead_at(196) > 1.0 >= row["bound"] + rule.overhead_at(196, training=True)
+    table = parse_table({"sdpa": {"overhead": [list(p) for p in rule.overhead],
+                                  "training_overhead": [list(p) for p in rule.training_overhead]}}, "t")
+    only_inference = parse_table({"sdpa": {"overhead": [list(p) for p in rule.overhead]}}, "t")
+    args = ("cpu", 196, 384, 6, 64, 2, 2)
+    assert choose_impl(*args, batch=10, table=table, training=True) == "sparse"
+    assert choose_impl(*args, batch=10, table=table) == "masked"
+    assert choose_impl(*args, batch=10, table=only_inference, training=True) == "masked"  # older tables: one curve
+    m = build_attention("moh", 384, 6, shared_heads=2, topk=2, impl="auto")
+    monkeypatch.setattr("moh_vision.attention.sparse.auto_table", lambda device: table)
+    x = torch.randn(10, 196, 384)
+    assert m.train().execution_path(x) == "sparse"
+    with torch.no_grad():
+        assert m.execution_path(x) == "masked"
+    assert m.eval().execution_path(x) == "masked"
+
+
+def test_fit_takes_each_shape_once_with_the_median_of_its_runs():
+    """The same layer measured in three runs: one busy run (sparse measured slower) neither vetoes the
+    sparse path nor sets the overhead; the median does, and shapes measured once stay as they are."""
+    runs = [(0.95, 0.90), (0.97, 0.92), (1.12, 1.10)]  # sparse fwd, fwd+bwd per run; masked ~1.05 in all
+    rows = [bench_row(196, 10, 1, 2, sparse, (1.05, 1.04)) for sparse in runs]
+    rows.append(bench_row(1024, 2, 1, 2, (0.70, 0.66), (1.02, 1.01), dim=768, heads=12))
+    rule = fit_sdpa_rule(rows)
+    bound = rows[0]["bound"]
+    assert rule.overhead_at(196) == pytest.approx(math.ceil(round((0.97 - bound) * 100, 6)) / 100)
+    assert rule.overhead_at(196, training=True) == pytest.approx(math.ceil(round((0.92 - bound) * 100, 6)) / 100)
+    assert choose_impl("cpu", 196, 384, 6, 64, 1, 2, batch=10, table=parse_table(
+        {"sdpa": {"overhead": [list(p) for p in rule.overhead]}}, "t")) == "sparse"
+    only_busy = fit_sdpa_rule(rows[2:3])  # that run alone keeps the shape masked
+    assert bound + only_busy.overhead_at(196) > only_busy.max_predicted
 
 
 def test_fit_rejects_rows_without_what_it_needs():

@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Optional, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -409,17 +409,22 @@ def _cents_up(value: float) -> float:
 
 def fit_sdpa_rule(rows: Sequence[dict], max_predicted: float = 1.0):
     """The ``sdpa`` rule of :mod:`moh_vision.attention.auto_table` from benchmark rows (any number of
-    runs, widths and batch sizes together).
+    runs, widths and batch sizes together). A layer shape measured in several runs counts once, with the
+    median of its runs' figures (:func:`combine_runs`): one run on a busy phase of a shared machine then
+    neither sets nor vetoes a threshold alone.
 
-    Overhead at a sequence length: the largest ``sparse/dense - bound`` (worse mode) among the rows
-    there where sparse beat masked in every mode, rounded up to 0.01, so the predicted sparse time is
-    never below a measured winner's (a length where sparse never won gets an overhead that keeps every
-    measured row masked). Rows where sparse lost do not set the overhead; instead, where the rule would
-    still send one of them to the sparse path, that length's overhead is raised until it goes masked:
-    auto never picks a path that measured slower. ``max_predicted`` 1.0: sparse where it is predicted
-    no slower than dense attention (masked MoH measured at or above dense everywhere). The limits are
-    the smallest width, head width and tokens per call measured (outside them auto runs masked)."""
-    from moh_vision.attention.auto_table import SdpaRule
+    One set of curves per measured width (a layer uses those of the widest width it reaches), and in it
+    one overhead curve per mode: inference (``overhead``, from the forward timings) and, where the rows
+    have forward and backward timings too, training (``training_overhead``). Overhead at a sequence
+    length: the largest ``sparse/dense - bound`` among the rows there where sparse beat masked in that
+    mode, rounded up to 0.01, so the predicted sparse time is never below a measured winner's (a length
+    where sparse never won gets an overhead that keeps every measured row masked). Rows where sparse lost
+    do not set the overhead; instead, where the rule would still send one of them to the sparse path, that
+    length's overhead is raised until it goes masked: in each mode auto never picks a path that measured
+    slower. ``max_predicted`` 1.0: sparse where it is predicted no slower than dense attention (masked MoH
+    measured at or above dense everywhere). The limits are the smallest width, head width and tokens per
+    call measured (outside them auto runs masked)."""
+    from moh_vision.attention.auto_table import SdpaRule, WiderCurves
 
     rows = [r for r in rows if any(f"sparse_{mode}" in r for mode in ("fwd", "fwdbwd"))]
     if not rows:
@@ -428,9 +433,38 @@ def fit_sdpa_rule(rows: Sequence[dict], max_predicted: float = 1.0):
     if missing:
         raise ConfigError(f"fit: benchmark rows lack {', '.join(missing)} (written by an older version: rerun it)")
     modes = [mode for mode in ("fwd", "fwdbwd") if f"sparse_{mode}" in rows[0]]
+    rows = combine_runs(rows, [f"{path}_{mode}" for path in ("sparse", "masked") for mode in modes])
+    curves = []
+    for dim in sorted({r["dim"] for r in rows}):  # one set of curves per measured width
+        at_dim = [r for r in rows if r["dim"] == dim]
+        inference = _fit_overhead(at_dim, modes[0], max_predicted)  # the forward timings if measured
+        training = _fit_overhead(at_dim, "fwdbwd", max_predicted) if modes == ["fwd", "fwdbwd"] else None
+        curves.append(WiderCurves(dim, inference, training))
+    return SdpaRule(overhead=curves[0].overhead, max_predicted=max_predicted,
+                    training_overhead=curves[0].training_overhead, wider=tuple(curves[1:]),
+                    min_dim=curves[0].min_dim, min_head_dim=min(r["head_dim"] for r in rows),
+                    min_batch_tokens=min(r["batch"] * r["seqlen"] for r in rows))
 
+
+def combine_runs(rows: Sequence[dict], fields: Sequence[str]) -> List[dict]:
+    """One row per layer shape (width, heads, tokens, batch, shared and routed heads): ``fields`` are the
+    median over the rows of that shape (one per run), in the order the shapes first appear."""
+    groups: Dict[tuple, List[dict]] = {}
+    for r in rows:
+        key = tuple(r.get(k) for k in ("dim", "heads", "head_dim", "seqlen", "batch", "shared", "topk"))
+        groups.setdefault(key, []).append(r)
+    combined = []
+    for same in groups.values():
+        row = dict(same[0])
+        row.update({f: statistics.median(r[f] for r in same) for f in fields})
+        combined.append(row)
+    return combined
+
+
+def _fit_overhead(rows: Sequence[dict], mode: str, max_predicted: float) -> Tuple[Tuple[int, float], ...]:
+    """One mode's ``[tokens, overhead]`` points (see :func:`fit_sdpa_rule`)."""
     def wins(r: dict) -> bool:
-        return all(r[f"sparse_{mode}"] < r[f"masked_{mode}"] for mode in modes)
+        return r[f"sparse_{mode}"] < r[f"masked_{mode}"]
 
     def masking(bound: float) -> float:  # the smallest overhead (in cents) that sends ``bound`` masked
         return _cents_up(max_predicted - bound + 0.005)
@@ -438,14 +472,12 @@ def fit_sdpa_rule(rows: Sequence[dict], max_predicted: float = 1.0):
     overhead: Dict[int, float] = {}
     for n in sorted({r["seqlen"] for r in rows}):
         at_n = [r for r in rows if r["seqlen"] == n]
-        winners = [max(r[f"sparse_{mode}"] for mode in modes) - r["bound"] for r in at_n if wins(r)]
+        winners = [r[f"sparse_{mode}"] - r["bound"] for r in at_n if wins(r)]
         overhead[n] = _cents_up(max(winners)) if winners else masking(min(r["bound"] for r in at_n))
     for r in rows:
         if not wins(r) and r["bound"] + overhead[r["seqlen"]] <= max_predicted + 1e-9:
             overhead[r["seqlen"]] = masking(r["bound"])
-    return SdpaRule(overhead=tuple(sorted(overhead.items())), max_predicted=max_predicted,
-                    min_dim=min(r["dim"] for r in rows), min_head_dim=min(r["head_dim"] for r in rows),
-                    min_batch_tokens=min(r["batch"] * r["seqlen"] for r in rows))
+    return tuple(sorted(overhead.items()))
 
 
 def fitted_table(runs: Sequence[dict], max_predicted: float = 1.0):
@@ -504,7 +536,10 @@ def bench_and_fit(bench: AttentionBench, threads: Optional[int] = None, out: Opt
     table = fitted_table(runs, max_predicted)
     path = write_table(table, fit)
     rule = table.sdpa
-    print(f"impl=auto thresholds written to {path}: overhead {[list(p) for p in rule.overhead]}, "
+    curves = "; ".join(f"dim >= {c.min_dim}: overhead {[list(p) for p in c.overhead]}" + (
+        "" if c.training_overhead is None else f", training {[list(p) for p in c.training_overhead]}")
+        for c in (rule, *rule.wider))
+    print(f"impl=auto thresholds written to {path}: {curves}; "
           f"max_predicted {rule.max_predicted}, min_dim {rule.min_dim}, min_head_dim {rule.min_head_dim}, "
           f"min_batch_tokens {rule.min_batch_tokens}")
     return table

@@ -7,7 +7,12 @@
   plus an ``overhead`` that shrinks as sequences grow (``[tokens per image, overhead]`` points,
   interpolated in log(tokens)); sparse is picked when ``bound + overhead <= max_predicted`` and the
   layer lies inside what was measured (``min_dim``, ``min_head_dim``, ``min_batch_tokens`` = batch x
-  tokens per call).
+  tokens per call). ``overhead`` is the inference one (forward only); ``training_overhead``, when
+  given, is for training calls (a module in train mode with autograd on: forward and backward), where
+  the sparse path's backward saves more than its forward does. Without it both use ``overhead``.
+  These curves were measured at ``min_dim``; ``wider`` (optional) lists curves measured at larger widths
+  (``{"min_dim", "overhead", "training_overhead"}``), and a layer uses those of the widest measured width
+  it reaches.
 - ``kernels``: per kernel with its own sparse driver (e.g. ``transnext_aggregated``), sparse for at
   least ``min_tokens`` per image and ``min_batch_tokens`` per call where at most ``max_active`` of the
   heads are active.
@@ -35,32 +40,59 @@ PACKAGED_DIR = Path(__file__).resolve().parent
 ENV_PREFIX = "MOH_VISION_AUTO_"
 
 
+Points = Tuple[Tuple[int, float], ...]
+
+
+def interpolate(points: Points, tokens: int) -> Optional[float]:
+    """``[tokens, overhead]`` points interpolated in log(tokens), flat past the last; None before the first."""
+    if tokens < points[0][0]:
+        return None
+    for (n0, o0), (n1, o1) in zip(points, points[1:]):
+        if tokens <= n1:
+            t = (math.log(tokens) - math.log(n0)) / (math.log(n1) - math.log(n0))
+            return o0 + t * (o1 - o0)
+    return points[-1][1]
+
+
+@dataclass(frozen=True)
+class WiderCurves:
+    """The overheads measured at a larger width, for layers at least ``min_dim`` wide."""
+
+    min_dim: int
+    overhead: Points
+    training_overhead: Optional[Points] = None
+
+
 @dataclass(frozen=True)
 class SdpaRule:
-    """Sparse MoH over ``sdpa`` where ``bound + overhead(tokens) <= max_predicted`` (see the module doc)."""
+    """Sparse MoH over ``sdpa`` where ``bound + overhead(tokens) <= max_predicted`` (see the module doc).
+    ``overhead`` / ``training_overhead`` were measured at ``min_dim``; ``wider`` holds the curves measured at
+    larger widths (increasing ``min_dim``): a layer takes those of the widest measured width it reaches."""
 
-    overhead: Tuple[Tuple[int, float], ...]
+    overhead: Points
     max_predicted: float = 1.0
     min_dim: int = 1
     min_head_dim: int = 1
     min_batch_tokens: int = 1
+    training_overhead: Optional[Points] = None
+    wider: Tuple[WiderCurves, ...] = ()
 
-    def overhead_at(self, tokens: int) -> Optional[float]:
-        """The measured overhead at ``tokens`` per image (None below the shortest measured length)."""
-        points = self.overhead
-        if tokens < points[0][0]:
-            return None
-        for (n0, o0), (n1, o1) in zip(points, points[1:]):
-            if tokens <= n1:
-                t = (math.log(tokens) - math.log(n0)) / (math.log(n1) - math.log(n0))
-                return o0 + t * (o1 - o0)
-        return points[-1][1]
+    def overhead_at(self, tokens: int, training: bool = False, dim: Optional[int] = None) -> Optional[float]:
+        """The measured overhead at ``tokens`` per image, of inference or of training calls, for a layer
+        ``dim`` wide (default: the narrowest measured); None below the shortest measured length."""
+        curves = self
+        for wider in self.wider:
+            if dim is not None and dim >= wider.min_dim:
+                curves = wider
+        points = curves.training_overhead if training and curves.training_overhead else curves.overhead
+        return interpolate(points, tokens)
 
-    def pays(self, tokens: int, batch: int, dim: int, head_dim: int, bound: float) -> bool:
-        """Whether the sparse path is predicted faster for a layer whose sparse FLOPs are ``bound`` of dense."""
+    def pays(self, tokens: int, batch: int, dim: int, head_dim: int, bound: float, training: bool = False) -> bool:
+        """Whether the sparse path is predicted faster for a layer whose sparse FLOPs are ``bound`` of dense,
+        in a training call (forward and backward) or an inference one."""
         if dim < self.min_dim or head_dim < self.min_head_dim or batch * tokens < self.min_batch_tokens:
             return False  # outside what was measured
-        overhead = self.overhead_at(tokens)
+        overhead = self.overhead_at(tokens, training, dim)
         return overhead is not None and bound + overhead <= self.max_predicted + 1e-9
 
 
@@ -94,9 +126,17 @@ class AutoTable:
             out["sdpa"] = {"overhead": [list(p) for p in rule.overhead], "max_predicted": rule.max_predicted,
                            "min_dim": rule.min_dim, "min_head_dim": rule.min_head_dim,
                            "min_batch_tokens": rule.min_batch_tokens}
+            out["sdpa"].update(_curves_dict(rule))
+            if rule.wider:
+                out["sdpa"]["wider"] = [{"min_dim": w.min_dim, "overhead": [list(p) for p in w.overhead],
+                                         **_curves_dict(w)} for w in rule.wider]
         out["kernels"] = {name: {"min_tokens": r.min_tokens, "min_batch_tokens": r.min_batch_tokens,
                                  "max_active": r.max_active} for name, r in self.kernels.items()}
         return out
+
+
+def _curves_dict(curves) -> Dict[str, Any]:
+    return {} if curves.training_overhead is None else {"training_overhead": [list(p) for p in curves.training_overhead]}
 
 
 def _fields(data: Any, where: str, required: Tuple[str, ...], optional: Tuple[str, ...] = ()) -> Dict[str, Any]:
@@ -117,21 +157,39 @@ def _number(value: Any, where: str, integer: bool = False, low: float = 0.0) -> 
     return value
 
 
-def _sdpa_rule(data: Any, where: str) -> SdpaRule:
-    d = _fields(data, where, ("overhead",), ("max_predicted", "min_dim", "min_head_dim", "min_batch_tokens"))
-    points = d["overhead"]
+def _overhead_points(points: Any, where: str) -> Tuple[Tuple[int, float], ...]:
     if not isinstance(points, list) or not points:
-        raise ConfigError(f"{where}.overhead: expected a non-empty list of [tokens, overhead]")
+        raise ConfigError(f"{where}: expected a non-empty list of [tokens, overhead]")
     parsed = []
     for i, p in enumerate(points):
         if not isinstance(p, list) or len(p) != 2:
-            raise ConfigError(f"{where}.overhead[{i}]: expected [tokens, overhead], got {p!r}")
-        parsed.append((_number(p[0], f"{where}.overhead[{i}] tokens", True, 1),
-                       float(_number(p[1], f"{where}.overhead[{i}] overhead", low=-1.0))))
+            raise ConfigError(f"{where}[{i}]: expected [tokens, overhead], got {p!r}")
+        parsed.append((_number(p[0], f"{where}[{i}] tokens", True, 1),
+                       float(_number(p[1], f"{where}[{i}] overhead", low=-1.0))))
     if any(b[0] <= a[0] for a, b in zip(parsed, parsed[1:])):
-        raise ConfigError(f"{where}.overhead: token counts must increase")
+        raise ConfigError(f"{where}: token counts must increase")
+    return tuple(parsed)
+
+
+def _training_points(d: Dict[str, Any], where: str) -> Optional[Points]:
+    return _overhead_points(d["training_overhead"], f"{where}.training_overhead") if "training_overhead" in d else None
+
+
+def _sdpa_rule(data: Any, where: str) -> SdpaRule:
+    d = _fields(data, where, ("overhead",),
+                ("max_predicted", "min_dim", "min_head_dim", "min_batch_tokens", "training_overhead", "wider"))
     ints = {k: _number(d[k], f"{where}.{k}", True, 1) for k in ("min_dim", "min_head_dim", "min_batch_tokens") if k in d}
-    return SdpaRule(tuple(parsed), float(_number(d.get("max_predicted", 1.0), f"{where}.max_predicted")), **ints)
+    wider, widths = [], [ints.get("min_dim", 1)]
+    for i, w in enumerate(d.get("wider", [])):
+        at = f"{where}.wider[{i}]"
+        w = _fields(w, at, ("min_dim", "overhead"), ("training_overhead",))
+        widths.append(_number(w["min_dim"], f"{at}.min_dim", True, 1))
+        wider.append(WiderCurves(widths[-1], _overhead_points(w["overhead"], f"{at}.overhead"), _training_points(w, at)))
+    if any(b <= a for a, b in zip(widths, widths[1:])):
+        raise ConfigError(f"{where}.wider: min_dim must increase, starting above the rule's min_dim")
+    return SdpaRule(_overhead_points(d["overhead"], f"{where}.overhead"),
+                    float(_number(d.get("max_predicted", 1.0), f"{where}.max_predicted")),
+                    training_overhead=_training_points(d, where), wider=tuple(wider), **ints)
 
 
 def _kernel_rule(data: Any, where: str) -> KernelRule:

@@ -719,14 +719,15 @@ def sparse_kernel_forward(m, x: Tensor, gates: Tensor, index: Tensor, order: Opt
 # A device with no table (CUDA so far: no GPU was available) runs the reference path.
 # ----------------------------------------------------------------------------------------------
 def choose_impl(device: str, tokens: int, dim: int, num_heads: int, head_dim: int, shared_heads: int,
-                topk: int, *, batch: int, table: Optional[AutoTable] = None) -> str:
+                topk: int, *, batch: int, table: Optional[AutoTable] = None, training: bool = False) -> str:
     """``"sparse"`` or ``"masked"`` for an MoH layer over ``sdpa`` (what ``impl="auto"`` runs) on a call
-    of ``batch`` x ``tokens``; ``table``: the thresholds (default: the measured ones for ``device``)."""
+    of ``batch`` x ``tokens``, a training call (forward and backward) or an inference one; ``table``:
+    the thresholds (default: the measured ones for ``device``)."""
     table = auto_table(device) if table is None else table
     if topk == 0 or table is None or table.sdpa is None:
         return "masked"
     bound = sparse_flops_ratio(dim, num_heads, head_dim, tokens, shared_heads, topk)
-    return "sparse" if table.sdpa.pays(tokens, batch, dim, head_dim, bound) else "masked"
+    return "sparse" if table.sdpa.pays(tokens, batch, dim, head_dim, bound, training) else "masked"
 
 
 def _sdpa_forward(m, x: Tensor, gates: Tensor, index: Tensor, order: Optional[Tensor] = None,
@@ -738,7 +739,7 @@ def _sdpa_forward(m, x: Tensor, gates: Tensor, index: Tensor, order: Optional[Te
 
 def _sdpa_auto(m, x: Tensor) -> str:
     return choose_impl(x.device.type, x.shape[1], m.dim, m.num_heads, m.head_dim, m.shared_heads, m.topk,
-                       batch=x.shape[0])
+                       batch=x.shape[0], training=m.training and torch.is_grad_enabled())
 
 
 # ``sdpa``'s declaration lives here because this module is its driver (kernels.py cannot import it)
