@@ -55,10 +55,7 @@ class GatedMerge(torch.autograd.Function):
     @staticmethod
     def forward(ctx, o: Tensor, gates: Tensor) -> Tensor:
         B, h, N, d = o.shape
-        # MoH's gates are head-major in memory ([B, h, N]); the multiplies here run fastest with them
-        # token-major, so they get a (tiny) contiguous copy and their gradient goes back head-major
-        ctx.head_major = not gates.is_contiguous() and gates.transpose(1, 2).is_contiguous()
-        g = gates.to(o.dtype).contiguous()
+        g = gates.to(o.dtype)
         out = torch.empty(B, N, h, d, dtype=o.dtype, device=o.device)
         torch.mul(o.transpose(1, 2), g.unsqueeze(-1), out=out)
         ctx.save_for_backward(o, g)
@@ -77,8 +74,6 @@ class GatedMerge(torch.autograd.Function):
             torch.mul(grad.transpose(1, 2), g.transpose(1, 2).unsqueeze(-1), out=grad_o)
         if ctx.needs_input_grad[1]:
             grad_gates = torch.linalg.vecdot(grad, o.transpose(1, 2)).to(ctx.gates_dtype)
-            if ctx.head_major:
-                grad_gates = grad_gates.transpose(1, 2).contiguous().transpose(1, 2)
         return grad_o, grad_gates
 
 

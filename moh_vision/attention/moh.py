@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moh_vision.errors import ConfigError
-from .gates import moh_gates
+from .gates import head_major_gates
 from .kernels import custom_functions_opaque
 from .registry import register_attention
 from .routing import (RoutedMixin, SharedPlusTopK, load_balance_loss, renormalised_topk_gates, resolve_moh_heads, topk_mask)
@@ -299,13 +299,13 @@ class MoH(SharedPlusTopK, RoutedMixin):
         fused = F.linear(x, self.stacked_router_weight())
         return dict(zip((name for name, _ in routers), fused.split([r.out_features for _, r in routers], dim=-1)))
 
-    def head_major_gates(self, x: Tensor) -> bool:
-        """Whether :meth:`route` runs :class:`~moh_vision.attention.gates.MoHGates` (one autograd node,
-        head-major; same values): routed layers with plain routers, in eager mode (``jit.trace`` and
-        ``torch.compile`` see the formulas written out), outside autocast (which picks each op's dtype)."""
-        return (self.topk > 0 and not self.learned_shared and not custom_functions_opaque()
-                and not torch.is_autocast_enabled(x.device.type) and x.dim() == 3
-                and x.dtype == self.wg.weight.dtype and self.plain_routers())
+    def uses_head_major_gates(self, x: Tensor) -> bool:
+        """Whether :meth:`route` runs :func:`~moh_vision.attention.gates.head_major_gates` (the same gates,
+        head-major, faster): calls without autograd (inference) on routed layers with plain routers, in eager
+        mode (``jit.trace`` and ``torch.compile`` see the formulas written out), outside autocast."""
+        return (not torch.is_grad_enabled() and self.topk > 0 and not self.learned_shared
+                and not custom_functions_opaque() and not torch.is_autocast_enabled(x.device.type)
+                and x.dim() == 3 and x.dtype == self.wg.weight.dtype and self.plain_routers())
 
     def route(self, x: Tensor) -> Route:
         """Per-token head gates ``[B, N, h]`` and the selected routed head indices ``[B, N, k]``
@@ -314,13 +314,13 @@ class MoH(SharedPlusTopK, RoutedMixin):
         if self.learned_shared:
             return self.route_learned(x)
         h_s, k = self.shared_heads, self.topk
-        if self.head_major_gates(x):
-            gates, index, probs, mask, loss = moh_gates(x, self.stacked_router_weight(), h_s, k, self.wants_aux_loss())
-            gates = gates.transpose(1, 2)  # [B, N, h], head-major in memory
+        if self.uses_head_major_gates(x):
+            gates, index, probs, mask = head_major_gates(x, self.stacked_router_weight(), h_s, k)
+            gates = gates.transpose(1, 2).contiguous()  # [B, N, h] as the formulas give them (a few numbers a token)
             if self.recording():
                 active = torch.cat([mask.new_ones(mask.shape[0], h_s, mask.shape[2]), mask], dim=1)
-                self.record_routing(active, probs, loss, gates=gates, heads_dim=1)
-            return Route(gates, index.transpose(1, 2))
+                self.record_routing(active, probs, None, gates=gates, heads_dim=1)
+            return Route(gates, index.transpose(1, 2).contiguous())
         logits = self.router_logits(x)
         if h_s > 1:
             shared = logits["wg_1"].softmax(dim=-1) * h_s
