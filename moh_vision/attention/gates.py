@@ -17,7 +17,7 @@ in the last bit); ``tests/test_attention.py`` checks gates, selected heads, stat
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -25,14 +25,18 @@ Tensor = torch.Tensor
 
 
 @torch.no_grad()
-def head_major_gates(x: Tensor, weight: Tensor, shared: int, topk: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def head_major_gates(x: Tensor, weight: Tensor, shared: int,
+                     topk: int) -> Tuple[Tensor, Optional[Tensor], Optional[Tensor], Optional[Tensor]]:
     """MoH's gates for ``x`` [B, N, C] from ``weight`` [L, C], the routers' rows stacked ``wg`` (R = h - h_s),
-    ``wg_0`` (2, when ``h_s > 0``), ``wg_1`` (h_s, when ``h_s > 1``); ``topk >= 1``. Returns, head-major:
-    ``gates`` [B, h, N], ``index`` [B, k, N] (selected routed heads, in the routed pool), ``probs`` [B, R, N]
-    (routed softmax before top-k) and ``mask`` [B, R, N] (the selection, 0/1)."""
+    ``wg_0`` (2, when ``h_s > 0``), ``wg_1`` (h_s, when ``h_s > 1``). Returns, head-major: ``gates``
+    [B, h, N], ``index`` [B, k, N] (selected routed heads, in the routed pool), ``probs`` [B, R, N] (routed
+    softmax before top-k) and ``mask`` [B, R, N] (the selection, 0/1); with ``topk == 0`` (every head shared,
+    ``weight`` is ``wg_1``) the gates alone, the others None."""
+    logits = torch.matmul(weight, x.transpose(1, 2))  # [B, L, N]
+    if topk == 0:  # a dense layer with learned per-token head weights
+        return logits.softmax(dim=1).mul_(shared), None, None, None
     B, N, _ = x.shape
     R = weight.shape[0] - (2 if shared > 0 else 0) - (shared if shared > 1 else 0)
-    logits = torch.matmul(weight, x.transpose(1, 2))  # [B, L, N]
     probs = logits[:, :R].softmax(dim=1)
     index = probs.topk(topk, dim=1).indices
     mask = torch.zeros_like(probs).scatter_(1, index, 1.0)

@@ -303,9 +303,10 @@ class MoH(SharedPlusTopK, RoutedMixin):
         """Whether :meth:`route` runs :func:`~moh_vision.attention.gates.head_major_gates` (the same gates,
         head-major, faster): calls without autograd (inference) on routed layers with plain routers, in eager
         mode (``jit.trace`` and ``torch.compile`` see the formulas written out), outside autocast."""
-        return (not torch.is_grad_enabled() and self.topk > 0 and not self.learned_shared
+        routers = self.routers()  # none: one head, always on (its gate is 1)
+        return (not torch.is_grad_enabled() and bool(routers) and not self.learned_shared
                 and not custom_functions_opaque() and not torch.is_autocast_enabled(x.device.type)
-                and x.dim() == 3 and x.dtype == self.wg.weight.dtype and self.plain_routers())
+                and x.dim() == 3 and x.dtype == routers[0][1].weight.dtype and self.plain_routers())
 
     def route(self, x: Tensor) -> Route:
         """Per-token head gates ``[B, N, h]`` and the selected routed head indices ``[B, N, k]``
@@ -317,6 +318,10 @@ class MoH(SharedPlusTopK, RoutedMixin):
         if self.uses_head_major_gates(x):
             gates, index, probs, mask = head_major_gates(x, self.stacked_router_weight(), h_s, k)
             gates = gates.transpose(1, 2).contiguous()  # [B, N, h] as the formulas give them (a few numbers a token)
+            if k == 0:
+                if self.recording():
+                    self.record_routing(torch.ones_like(gates), None, None, gates=gates)
+                return Route(gates, None)
             if self.recording():
                 active = torch.cat([mask.new_ones(mask.shape[0], h_s, mask.shape[2]), mask], dim=1)
                 self.record_routing(active, probs, None, gates=gates, heads_dim=1)
