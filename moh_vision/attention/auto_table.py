@@ -157,7 +157,7 @@ def _number(value: Any, where: str, integer: bool = False, low: float = 0.0) -> 
     return value
 
 
-def _overhead_points(points: Any, where: str) -> Tuple[Tuple[int, float], ...]:
+def _overhead_points(points: Any, where: str) -> Points:
     if not isinstance(points, list) or not points:
         raise ConfigError(f"{where}: expected a non-empty list of [tokens, overhead]")
     parsed = []

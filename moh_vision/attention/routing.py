@@ -135,12 +135,9 @@ class RoutedMixin(AttentionVariant):
         if recorder is None:
             return
         with torch.no_grad():
-            if heads_dim != -1 and heads_dim != active.dim() - 1:
-                others = tuple(d for d in range(active.dim()) if d != heads_dim)
-                load = active.float().mean(dim=others)
-                active = active.movedim(heads_dim, -1)
-            else:
-                load = active.reshape(-1, active.shape[-1]).float().mean(dim=0)
+            heads_dim %= active.dim()
+            load = active.float().mean(dim=tuple(d for d in range(active.dim()) if d != heads_dim))
+            active = active.movedim(heads_dim, -1)
             stats = {
                 "load": load,
                 "entropy": None if probs is None else mean_entropy(probs, dim=heads_dim),
