@@ -104,11 +104,11 @@ def test_fit_takes_the_worst_overhead_rounded_up_and_the_measured_limits():
             bench_row(1024, 2, 1, 2, (0.70, 0.66), (1.02, 1.01), dim=768, heads=12)]
     rule = fit_sdpa_rule(rows)
     worst_196 = max(r["sparse_fwd"] - r["bound"] for r in rows[:2])
-    assert rule.overhead[0][0] == 196 and worst_196 <= rule.overhead[0][1] < worst_196 + 0.01 + 1e-9
+    assert rule.curves[0].overhead[0][0] == 196 and worst_196 <= rule.curves[0].overhead[0][1] < worst_196 + 0.01 + 1e-9
     assert (rule.min_dim, rule.min_head_dim, rule.min_batch_tokens) == (384, 64, 1960)
     # the prediction is never below what was measured, each width by its own curves
     assert all(r["bound"] + rule.overhead_at(r["seqlen"], dim=r["dim"]) >= r["sparse_fwd"] - 1e-9 for r in rows)
-    assert [w.min_dim for w in rule.wider] == [768] and rule.overhead_at(1024) is not None
+    assert [w.min_dim for w in rule.curves[1:]] == [768] and rule.overhead_at(1024) is not None
 
 
 def test_each_width_gets_its_own_curves_and_wider_layers_the_widest_they_reach(tmp_path):
@@ -117,7 +117,7 @@ def test_each_width_gets_its_own_curves_and_wider_layers_the_widest_they_reach(t
     narrow = bench_row(196, 10, 1, 2, (0.98, 0.98), (1.07, 1.06))  # bound 0.70: overhead 0.28
     wide = bench_row(196, 10, 3, 3, (0.97, 0.96), (1.04, 1.05), dim=768, heads=12)  # bound 0.73: overhead 0.24-0.25
     rule = fit_sdpa_rule([narrow, wide])
-    assert rule.min_dim == 384 and [w.min_dim for w in rule.wider] == [768]
+    assert rule.min_dim == 384 and [w.min_dim for w in rule.curves[1:]] == [768]
     assert rule.overhead_at(196, dim=384) == pytest.approx(0.28) and rule.overhead_at(196, dim=1152) == pytest.approx(0.25)
     assert rule.overhead_at(196, training=True, dim=768) == pytest.approx(0.24)
     table = load_table(write_table(dataclasses.replace(auto_table("cpu"), sdpa=rule), tmp_path / "t.json"))
@@ -135,7 +135,7 @@ def test_fit_overhead_comes_from_the_rows_where_sparse_won():
     rule = fit_sdpa_rule([win, lose])
     assert rule.overhead_at(196) < lose["sparse_fwd"] - lose["bound"]  # the loser does not inflate it
     picks = [choose_impl("cpu", 196, 384, 6, 64, r["shared"], r["topk"], batch=10,
-                         table=parse_table({"sdpa": {"overhead": [list(p) for p in rule.overhead]}}, "t"))
+                         table=parse_table({"sdpa": {"overhead": [list(p) for p in rule.curves[0].overhead]}}, "t"))
              for r in (win, lose)]
     assert picks == ["sparse", "masked"]
     # a length where sparse never won: every measured row there stays masked
@@ -154,11 +154,11 @@ def test_fit_never_picks_a_path_that_measured_slower():
             rows.append(bench_row(seqlen, batch, shared, topk, sparse, masked))
     assert any(r["sparse_fwd"] > r["masked_fwd"] for r in rows)
     rule = fit_sdpa_rule(rows)
-    assert rule.training_overhead is not None and rule.training_overhead != rule.overhead
-    table = parse_table({"sdpa": {"overhead": [list(p) for p in rule.overhead], "max_predicted": rule.max_predicted,
+    assert rule.curves[0].training_overhead is not None and rule.curves[0].training_overhead != rule.curves[0].overhead
+    table = parse_table({"sdpa": {"overhead": [list(p) for p in rule.curves[0].overhead], "max_predicted": rule.max_predicted,
                                   "min_dim": rule.min_dim, "min_head_dim": rule.min_head_dim,
                                   "min_batch_tokens": rule.min_batch_tokens,
-                                  "training_overhead": [list(p) for p in rule.training_overhead]}}, "fitted")
+                                  "training_overhead": [list(p) for p in rule.curves[0].training_overhead]}}, "fitted")
     for mode, training in (("fwd", False), ("fwdbwd", True)):  # each kind of call by its own measurements
         picks = [choose_impl("cpu", r["seqlen"], 384, 6, 64, r["shared"], r["topk"], batch=r["batch"], table=table,
                              training=training) for r in rows]
@@ -174,9 +174,9 @@ def test_training_calls_use_the_training_overhead_where_the_table_has_one(monkey
     row = bench_row(196, 10, 2, 2, (1.04, 0.99), (1.06, 1.05))  # a 4-of-6 layer at 196 tokens
     rule = fit_sdpa_rule([row])
     assert row["bound"] + rule.overhead_at(196) > 1.0 >= row["bound"] + rule.overhead_at(196, training=True)
-    table = parse_table({"sdpa": {"overhead": [list(p) for p in rule.overhead],
-                                  "training_overhead": [list(p) for p in rule.training_overhead]}}, "t")
-    only_inference = parse_table({"sdpa": {"overhead": [list(p) for p in rule.overhead]}}, "t")
+    table = parse_table({"sdpa": {"overhead": [list(p) for p in rule.curves[0].overhead],
+                                  "training_overhead": [list(p) for p in rule.curves[0].training_overhead]}}, "t")
+    only_inference = parse_table({"sdpa": {"overhead": [list(p) for p in rule.curves[0].overhead]}}, "t")
     args = ("cpu", 196, 384, 6, 64, 2, 2)
     assert choose_impl(*args, batch=10, table=table, training=True) == "sparse"
     assert choose_impl(*args, batch=10, table=table) == "masked"
@@ -201,7 +201,7 @@ def test_fit_takes_each_shape_once_with_the_median_of_its_runs():
     assert rule.overhead_at(196) == pytest.approx(math.ceil(round((0.97 - bound) * 100, 6)) / 100)
     assert rule.overhead_at(196, training=True) == pytest.approx(math.ceil(round((0.92 - bound) * 100, 6)) / 100)
     assert choose_impl("cpu", 196, 384, 6, 64, 1, 2, batch=10, table=parse_table(
-        {"sdpa": {"overhead": [list(p) for p in rule.overhead]}}, "t")) == "sparse"
+        {"sdpa": {"overhead": [list(p) for p in rule.curves[0].overhead]}}, "t")) == "sparse"
     only_busy = fit_sdpa_rule(rows[2:3])  # that run alone keeps the shape masked
     assert bound + only_busy.overhead_at(196) > only_busy.max_predicted
 
@@ -231,7 +231,7 @@ def test_tool_fits_from_earlier_runs_and_keeps_the_kernel_rules(tmp_path, capsys
     assert "thresholds written to" in capsys.readouterr().out
     table = load_table(out)
     assert table.sdpa.min_dim == 384 and table.sdpa.min_batch_tokens == 1960
-    assert [n for n, _ in table.sdpa.overhead] == [196, 1024]
+    assert [n for n, _ in table.sdpa.curves[0].overhead] == [196, 1024]
     assert dict(table.kernels) == dict(auto_table("cpu").kernels)
     assert table.provenance["machine"] == ["test"] and len(table.provenance["runs"]) == 2
     with pytest.raises(SystemExit):  # a user error: one line, exit code 2

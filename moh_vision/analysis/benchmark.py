@@ -424,7 +424,7 @@ def fit_sdpa_rule(rows: Sequence[dict], max_predicted: float = 1.0):
     slower. ``max_predicted`` 1.0: sparse where it is predicted no slower than dense attention (masked MoH
     measured at or above dense everywhere). The limits are the smallest width, head width and tokens per
     call measured (outside them auto runs masked)."""
-    from moh_vision.attention.auto_table import SdpaRule, WiderCurves
+    from moh_vision.attention.auto_table import SdpaRule, WidthCurves
 
     rows = [r for r in rows if any(f"sparse_{mode}" in r for mode in ("fwd", "fwdbwd"))]
     if not rows:
@@ -439,10 +439,8 @@ def fit_sdpa_rule(rows: Sequence[dict], max_predicted: float = 1.0):
         at_dim = [r for r in rows if r["dim"] == dim]
         inference = _fit_overhead(at_dim, modes[0], max_predicted)  # the forward timings if measured
         training = _fit_overhead(at_dim, "fwdbwd", max_predicted) if modes == ["fwd", "fwdbwd"] else None
-        curves.append(WiderCurves(dim, inference, training))
-    return SdpaRule(overhead=curves[0].overhead, max_predicted=max_predicted,
-                    training_overhead=curves[0].training_overhead, wider=tuple(curves[1:]),
-                    min_dim=curves[0].min_dim, min_head_dim=min(r["head_dim"] for r in rows),
+        curves.append(WidthCurves(dim, inference, training))
+    return SdpaRule(tuple(curves), max_predicted=max_predicted, min_head_dim=min(r["head_dim"] for r in rows),
                     min_batch_tokens=min(r["batch"] * r["seqlen"] for r in rows))
 
 
@@ -538,7 +536,7 @@ def bench_and_fit(bench: AttentionBench, threads: Optional[int] = None, out: Opt
     rule = table.sdpa
     curves = "; ".join(f"dim >= {c.min_dim}: overhead {[list(p) for p in c.overhead]}" + (
         "" if c.training_overhead is None else f", training {[list(p) for p in c.training_overhead]}")
-        for c in (rule, *rule.wider))
+        for c in rule.curves)
     print(f"impl=auto thresholds written to {path}: {curves}; "
           f"max_predicted {rule.max_predicted}, min_dim {rule.min_dim}, min_head_dim {rule.min_head_dim}, "
           f"min_batch_tokens {rule.min_batch_tokens}")

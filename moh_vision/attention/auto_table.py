@@ -12,7 +12,7 @@
   the sparse path's backward saves more than its forward does. Without it both use ``overhead``.
   These curves were measured at ``min_dim``; ``wider`` (optional) lists curves measured at larger widths
   (``{"min_dim", "overhead", "training_overhead"}``), and a layer uses those of the widest measured width
-  it reaches.
+  it reaches (in Python: ``SdpaRule.curves``, one :class:`WidthCurves` per width, the narrowest first).
 - ``kernels``: per kernel with its own sparse driver (e.g. ``transnext_aggregated``), sparse for at
   least ``min_tokens`` per image and ``min_batch_tokens`` per call where at most ``max_active`` of the
   heads are active.
@@ -55,37 +55,52 @@ def interpolate(points: Points, tokens: int) -> Optional[float]:
 
 
 @dataclass(frozen=True)
-class WiderCurves:
-    """The overheads measured at a larger width, for layers at least ``min_dim`` wide."""
+class WidthCurves:
+    """The overheads measured at one width, for layers at least ``min_dim`` wide: ``overhead`` for inference
+    calls, ``training_overhead`` (None: ``overhead``) for training calls."""
 
     min_dim: int
     overhead: Points
     training_overhead: Optional[Points] = None
 
+    def at(self, tokens: int, training: bool) -> Optional[float]:
+        points = self.training_overhead if training and self.training_overhead else self.overhead
+        return interpolate(points, tokens)
+
 
 @dataclass(frozen=True)
 class SdpaRule:
     """Sparse MoH over ``sdpa`` where ``bound + overhead(tokens) <= max_predicted`` (see the module doc).
-    ``overhead`` / ``training_overhead`` were measured at ``min_dim``; ``wider`` holds the curves measured at
-    larger widths (increasing ``min_dim``): a layer takes those of the widest measured width it reaches."""
+    ``curves``: one :class:`WidthCurves` per measured width, by increasing ``min_dim``; a layer takes those
+    of the widest measured width it reaches, and layers narrower than the first run masked."""
 
-    overhead: Points
+    curves: Tuple[WidthCurves, ...]
     max_predicted: float = 1.0
-    min_dim: int = 1
     min_head_dim: int = 1
     min_batch_tokens: int = 1
-    training_overhead: Optional[Points] = None
-    wider: Tuple[WiderCurves, ...] = ()
+
+    def __post_init__(self):
+        widths = [c.min_dim for c in self.curves]
+        if not widths or any(b <= a for a, b in zip(widths, widths[1:])):
+            raise ValueError(f"SdpaRule needs curves by increasing min_dim, got widths {widths}")
+
+    @property
+    def min_dim(self) -> int:
+        """The narrowest width measured: narrower layers run masked."""
+        return self.curves[0].min_dim
+
+    def curves_for(self, dim: Optional[int] = None) -> WidthCurves:
+        """The curves of the widest measured width at most ``dim`` (None, or narrower: the narrowest)."""
+        chosen = self.curves[0]
+        for curves in self.curves[1:]:
+            if dim is not None and dim >= curves.min_dim:
+                chosen = curves
+        return chosen
 
     def overhead_at(self, tokens: int, training: bool = False, dim: Optional[int] = None) -> Optional[float]:
         """The measured overhead at ``tokens`` per image, of inference or of training calls, for a layer
         ``dim`` wide (default: the narrowest measured); None below the shortest measured length."""
-        curves = self
-        for wider in self.wider:
-            if dim is not None and dim >= wider.min_dim:
-                curves = wider
-        points = curves.training_overhead if training and curves.training_overhead else curves.overhead
-        return interpolate(points, tokens)
+        return self.curves_for(dim).at(tokens, training)
 
     def pays(self, tokens: int, batch: int, dim: int, head_dim: int, bound: float, training: bool = False) -> bool:
         """Whether the sparse path is predicted faster for a layer whose sparse FLOPs are ``bound`` of dense,
@@ -121,22 +136,22 @@ class AutoTable:
     def as_dict(self) -> Dict[str, Any]:
         """The JSON form (what :func:`parse_table` reads)."""
         out: Dict[str, Any] = {"provenance": dict(self.provenance), "notes": list(self.notes)}
-        if self.sdpa is not None:
-            rule = self.sdpa
-            out["sdpa"] = {"overhead": [list(p) for p in rule.overhead], "max_predicted": rule.max_predicted,
-                           "min_dim": rule.min_dim, "min_head_dim": rule.min_head_dim,
+        if self.sdpa is not None:  # the narrowest width's curves at the top level, the others as "wider"
+            rule, (first, *wider) = self.sdpa, self.sdpa.curves
+            out["sdpa"] = {**_curves_dict(first), "max_predicted": rule.max_predicted, "min_head_dim": rule.min_head_dim,
                            "min_batch_tokens": rule.min_batch_tokens}
-            out["sdpa"].update(_curves_dict(rule))
-            if rule.wider:
-                out["sdpa"]["wider"] = [{"min_dim": w.min_dim, "overhead": [list(p) for p in w.overhead],
-                                         **_curves_dict(w)} for w in rule.wider]
+            if wider:
+                out["sdpa"]["wider"] = [_curves_dict(w) for w in wider]
         out["kernels"] = {name: {"min_tokens": r.min_tokens, "min_batch_tokens": r.min_batch_tokens,
                                  "max_active": r.max_active} for name, r in self.kernels.items()}
         return out
 
 
-def _curves_dict(curves) -> Dict[str, Any]:
-    return {} if curves.training_overhead is None else {"training_overhead": [list(p) for p in curves.training_overhead]}
+def _curves_dict(curves: WidthCurves) -> Dict[str, Any]:
+    out = {"min_dim": curves.min_dim, "overhead": [list(p) for p in curves.overhead]}
+    if curves.training_overhead is not None:
+        out["training_overhead"] = [list(p) for p in curves.training_overhead]
+    return out
 
 
 def _fields(data: Any, where: str, required: Tuple[str, ...], optional: Tuple[str, ...] = ()) -> Dict[str, Any]:
@@ -171,25 +186,23 @@ def _overhead_points(points: Any, where: str) -> Points:
     return tuple(parsed)
 
 
-def _training_points(d: Dict[str, Any], where: str) -> Optional[Points]:
-    return _overhead_points(d["training_overhead"], f"{where}.training_overhead") if "training_overhead" in d else None
+def _width_curves(d: Dict[str, Any], where: str, min_dim: int) -> WidthCurves:
+    training = _overhead_points(d["training_overhead"], f"{where}.training_overhead") if "training_overhead" in d else None
+    return WidthCurves(min_dim, _overhead_points(d["overhead"], f"{where}.overhead"), training)
 
 
 def _sdpa_rule(data: Any, where: str) -> SdpaRule:
     d = _fields(data, where, ("overhead",),
                 ("max_predicted", "min_dim", "min_head_dim", "min_batch_tokens", "training_overhead", "wider"))
     ints = {k: _number(d[k], f"{where}.{k}", True, 1) for k in ("min_dim", "min_head_dim", "min_batch_tokens") if k in d}
-    wider, widths = [], [ints.get("min_dim", 1)]
+    curves = [_width_curves(d, where, ints.pop("min_dim", 1))]
     for i, w in enumerate(d.get("wider", [])):
         at = f"{where}.wider[{i}]"
         w = _fields(w, at, ("min_dim", "overhead"), ("training_overhead",))
-        widths.append(_number(w["min_dim"], f"{at}.min_dim", True, 1))
-        wider.append(WiderCurves(widths[-1], _overhead_points(w["overhead"], f"{at}.overhead"), _training_points(w, at)))
-    if any(b <= a for a, b in zip(widths, widths[1:])):
+        curves.append(_width_curves(w, at, _number(w["min_dim"], f"{at}.min_dim", True, 1)))
+    if any(b.min_dim <= a.min_dim for a, b in zip(curves, curves[1:])):
         raise ConfigError(f"{where}.wider: min_dim must increase, starting above the rule's min_dim")
-    return SdpaRule(_overhead_points(d["overhead"], f"{where}.overhead"),
-                    float(_number(d.get("max_predicted", 1.0), f"{where}.max_predicted")),
-                    training_overhead=_training_points(d, where), wider=tuple(wider), **ints)
+    return SdpaRule(tuple(curves), float(_number(d.get("max_predicted", 1.0), f"{where}.max_predicted")), **ints)
 
 
 def _kernel_rule(data: Any, where: str) -> KernelRule:
