@@ -3,6 +3,7 @@ import dataclasses
 import json
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,13 +11,13 @@ import torch
 from helpers import load_tool
 from moh_vision.analysis.benchmark import fit_sdpa_rule, fitted_table
 from moh_vision.attention import build_attention
-from moh_vision.attention.auto_table import auto_table, load_table, parse_table, write_table
+from moh_vision.attention.auto_table import auto_table, load_table, packaged_tables, parse_table, write_table
 from moh_vision.attention.sparse import choose_impl, sparse_flops_ratio
 from moh_vision.errors import ConfigError
 
 
 def test_packaged_cpu_table_loads_and_is_immutable():
-    table = auto_table("cpu")
+    table = auto_table("cpu")  # the tests pin auto_cpu.json (conftest), whatever machine runs them
     assert table is not None and table.source.endswith("auto_cpu.json")
     assert table.sdpa.min_batch_tokens > 0 and table.provenance["machine"]
     assert set(table.kernels) == {"transnext_aggregated", "transnext_full"}
@@ -27,7 +28,63 @@ def test_packaged_cpu_table_loads_and_is_immutable():
     assert auto_table("cuda") is None  # nothing measured on a GPU: auto runs masked there
 
 
+def test_every_packaged_table_names_the_machines_it_was_measured_on():
+    tables = packaged_tables("cpu")
+    assert Path(tables[0].source).name == "auto_cpu.json" and len(tables) >= 2
+    for table in tables:
+        assert table.machines and table.sdpa is not None and set(table.kernels) == {"transnext_aggregated", "transnext_full"}
+        assert all(any(name in m for m in table.provenance["machine"]) for name in table.machines)
+    names = [name for table in tables for name in table.machines]
+    assert len(names) == len(set(names))  # no machine is claimed twice
+
+
+@pytest.fixture
+def packaged_dir(tmp_path, monkeypatch):
+    """Packaged tables read from ``tmp_path`` (``auto_cpu.json`` the default) and a settable machine name."""
+    from moh_vision.attention import auto_table as module
+
+    for name, machines, overhead in (("auto_cpu.json", ["AMD EPYC"], 0.1), ("auto_cpu_xeon.json", ["Intel(R) Xeon(R)"], 0.5)):
+        (tmp_path / name).write_text(json.dumps({"machines": machines, "sdpa": {"overhead": [[64, overhead]]}}))
+    machine = {"cpu": "AMD EPYC 7B13"}
+    monkeypatch.setattr(module, "PACKAGED_DIR", tmp_path)
+    monkeypatch.setattr(module, "machine_name", lambda device_type: machine.get(device_type, ""))
+    monkeypatch.delenv("MOH_VISION_AUTO_CPU", raising=False)
+    module._cached.cache_clear()
+    yield machine
+    module._cached.cache_clear()
+
+
+def test_each_machine_gets_the_table_measured_on_its_kind(packaged_dir, monkeypatch, tmp_path):
+    """The same code costs differently on different processors: a machine uses the packaged table that
+    names it, any other the default; an explicit file wins over both."""
+    def chosen():
+        return Path(auto_table("cpu").source).name, auto_table("cpu").sdpa.overhead_at(64)
+
+    assert chosen() == ("auto_cpu.json", 0.1)
+    packaged_dir["cpu"] = "Intel(R) Xeon(R) Processor"
+    assert chosen() == ("auto_cpu_xeon.json", 0.5)
+    assert choose_impl("cpu", 64, 768, 12, 64, 3, 3, batch=32) == "masked"  # 0.74 + 0.5: not on this machine
+    packaged_dir["cpu"] = "intel(r) xeon(r) platinum 8480+"  # names match case-insensitively, as prefixes
+    assert chosen()[0] == "auto_cpu_xeon.json"
+    packaged_dir["cpu"] = "Apple M3"  # measured nowhere: the default table
+    assert chosen()[0] == "auto_cpu.json"
+    assert choose_impl("cpu", 64, 768, 12, 64, 3, 3, batch=32) == "sparse"  # 0.74 + 0.1
+    monkeypatch.setenv("MOH_VISION_AUTO_CPU", str(tmp_path / "auto_cpu_xeon.json"))
+    assert chosen()[0] == "auto_cpu_xeon.json"
+    assert auto_table("cuda") is None
+
+
+def test_without_a_default_table_an_unnamed_machine_runs_masked(packaged_dir, tmp_path):
+    (tmp_path / "auto_cpu.json").unlink()
+    packaged_dir["cpu"] = "Apple M3"
+    assert auto_table("cpu") is None and choose_impl("cpu", 1024, 768, 12, 64, 3, 3, batch=2) == "masked"
+    packaged_dir["cpu"] = "Intel(R) Xeon(R) Processor"
+    assert Path(auto_table("cpu").source).name == "auto_cpu_xeon.json"
+
+
 @pytest.mark.parametrize("data, message", [
+    ({"machines": "AMD EPYC"}, "machines: expected a list of non-empty strings"),
+    ({"machines": [""]}, "machines: expected a list of non-empty strings"),
     ([1, 2], "expected a mapping"),
     ({"sdpa": {"overhead": []}}, "sdpa.overhead: expected a non-empty list"),
     ({"sdpa": {"overhead": [[196, 0.1], [64, 0.2]]}}, "token counts must increase"),
@@ -58,8 +115,8 @@ def test_unreadable_files_fail_in_one_line(tmp_path):
 def test_write_then_load_round_trips(tmp_path):
     table = auto_table("cpu")
     again = load_table(write_table(table, tmp_path / "t.json"))
-    assert (again.sdpa, dict(again.kernels), dict(again.provenance), again.notes) == \
-        (table.sdpa, dict(table.kernels), dict(table.provenance), table.notes)
+    assert (again.sdpa, dict(again.kernels), dict(again.provenance), again.notes, again.machines) == \
+        (table.sdpa, dict(table.kernels), dict(table.provenance), table.notes, table.machines)
 
 
 def test_choice_uses_tokens_per_call(tmp_path, monkeypatch):
@@ -223,8 +280,8 @@ def test_tool_fits_from_earlier_runs_and_keeps_the_kernel_rules(tmp_path, capsys
         rows = [bench_row(n, max(1, 2048 // n), 1, 2, (0.7 + 0.1 * i, 0.7), (1.0, 1.0), dim=dim, heads=dim // 64)
                 for n in (196, 1024)]
         records.append(tmp_path / f"b{dim}.json")
-        records[-1].write_text(json.dumps({"header": "h", "device": "cpu", "machine": "test", "torch": "x",
-                                           "threads": 1, "settings": {"dim": dim}, "rows": rows}))
+        records[-1].write_text(json.dumps({"header": "h", "device": "cpu", "machine": "Test CPU 9000, 2 cores",
+                                           "torch": "x", "threads": 1, "settings": {"dim": dim}, "rows": rows}))
     out = tmp_path / "auto_cpu.json"
     tool = load_tool("bench_attention")
     assert tool.main([f"fit_from={records[0]},{records[1]}", f"fit={out}"]) == 0
@@ -233,7 +290,8 @@ def test_tool_fits_from_earlier_runs_and_keeps_the_kernel_rules(tmp_path, capsys
     assert table.sdpa.min_dim == 384 and table.sdpa.min_batch_tokens == 1960
     assert [n for n, _ in table.sdpa.curves[0].overhead] == [196, 1024]
     assert dict(table.kernels) == dict(auto_table("cpu").kernels)
-    assert table.provenance["machine"] == ["test"] and len(table.provenance["runs"]) == 2
+    assert table.provenance["machine"] == ["Test CPU 9000, 2 cores"] and len(table.provenance["runs"]) == 2
+    assert table.machines == ("Test CPU 9000",)  # records without "processor": the model from "machine"
     with pytest.raises(SystemExit):  # a user error: one line, exit code 2
         tool.main([f"fit_from={records[0]}"])
     assert "fit_from needs fit=<file>" in capsys.readouterr().err

@@ -1,12 +1,15 @@
 """Sparse MoH over TransNeXt's kernels (aggregated local + pooled attention, full cosine attention)
 against the masked reference: outputs, input gradient and every parameter gradient (routers
 included), per layer and for whole MoH-ViT models."""
+import json
+import math
+
 import pytest
 import timm
 import torch
 
 import moh_vision.models  # noqa: F401  (registers the TransNeXt kernels and models)
-from helpers import bf16_train_outputs, recorded_backward
+from helpers import bf16_train_outputs, load_tool, recorded_backward
 from moh_vision.attention import build_attention, register_kernel
 from moh_vision.attention import registry as registry_module
 from moh_vision.attention.sparse import build_dispatch, kernels_supporting, sparse_forward, sparse_support
@@ -243,3 +246,22 @@ def test_model_sparse_equals_masked(opts):
     assert paths.count("sparse") >= 3 and "masked" in paths  # routed stages sparse, dense-weighted masked
     grad_out = torch.randn(2, 5)
     assert_same(run(ref, x, grad_out, True), run(sparse, x, grad_out, True))
+
+
+def test_bench_times_moh_over_a_transnext_kernel_against_dense_on_that_kernel(tmp_path, capsys):
+    """``tools/bench_attention.py kernel=...``: what the table's kernel rules are set from; the fit refuses its rows."""
+    tool = load_tool("bench_attention")
+    out = tmp_path / "k.md"
+    args = ["kernel=transnext_aggregated", "dim=48", "heads=2", "seqlens=64", "batch=2", "ratios=0.5",
+            "repeats=1", "warmup=0", "device=cpu", f"out={out}"]
+    assert tool.main(args) == 0
+    assert "kernel transnext_aggregated, dim 48" in capsys.readouterr().out
+    (row,) = json.loads(out.with_suffix(".json").read_text())["rows"]
+    assert row["kernel"] == "transnext_aggregated" and math.isnan(row["bound"]) and row["max_rel_err"] < 1e-5
+    assert row["sparse_fwdbwd"] > 0 and row["auto_fwd_pick"] in ("sparse", "masked")
+    with pytest.raises(SystemExit):
+        tool.main([f"fit_from={out.with_suffix('.json')}", f"fit={tmp_path / 't.json'}"])
+    assert "only the sdpa rule is fitted" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        tool.main(["kernel=transnext_full", "dim=48", "heads=2", "seqlens=50", "repeats=1", "device=cpu"])
+    assert "square token grid: seqlen=50" in capsys.readouterr().err

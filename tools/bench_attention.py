@@ -6,12 +6,16 @@
     python tools/bench_attention.py device=cuda dtype=bfloat16 out=bench.md
     python tools/bench_attention.py threads=1 clock=cpu out=b768.md fit=moh_vision/attention/auto_cpu.json
     python tools/bench_attention.py fit_from=b768.json,b384.json fit=auto_cpu.json   # fit without measuring
+    python tools/bench_attention.py kernel=transnext_aggregated dim=192 heads=8 seqlens=196,784 batch=2
 
 For each sequence length, one round-robin over dense MHA (SDPA) and, per activation ratio, the official
 masked MoH, the exact sparse MoH and, on CUDA, the Triton kernel; forward (inference) and forward+backward.
 Every time is a ratio of dense MHA's in the same round (median and quartiles); ``bound`` is the sparse
 path's FLOPs over dense, ``auto`` the path ``impl="auto"`` picks, ``max_rel_err`` the largest deviation
 of any path from masked. ``clock=cpu`` measures this process's CPU time (meaningful with ``threads=1``).
+``kernel=`` times MoH over another attention kernel against dense MHA over that kernel (TransNeXt's take
+square ``seqlens``, their token grids; the FLOPs bound is sdpa's and left out for them): what a kernel's
+``auto`` rule (the table's ``kernels``) is set from.
 ``fit=<file>`` writes the thresholds ``impl="auto"`` reads (``moh_vision/attention/auto_<device>.json``, see
 :mod:`moh_vision.attention.auto_table`) fitted from this run, or from the ``.json`` records of earlier runs
 given as ``fit_from`` (several widths and lengths together), keeping that device's kernel rules.
@@ -38,6 +42,9 @@ OPTIONS = (
     Option("threads", type=integer, minimum=1, help="torch.set_num_threads (CPU)"),
     Option("clock", "wall", choices=tuple(CLOCKS), help="wall time, or this process's CPU time"),
     Option("modes", ["fwd", "fwdbwd"], list_of(text), "fwd and/or fwdbwd", choices=("fwd", "fwdbwd")),
+    Option("kernel", "sdpa", help="attention kernel (dense MHA on the same kernel is the baseline): sdpa | "
+                                  "transnext_aggregated | transnext_full (square seqlens) | ..."),
+    Option("sr_ratio", 2, integer, "transnext_aggregated: its pooling ratio", minimum=1),
     Option("quick", False, boolean, "tiny shapes, 3 repeats: a smoke test for CI"),
     Option("out", help="also write the table: .csv, otherwise markdown (and every number to .json)"),
     Option("fit", help="write the impl=auto thresholds fitted from the measurements to this .json file"),

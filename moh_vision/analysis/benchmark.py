@@ -20,10 +20,10 @@ from __future__ import annotations
 
 import contextlib
 import csv
+import inspect
 import json
 import math
 import os
-import platform
 import statistics
 import sys
 import time
@@ -33,6 +33,7 @@ from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
+from moh_vision.attention.auto_table import cpu_name
 from moh_vision.errors import ConfigError
 
 
@@ -201,6 +202,25 @@ class AttentionBench:
     dtype: str = "float32"
     clock: str = "wall"
     modes: Sequence[str] = ("fwd", "fwdbwd")
+    kernel: str = "sdpa"
+    sr_ratio: int = 2
+
+    def kernel_options(self, seqlen: int) -> Dict:
+        """What the kernel needs besides width and heads at ``seqlen`` tokens: TransNeXt's kernels their token
+        grid (``seqlen`` a square) and, the aggregated one, its pooling ratio."""
+        from moh_vision.attention.registry import attention_class
+        from moh_vision.attention.sparse import kernel_class
+
+        options = {"kernel": self.kernel}
+        params = inspect.signature(kernel_class(attention_class("mha", self.kernel)).__init__).parameters
+        if "input_resolution" in params:
+            side = math.isqrt(seqlen)
+            if side * side != seqlen:
+                raise ConfigError(f"kernel {self.kernel} works on a square token grid: seqlen={seqlen} is not a square")
+            options["input_resolution"] = side
+        if "sr_ratio" in params:
+            options["sr_ratio"] = self.sr_ratio
+        return options
 
 
 QUICK_ATTENTION = dict(dim=64, heads=4, seqlens=(50,), ratios=(0.5,), repeats=3, warmup=1, batch=2)  # a smoke test
@@ -210,12 +230,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
 
 
-def moh_paths(bench: AttentionBench, ratio: float, device, dtype) -> Dict[str, torch.nn.Module]:
-    """Masked, sparse and auto (and Triton on CUDA) MoH at ``ratio``, all with the same weights."""
+def moh_paths(bench: AttentionBench, ratio: float, device, dtype, options: Optional[Dict] = None) -> Dict[str, torch.nn.Module]:
+    """Masked, sparse and auto (and Triton on CUDA, for ``sdpa``) MoH at ``ratio``, all with the same weights;
+    ``options``: the kernel's (:meth:`AttentionBench.kernel_options`)."""
     from moh_vision.attention import build_attention
 
-    impls = ("masked", "sparse", "auto") + (("triton",) if torch.device(device).type == "cuda" else ())
-    paths = {impl: build_attention("moh", bench.dim, bench.heads, activation_ratio=ratio, impl=impl) for impl in impls}
+    triton = torch.device(device).type == "cuda" and bench.kernel == "sdpa"
+    impls = ("masked", "sparse", "auto") + (("triton",) if triton else ())
+    paths = {impl: build_attention("moh", bench.dim, bench.heads, activation_ratio=ratio, impl=impl, **(options or {}))
+             for impl in impls}
     for module in paths.values():
         module.load_state_dict(paths["masked"].state_dict())
     return {name: m.to(device=device, dtype=dtype) for name, m in paths.items()}
@@ -274,9 +297,10 @@ def bench_seqlen(bench: AttentionBench, seqlen: int, device: torch.device) -> Li
     torch.manual_seed(0)
     x = torch.randn(batch, seqlen, bench.dim, device=device, dtype=dtype, requires_grad=True)
     grad = torch.randn_like(x)
-    models = {("dense", None): build_attention("mha", bench.dim, bench.heads).to(device=device, dtype=dtype)}
+    options = bench.kernel_options(seqlen)
+    models = {("dense", None): build_attention("mha", bench.dim, bench.heads, **options).to(device=device, dtype=dtype)}
     for ratio in bench.ratios:
-        models.update({(name, ratio): m for name, m in moh_paths(bench, ratio, device, dtype).items()})
+        models.update({(name, ratio): m for name, m in moh_paths(bench, ratio, device, dtype, options).items()})
     errors = check_against_masked(models, x, grad)
 
     rows = {ratio: {"seqlen": seqlen, "batch": batch, "ratio": ratio} for ratio in bench.ratios}
@@ -309,10 +333,12 @@ def bench_seqlen(bench: AttentionBench, seqlen: int, device: torch.device) -> Li
 
     for ratio in bench.ratios:
         m = models[("masked", ratio)]
-        rows[ratio].update(dim=bench.dim, heads=bench.heads, head_dim=m.head_dim,
+        # the FLOPs bound is sdpa's (TransNeXt's kernels attend to windows and pooled keys: theirs differs)
+        bound = (sparse_flops_ratio(bench.dim, bench.heads, m.head_dim, seqlen, m.shared_heads, m.topk)
+                 if bench.kernel == "sdpa" else float("nan"))
+        rows[ratio].update(kernel=bench.kernel, dim=bench.dim, heads=bench.heads, head_dim=m.head_dim,
                            shared=m.shared_heads, topk=m.topk, active=m.active_heads() / m.num_heads,
-                           bound=sparse_flops_ratio(bench.dim, bench.heads, m.head_dim, seqlen, m.shared_heads, m.topk),
-                           max_rel_err=errors[ratio])
+                           bound=bound, max_rel_err=errors[ratio])
     return list(rows.values())
 
 
@@ -356,7 +382,8 @@ def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: O
     if bench.clock == "cpu" and device.type == "cuda":
         raise ConfigError("clock=cpu measures host CPU time; use the wall clock on CUDA")
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
-    header = (f"MoH attention benchmark: dim {bench.dim}, {bench.heads} heads, {bench.dtype}, {where}, "
+    kernel = "" if bench.kernel == "sdpa" else f"kernel {bench.kernel}, "
+    header = (f"MoH attention benchmark: {kernel}dim {bench.dim}, {bench.heads} heads, {bench.dtype}, {where}, "
               f"{bench.clock} clock, {bench.repeats} interleaved rounds. Times are x dense MHA in the same round: "
               f"median, and *_q its quartiles (dense_*_ms is absolute); bound = sparse FLOPs / dense FLOPs; "
               f"*_peak_mb = training peak memory of one call; max_rel_err = largest difference of any path's "
@@ -382,19 +409,15 @@ def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: O
 
 def machine_description() -> str:
     """The CPU model and core count (``/proc/cpuinfo`` where there is one)."""
-    model = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{model}, {os.cpu_count()} cores"
+    return f"{cpu_name()}, {os.cpu_count()} cores"
 
 
 def run_record(bench: AttentionBench, device: torch.device, header: str, rows: List[dict]) -> dict:
-    """One benchmark run as JSON: what was measured, where, and every row (what ``fit_from`` reads)."""
+    """One benchmark run as JSON: what was measured, where, and every row (what ``fit_from`` reads).
+    ``processor``: the name a table fitted from it is matched by (:func:`~moh_vision.attention.auto_table.machine_name`)."""
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_description()
-    return {"header": header, "device": device.type, "machine": where, "torch": torch.__version__,
+    processor = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    return {"header": header, "device": device.type, "machine": where, "processor": processor, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "settings": {k: (list(v) if isinstance(v, tuple) else v)
                                                              for k, v in vars(bench).items()},
             "rows": rows}
@@ -429,6 +452,10 @@ def fit_sdpa_rule(rows: Sequence[dict], max_predicted: float = 1.0):
     rows = [r for r in rows if any(f"sparse_{mode}" in r for mode in ("fwd", "fwdbwd"))]
     if not rows:
         raise ConfigError("fit: the benchmark rows hold no sparse-path timings")
+    others = sorted({r["kernel"] for r in rows if r.get("kernel", "sdpa") != "sdpa"})
+    if others:
+        raise ConfigError(f"fit: only the sdpa rule is fitted; these runs measured kernel {', '.join(others)} "
+                          f"(its rule in the table's 'kernels' is set from such runs by hand)")
     missing = [k for k in ("dim", "head_dim", "seqlen", "batch", "bound") if k not in rows[0]]
     if missing:
         raise ConfigError(f"fit: benchmark rows lack {', '.join(missing)} (written by an older version: rerun it)")
@@ -491,6 +518,8 @@ def fitted_table(runs: Sequence[dict], max_predicted: float = 1.0):
     device = devices.pop()
     current = auto_table(device)
     rule = fit_sdpa_rule([r for run in runs for r in run["rows"]], max_predicted)
+    # earlier records have only "machine" ("<cpu model>, <n> cores")
+    machines = sorted({run.get("processor") or run.get("machine", "").rsplit(", ", 1)[0] for run in runs} - {""})
     provenance = {"machine": sorted({run.get("machine", "?") for run in runs}),
                   "torch": sorted({run.get("torch", "?") for run in runs}),
                   "threads": sorted({run.get("threads", 0) for run in runs}),
@@ -499,7 +528,7 @@ def fitted_table(runs: Sequence[dict], max_predicted: float = 1.0):
     notes = ("sdpa fitted by moh_vision.analysis.benchmark.fit_sdpa_rule from the runs in provenance.",)
     notes += tuple(n for n in (current.notes if current else ()) if not n.startswith("sdpa"))
     return AutoTable(source="fitted", sdpa=rule, kernels=current.kernels if current else MappingProxyType({}),
-                     provenance=MappingProxyType(provenance), notes=notes)
+                     provenance=MappingProxyType(provenance), notes=notes, machines=tuple(machines))
 
 
 def load_runs(paths: Sequence[str]) -> List[dict]:

@@ -1,6 +1,13 @@
-"""What ``impl="auto"`` runs, as data: thresholds measured by the benchmark, one file per device type.
+"""What ``impl="auto"`` runs, as data: thresholds measured by the benchmark, per device type and machine.
 
-``auto_<device>.json`` (next to this module; ``cpu`` is the only one measured so far) holds
+``auto_<device>.json`` and ``auto_<device>_<name>.json`` (next to this module; ``cpu`` is the only device
+type measured so far) each hold the thresholds measured on one kind of machine:
+
+- ``machines``: the processor names it was measured on (``/proc/cpuinfo``'s model name; a GPU's name);
+  a machine whose name contains one of them (case-insensitive) uses this table. The same code costs
+  differently on different processors: on a 2-core Intel Xeon VM the masked path's fixed costs weigh more
+  against faster GEMMs than on a 2-core AMD EPYC VM, and a table fitted on one sent shapes to the path
+  that measured slower on the other. A machine that no table names uses ``auto_<device>.json``.
 
 - ``sdpa``: the rule for MoH over plain attention. The sparse path costs about its FLOPs bound
   (``sparse_flops_ratio``: queries, attention and output projection of the active heads over dense)
@@ -20,14 +27,15 @@
 
 ``python tools/bench_attention.py ... fit=<file>`` measures and writes the ``sdpa`` rule
 (:func:`moh_vision.analysis.benchmark.fit_sdpa_rule`); ``fit_from=<bench .json files>`` fits from earlier runs.
-``MOH_VISION_AUTO_<DEVICE>=<file>`` (e.g. ``MOH_VISION_AUTO_CUDA``) replaces the packaged file. A device with
-no table runs masked, the reference path.
+``MOH_VISION_AUTO_<DEVICE>=<file>`` (e.g. ``MOH_VISION_AUTO_CUDA``) replaces the packaged files (whatever
+machines that file names). A device type with no table runs masked, the reference path.
 """
 from __future__ import annotations
 
 import json
 import math
 import os
+import platform
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -132,10 +140,16 @@ class AutoTable:
     kernels: Mapping[str, KernelRule] = field(default_factory=lambda: MappingProxyType({}))
     provenance: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
     notes: Tuple[str, ...] = ()
+    machines: Tuple[str, ...] = ()
+
+    def measured_on(self, machine: str) -> bool:
+        """Whether ``machine`` (a processor name) contains one of :attr:`machines` (case-insensitive)."""
+        return any(name.casefold() in machine.casefold() for name in self.machines)
 
     def as_dict(self) -> Dict[str, Any]:
         """The JSON form (what :func:`parse_table` reads)."""
-        out: Dict[str, Any] = {"provenance": dict(self.provenance), "notes": list(self.notes)}
+        out: Dict[str, Any] = {"machines": list(self.machines), "provenance": dict(self.provenance),
+                               "notes": list(self.notes)}
         if self.sdpa is not None:  # the narrowest width's curves at the top level, the others as "wider"
             rule, (first, *wider) = self.sdpa, self.sdpa.curves
             out["sdpa"] = {**_curves_dict(first), "max_predicted": rule.max_predicted, "min_head_dim": rule.min_head_dim,
@@ -215,17 +229,18 @@ def _kernel_rule(data: Any, where: str) -> KernelRule:
 def parse_table(data: Any, source: str) -> AutoTable:
     """An :class:`AutoTable` from its JSON form; a malformed one raises a one-line :class:`ConfigError`."""
     where = f"auto thresholds {source}"
-    d = _fields(data, where, (), ("sdpa", "kernels", "provenance", "notes"))
+    d = _fields(data, where, (), ("machines", "sdpa", "kernels", "provenance", "notes"))
     kernels = d.get("kernels", {})
     if not isinstance(kernels, dict):
         raise ConfigError(f"{where}.kernels: expected a mapping of kernel name to rule")
     provenance = d.get("provenance", {})
     if not isinstance(provenance, dict):
         raise ConfigError(f"{where}.provenance: expected a mapping")
-    notes = d.get("notes", [])
-    if not isinstance(notes, list) or not all(isinstance(n, str) for n in notes):
-        raise ConfigError(f"{where}.notes: expected a list of strings")
-    return AutoTable(source=source,
+    notes, machines = d.get("notes", []), d.get("machines", [])
+    for name, value in (("notes", notes), ("machines", machines)):
+        if not isinstance(value, list) or not all(isinstance(n, str) and n.strip() for n in value):
+            raise ConfigError(f"{where}.{name}: expected a list of non-empty strings")
+    return AutoTable(source=source, machines=tuple(machines),
                      sdpa=_sdpa_rule(d["sdpa"], f"{where}.sdpa") if d.get("sdpa") is not None else None,
                      kernels=MappingProxyType({str(k): _kernel_rule(v, f"{where}.kernels.{k}") for k, v in kernels.items()}),
                      provenance=MappingProxyType(dict(provenance)), notes=tuple(notes))
@@ -253,15 +268,48 @@ def write_table(table: AutoTable, path) -> Path:
     return path
 
 
+def cpu_name() -> str:
+    """This machine's processor model (``/proc/cpuinfo``'s model name where there is one)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 @lru_cache(maxsize=None)
-def _cached(device_type: str, override: Optional[str]) -> Optional[AutoTable]:
+def machine_name(device_type: str) -> str:
+    """The name a table's ``machines`` are matched against: the CPU model for ``cpu``, the GPU's name for
+    ``cuda`` (current device), empty for other device types."""
+    if device_type == "cpu":
+        return cpu_name()
+    if device_type == "cuda":
+        import torch
+        return torch.cuda.get_device_name() if torch.cuda.is_available() else ""
+    return ""
+
+
+def packaged_tables(device_type: str) -> Tuple[AutoTable, ...]:
+    """Every packaged table of ``device_type``: ``auto_<device>.json`` (the default) first, then
+    ``auto_<device>_*.json`` by name."""
+    default = PACKAGED_DIR / f"auto_{device_type}.json"
+    others = sorted(PACKAGED_DIR.glob(f"auto_{device_type}_*.json"))
+    return tuple(load_table(path) for path in ([default] if default.is_file() else []) + others)
+
+
+@lru_cache(maxsize=None)
+def _cached(device_type: str, override: Optional[str], machine: str) -> Optional[AutoTable]:
     if override:
         return load_table(override)
-    packaged = PACKAGED_DIR / f"auto_{device_type}.json"
-    return load_table(packaged) if packaged.is_file() else None
+    tables = packaged_tables(device_type)
+    default = tables[0] if tables and Path(tables[0].source).name == f"auto_{device_type}.json" else None
+    return next((t for t in tables if t.measured_on(machine)), default)
 
 
 def auto_table(device_type: str) -> Optional[AutoTable]:
-    """The thresholds for ``device_type`` (``cpu``, ``cuda``, ...): ``$MOH_VISION_AUTO_<DEVICE>`` if set,
-    else the packaged ``auto_<device>.json``; None where nothing was measured (auto then runs masked)."""
-    return _cached(device_type, os.environ.get(ENV_PREFIX + device_type.upper()) or None)
+    """The thresholds for ``device_type`` (``cpu``, ``cuda``, ...): ``$MOH_VISION_AUTO_<DEVICE>`` if set, else
+    the packaged table measured on this kind of machine (:meth:`AutoTable.measured_on`; none: the default
+    ``auto_<device>.json``); None where nothing was measured (auto then runs masked)."""
+    return _cached(device_type, os.environ.get(ENV_PREFIX + device_type.upper()) or None, machine_name(device_type))

@@ -716,9 +716,9 @@ def sparse_kernel_forward(m, x: Tensor, gates: Tensor, index: Tensor, order: Opt
 # Sparse MoH costs about its FLOP bound (``sparse_flops_ratio``: keys/values for every head plus
 # queries, attention and output projection of the active heads, over dense) plus an overhead
 # (gathers, scatters, one call per routed head) that shrinks as sequences grow; masked MoH costs
-# ~1.00-1.05x dense. The measured overheads and limits are data, per device type:
-# moh_vision/attention/auto_cpu.json (how they were measured: its provenance), read by
-# moh_vision/attention/auto_table.py and refitted by ``tools/bench_attention.py fit=...``.
+# ~1.00-1.16x dense (it depends on the processor). The measured overheads and limits are data, per device
+# type and kind of machine: moh_vision/attention/auto_cpu*.json (how they were measured: their provenance),
+# read by moh_vision/attention/auto_table.py and refitted by ``tools/bench_attention.py fit=...``.
 # A device with no table (CUDA so far: no GPU was available) runs the reference path.
 # ----------------------------------------------------------------------------------------------
 def choose_impl(device: str, tokens: int, dim: int, num_heads: int, head_dim: int, shared_heads: int,
