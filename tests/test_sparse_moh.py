@@ -446,5 +446,5 @@ def test_bench_quick_run_writes_a_table(tmp_path, capsys):
     # the thresholds fitted from this run: its shapes are the measured limits
     from moh_vision.attention.auto_table import load_table
     rule = load_table(fit).sdpa
-    assert [n for n, _ in rule.curves[0].overhead] == [50] and (rule.min_dim, rule.min_head_dim, rule.min_batch_tokens) == (64, 16, 100)
+    assert [n for n, _ in rule.curves[0].overhead] == [64] and (rule.min_dim, rule.min_head_dim, rule.min_batch_tokens) == (64, 16, 128)
     assert json.loads(out.with_suffix(".json").read_text())["device"] == "cpu"

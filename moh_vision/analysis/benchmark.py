@@ -223,7 +223,7 @@ class AttentionBench:
         return options
 
 
-QUICK_ATTENTION = dict(dim=64, heads=4, seqlens=(50,), ratios=(0.5,), repeats=3, warmup=1, batch=2)  # a smoke test
+QUICK_ATTENTION = dict(dim=64, heads=4, seqlens=(64,), ratios=(0.5,), repeats=3, warmup=1, batch=2)  # a smoke test (64: a square token grid, for any kernel)
 
 
 def resolve_device(name: str) -> torch.device:
