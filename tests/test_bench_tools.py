@@ -16,6 +16,7 @@ def test_bench_models_quick_compares_moh_with_its_dense_twin(tmp_path, capsys):
     assert "| moh_dit_s_2_75 | sparse |" in (tmp_path / "t.md").read_text()
     saved = json.loads((tmp_path / "t.json").read_text())
     assert [r["impl"] for r in saved["rows"]] == ["-", "auto", "sparse"]
+    assert "threads, auto table auto_cpu.json" in saved["header"]  # where it ran: machine, threads, auto's table
 
 
 def test_bench_models_skips_an_impl_the_model_cannot_run(capsys):

@@ -440,7 +440,7 @@ def test_bench_quick_run_writes_a_table(tmp_path, capsys):
     fit = tmp_path / "auto_cpu.json"
     assert load_tool("bench_attention").main(["quick=true", "device=cpu", f"out={out}", f"fit={fit}"]) == 0
     table = capsys.readouterr().out
-    assert "sparse_fwdbwd" in table and "auto_fwd_pick" in table
+    assert "sparse_fwdbwd" in table and "auto_fwd_pick" in table and "auto table auto_cpu.json" in table
     header = out.read_text().splitlines()[0]
     assert header.startswith("seqlen,batch,ratio")
     # the thresholds fitted from this run: its shapes are the measured limits

@@ -381,9 +381,8 @@ def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: O
     device = resolve_device(bench.device)
     if bench.clock == "cpu" and device.type == "cuda":
         raise ConfigError("clock=cpu measures host CPU time; use the wall clock on CUDA")
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu, {torch.get_num_threads()} threads"
     kernel = "" if bench.kernel == "sdpa" else f"kernel {bench.kernel}, "
-    header = (f"MoH attention benchmark: {kernel}dim {bench.dim}, {bench.heads} heads, {bench.dtype}, {where}, "
+    header = (f"MoH attention benchmark: {kernel}dim {bench.dim}, {bench.heads} heads, {bench.dtype}, {where_measured(device)}, "
               f"{bench.clock} clock, {bench.repeats} interleaved rounds. Times are x dense MHA in the same round: "
               f"median, and *_q its quartiles (dense_*_ms is absolute); bound = sparse FLOPs / dense FLOPs; "
               f"*_peak_mb = training peak memory of one call; max_rel_err = largest difference of any path's "
@@ -410,6 +409,17 @@ def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: O
 def machine_description() -> str:
     """The CPU model and core count (``/proc/cpuinfo`` where there is one)."""
     return f"{cpu_name()}, {os.cpu_count()} cores"
+
+
+def where_measured(device: torch.device) -> str:
+    """The machine, threads and ``impl="auto"`` table a benchmark ran with (for its header)."""
+    from moh_vision.attention.auto_table import auto_table
+
+    table = auto_table(device.type)
+    source = f"auto table {Path(table.source).name}" if table is not None else "no auto table"
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, {source}"
+    return f"cpu ({machine_description()}), {torch.get_num_threads()} threads, {source}"
 
 
 def run_record(bench: AttentionBench, device: torch.device, header: str, rows: List[dict]) -> dict:
@@ -702,9 +712,8 @@ def bench_models(pairs: Optional[Sequence[str]] = None, impls: Sequence[str] = (
         size = img_size or (64 if quick else (256 if model_family(moh) == "dit" else 224))
         rows += bench_pair(moh, dense, impls, batch, size, rounds, warmup, min_seconds, where, torch_dtype, attention,
                            compile_models)
-    machine = torch.cuda.get_device_name(where) if where.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
     compiled = ", every model torch.compile'd" if compile_models else ""
-    header = (f"{machine}, {dtype}, batch {batch}{compiled}; dense and MoH interleaved, {rounds}+ rounds: "
+    header = (f"{where_measured(where)}, {dtype}, batch {batch}{compiled}; dense and MoH interleaved, {rounds}+ rounds: "
               f"median ms per step, and the per-round ratio to the dense twin as median [quartiles]")
     table = models_table(rows, header)
     print(table)
