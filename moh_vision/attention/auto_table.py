@@ -304,8 +304,11 @@ def _cached(device_type: str, override: Optional[str], machine: str) -> Optional
     if override:
         return load_table(override)
     tables = packaged_tables(device_type)
-    default = tables[0] if tables and Path(tables[0].source).name == f"auto_{device_type}.json" else None
-    return next((t for t in tables if t.measured_on(machine)), default)
+    measured_here = [t for t in tables if t.measured_on(machine)]
+    if measured_here:
+        return measured_here[0]
+    default = PACKAGED_DIR / f"auto_{device_type}.json"
+    return next((t for t in tables if Path(t.source) == default), None)  # none: auto runs masked
 
 
 def auto_table(device_type: str) -> Optional[AutoTable]:
