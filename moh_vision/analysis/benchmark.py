@@ -223,14 +223,16 @@ class AttentionBench:
         return options
 
 
-QUICK_ATTENTION = dict(dim=64, heads=4, seqlens=(64,), ratios=(0.5,), repeats=3, warmup=1, batch=2)  # a smoke test (64: a square token grid, for any kernel)
+# a smoke test; 64 tokens: a square token grid, so any kernel= runs it
+QUICK_ATTENTION = dict(dim=64, heads=4, seqlens=(64,), ratios=(0.5,), repeats=3, warmup=1, batch=2)
 
 
 def resolve_device(name: str) -> torch.device:
     return torch.device("cuda" if name == "auto" and torch.cuda.is_available() else "cpu" if name == "auto" else name)
 
 
-def moh_paths(bench: AttentionBench, ratio: float, device, dtype, options: Optional[Dict] = None) -> Dict[str, torch.nn.Module]:
+def moh_paths(bench: AttentionBench, ratio: float, device, dtype,
+              options: Optional[Dict] = None) -> Dict[str, torch.nn.Module]:
     """Masked, sparse and auto (and Triton on CUDA, for ``sdpa``) MoH at ``ratio``, all with the same weights;
     ``options``: the kernel's (:meth:`AttentionBench.kernel_options`)."""
     from moh_vision.attention import build_attention
@@ -382,8 +384,8 @@ def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: O
     if bench.clock == "cpu" and device.type == "cuda":
         raise ConfigError("clock=cpu measures host CPU time; use the wall clock on CUDA")
     kernel = "" if bench.kernel == "sdpa" else f"kernel {bench.kernel}, "
-    header = (f"MoH attention benchmark: {kernel}dim {bench.dim}, {bench.heads} heads, {bench.dtype}, {where_measured(device)}, "
-              f"{bench.clock} clock, {bench.repeats} interleaved rounds. Times are x dense MHA in the same round: "
+    header = (f"MoH attention benchmark: {kernel}dim {bench.dim}, {bench.heads} heads, {bench.dtype}, "
+              f"{where_measured(device)}, {bench.clock} clock, {bench.repeats} interleaved rounds. Times are x dense MHA in the same round: "
               f"median, and *_q its quartiles (dense_*_ms is absolute); bound = sparse FLOPs / dense FLOPs; "
               f"*_peak_mb = training peak memory of one call; max_rel_err = largest difference of any path's "
               f"output or input gradient from masked.")
