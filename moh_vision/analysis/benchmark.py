@@ -385,8 +385,8 @@ def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: O
         raise ConfigError("clock=cpu measures host CPU time; use the wall clock on CUDA")
     kernel = "" if bench.kernel == "sdpa" else f"kernel {bench.kernel}, "
     header = (f"MoH attention benchmark: {kernel}dim {bench.dim}, {bench.heads} heads, {bench.dtype}, "
-              f"{where_measured(device)}, {bench.clock} clock, {bench.repeats} interleaved rounds. Times are x dense MHA in the same round: "
-              f"median, and *_q its quartiles (dense_*_ms is absolute); bound = sparse FLOPs / dense FLOPs; "
+              f"{where_measured(device)}, {bench.clock} clock, {bench.repeats} interleaved rounds. "
+              f"Times are x dense MHA in the same round: median, and *_q its quartiles (dense_*_ms is absolute); bound = sparse FLOPs / dense FLOPs; "
               f"*_peak_mb = training peak memory of one call; max_rel_err = largest difference of any path's "
               f"output or input gradient from masked.")
     rows = []
