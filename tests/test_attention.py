@@ -450,7 +450,7 @@ def test_head_major_gates_equal_the_token_major_formulas(options, training, monk
     assert not m.uses_head_major_gates(x)  # autograd on: the formulas, as for training
     y, route, routing = run()
     with monkeypatch.context() as patch:
-        patch.setattr(m, "uses_head_major_gates", lambda x: False)
+        patch.setattr(m, "uses_head_major_gates", lambda x, *routers: False)
         y_ref, route_ref, routing_ref = run()
     torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(route.gates, route_ref.gates, rtol=1e-12, atol=1e-12)
@@ -482,7 +482,7 @@ def test_head_major_gates_pick_the_same_heads_on_ties_and_step_aside_where_the_f
         zero_router(m)
         assert m.uses_head_major_gates(x)
         head_major = m.route(x)
-        m.uses_head_major_gates = lambda t: False
+        m.uses_head_major_gates = lambda t, *routers: False
         token_major = m.route(x)
         assert torch.equal(head_major.index, token_major.index)
         torch.testing.assert_close(head_major.gates, token_major.gates, rtol=0, atol=1e-7)
@@ -493,7 +493,7 @@ def test_head_major_gates_pick_the_same_heads_on_ties_and_step_aside_where_the_f
     assert not m.uses_head_major_gates(x)
     hook.remove()
     seen = []
-    m.uses_head_major_gates = (lambda f: lambda t: seen.append(f(t)) or seen[-1])(m.uses_head_major_gates)
+    m.uses_head_major_gates = (lambda f: lambda t, *r: seen.append(f(t, *r)) or seen[-1])(m.uses_head_major_gates)
     torch.jit.trace(m.eval(), (x,), check_trace=False)
     assert seen == [False]
 

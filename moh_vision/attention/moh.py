@@ -275,15 +275,16 @@ class MoH(SharedPlusTopK, RoutedMixin):
         """The layer's router projections that exist (``wg``, ``wg_0``, ``wg_1``), in that order."""
         return tuple((name, r) for name in ("wg", "wg_0", "wg_1") if isinstance(r := getattr(self, name, None), nn.Linear))
 
-    def plain_routers(self) -> bool:
-        """Whether the routers are bias-free ``nn.Linear`` without hooks (a hook must still fire), so that
-        their weights can be stacked and run as one GEMM."""
+    @staticmethod
+    def plain_routers(routers: Tuple[Tuple[str, nn.Linear], ...]) -> bool:
+        """Whether ``routers`` (:meth:`routers`) are bias-free ``nn.Linear`` without hooks (a hook must still
+        fire), so that their weights can be stacked and run as one GEMM."""
         return all(type(r) is nn.Linear and r.bias is None and not (r._forward_hooks or r._forward_pre_hooks)
-                   for _, r in self.routers())
+                   for _, r in routers)
 
-    def stacked_router_weight(self) -> Tensor:
-        """The routers' weights stacked in :meth:`routers` order, ``[L, C]``."""
-        routers = self.routers()
+    @staticmethod
+    def stacked_router_weight(routers: Tuple[Tuple[str, nn.Linear], ...]) -> Tensor:
+        """The weights of ``routers`` (:meth:`routers`) stacked in that order, ``[L, C]``."""
         return routers[0][1].weight if len(routers) == 1 else torch.cat([r.weight for _, r in routers])
 
     def router_logits(self, x: Tensor) -> Dict[str, Tensor]:
@@ -294,19 +295,20 @@ class MoH(SharedPlusTopK, RoutedMixin):
         ~4.4 ms fwd+bwd at 1,960 tokens (1 CPU thread). Fusing them into the ``qkv`` GEMM as well was
         measured and gained nothing more: the split's backward copies the whole qkv gradient once more."""
         routers = self.routers()
-        if len(routers) < 2 or not self.plain_routers() or torch.jit.is_tracing():
+        if len(routers) < 2 or not self.plain_routers(routers) or torch.jit.is_tracing():
             return {name: r(x) for name, r in routers}
-        fused = F.linear(x, self.stacked_router_weight())
+        fused = F.linear(x, self.stacked_router_weight(routers))
         return dict(zip((name for name, _ in routers), fused.split([r.out_features for _, r in routers], dim=-1)))
 
-    def uses_head_major_gates(self, x: Tensor) -> bool:
+    def uses_head_major_gates(self, x: Tensor, routers: Optional[Tuple[Tuple[str, nn.Linear], ...]] = None) -> bool:
         """Whether :meth:`route` runs :func:`~moh_vision.attention.gates.head_major_gates` (the same gates,
-        head-major, faster): calls without autograd (inference) on routed layers with plain routers, in eager
-        mode (``jit.trace`` and ``torch.compile`` see the formulas written out), outside autocast."""
-        routers = self.routers()  # none: one head, always on (its gate is 1)
+        head-major, faster) over ``routers`` (default :meth:`routers`; none: one head, always on): calls
+        without autograd (inference) on routed layers with plain routers, in eager mode (``jit.trace`` and
+        ``torch.compile`` see the formulas written out), outside autocast."""
+        routers = self.routers() if routers is None else routers
         return (not torch.is_grad_enabled() and bool(routers) and not self.learned_shared
                 and not custom_functions_opaque() and not torch.is_autocast_enabled(x.device.type)
-                and x.dim() == 3 and x.dtype == routers[0][1].weight.dtype and self.plain_routers())
+                and x.dim() == 3 and x.dtype == routers[0][1].weight.dtype and self.plain_routers(routers))
 
     def route(self, x: Tensor) -> Route:
         """Per-token head gates ``[B, N, h]`` and the selected routed head indices ``[B, N, k]``
@@ -315,8 +317,9 @@ class MoH(SharedPlusTopK, RoutedMixin):
         if self.learned_shared:
             return self.route_learned(x)
         h_s, k = self.shared_heads, self.topk
-        if self.uses_head_major_gates(x):
-            gates, index, probs, mask = head_major_gates(x, self.stacked_router_weight(), h_s, k)
+        routers = self.routers()  # walked once per call: this runs in every forward
+        if self.uses_head_major_gates(x, routers):
+            gates, index, probs, mask = head_major_gates(x, self.stacked_router_weight(routers), h_s, k)
             gates = gates.transpose(1, 2).contiguous()  # [B, N, h] as the formulas give them (a few numbers a token)
             if k == 0:
                 if self.recording():
