@@ -214,9 +214,11 @@ def _sdpa_rule(data: Any, where: str) -> SdpaRule:
         at = f"{where}.wider[{i}]"
         w = _fields(w, at, ("min_dim", "overhead"), ("training_overhead",))
         curves.append(_width_curves(w, at, _number(w["min_dim"], f"{at}.min_dim", True, 1)))
-    if any(b.min_dim <= a.min_dim for a, b in zip(curves, curves[1:])):
-        raise ConfigError(f"{where}.wider: min_dim must increase, starting above the rule's min_dim")
-    return SdpaRule(tuple(curves), float(_number(d.get("max_predicted", 1.0), f"{where}.max_predicted")), **ints)
+    max_predicted = float(_number(d.get("max_predicted", 1.0), f"{where}.max_predicted"))
+    try:  # SdpaRule checks the widths' order
+        return SdpaRule(tuple(curves), max_predicted, **ints)
+    except ValueError:
+        raise ConfigError(f"{where}.wider: min_dim must increase, starting above the rule's min_dim") from None
 
 
 def _kernel_rule(data: Any, where: str) -> KernelRule:
