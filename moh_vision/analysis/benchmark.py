@@ -427,8 +427,8 @@ def where_measured(device: torch.device) -> str:
 def run_record(bench: AttentionBench, device: torch.device, header: str, rows: List[dict]) -> dict:
     """One benchmark run as JSON: what was measured, where, and every row (what ``fit_from`` reads).
     ``processor``: the name a table fitted from it is matched by (:func:`~moh_vision.attention.auto_table.machine_name`)."""
-    where = torch.cuda.get_device_name(device) if device.type == "cuda" else machine_description()
     processor = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
+    where = processor if device.type == "cuda" else machine_description()
     return {"header": header, "device": device.type, "machine": where, "processor": processor, "torch": torch.__version__,
             "threads": torch.get_num_threads(), "settings": {k: (list(v) if isinstance(v, tuple) else v)
                                                              for k, v in vars(bench).items()},
