@@ -498,6 +498,14 @@ def test_head_major_gates_pick_the_same_heads_on_ties_and_step_aside_where_the_f
     assert seen == [False]
 
 
+def merged_with_grads(merge, o, gates, grad):
+    """``merge(o, gates)`` and the gradients of ``o`` and ``gates`` for the output gradient ``grad``."""
+    oi, gi = o.detach().clone().requires_grad_(), gates.clone().requires_grad_()
+    y = merge(oi, gi)
+    y.backward(grad)
+    return y, oi.grad, gi.grad
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gated_merge_equals_multiply_then_merge(dtype):
     """Issue 17: the masked path's gates are applied while merging the heads (one pass); outputs and the
@@ -510,19 +518,39 @@ def test_gated_merge_equals_multiply_then_merge(dtype):
     gates = torch.rand(B, N, h)  # fp32 gates with bf16 heads, as under autocast
     grad = torch.randn(B, N, h * d, dtype=dtype)
 
-    def run(merge):
-        oi, gi = o.detach().clone().requires_grad_(), gates.clone().requires_grad_()
-        y = merge(oi, gi)
-        y.backward(grad)
-        return y, oi.grad, gi.grad
-
-    fused = run(GatedMerge.apply)
-    reference = run(lambda oi, gi: (oi * gi.transpose(1, 2).unsqueeze(-1).to(dtype)).transpose(1, 2).reshape(B, N, h * d))
+    fused = merged_with_grads(GatedMerge.apply, o, gates, grad)
+    reference = merged_with_grads(
+        lambda oi, gi: (oi * gi.transpose(1, 2).unsqueeze(-1).to(dtype)).transpose(1, 2).reshape(B, N, h * d), o, gates, grad)
     assert fused[0].is_contiguous() and fused[1].stride() == o.stride() and fused[2].dtype == torch.float32
     torch.testing.assert_close(fused[0], reference[0], rtol=0, atol=0)  # the same products
     torch.testing.assert_close(fused[1], reference[1], rtol=0, atol=0)
     tol = dict(rtol=1e-5, atol=1e-6) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(fused[2], reference[2], **tol)  # a reduction over d: the order may differ
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["sdpa", "contiguous"])
+def test_merge_heads_gates_either_layout_with_gated_merge_values(layout, dtype, monkeypatch):
+    """``merge_heads`` with gates: heads laid out ``[B, N, h, d]`` in memory (SDPA's output) take the plain
+    multiply, contiguous ``[B, h, N, d]`` heads (TransNeXt's kernels) the one-pass ``GatedMerge``; either
+    way one merged ``[B, N, h * d]`` tensor, whose values and gradients equal ``GatedMerge``'s bit for bit."""
+    from moh_vision.attention import kernels
+
+    torch.manual_seed(0)
+    B, h, N, d = 2, 5, 7, 8
+    m = build_attention("mha", h * d, h)
+    o = (torch.randn(B, N, h, d).transpose(1, 2) if layout == "sdpa" else torch.randn(B, h, N, d)).to(dtype)
+    gates, grad = torch.rand(B, N, h), torch.randn(B, N, h * d, dtype=dtype)  # fp32 gates, as under autocast
+    applied = []
+    monkeypatch.setattr(kernels.GatedMerge, "apply",
+                        (lambda apply: lambda *a: applied.append(1) or apply(*a))(kernels.GatedMerge.apply))
+
+    merged = merged_with_grads(m.merge_heads, o, gates, grad)
+    assert applied == ([] if layout == "sdpa" else [1])
+    reference = merged_with_grads(kernels.GatedMerge.apply, o, gates, grad)
+    assert merged[0].is_contiguous() and merged[0].shape == (B, N, h * d)
+    for got, want in zip(merged, reference):
+        assert torch.equal(got, want)
 
 
 @pytest.mark.parametrize("name,opts", [("moh", dict(activation_ratio=0.75)), ("moh", dict(activation_ratio=1.0)),
