@@ -405,7 +405,8 @@ def test_routed_output_is_added_in_place():
 def test_key_value_heads_backward_equals_autograd(groups, bias, used):
     """``KeyValueHeads`` writes the head groups' key/value gradients into one buffer: its outputs, and the
     input, weight and bias gradients, are those of the plain linear/view/permute/split chain (a group
-    whose keys or values nobody read gets a zero gradient)."""
+    whose keys or values nobody read gets a zero gradient). Its outputs hold each head's keys and values
+    as contiguous ``[N, d]`` blocks (SDPA reads them faster than rows strided through the GEMM's result)."""
     torch.manual_seed(0)
     B, N, C, h, d = 2, 5, 12, sum(groups), 4
     x, w = torch.randn(B, N, C, requires_grad=True), torch.randn(2 * h * d, C, requires_grad=True)
@@ -418,7 +419,9 @@ def test_key_value_heads_backward_equals_autograd(groups, bias, used):
         return [o.detach() for o in outputs], torch.autograd.grad(loss, leaves)
 
     fused = grads(sparse_module.KeyValueHeads.apply(x, w, b, shape, groups))
-    plain = grads(sparse_module._key_value_groups(torch.nn.functional.linear(x, w, b).view(shape), groups))
+    assert all(o.stride()[2:] == (d, 1) for o in fused[0])
+    plain = grads(sparse_module._key_value_groups(torch.nn.functional.linear(x, w, b).view(shape).permute(2, 0, 3, 1, 4),
+                                                  groups))
     for got, want in zip(fused[0] + list(fused[1]), plain[0] + list(plain[1])):
         torch.testing.assert_close(got, want)
 
