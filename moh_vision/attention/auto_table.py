@@ -293,10 +293,15 @@ def machine_name(device_type: str) -> str:
     return ""
 
 
+def default_table_path(device_type: str) -> Path:
+    """``auto_<device>.json``: the table of machines that no packaged table names."""
+    return PACKAGED_DIR / f"auto_{device_type}.json"
+
+
 def packaged_tables(device_type: str) -> Tuple[AutoTable, ...]:
     """Every packaged table of ``device_type``: ``auto_<device>.json`` (the default) first, then
     ``auto_<device>_*.json`` by name."""
-    default = PACKAGED_DIR / f"auto_{device_type}.json"
+    default = default_table_path(device_type)
     others = sorted(PACKAGED_DIR.glob(f"auto_{device_type}_*.json"))
     return tuple(load_table(path) for path in ([default] if default.is_file() else []) + others)
 
@@ -309,7 +314,7 @@ def _cached(device_type: str, override: Optional[str], machine: str) -> Optional
     measured_here = [t for t in tables if t.measured_on(machine)]
     if measured_here:
         return measured_here[0]
-    default = PACKAGED_DIR / f"auto_{device_type}.json"
+    default = default_table_path(device_type)
     return next((t for t in tables if Path(t.source) == default), None)  # none: auto runs masked
 
 

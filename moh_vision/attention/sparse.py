@@ -352,6 +352,11 @@ def _heads_first(kv: Tensor) -> Tensor:
     return kv.permute(2, 0, 3, 1, 4)
 
 
+def _projected_keys_values(x: Tensor, weight: Tensor, bias: Optional[Tensor], shape) -> Tensor:
+    """Keys and values of every head, ``[2, B, h, N, d]``: a view of one GEMM's ``[B, N, 2, h, d]`` result."""
+    return _heads_first(F.linear(x, weight, bias).view(*shape))
+
+
 class KeyValueHeads(torch.autograd.Function):
     """Keys and values of every head for every token from one GEMM, as ``(k, v)`` per head group
     (``groups``: head counts), copied out of the GEMM's ``[B, N, 2, h, d]`` result into one
@@ -369,7 +374,7 @@ class KeyValueHeads(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, shape, groups):
-        kv = _heads_first(F.linear(x, weight, bias).view(*shape)).contiguous()
+        kv = _projected_keys_values(x, weight, bias, shape).contiguous()
         ctx.save_for_backward(x, weight)
         ctx.shape, ctx.groups, ctx.has_bias = shape, groups, bias is not None
         return _key_value_groups(kv, groups)
@@ -399,7 +404,7 @@ def project_keys_values(m, x: Tensor, w: QKVWeights):
     B, N, _ = x.shape
     shape, groups = (B, N, 2, m.num_heads, m.head_dim), (m.shared_heads, m.num_heads - m.shared_heads)
     if custom_functions_opaque():
-        k_shared, v_shared, k_routed, v_routed = _key_value_groups(_heads_first(F.linear(x, w.kv, w.kv_bias).view(shape)),
+        k_shared, v_shared, k_routed, v_routed = _key_value_groups(_projected_keys_values(x, w.kv, w.kv_bias, shape),
                                                                    groups)
     else:
         k_shared, v_shared, k_routed, v_routed = _run_projection(KeyValueHeads, x, w.kv, w.kv_bias, shape, groups)
