@@ -132,7 +132,7 @@ class HeadAttention(nn.Module):
         if custom_functions_opaque() or o.transpose(1, 2).is_contiguous():
             # heads already laid out [B, N, h, d] (SDPA's output): the plain multiply writes the merged layout
             # itself, and autograd's nodes cost less than a Function's (1-1.5% of a 196-token MoH layer's
-            # fwd+bwd, README); the same products, so the same values and gradients as GatedMerge
+            # fwd+bwd, docs/performance.md); the same products, so the same values and gradients as GatedMerge
             return (o.transpose(1, 2) * gates.unsqueeze(-1).to(o.dtype)).reshape(B, N, h * d)
         return GatedMerge.apply(o, gates)
 
