@@ -17,6 +17,8 @@ def test_bench_models_quick_compares_moh_with_its_dense_twin(tmp_path, capsys):
     saved = json.loads((tmp_path / "t.json").read_text())
     assert [r["impl"] for r in saved["rows"]] == ["-", "auto", "sparse"]
     assert "threads, auto table auto_cpu.json" in saved["header"]  # where it ran: machine, threads, auto's table
+    err = capsys.readouterr().err  # a progress bar per pair and mode, on stderr (the table goes to stdout)
+    assert "moh_dit_s_2_75 vs dit_s_2, inference" in err and "moh_dit_s_2_75 vs dit_s_2, training" in err
 
 
 def test_bench_models_skips_an_impl_the_model_cannot_run(capsys):

@@ -442,8 +442,10 @@ def test_bench_quick_run_writes_a_table(tmp_path, capsys):
     out = tmp_path / "bench.csv"
     fit = tmp_path / "auto_cpu.json"
     assert load_tool("bench_attention").main(["quick=true", "device=cpu", f"out={out}", f"fit={fit}"]) == 0
-    table = capsys.readouterr().out
+    captured = capsys.readouterr()
+    table = captured.out
     assert "sparse_fwdbwd" in table and "auto_fwd_pick" in table and "auto table auto_cpu.json" in table
+    assert "64 tokens, fwdbwd" in captured.err  # the rounds' progress bar, on stderr
     header = out.read_text().splitlines()[0]
     assert header.startswith("seqlen,batch,ratio")
     # the thresholds fitted from this run: its shapes are the measured limits

@@ -94,6 +94,19 @@ def interleave(calls: Dict[str, Callable[[], None]], rounds: int = 15, warmup: i
     return times
 
 
+@contextlib.contextmanager
+def rounds_bar(total: int, desc: str) -> Iterator[Callable[[int], None]]:
+    """A progress bar over the timed rounds on stderr (a whole-model benchmark runs for minutes): yields the
+    ``progress`` callback :func:`interleave` takes."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=total, desc=desc, unit="round", leave=False, file=sys.stderr)
+    try:
+        yield lambda done: bar.update(done - bar.n)
+    finally:
+        bar.close()
+
+
 def paired_ratio(numerator: Sequence[float], denominator: Sequence[float]) -> Spread:
     """Spread of ``numerator[i] / denominator[i]`` over the rounds (both timed in the same rounds)."""
     return Spread.of([a / b for a, b in zip(numerator, denominator)])
@@ -313,7 +326,9 @@ def bench_seqlen(bench: AttentionBench, seqlen: int, device: torch.device) -> Li
                 continue  # auto runs one of the others; its pick is reported below
             m.train(mode == "fwdbwd")
             fns[(name, ratio)] = forward_fn(m, x) if mode == "fwd" else forward_backward_fn(m, x, grad)
-        samples = interleave(fns, rounds=bench.repeats, warmup=bench.warmup, device=device, clock=CLOCKS[bench.clock])
+        with rounds_bar(bench.repeats, f"{seqlen} tokens, {mode}") as progress:
+            samples = interleave(fns, rounds=bench.repeats, warmup=bench.warmup, device=device,
+                                 clock=CLOCKS[bench.clock], progress=progress)
         dense_samples = samples[("dense", None)]
         for ratio in bench.ratios:
             row = rows[ratio]
@@ -659,7 +674,9 @@ def bench_pair(moh: str, dense: str, impls: Sequence[str], batch: int, img_size:
     rows = {key: {"model": key[0], "impl": key[1], "batch": batch, "compiled": compile_models} for key in models}
     for mode in ("infer", "train"):
         steps = {key: make_step(m, batch, device, mode == "train", dtype) for key, m in models.items()}
-        times = interleave(steps, rounds=rounds, warmup=warmup, min_seconds=min_seconds, device=device)
+        with rounds_bar(rounds, f"{label} vs {dense}, {'training' if mode == 'train' else 'inference'}") as progress:
+            times = interleave(steps, rounds=rounds, warmup=warmup, min_seconds=min_seconds, device=device,
+                               progress=progress)
         base = times[(dense, "-")]
         for key, t in times.items():
             rows[key][f"{mode}_ms"] = Spread.of([1e3 * v for v in t]).as_dict()
