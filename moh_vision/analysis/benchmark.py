@@ -401,9 +401,9 @@ def bench_attention(bench: AttentionBench, threads: Optional[int] = None, out: O
     kernel = "" if bench.kernel == "sdpa" else f"kernel {bench.kernel}, "
     header = (f"MoH attention benchmark: {kernel}dim {bench.dim}, {bench.heads} heads, {bench.dtype}, "
               f"{where_measured(device)}, {bench.clock} clock, {bench.repeats} interleaved rounds. "
-              f"Times are x dense MHA in the same round: median, and *_q its quartiles (dense_*_ms is absolute); bound = sparse FLOPs / dense FLOPs; "
-              f"*_peak_mb = training peak memory of one call; max_rel_err = largest difference of any path's "
-              f"output or input gradient from masked.")
+              f"Times are x dense MHA in the same round: median, and *_q its quartiles (dense_*_ms is absolute); "
+              f"bound = sparse FLOPs / dense FLOPs; *_peak_mb = training peak memory of one call; max_rel_err = "
+              f"largest difference of any path's output or input gradient from masked.")
     rows = []
     for seqlen in bench.seqlens:
         rows += bench_seqlen(bench, seqlen, device)
@@ -441,12 +441,13 @@ def where_measured(device: torch.device) -> str:
 
 def run_record(bench: AttentionBench, device: torch.device, header: str, rows: List[dict]) -> dict:
     """One benchmark run as JSON: what was measured, where, and every row (what ``fit_from`` reads).
-    ``processor``: the name a table fitted from it is matched by (:func:`~moh_vision.attention.auto_table.machine_name`)."""
+    ``processor``: the name a table fitted from it is matched by
+    (:func:`~moh_vision.attention.auto_table.machine_name`)."""
     processor = torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name()
     where = processor if device.type == "cuda" else machine_description()
-    return {"header": header, "device": device.type, "machine": where, "processor": processor, "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "settings": {k: (list(v) if isinstance(v, tuple) else v)
-                                                             for k, v in vars(bench).items()},
+    return {"header": header, "device": device.type, "machine": where, "processor": processor,
+            "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "settings": {k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(bench).items()},
             "rows": rows}
 
 
