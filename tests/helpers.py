@@ -16,12 +16,13 @@ FAST_TRAIN = ("trainer.epochs=1", "trainer.max_steps=3", "trainer.batch_size=32"
 
 
 def run_entry(script: str, *args: str, env: Optional[Dict[str, str]] = None, timeout: int = 600,
-              check: bool = True, launcher: Sequence[str] = ()) -> subprocess.CompletedProcess:
-    """``python <script> <args>`` from the repository root; raises with the output on failure."""
+              check: bool = True, launcher: Sequence[str] = (), root: Path = REPO) -> subprocess.CompletedProcess:
+    """``python <script> <args>`` from the repository root (or a copy of it: ``root``); raises with the
+    output on failure."""
     full_env = {**os.environ, "WANDB_MODE": "disabled", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
                 "HYDRA_FULL_ERROR": "1", **(env or {})}
-    cmd = [*launcher, str(REPO / script), *args] if launcher else [sys.executable, str(REPO / script), *args]
-    proc = subprocess.run(cmd, cwd=REPO, env=full_env, capture_output=True, text=True, timeout=timeout)
+    cmd = [*launcher, str(root / script), *args] if launcher else [sys.executable, str(root / script), *args]
+    proc = subprocess.run(cmd, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                              f"--- stderr\n{proc.stderr[-6000:]}")

@@ -8,8 +8,9 @@ The shipped example ``random_heads`` goes through the same workflows.
 from __future__ import annotations
 
 import csv
-import importlib
+import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -18,35 +19,51 @@ import torch
 
 from helpers import FAST_TRAIN, REPO, load_tool, read_summary, run_entry
 
-COPY = "zz_test_moh_copy"  # discovered like any module of the package; never committed (.gitignore)
+COPY = "zz_test_moh_copy"  # discovered like any module of the package
 RATIO = 0.5
 
 
 @pytest.fixture(scope="module")
-def copied_variant():
-    """``cp moh.py zz_test_moh_copy.py`` + ``cp moh.yaml zz_test_moh_copy.yaml``, the registered name
-    changed in both, removed again afterwards (in-process registration too)."""
-    source = REPO / "moh_vision" / "attention" / "moh.py"
-    target = REPO / "moh_vision" / "attention" / f"{COPY}.py"
-    yaml_target = REPO / "configs" / "attention" / f"{COPY}.yaml"
-    code = source.read_text()
-    assert code.count('@register_attention("moh")') == 1
-    target.write_text(code.replace('@register_attention("moh")', f'@register_attention("{COPY}")'))
-    yaml_target.write_text((REPO / "configs" / "attention" / "moh.yaml").read_text()
-                           .replace("name: moh\n", f"name: {COPY}\n"))
-    from moh_vision.attention import registry
-    try:
-        importlib.import_module(f"moh_vision.attention.{COPY}")
-        yield COPY
-    finally:
-        target.unlink(missing_ok=True)
-        yaml_target.unlink(missing_ok=True)
-        registry._VARIANTS.pop(COPY, None)
-        sys.modules.pop(f"moh_vision.attention.{COPY}", None)
+def project_copy(tmp_path_factory):
+    """The project's code and configs copied to a temporary directory, where the subprocesses of this
+    module run (the package on their path first, ahead of the installed one). The variant files are
+    added there, never to the working tree: tests on other workers import the package meanwhile."""
+    root = tmp_path_factory.mktemp("project")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "zz_test_*")
+    for folder in ("moh_vision", "configs", "tools"):
+        shutil.copytree(REPO / folder, root / folder, ignore=ignore)
+    for script in ("train.py", "eval.py"):
+        shutil.copy2(REPO / script, root / script)
+    return root
 
 
 @pytest.fixture(scope="module")
-def sweep(copied_variant, tmp_path_factory):
+def copied_variant(project_copy):
+    """``cp moh.py zz_test_moh_copy.py`` + ``cp moh.yaml zz_test_moh_copy.yaml`` in the project copy, the
+    registered name changed in both; registered in this process too (from the copied file, under its
+    package name) for the in-process tools, and unregistered afterwards."""
+    target = project_copy / "moh_vision" / "attention" / f"{COPY}.py"
+    code = (REPO / "moh_vision" / "attention" / "moh.py").read_text()
+    assert code.count('@register_attention("moh")') == 1
+    target.write_text(code.replace('@register_attention("moh")', f'@register_attention("{COPY}")'))
+    (project_copy / "configs" / "attention" / f"{COPY}.yaml").write_text(
+        (REPO / "configs" / "attention" / "moh.yaml").read_text().replace("name: moh\n", f"name: {COPY}\n"))
+    from moh_vision.attention import registry
+    module_name = f"moh_vision.attention.{COPY}"
+    try:
+        spec = importlib.util.spec_from_file_location(module_name, target)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[module_name] = module
+        spec.loader.exec_module(module)
+        assert registry.variant_class(COPY).__module__ == module_name
+        yield COPY
+    finally:
+        registry._VARIANTS.pop(COPY, None)
+        sys.modules.pop(module_name, None)
+
+
+@pytest.fixture(scope="module")
+def sweep(project_copy, copied_variant, tmp_path_factory):
     """One multirun: moh, its copy and random_heads at ratio 0.5, each continue-tuned from the same
     dense checkpoint (a state dict of the dense transnext_nano, as released checkpoints are)."""
     import timm
@@ -57,7 +74,7 @@ def sweep(copied_variant, tmp_path_factory):
     run_entry("train.py", "-m", f"attention=moh,{copied_variant},random_heads",
               f"attention.activation_ratio={RATIO}", f"model.init_from={root / 'dense.pt'}", *FAST_TRAIN,
               f"hydra.sweep.dir={root / 'sweep'}",
-              timeout=900)
+              timeout=900, root=project_copy)
     jobs = {}
     for job in (root / "sweep").iterdir():
         if (job / "summary.json").is_file():
