@@ -12,6 +12,7 @@ from helpers import load_tool
 from moh_vision.analysis.benchmark import fit_sdpa_rule, fitted_table
 from moh_vision.attention import build_attention
 from moh_vision.attention.auto_table import auto_table, load_table, packaged_tables, parse_table, write_table
+from moh_vision.attention.routing import resolve_moh_heads
 from moh_vision.attention.sparse import choose_impl, sparse_flops_ratio
 from moh_vision.errors import ConfigError
 
@@ -25,7 +26,22 @@ def test_packaged_cpu_table_loads_and_is_immutable():
         table.sdpa.max_predicted = 2.0
     with pytest.raises(TypeError):
         table.kernels["transnext_full"] = table.kernels["transnext_aggregated"]
-    assert auto_table("cuda") is None  # nothing measured on a GPU: auto runs masked there
+
+
+def test_packaged_cuda_table_keeps_every_measured_shape_masked():
+    """The table fitted on one H100: the sparse path lost to masked at every shape measured there (eager mode
+    is host-bound), so auto runs masked on CUDA, also for layers with fewer active heads than measured."""
+    table = auto_table("cuda")
+    assert Path(table.source).name == "auto_cuda.json" and table.machines == ("NVIDIA H100 80GB HBM3",)
+    assert table.kernels == {} and table.sdpa.min_batch_tokens == 64 * 196
+    for run in table.provenance["runs"]:
+        dim, heads = run["dim"], run["heads"]
+        for seqlen in run["seqlens"]:
+            for ratio in (0.25, *run["ratios"]):
+                shared, topk = resolve_moh_heads(heads, activation_ratio=ratio)
+                for training in (False, True):
+                    assert choose_impl("cuda", seqlen, dim, heads, dim // heads, shared, topk, batch=run["batch"],
+                                       training=training) == "masked"
 
 
 def test_every_packaged_table_names_the_machines_it_was_measured_on():
@@ -195,9 +211,15 @@ def test_fit_overhead_comes_from_the_rows_where_sparse_won():
                          table=parse_table({"sdpa": {"overhead": [list(p) for p in rule.curves[0].overhead]}}, "t"))
              for r in (win, lose)]
     assert picks == ["sparse", "masked"]
-    # a length where sparse never won: every measured row there stays masked
-    only_losers = fit_sdpa_rule([bench_row(64, 32, 1, 2, (1.10, 1.08), (1.05, 1.04))])
-    assert 0.73 + only_losers.overhead_at(64) > only_losers.max_predicted
+    # a length where sparse never won: every measured row there stays masked, and the overhead is what the
+    # closest loser implies, so a layer with fewer active heads goes sparse only where that predicts a win
+    loser = bench_row(64, 32, 1, 2, (1.10, 1.08), (1.05, 1.04))
+    only_losers = fit_sdpa_rule([loser])
+    assert loser["bound"] + only_losers.overhead_at(64) > only_losers.max_predicted
+    assert only_losers.overhead_at(64) == pytest.approx(1.10 - loser["bound"], abs=0.01)
+    assert only_losers.overhead_at(64, training=True) == pytest.approx(1.08 - loser["bound"], abs=0.01)
+    far_slower = fit_sdpa_rule([bench_row(64, 32, 1, 2, (9.0, 7.0), (2.5, 2.0))])  # e.g. a GPU in eager mode
+    assert not any(far_slower.pays(64, 32, 384, 64, bound) for bound in (0.0, 0.2, 0.5))
 
 
 def test_fit_never_picks_a_path_that_measured_slower():

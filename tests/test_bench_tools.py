@@ -1,9 +1,10 @@
 """The benchmark tools run end to end (their timings are for a quiet machine, not for tests)."""
 import json
+import subprocess
 
 import torch
 
-from helpers import load_tool
+from helpers import REPO, load_tool
 
 
 def test_bench_models_quick_compares_moh_with_its_dense_twin(tmp_path, capsys):
@@ -81,3 +82,14 @@ def test_bench_models_compiles_every_model_and_leaves_compilation_untimed(monkey
         ("DiT", "dit_s_2", True), ("DiT", "moh_dit_s_2_75", True)]
     assert warmups == [1, 1]  # inference, training: the call that compiles is never a timed one
     assert all(r["infer_ms"]["n"] == 1 and r["train_ms"]["n"] == 1 for r in rows)
+
+
+def test_gpu_checks_script_parses_and_names_its_parts():
+    """``tools/gpu_checks.sh`` runs on lent GPU machines only; here: bash accepts it, and its parts are the
+    ones its usage line names."""
+    script = REPO / "tools" / "gpu_checks.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
+    assert usage.returncode != 0 and "usage: bash tools/gpu_checks.sh <out_dir> [tests,attention,models]" in usage.stderr
+    text = script.read_text()
+    assert all(f"*,{part},*" in text for part in ("tests", "attention", "models"))

@@ -468,10 +468,11 @@ def fit_sdpa_rule(rows: Sequence[dict], max_predicted: float = 1.0):
     one overhead curve per mode: inference (``overhead``, from the forward timings) and, where the rows
     have forward and backward timings too, training (``training_overhead``). Overhead at a sequence
     length: the largest ``sparse/dense - bound`` among the rows there where sparse beat masked in that
-    mode, rounded up to 0.01, so the predicted sparse time is never below a measured winner's (a length
-    where sparse never won gets an overhead that keeps every measured row masked). Rows where sparse lost
-    do not set the overhead; instead, where the rule would still send one of them to the sparse path, that
-    length's overhead is raised until it goes masked: in each mode auto never picks a path that measured
+    mode, rounded up to 0.01, so the predicted sparse time is never below a measured winner's. A length
+    where sparse never won gets the smallest ``sparse/dense - bound`` of its rows (what the measurement
+    that came closest implies), at least enough to keep every measured row masked. Otherwise rows where
+    sparse lost do not set the overhead; instead, where the rule would still send one of them to the sparse
+    path, that length's overhead is raised until it goes masked: in each mode auto never picks a path that measured
     slower. ``max_predicted`` 1.0: sparse where it is predicted no slower than dense attention (masked MoH
     measured at or above dense everywhere). The limits are the smallest width, head width and tokens per
     call measured (outside them auto runs masked)."""
@@ -526,7 +527,12 @@ def _fit_overhead(rows: Sequence[dict], mode: str, max_predicted: float) -> Tupl
     for n in sorted({r["seqlen"] for r in rows}):
         at_n = [r for r in rows if r["seqlen"] == n]
         winners = [r[f"sparse_{mode}"] - r["bound"] for r in at_n if wins(r)]
-        overhead[n] = _cents_up(max(winners)) if winners else masking(min(r["bound"] for r in at_n))
+        if winners:
+            overhead[n] = _cents_up(max(winners))
+        else:  # sparse lost every row here: the overhead the closest of them implies, so that a layer with
+            # fewer active heads than any measured is sent to sparse only where that overhead allows it
+            implied = _cents_up(min(r[f"sparse_{mode}"] - r["bound"] for r in at_n))
+            overhead[n] = max(implied, masking(min(r["bound"] for r in at_n)))
     for r in rows:
         if not wins(r) and r["bound"] + overhead[r["seqlen"]] <= max_predicted + 1e-9:
             overhead[r["seqlen"]] = masking(r["bound"])

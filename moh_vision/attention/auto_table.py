@@ -1,7 +1,8 @@
 """What ``impl="auto"`` runs, as data: thresholds measured by the benchmark, per device type and machine.
 
-``auto_<device>.json`` and ``auto_<device>_<name>.json`` (next to this module; ``cpu`` is the only device
-type measured so far) each hold the thresholds measured on one kind of machine:
+``auto_<device>.json`` and ``auto_<device>_<name>.json`` (next to this module: two kinds of CPU, and
+``auto_cuda.json`` from one H100, where the sparse path lost to masked everywhere in eager mode, so it keeps
+every layer masked) each hold the thresholds measured on one kind of machine:
 
 - ``machines``: the processor names it was measured on (``/proc/cpuinfo``'s model name; a GPU's name);
   a machine whose name contains one of them (case-insensitive) uses this table. The same code costs

@@ -734,9 +734,10 @@ def sparse_kernel_forward(m, x: Tensor, gates: Tensor, index: Tensor, order: Opt
 # queries, attention and output projection of the active heads, over dense) plus an overhead
 # (gathers, scatters, one call per routed head) that shrinks as sequences grow; masked MoH costs
 # ~1.00-1.16x dense (it depends on the processor). The measured overheads and limits are data, per device
-# type and kind of machine: moh_vision/attention/auto_cpu*.json (how they were measured: their provenance),
-# read by moh_vision/attention/auto_table.py and refitted by ``tools/bench_attention.py fit=...``.
-# A device with no table (CUDA so far: no GPU was available) runs the reference path.
+# type and kind of machine: moh_vision/attention/auto_cpu*.json and auto_cuda.json (how they were measured:
+# their provenance), read by moh_vision/attention/auto_table.py and refitted by ``tools/bench_attention.py
+# fit=...``. On CUDA (one H100 measured) the sparse path lost everywhere, so its table keeps masked. A device
+# type with no table runs the reference path.
 # ----------------------------------------------------------------------------------------------
 def choose_impl(device: str, tokens: int, dim: int, num_heads: int, head_dim: int, shared_heads: int,
                 topk: int, *, batch: int, table: Optional[AutoTable] = None, training: bool = False) -> str:
