@@ -4,18 +4,34 @@
 #   2. tools/bench_attention.py on CUDA at two widths (768/12 heads, 384/6), fp32 and bf16, at batch sizes
 #      a GPU trains with, each length on its own (their .json records are what `fit_from=` fits the CUDA
 #      `auto` table from);
-#   3. tools/bench_models.py on CUDA, bf16 autocast.
+#   3. tools/bench_models.py on CUDA, bf16 autocast;
+#   4. (part `train`) the README's first command on the GPU with bf16 autocast, eval.py on its checkpoint,
+#      a short `experiment=diffusion` run and tools/sample.py on it: the trainer end to end on CUDA.
 #
 #   bash tools/gpu_checks.sh <out_dir> [parts] [quick]
+#   bash tools/gpu_checks.sh wheels <dir>     # here: the wheels part `train` needs on a GPU machine
 #
-# parts: a comma-separated choice of tests, attention, models (default all three). On one H100 (2026-11-25)
-# the tests took 30 s and the attention runs 6 min; the models did not finish in the 80 s left of an 8-minute
-# command, so give them a call of their own. Every log, table and .json lands in <out_dir>, and
-# <out_dir>/gpu_checks.tar.gz holds them all (refreshed after each step, so a run cut short still returns
-# what it finished). `quick` runs tiny settings, on the CPU when there is no GPU: a dry run of this script.
+# parts: a comma-separated choice of tests, attention, models, train (default: the first three). On one H100
+# (2026-11-25) the tests took 30 s and the attention runs 6 min; the models did not finish in the 80 s left
+# of an 8-minute command, so give them a call of their own. Every log, table and .json lands in <out_dir>,
+# and <out_dir>/gpu_checks.tar.gz holds them all but checkpoints (refreshed after each step, so a run cut
+# short still returns what it finished). `quick` runs tiny settings, on the CPU when there is no GPU: a
+# dry run of this script.
+#
+# The lent GPU machines have torch, Triton, timm (another version), tqdm, PyYAML, scikit-learn and
+# matplotlib, but not Hydra, OmegaConf or fvcore, which `train` needs: `wheels <dir>` writes them (the
+# versions requirements.txt pins; pure Python, so they install anywhere) for the machine to install with
+# `pip install --no-index --no-deps --target /tmp/site <dir>/*.whl` and `PYTHONPATH=/tmp/site`.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-out=${1:?usage: bash tools/gpu_checks.sh <out_dir> [tests,attention,models] [quick]}
+if [[ ${1:-} == wheels ]]; then
+  dir=${2:?usage: bash tools/gpu_checks.sh wheels <dir>}
+  pins=$(grep -E '^(timm|hydra-core|omegaconf|fvcore)==' requirements.txt)
+  # and their dependencies the machines lack (versions as this project's environment resolves them)
+  deps=$(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(antlr4-python3-runtime|iopath|yacs|termcolor)==')
+  exec python3 -m pip wheel -q --no-deps -w "$dir" $pins $deps
+fi
+out=${1:?usage: bash tools/gpu_checks.sh <out_dir> [tests,attention,models,train] [quick]}
 parts=",${2:-tests,attention,models},"
 quick=${3:-}
 mkdir -p "$out/runs"
@@ -23,7 +39,7 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=disabled MPLBACKEND=Agg PYTHONPATH="$PWD${P
 device=cuda
 python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || device=cpu
 
-pack() { tar -czf "$out/gpu_checks.tar.gz" -C "$out" runs; }
+pack() { tar -czf "$out/gpu_checks.tar.gz" --exclude='*.pt' -C "$out" runs; }
 step() { echo "== $*" >&2; }
 
 {
@@ -60,13 +76,31 @@ for width in "${widths[@]}"; do
   done
 done
 
-[[ $parts == *,models,* ]] || exit 0
-step "models"
-if [[ -n "$quick" ]]; then
-  python3 tools/bench_models.py device=$device quick=true rounds=2 warmup=1 out="$out/runs/models.md" \
-    2>"$out/runs/models.err"
-else
-  python3 tools/bench_models.py device=$device batch=32 dtype=bfloat16 impl=auto,masked,sparse \
-    out="$out/runs/models_bf16_b32.md" 2>"$out/runs/models_bf16_b32.err"
+if [[ $parts == *,models,* ]]; then
+  step "models"
+  if [[ -n "$quick" ]]; then
+    python3 tools/bench_models.py device=$device quick=true rounds=2 warmup=1 out="$out/runs/models.md" \
+      2>"$out/runs/models.err"
+  else
+    python3 tools/bench_models.py device=$device batch=32 dtype=bfloat16 impl=auto,masked,sparse \
+      out="$out/runs/models_bf16_b32.md" 2>"$out/runs/models_bf16_b32.err"
+  fi
+  pack
 fi
-pack
+
+if [[ $parts == *,train,* ]]; then
+  short=(); [[ -n "$quick" ]] && short=(trainer.epochs=1 trainer.max_steps=3)
+  amp=bf16; [[ $device == cpu ]] && amp=none
+  step "train: classification on the digits, $device, amp $amp"
+  python3 train.py trainer.device=$device trainer.amp=$amp "${short[@]}" hydra.run.dir="$out/runs/train_cls" \
+    >"$out/runs/train_cls.log" 2>&1
+  python3 eval.py ckpt="$out/runs/train_cls/checkpoints/best.pt" eval.device=$device eval.amp=$amp \
+    hydra.run.dir="$out/runs/eval_cls" >"$out/runs/eval_cls.log" 2>&1
+  pack
+  step "train: diffusion on the digits, $device, amp $amp"
+  python3 train.py experiment=diffusion trainer.device=$device trainer.amp=$amp trainer.epochs=2 "${short[@]}" \
+    hydra.run.dir="$out/runs/train_diffusion" >"$out/runs/train_diffusion.log" 2>&1
+  python3 tools/sample.py ckpt="$out/runs/train_diffusion/checkpoints/last.pt" per_class=2 steps=20 device=$device \
+    out="$out/runs/samples" >"$out/runs/sample.log" 2>&1
+  pack
+fi
