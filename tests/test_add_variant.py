@@ -29,7 +29,7 @@ def project_copy(tmp_path_factory):
     module run (the package on their path first, ahead of the installed one). The variant files are
     added there, never to the working tree: tests on other workers import the package meanwhile."""
     root = tmp_path_factory.mktemp("project")
-    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", "zz_test_*")
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
     for folder in ("moh_vision", "configs", "tools"):
         shutil.copytree(REPO / folder, root / folder, ignore=ignore)
     for script in ("train.py", "eval.py"):

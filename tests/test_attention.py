@@ -519,8 +519,10 @@ def test_gated_merge_equals_multiply_then_merge(dtype):
     grad = torch.randn(B, N, h * d, dtype=dtype)
 
     fused = merged_with_grads(GatedMerge.apply, o, gates, grad)
-    reference = merged_with_grads(
-        lambda oi, gi: (oi * gi.transpose(1, 2).unsqueeze(-1).to(dtype)).transpose(1, 2).reshape(B, N, h * d), o, gates, grad)
+    def multiply_then_merge(oi, gi):
+        return (oi * gi.transpose(1, 2).unsqueeze(-1).to(dtype)).transpose(1, 2).reshape(B, N, h * d)
+
+    reference = merged_with_grads(multiply_then_merge, o, gates, grad)
     assert fused[0].is_contiguous() and fused[1].stride() == o.stride() and fused[2].dtype == torch.float32
     torch.testing.assert_close(fused[0], reference[0], rtol=0, atol=0)  # the same products
     torch.testing.assert_close(fused[1], reference[1], rtol=0, atol=0)
