@@ -138,3 +138,28 @@ def test_bad_requests_fail_before_sampling(checkpoint, tmp_path):
     _, task, _, _, _ = sampling(checkpoint, f"vae={tmp_path / 'no_vae'}")
     with pytest.raises(ConfigError, match="VAE path .* does not exist"):
         task.decode(torch.zeros(1, 1, 16, 16))
+
+
+def test_frechet_distance_matches_closed_forms_and_scipy():
+    from scipy import linalg
+
+    from moh_vision.analysis.metrics import frechet_distance
+
+    rng = np.random.default_rng(0)
+    mu1, mu2 = rng.normal(size=6), rng.normal(size=6)
+    d1, d2 = rng.uniform(0.5, 2, 6), rng.uniform(0.5, 2, 6)
+    # diagonal covariances commute: tr (S1 S2)^(1/2) = sum sqrt(d1 d2)
+    expected = ((mu1 - mu2) ** 2).sum() + ((np.sqrt(d1) - np.sqrt(d2)) ** 2).sum()
+    assert frechet_distance(mu1, np.diag(d1), mu2, np.diag(d2)) == pytest.approx(expected, rel=1e-10)
+    a = rng.normal(size=(400, 6))
+    s1 = np.cov(a, rowvar=False)
+    assert frechet_distance(mu1, s1, mu1, s1) == pytest.approx(0, abs=1e-9)
+    # general (non-commuting) covariances against scipy's matrix square root
+    s2 = np.cov(a @ rng.normal(size=(6, 6)), rowvar=False)
+    reference = ((mu1 - mu2) ** 2).sum() + np.trace(s1 + s2) - 2 * np.trace(linalg.sqrtm(s1 @ s2).real)
+    assert frechet_distance(mu1, s1, mu2, s2) == pytest.approx(reference, rel=1e-9)
+    # rank-deficient (fewer samples than dimensions, as with few digits samples): finite, and ~0 against itself
+    # (the square roots of round-off eigenvalues, ~1e-16, leave ~1e-7)
+    few = np.cov(rng.normal(size=(4, 6)), rowvar=False)
+    assert np.isfinite(frechet_distance(mu1, few, mu2, s2))
+    assert frechet_distance(mu1, few, mu1, few) == pytest.approx(0, abs=1e-6)

@@ -28,7 +28,7 @@ if [[ ${1:-} == wheels ]]; then
   dir=${2:?usage: bash tools/gpu_checks.sh wheels <dir>}
   pins=$(grep -E '^(timm|hydra-core|omegaconf|fvcore)==' requirements.txt)
   # and their dependencies the machines lack (versions as this project's environment resolves them)
-  deps=$(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(antlr4-python3-runtime|iopath|yacs|termcolor)==')
+  deps=$(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(antlr4-python3-runtime|iopath|yacs|termcolor|portalocker|tabulate)==')
   exec python3 -m pip wheel -q --no-deps -w "$dir" $pins $deps
 fi
 out=${1:?usage: bash tools/gpu_checks.sh <out_dir> [tests,attention,models,train] [quick]}

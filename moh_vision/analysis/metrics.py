@@ -28,16 +28,21 @@ Tensor = torch.Tensor
 
 
 def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma2: np.ndarray) -> float:
-    """``|mu1 - mu2|^2 + tr(S1 + S2 - 2 (S1 S2)^(1/2))`` between two Gaussians (the FID formula)."""
-    from scipy import linalg
+    """``|mu1 - mu2|^2 + tr(S1 + S2 - 2 (S1 S2)^(1/2))`` between two Gaussians (the FID formula).
 
+    ``S1 S2`` is similar to the symmetric ``S1^(1/2) S2 S1^(1/2)``, so the trace of its square root is the sum
+    of the square roots of that matrix's eigenvalues: two symmetric eigendecompositions, no complex round-off
+    and no dependence on ``scipy.linalg.sqrtm``'s changing signature.
+    """
     diff = mu1 - mu2
-    covmean, _ = linalg.sqrtm(sigma1.dot(sigma2), disp=False)
-    if not np.isfinite(covmean).all():  # near-singular product: regularise, as the reference FID code does
-        offset = np.eye(sigma1.shape[0]) * 1e-6
-        covmean = linalg.sqrtm((sigma1 + offset).dot(sigma2 + offset))
-    covmean = covmean.real
-    return float(diff.dot(diff) + np.trace(sigma1) + np.trace(sigma2) - 2 * np.trace(covmean))
+    return float(diff.dot(diff) + np.trace(sigma1) + np.trace(sigma2) - 2 * _trace_sqrt_product(sigma1, sigma2))
+
+
+def _trace_sqrt_product(sigma1: np.ndarray, sigma2: np.ndarray) -> float:
+    w, v = np.linalg.eigh((sigma1 + sigma1.T) / 2)
+    root1 = (v * np.sqrt(np.clip(w, 0, None))) @ v.T
+    inner = root1 @ sigma2 @ root1
+    return float(np.sqrt(np.clip(np.linalg.eigvalsh((inner + inner.T) / 2), 0, None)).sum())
 
 
 def feature_stats(features: Tensor) -> Tuple[np.ndarray, np.ndarray]:
