@@ -580,3 +580,27 @@ def test_routed_layers_compile_as_one_graph(name, opts):
     assert len(compiled[1]) == len(eager[1])
     for c, e in zip(compiled[1], eager[1]):
         torch.testing.assert_close(c, e)
+
+
+def test_compile_captures_the_recorder_in_the_graph_and_warns_on_torch_that_cannot():
+    """With a recorder open, the compiled layer still hands over its aux loss (the recorder lookup is traced,
+    not a graph break: fullgraph). torch 2.11 could not trace that lookup (every routed layer split the graph
+    on a GPU machine): ``compile_caveat`` names it there, and only for models with routed layers."""
+    from moh_vision.attention.recorder import compile_caveat
+
+    torch.manual_seed(0)
+    m = build_attention("moh", 32, 4, activation_ratio=0.5)
+    randomise_router(m)
+    x = torch.randn(2, 9, 32)
+    torch._dynamo.reset()
+    compiled = torch.compile(m, fullgraph=True, backend="aot_eager")
+    losses = []
+    for fn in (compiled, m):
+        with record_routing(m) as routing:
+            fn(x)
+        losses.append(routing.aux_loss(coef=1.0))
+    assert losses[0].item() > 0
+    torch.testing.assert_close(losses[0], losses[1])
+    assert compile_caveat(m) is None  # the installed torch traces it (the fullgraph compile above proves it)
+    assert compile_caveat(m, "2.14.1") is None and compile_caveat(build_attention("mha", 32, 4), "2.11.0") is None
+    assert "ContextVar.get" in compile_caveat(m, "2.11.0") and "torch >= 2.13" in compile_caveat(m, "2.12.1")

@@ -42,7 +42,12 @@ class LayerRecord:
 
 
 def _in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. a checkpointed block's recomputation)."""
+    """True while autograd runs a backward pass (e.g. a checkpointed block's recomputation). False while
+    ``torch.compile`` traces a forward: the graph-task query cannot be traced (it split the graph at every
+    routed layer of a compiled training step), and a compiled model's checkpointed recomputation runs inside
+    its compiled backward, which never calls back into this Python."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
@@ -125,6 +130,25 @@ def active_recorder() -> Optional[RoutingRecorder]:
     if recorder is None or _in_backward():
         return None
     return recorder
+
+
+# The first release whose ``torch.compile`` traces ``ContextVar.get`` (2.11 breaks the graph there; 2.13 and
+# 2.14 trace it, and recompile once, not per recorder: docs/performance.md, "Compiled, on one H100").
+COMPILE_TRACES_RECORDER = (2, 13)
+
+
+def compile_caveat(model: nn.Module, version: Optional[str] = None) -> Optional[str]:
+    """Why ``torch.compile`` (torch ``version``, default the installed one) cannot capture ``model``'s routed
+    layers in one graph, or None: every routed layer looks up the open recorder through a context variable,
+    which older releases' graph capture cannot trace, so each one splits the graph."""
+    from torch.torch_version import TorchVersion
+
+    version = TorchVersion(torch.__version__ if version is None else version)
+    if version >= COMPILE_TRACES_RECORDER or not any(getattr(m, "is_routed", False) for m in model.modules()):
+        return None
+    return (f"torch {version} cannot trace the routing recorder's ContextVar.get: torch.compile splits the graph "
+            f"at every routed layer and may run slower than eager; torch >= "
+            f"{'.'.join(map(str, COMPILE_TRACES_RECORDER))} compiles each model whole (requirements.txt pins 2.14.1)")
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -117,6 +117,12 @@ def build_schedule(sched: Any, base_lr: float, total_steps: int, steps_per_epoch
 
 def wrap_model(model: nn.Module, compile_model: bool, dist: DistInfo) -> nn.Module:
     """The model that trains: ``torch.compile``d when asked, inside DDP under torchrun."""
+    if compile_model:
+        from moh_vision.attention.recorder import compile_caveat
+
+        caveat = compile_caveat(model)
+        if caveat:
+            log.warning(caveat)
     wrapped = torch.compile(model) if compile_model else model
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
