@@ -22,6 +22,22 @@ def test_bench_models_quick_compares_moh_with_its_dense_twin(tmp_path, capsys):
     assert "moh_dit_s_2_75 vs dit_s_2, inference" in err and "moh_dit_s_2_75 vs dit_s_2, training" in err
 
 
+def test_bench_models_counts_what_each_step_launches(tmp_path):
+    """``launches=true``: on the CPU, the ATen operators a step calls at top level. MoH's routing adds
+    operators to every layer, inference and training alike; the table gets the two columns."""
+    from moh_vision.analysis.benchmark import launches
+
+    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "impl=masked", "launches=true",
+                                           f"out={tmp_path / 't.md'}"])
+    dense, moh = rows
+    for mode in ("infer", "train"):
+        assert 0 < dense[f"{mode}_launches"]["aten_ops"] < moh[f"{mode}_launches"]["aten_ops"]
+    assert dense["infer_launches"]["aten_ops"] < dense["train_launches"]["aten_ops"]
+    assert "| inference launches | training launches |" in (tmp_path / "t.md").read_text()
+    x = torch.randn(3, 3)
+    assert launches(lambda: (x @ x).relu().sum(), torch.device("cpu")) == {"aten_ops": 3}  # nested ops not counted
+
+
 def test_bench_models_skips_an_impl_the_model_cannot_run(capsys):
     rows = load_tool("bench_models").main(["pairs=moh_transnext_small_75:transnext_small", "img_size=32", "rounds=1",
                                            "warmup=0", "impl=triton,masked"])
@@ -61,7 +77,8 @@ def test_bench_models_times_a_dense_model_as_moh_against_itself():
 def test_bench_models_compiles_every_model_and_leaves_compilation_untimed(monkeypatch):
     compiled = []
 
-    def compile_fast(model):  # dynamo's graph capture only: the plumbing, not inductor's code generation
+    def compile_fast(model, mode):  # dynamo's graph capture only: the plumbing, not inductor's code generation
+        assert mode == "reduce-overhead"
         compiled.append(model)
         return torch._dynamo.optimize("eager")(model)
 
@@ -77,7 +94,8 @@ def test_bench_models_compiles_every_model_and_leaves_compilation_untimed(monkey
     monkeypatch.setattr(torch, "compile", compile_fast)
     monkeypatch.setattr(benchmark, "interleave", interleave)
     torch._dynamo.reset()
-    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "impl=auto", "compile=true"])
+    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "impl=auto", "compile=true",
+                                           "compile_mode=reduce-overhead"])
     assert [(type(m).__name__, r["model"], r["compiled"]) for m, r in zip(compiled, rows)] == [
         ("DiT", "dit_s_2", True), ("DiT", "moh_dit_s_2_75", True)]
     assert warmups == [1, 1]  # inference, training: the call that compiles is never a timed one

@@ -5,12 +5,15 @@
     python tools/bench_models.py quick=true                        # tiny models (CI smoke test)
     python tools/bench_models.py pairs=transnext_micro:transnext_micro attention=moh attention.activation_ratio=0.5
     python tools/bench_models.py pairs=moh_dit_s_2_75:dit_s_2 compile=true      # both models torch.compile'd
+    python tools/bench_models.py device=cuda batch=32 compile=true compile_mode=reduce-overhead launches=true
 
 Each MoH model runs with every ``impl`` given (how its MoH layers execute: ``auto`` is what training
 uses); its dense twin runs once. Inference: eval mode, no gradients. Training: forward, backward and an
 AdamW step. "x dense" is the MoH model's time over its twin's in the same round (the candidates run
 interleaved, round by round), as median [quartiles]; training peak memory is measured on one extra step
-(:mod:`moh_vision.analysis.benchmark`). ``out=t.md`` also writes ``t.json``. ``attention=<name>`` with
+(:mod:`moh_vision.analysis.benchmark`). ``launches=true`` profiles one more step per model and mode: the
+kernels it launches and how long they keep the GPU busy (a step far slower than that waits on the host),
+or on the CPU the ATen operators it calls. ``out=t.md`` also writes ``t.json``. ``attention=<name>`` with
 ``attention.<key>=...`` gives the first model of every pair that attention in every layer (as ``train.py``
 composes it), so a dense model can be timed as MoH against itself.
 """
@@ -35,6 +38,9 @@ OPTIONS = (
     Option("threads", type=integer, minimum=1, help="torch.set_num_threads (CPU)"),
     Option("quick", False, boolean, "one small pair at small inputs (smoke test)"),
     Option("compile", False, boolean, "torch.compile every model, as trainer.compile=true (compilation untimed)"),
+    Option("compile_mode", "default", choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"),
+           help="torch.compile's mode (reduce-overhead: CUDA graphs)"),
+    Option("launches", False, boolean, "also count each step's kernel launches and GPU-busy time (CPU: ATen ops)"),
     Option("out", help="also write the markdown table here, and every number as JSON beside it (.json)"),
     Option("attention", help="the MoH side's attention in every layer: mha | moh | moa | ... (default: as registered)"),
     Option("attention.*", type=yaml_value, help="one option of that attention, e.g. attention.activation_ratio=0.5"),
@@ -44,7 +50,8 @@ OPTIONS = (
 def bench(opts) -> List[Dict]:
     return bench_models(opts.pairs, opts.impl, opts.batch, opts.img_size, opts.rounds, opts.warmup, opts.min_seconds,
                         opts.device, opts.dtype, opts.threads, opts.quick, opts.out,
-                        attention_config(opts.attention, opts.attention_options), opts.compile)
+                        attention_config(opts.attention, opts.attention_options), opts.compile, opts.compile_mode,
+                        opts.launches)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[Dict]:

@@ -126,6 +126,32 @@ def _native_stderr_silenced() -> Iterator[None]:
         os.close(saved)
 
 
+def launches(call: Callable[[], None], device: torch.device) -> Dict[str, float]:
+    """What one ``call`` hands the device, from the profiler. On CUDA: ``kernels`` launched and ``device_ms``,
+    the time they kept the GPU busy (their summed durations); a call whose wall time is well above
+    ``device_ms`` waits on the host's launches, not on the GPU. On the CPU: ``aten_ops``, the ATen operators
+    called at top level (each carries a fixed dispatch cost, which is what sets a small call's time)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        call()
+        synchronizer(device)()
+    if cuda:
+        ran = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        return {"kernels": sum(e.count for e in ran), "device_ms": sum(e.self_device_time_total for e in ran) / 1e3}
+
+    def top_level(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None:
+            if parent.name.startswith("aten::"):
+                return False
+            parent = parent.cpu_parent
+        return True
+
+    return {"aten_ops": sum(1 for e in prof.events() if e.name.startswith("aten::") and top_level(e))}
+
+
 _MEASURED_CALL = "peak_memory: measured call"
 
 
@@ -664,10 +690,12 @@ def make_step(model: torch.nn.Module, batch: int, device: torch.device, train: b
 
 def bench_pair(moh: str, dense: str, impls: Sequence[str], batch: int, img_size: int, rounds: int, warmup: int,
                min_seconds: float, device: torch.device, dtype: torch.dtype,
-               attention: Optional[Dict] = None, compile_models: bool = False) -> List[Dict]:
+               attention: Optional[Dict] = None, compile_models: bool = False, compile_mode: str = "default",
+               count_launches: bool = False) -> List[Dict]:
     """The dense twin and the MoH model (with ``attention``, if given) under every impl, interleaved round
-    by round; ``compile_models``: each one ``torch.compile``d (as ``trainer.compile=true``), its first
-    call per mode (the compilation) left out of the timings."""
+    by round; ``compile_models``: each one ``torch.compile``d with ``compile_mode`` (as
+    ``trainer.compile=true``), its first call per mode (the compilation) left out of the timings;
+    ``count_launches``: also one profiled step per candidate and mode (:func:`launches`)."""
     models = {(dense, "-"): build_for_bench(dense, img_size, "masked", device)}
     label = moh if attention is None else f"{moh} ({attention_label(attention)})"
     for impl in impls:
@@ -676,7 +704,12 @@ def bench_pair(moh: str, dense: str, impls: Sequence[str], batch: int, img_size:
         except Exception as err:  # an impl this model cannot run (e.g. sparse on TransNeXt's own kernels)
             print(f"skip {moh} impl={impl}: {err}", file=sys.stderr)
     if compile_models:
-        models = {key: torch.compile(m) for key, m in models.items()}
+        from moh_vision.attention.recorder import compile_caveat
+
+        caveat = next(filter(None, map(compile_caveat, models.values())), None)
+        if caveat:
+            print(f"warning: {caveat}", file=sys.stderr)
+        models = {key: torch.compile(m, mode=compile_mode) for key, m in models.items()}
         warmup = max(warmup, 1)
     rows = {key: {"model": key[0], "impl": key[1], "batch": batch, "compiled": compile_models} for key in models}
     for mode in ("infer", "train"):
@@ -689,6 +722,8 @@ def bench_pair(moh: str, dense: str, impls: Sequence[str], batch: int, img_size:
             rows[key][f"{mode}_ms"] = Spread.of([1e3 * v for v in t]).as_dict()
             rows[key][f"{mode}_img_s"] = batch / statistics.median(t)
             rows[key][f"{mode}_x_dense"] = paired_ratio(t, base).as_dict()
+            if count_launches:
+                rows[key][f"{mode}_launches"] = launches(steps[key], device)
         if mode == "train":
             for key, step in steps.items():
                 peak = peak_memory(step, device)
@@ -706,12 +741,18 @@ def models_table(rows: Sequence[Dict], header: str) -> str:
     def spread(d: Dict[str, float]) -> str:
         return f"{d['median']:.3f} [{d['q1']:.3f}-{d['q3']:.3f}]"
 
-    lines = [header, "", "| model | MoH impl | inference ms | x dense | training ms | x dense | training peak MB |",
-             "|---|---|---|---|---|---|---|"]
+    def launched(d: Dict[str, float]) -> str:  # kernels (GPU-busy ms) on CUDA, ATen operators on the CPU
+        return f"{d['kernels']} ({d['device_ms']:.2f} ms)" if "kernels" in d else f"{d['aten_ops']}"
+
+    counted = "infer_launches" in rows[0]
+    extra = (" inference launches | training launches |", "---|---|") if counted else ("", "")
+    lines = [header, "", "| model | MoH impl | inference ms | x dense | training ms | x dense | training peak MB |"
+             + extra[0], "|---|---|---|---|---|---|---|" + extra[1]]
     for r in rows:
         peak = "-" if r.get("train_peak_mb") is None else f"{r['train_peak_mb']:.0f}"
+        more = f" {launched(r['infer_launches'])} | {launched(r['train_launches'])} |" if counted else ""
         lines.append(f"| {r['model']} | {r['impl']} | {r['infer_ms']['median']:.1f} | {spread(r['infer_x_dense'])} | "
-                     f"{r['train_ms']['median']:.1f} | {spread(r['train_x_dense'])} | {peak} |")
+                     f"{r['train_ms']['median']:.1f} | {spread(r['train_x_dense'])} | {peak} |" + more)
     return "\n".join(lines) + "\n"
 
 
@@ -719,12 +760,13 @@ def bench_models(pairs: Optional[Sequence[str]] = None, impls: Sequence[str] = (
                  img_size: Optional[int] = None, rounds: int = 15, warmup: int = 2, min_seconds: float = 0.0,
                  device: str = "auto", dtype: str = "float32", threads: Optional[int] = None, quick: bool = False,
                  out: Optional[str] = None, attention: Optional[Dict] = None,
-                 compile_models: bool = False) -> List[Dict]:
+                 compile_models: bool = False, compile_mode: str = "default", count_launches: bool = False) -> List[Dict]:
     """Images/s of each ``moh:dense`` pair (inference and training), print the table and return its rows;
     ``out`` also gets the table, and every number goes to ``<out>.json``. ``quick``: one small pair at 64 px.
     ``attention``: the MoH side's attention in every layer (e.g. ``transnext_micro:transnext_micro`` with
     ``{"name": "moh", "activation_ratio": 0.5}``); None: as registered. ``compile_models``: every model
-    ``torch.compile``d (under compile, ``impl="auto"`` runs masked)."""
+    ``torch.compile``d with ``compile_mode`` (under compile, ``impl="auto"`` runs masked). ``count_launches``:
+    what each step launches, two more columns (:func:`launches`)."""
     from moh_vision.models import model_family
 
     if threads:
@@ -737,8 +779,9 @@ def bench_models(pairs: Optional[Sequence[str]] = None, impls: Sequence[str] = (
             raise ConfigError(f"pairs wants moh:dense, got {pair}")
         size = img_size or (64 if quick else (256 if model_family(moh) == "dit" else 224))
         rows += bench_pair(moh, dense, impls, batch, size, rounds, warmup, min_seconds, where, torch_dtype, attention,
-                           compile_models)
-    compiled = ", every model torch.compile'd" if compile_models else ""
+                           compile_models, compile_mode, count_launches)
+    mode = "" if compile_mode == "default" else f" (mode {compile_mode})"
+    compiled = f", every model torch.compile'd{mode}" if compile_models else ""
     header = (f"{where_measured(where)}, {dtype}, batch {batch}{compiled}; dense and MoH interleaved, {rounds}+ rounds: "
               f"median ms per step, and the per-round ratio to the dense twin as median [quartiles]")
     table = models_table(rows, header)
