@@ -12,8 +12,8 @@
 #   bash tools/gpu_checks.sh wheels <dir>     # here: the wheels part `train` needs on a GPU machine
 #
 # parts: a comma-separated choice of tests, attention, models, train (default: the first three). On one H100
-# (2026-11-25) the tests took 30 s and the attention runs 6 min; the models did not finish in the 80 s left
-# of an 8-minute command, so give them a call of their own. Every log, table and .json lands in <out_dir>,
+# (2026-11-25) the tests took 30 s, the attention runs 6 min and part train about 2 min; the models did not
+# finish in the 80 s left of an 8-minute command, so give them a call of their own. Every log, table and .json lands in <out_dir>,
 # and <out_dir>/gpu_checks.tar.gz holds them all but checkpoints (refreshed after each step, so a run cut
 # short still returns what it finished). `quick` runs tiny settings, on the CPU when there is no GPU: a
 # dry run of this script.
