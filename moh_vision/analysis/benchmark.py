@@ -704,12 +704,9 @@ def bench_pair(moh: str, dense: str, impls: Sequence[str], batch: int, img_size:
         except Exception as err:  # an impl this model cannot run (e.g. sparse on TransNeXt's own kernels)
             print(f"skip {moh} impl={impl}: {err}", file=sys.stderr)
     if compile_models:
-        from moh_vision.attention.recorder import compile_caveat
+        from moh_vision.attention.recorder import compile_model
 
-        caveat = next(filter(None, map(compile_caveat, models.values())), None)
-        if caveat:
-            print(f"warning: {caveat}", file=sys.stderr)
-        models = {key: torch.compile(m, mode=compile_mode) for key, m in models.items()}
+        models = {key: compile_model(m, compile_mode) for key, m in models.items()}
         warmup = max(warmup, 1)
     rows = {key: {"model": key[0], "impl": key[1], "batch": batch, "compiled": compile_models} for key in models}
     for mode in ("infer", "train"):

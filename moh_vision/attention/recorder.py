@@ -18,6 +18,7 @@ forward) are not recorded a second time: their loss and statistics were recorded
 from __future__ import annotations
 
 import contextvars
+import logging
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 Tensor = torch.Tensor
+log = logging.getLogger(__name__)
 
 _ACTIVE: contextvars.ContextVar[Optional["RoutingRecorder"]] = contextvars.ContextVar(
     "moh_vision_routing_recorder", default=None)
@@ -149,6 +151,16 @@ def compile_caveat(model: nn.Module, version: Optional[str] = None) -> Optional[
     return (f"torch {version} cannot trace the routing recorder's ContextVar.get: torch.compile splits the graph "
             f"at every routed layer and may run slower than eager; torch >= "
             f"{'.'.join(map(str, COMPILE_TRACES_RECORDER))} compiles each model whole (requirements.txt pins 2.14.1)")
+
+
+def compile_model(model: nn.Module, mode: str = "default") -> nn.Module:
+    """``torch.compile(model, mode=mode)``, with a warning first where this torch would split the graph at
+    every routed layer (:func:`compile_caveat`). What ``trainer.compile``, ``tools/sample.py compile=true``
+    and ``tools/bench_models.py compile=true`` call."""
+    caveat = compile_caveat(model)
+    if caveat:
+        log.warning(caveat)
+    return torch.compile(model, mode=mode)
 
 
 def _unwrap(model: nn.Module) -> nn.Module:

@@ -118,12 +118,10 @@ def build_schedule(sched: Any, base_lr: float, total_steps: int, steps_per_epoch
 def wrap_model(model: nn.Module, compile_model: bool, dist: DistInfo) -> nn.Module:
     """The model that trains: ``torch.compile``d when asked, inside DDP under torchrun."""
     if compile_model:
-        from moh_vision.attention.recorder import compile_caveat
-
-        caveat = compile_caveat(model)
-        if caveat:
-            log.warning(caveat)
-    wrapped = torch.compile(model) if compile_model else model
+        from moh_vision.attention.recorder import compile_model as compiled
+        wrapped = compiled(model)
+    else:
+        wrapped = model
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
         ids = [dist.device.index] if dist.device.type == "cuda" else None

@@ -239,6 +239,9 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
             torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
         check_metric_inputs(cfg)
         task, model, data, info = load_model(cfg, device)
+        if cfg.compile:  # compiled once for the sampling batch; the steps and batches after it reuse the graph
+            from moh_vision.attention.recorder import compile_model
+            model = compile_model(model)
         if task.vae_cfg["path"]:
             from moh_vision.data.latents import load_vae
             load_vae(task.vae_cfg["path"], device)  # fail now if missing; cached for decoding
