@@ -271,6 +271,32 @@ def test_checkpointing_changes_no_gradient_and_records_once(family, attention):
         assert all(g.abs().sum() > 0 for n, g in grads_c.items() if n.endswith("shared_score")), "warm-up estimator"
 
 
+def test_compiled_checkpointed_training_records_once_and_matches_eager():
+    """A compiled model with gradient checkpointing traces as one graph, given dynamo's switch that skips a
+    checkpointed forward's side effects when backward recomputes it (what the recorder wants: without it,
+    dynamo cannot trace the recorder's append inside a checkpoint and runs those blocks eagerly). The
+    recorder lookup is traced, nothing is recorded twice, and loss and gradients are eager's."""
+    plain = make("dit_tiny_2", "moh", activation_ratio=0.5).train()
+    checkpointed = copy.deepcopy(plain)
+    checkpointed.set_grad_checkpointing(True)
+    torch._dynamo.reset()
+    compiled = torch.compile(checkpointed, backend="aot_eager", fullgraph=True)  # a graph break raises
+    results = []
+    for model, call in ((plain, plain), (checkpointed, compiled)):
+        torch.manual_seed(3)
+        with record_routing(model) as routing, torch._dynamo.config.patch(
+                skip_fwd_side_effects_in_bwd_under_checkpoint=True):
+            out = call(*inputs("dit_tiny_2", batch=2, seed=3))
+        loss = out.float().square().mean() + routing.aux_loss(coef=1.0)
+        loss.backward()
+        results.append((loss.detach(), len(routing.records), {n: p.grad for n, p in model.named_parameters()}))
+    (loss, count, grads), (loss_c, count_c, grads_c) = results
+    assert count == count_c == len(list(routed_modules(plain)))
+    torch.testing.assert_close(loss_c, loss)
+    for name, grad in grads.items():
+        torch.testing.assert_close(grads_c[name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
 def test_learned_warmup_counts_optimizer_steps_under_accumulation_and_checkpointing():
     family = "plain_vit_nano"
     model = make(family, "moh", checkpointing=True, **LEARNED, learn_shared_steps=3).train()
