@@ -13,10 +13,10 @@
 #
 # parts: a comma-separated choice of tests, attention, models, train (default: the first three). On one H100
 # (2026-11-25) the tests took 30 s, the attention runs 6 min and part train about 2 min; the models did not
-# finish in the 80 s left of an 8-minute command, so give them a call of their own. Every log, table and .json lands in <out_dir>,
-# and <out_dir>/gpu_checks.tar.gz holds them all but checkpoints (refreshed after each step, so a run cut
-# short still returns what it finished). `quick` runs tiny settings, on the CPU when there is no GPU: a
-# dry run of this script.
+# finish in the 80 s left of an 8-minute command, so give them a call of their own. Every log, table and
+# .json lands in <out_dir>, and <out_dir>/gpu_checks.tar.gz holds them all but checkpoints (refreshed after
+# each step, so a run cut short still returns what it finished). `quick` runs tiny settings, on the CPU
+# when there is no GPU: a dry run of this script.
 #
 # The lent GPU machines have torch, Triton, timm (another version), tqdm, PyYAML, scikit-learn and
 # matplotlib, but not Hydra, OmegaConf or fvcore, which `train` needs: `wheels <dir>` writes them (the
@@ -28,7 +28,8 @@ if [[ ${1:-} == wheels ]]; then
   dir=${2:?usage: bash tools/gpu_checks.sh wheels <dir>}
   pins=$(grep -E '^(timm|hydra-core|omegaconf|fvcore)==' requirements.txt)
   # and their dependencies the machines lack (versions as this project's environment resolves them)
-  deps=$(python3 -m pip list --format=freeze 2>/dev/null | grep -iE '^(antlr4-python3-runtime|iopath|yacs|termcolor|portalocker|tabulate)==')
+  deps=$(python3 -m pip list --format=freeze 2>/dev/null |
+    grep -iE '^(antlr4-python3-runtime|iopath|yacs|termcolor|portalocker|tabulate)==')
   exec python3 -m pip wheel -q --no-deps -w "$dir" $pins $deps
 fi
 out=${1:?usage: bash tools/gpu_checks.sh <out_dir> [tests,attention,models,train] [quick]}

@@ -33,7 +33,7 @@ OPTIONS = (
     Option("vae", help="local AutoencoderKL dir to decode latents (default: the checkpoint's task.vae.path)"),
     Option("device", "auto", help="auto | cuda | cpu (cuda:LOCAL_RANK under torchrun)"),
     Option("tf32", True, boolean, "TF32 matmuls on Ampere+ (DiT's sample_ddp.py default)"),
-    Option("compile", False, boolean, "torch.compile the model first (compiles once, before the first step)"),
+    Option("compile", False, boolean, "torch.compile the model (its first call compiles; the rest reuse the graph)"),
     Option("progress", True, boolean, "show a progress bar"),
     Option("grid_classes", 10, integer, "rows of samples.png: classes evenly spaced over all classes", minimum=1),
     Option("grid_per_class", 8, integer, "samples per row of samples.png", minimum=1),

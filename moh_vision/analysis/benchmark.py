@@ -134,7 +134,8 @@ def launches(call: Callable[[], None], device: torch.device) -> Dict[str, float]
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
-    with _native_stderr_silenced(), profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+    activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
+    with _native_stderr_silenced(), profile(activities=[activity]) as prof:
         call()
         synchronizer(device)()
     if cuda:
@@ -757,7 +758,8 @@ def bench_models(pairs: Optional[Sequence[str]] = None, impls: Sequence[str] = (
                  img_size: Optional[int] = None, rounds: int = 15, warmup: int = 2, min_seconds: float = 0.0,
                  device: str = "auto", dtype: str = "float32", threads: Optional[int] = None, quick: bool = False,
                  out: Optional[str] = None, attention: Optional[Dict] = None,
-                 compile_models: bool = False, compile_mode: str = "default", count_launches: bool = False) -> List[Dict]:
+                 compile_models: bool = False, compile_mode: str = "default",
+                 count_launches: bool = False) -> List[Dict]:
     """Images/s of each ``moh:dense`` pair (inference and training), print the table and return its rows;
     ``out`` also gets the table, and every number goes to ``<out>.json``. ``quick``: one small pair at 64 px.
     ``attention``: the MoH side's attention in every layer (e.g. ``transnext_micro:transnext_micro`` with

@@ -135,7 +135,7 @@ def active_recorder() -> Optional[RoutingRecorder]:
 
 
 # The first release whose ``torch.compile`` traces ``ContextVar.get`` (2.11 breaks the graph there; 2.13 and
-# 2.14 trace it, and recompile once, not per recorder: docs/performance.md, "Compiled, on one H100").
+# 2.14 trace it, and recompile once, not per recorder: docs/performance.md, "Second lease").
 COMPILE_TRACES_RECORDER = (2, 13)
 
 

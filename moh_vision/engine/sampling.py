@@ -239,7 +239,7 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
             torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
         check_metric_inputs(cfg)
         task, model, data, info = load_model(cfg, device)
-        if cfg.compile:  # compiled once for the sampling batch; the steps and batches after it reuse the graph
+        if cfg.compile:  # the first call compiles; the other steps reuse it (a smaller last batch compiles once more)
             from moh_vision.attention.recorder import compile_model
             model = compile_model(model)
         if task.vae_cfg["path"]:
