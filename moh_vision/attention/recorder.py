@@ -145,8 +145,10 @@ def compile_caveat(model: nn.Module, version: Optional[str] = None) -> Optional[
     which older releases' graph capture cannot trace, so each one splits the graph."""
     from torch.torch_version import TorchVersion
 
+    from .registry import routed_modules
+
     version = TorchVersion(torch.__version__ if version is None else version)
-    if version >= COMPILE_TRACES_RECORDER or not any(getattr(m, "is_routed", False) for m in model.modules()):
+    if version >= COMPILE_TRACES_RECORDER or next(routed_modules(model), None) is None:
         return None
     return (f"torch {version} cannot trace the routing recorder's ContextVar.get: torch.compile splits the graph "
             f"at every routed layer and may run slower than eager; torch >= "
