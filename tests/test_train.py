@@ -229,10 +229,9 @@ class _SlowFirstCall(torch.nn.Module):
         return self._orig_mod(*args, **kwargs)
 
 
-def test_images_per_sec_leaves_out_compilation(tmp_path, monkeypatch, caplog):
+def test_images_per_sec_leaves_out_compilation(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from moh_vision.attention import recorder
     from moh_vision.engine import trainer as trainer_module
 
     class Clock:  # every reading advances 1 ms: the result does not depend on how busy the machine is
@@ -245,9 +244,7 @@ def test_images_per_sec_leaves_out_compilation(tmp_path, monkeypatch, caplog):
     clock = Clock()
     monkeypatch.setattr(trainer_module, "time", SimpleNamespace(time=clock.time))
     monkeypatch.setattr(torch, "compile", lambda model, **_: _SlowFirstCall(model, clock))
-    monkeypatch.setattr(recorder, "COMPILE_TRACES_RECORDER", (99, 0))  # as if this torch were too old
     summary = train_here(tmp_path / "run", monkeypatch, "trainer.compile=true", "trainer.max_steps=4")
-    assert any("splits the graph at every routed layer" in r.getMessage() for r in caplog.records)
     assert summary["steps"] == 4 and summary["throughput_warmup_steps"] == 1
     assert summary["compile_time_s"] == pytest.approx(10.0, abs=0.5)
     assert summary["train_time_s"] >= 10.0

@@ -6,6 +6,7 @@
     python tools/bench_models.py pairs=transnext_micro:transnext_micro attention=moh attention.activation_ratio=0.5
     python tools/bench_models.py pairs=moh_dit_s_2_75:dit_s_2 compile=true      # both models torch.compile'd
     python tools/bench_models.py device=cuda batch=32 compile=true compile_mode=reduce-overhead launches=true
+    python tools/bench_models.py ops=true pairs=moh_dit_s_2_75:dit_s_2  # operators per call and compiled graphs
 
 Each MoH model runs with every ``impl`` given (how its MoH layers execute: ``auto`` is what training
 uses); its dense twin runs once. Inference: eval mode, no gradients. Training: forward, backward and an
@@ -15,14 +16,20 @@ interleaved, round by round), as median [quartiles]; training peak memory is mea
 kernels it launches and how long they keep the GPU busy (a step far slower than that waits on the host),
 or on the CPU the ATen operators it calls. ``out=t.md`` also writes ``t.json``. ``attention=<name>`` with
 ``attention.<key>=...`` gives the first model of every pair that attention in every layer (as ``train.py``
-composes it), so a dense model can be timed as MoH against itself.
+composes it), so a dense model can be timed as MoH against itself. ``ops=true`` times nothing: it counts the
+ATen operators each call dispatches (one attention layer and each pair, inference and training with the
+routing recorder open), the host time of a layer call on a negligible input, and the graphs and breaks of
+``torch.compile`` (:mod:`moh_vision.analysis.op_count`).
 """
 from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
 from moh_vision.analysis.benchmark import DTYPES, bench_models
+from moh_vision.analysis.op_count import bench_ops
 from moh_vision.cli import Option, attention_config, boolean, integer, list_of, number, run_tool, text, yaml_value
+
+OPS_PAIRS = ("moh_dit_s_2_75:dit_s_2",)  # ops=true without pairs=
 
 OPTIONS = (
     Option("pairs", type=list_of(text), help="moh_model:dense_model pairs (default: MoH-ViT-B/50, DiT-XL, DiT-B)"),
@@ -41,6 +48,8 @@ OPTIONS = (
     Option("compile_mode", "default", help="torch.compile's mode (reduce-overhead: CUDA graphs)",
            choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
     Option("launches", False, boolean, "also count each step's kernel launches and GPU-busy time (CPU: ATen ops)"),
+    Option("ops", False, boolean, "count operators per call and compiled graphs instead of timing (CPU)"),
+    Option("graphs", True, boolean, "with ops=true: also torch._dynamo.explain each model (slow: minutes)"),
     Option("out", help="also write the markdown table here, and every number as JSON beside it (.json)"),
     Option("attention", help="the MoH side's attention in every layer: mha | moh | moa | ... (default: as registered)"),
     Option("attention.*", type=yaml_value, help="one option of that attention, e.g. attention.activation_ratio=0.5"),
@@ -48,6 +57,9 @@ OPTIONS = (
 
 
 def bench(opts) -> List[Dict]:
+    if opts.ops:
+        return bench_ops(opts.pairs or OPS_PAIRS, opts.img_size or 64, attention_config(opts.attention,
+                         opts.attention_options), opts.graphs, opts.out)
     return bench_models(opts.pairs, opts.impl, opts.batch, opts.img_size, opts.rounds, opts.warmup, opts.min_seconds,
                         opts.device, opts.dtype, opts.threads, opts.quick, opts.out,
                         attention_config(opts.attention, opts.attention_options), opts.compile, opts.compile_mode,

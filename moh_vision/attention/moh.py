@@ -273,7 +273,12 @@ class MoH(SharedPlusTopK, RoutedMixin):
     # --- routing ---------------------------------------------------------------------------------
     def routers(self) -> Tuple[Tuple[str, nn.Linear], ...]:
         """The layer's router projections that exist (``wg``, ``wg_0``, ``wg_1``), in that order."""
-        return tuple((name, r) for name in ("wg", "wg_0", "wg_1") if isinstance(r := getattr(self, name, None), nn.Linear))
+        found = []
+        for name in ("wg", "wg_0", "wg_1"):  # a loop, not a generator with ":=": torch 2.11's compile cannot trace that
+            router = getattr(self, name, None)
+            if isinstance(router, nn.Linear):
+                found.append((name, router))
+        return tuple(found)
 
     @staticmethod
     def plain_routers(routers: Tuple[Tuple[str, nn.Linear], ...]) -> bool:
@@ -308,8 +313,8 @@ class MoH(SharedPlusTopK, RoutedMixin):
         without autograd (inference) on routed layers with plain routers, in eager mode (``jit.trace`` and
         ``torch.compile`` see the formulas written out), outside autocast."""
         routers = self.routers() if routers is None else routers
-        return (not torch.is_grad_enabled() and bool(routers) and not self.learned_shared
-                and not custom_functions_opaque() and not torch.is_autocast_enabled(x.device.type)
+        return (not torch.is_grad_enabled() and not custom_functions_opaque() and len(routers) > 0
+                and not self.learned_shared and not torch.is_autocast_enabled(x.device.type)
                 and x.dim() == 3 and x.dtype == routers[0][1].weight.dtype and self.plain_routers(routers))
 
     def route(self, x: Tensor) -> Route:
@@ -324,12 +329,11 @@ class MoH(SharedPlusTopK, RoutedMixin):
             gates, index, probs, mask = head_major_gates(x, self.stacked_router_weight(routers), h_s, k)
             gates = gates.transpose(1, 2).contiguous()  # [B, N, h] as the formulas give them (a few numbers a token)
             if k == 0:
-                if self.recording():
-                    self.record_routing(torch.ones_like(gates), None, None, gates=gates)
+                if self.recording():  # every head active: an empty routed selection after h_s always-on heads
+                    self.record_routing(gates[..., :0], None, None, gates=gates, shared_prefix=h_s)
                 return Route(gates, None)
             if self.recording():
-                active = torch.cat([mask.new_ones(mask.shape[0], h_s, mask.shape[2]), mask], dim=1)
-                self.record_routing(active, probs, None, gates=gates, heads_dim=1)
+                self.record_routing(mask, probs, None, gates=gates, heads_dim=1, shared_prefix=h_s)
             return Route(gates, index.transpose(1, 2).contiguous())
         logits = self.router_logits(x)
         if h_s > 1:
@@ -338,7 +342,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
             shared = x.new_ones(*x.shape[:-1], h_s)
         if k == 0:
             if self.recording():
-                self.record_routing(torch.ones_like(shared), None, None, gates=shared)
+                self.record_routing(shared[..., :0], None, None, gates=shared, shared_prefix=h_s)
             return Route(shared, None)
 
         probs = logits["wg"].softmax(dim=-1)
@@ -351,7 +355,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
             gates = routed
         loss = load_balance_loss(probs, mask) if self.wants_aux_loss() else None
         if self.recording():
-            self.record_routing(torch.cat([torch.ones_like(shared), mask], dim=-1), probs, loss, gates=gates)
+            self.record_routing(mask, probs, loss, gates=gates, shared_prefix=h_s)
         return Route(gates, index)
 
     def forward(self, x: Tensor) -> Tensor:

@@ -10,7 +10,14 @@ decided opens a recorder for that forward::
 
 Outside a recorder a routed layer computes its output and nothing else (no loss, no statistics).
 The recorder is found through a context variable, so two recorders in two threads never mix, and a
-module holds no reference to it: ``copy.deepcopy``, ``pickle`` and EMA copies work at any point.
+module holds no reference to it: ``copy.deepcopy``, ``pickle`` and EMA copies work at any point. Code that
+``torch.compile`` traces reads it from a plain slot instead (:func:`active_recorder`), which every torch
+release traces, so a compiled model is one graph with the recorder open.
+
+A layer hands over the tensors its forward made anyway (its selection, its router probabilities, its aux
+loss); the statistics (per-head load, router entropy) are computed from them only when the caller reads
+``stats()`` or ``record.stats``, outside the forward, so they add nothing to a forward's (or a compiled
+graph's) work.
 
 Forwards that autograd replays during ``backward`` (gradient checkpointing recomputes a block's
 forward) are not recorded a second time: their loss and statistics were recorded by the first pass.
@@ -19,7 +26,7 @@ from __future__ import annotations
 
 import contextvars
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
@@ -34,22 +41,58 @@ _ACTIVE: contextvars.ContextVar[Optional["RoutingRecorder"]] = contextvars.Conte
 
 @dataclass
 class LayerRecord:
-    """What one routed layer decided in one forward call."""
+    """What one routed layer decided in one forward call. The statistics and the selection are computed
+    from ``active`` and ``probs`` when first read (:attr:`stats`, :attr:`selection`), not in the forward."""
 
     module: nn.Module
     aux_loss: Optional[Tensor]           # with its graph (training forwards only)
-    stats: Dict[str, Any]                # detached: load per head, router entropy, head counts, ...
-    selection: Optional[Tensor] = None   # [B, N, h] bool, only with keep_selection=True
+    active: Tensor                       # 0/1 (or bool) which heads each token used, heads along ``heads_dim``
+    probs: Optional[Tensor] = None       # router probabilities (detached), heads along ``heads_dim``
+    heads_dim: int = -1
+    extra: Dict[str, Any] = field(default_factory=dict)  # variant-specific statistics (detached)
     gates: Optional[Tensor] = None       # [B, N, h], only with keep_selection=True
+    keep_selection: bool = False
+    shared_prefix: int = 0               # heads 0..shared_prefix-1 always on and not in ``active``
+    _stats: Optional[Dict[str, Any]] = field(default=None, repr=False)
+
+    @property
+    def selection(self) -> Optional[Tensor]:
+        """``[B, N, h]`` bool, which heads each token used (only with ``keep_selection=True``)."""
+        return self._active_last().bool() if self.keep_selection else None
+
+    @property
+    def stats(self) -> Dict[str, Any]:
+        """``load`` (fraction of tokens that used each head), ``entropy`` (mean router entropy in nats, None
+        when nothing is routed), ``num_heads``, ``shared_heads``, ``topk``, ``active_heads`` and the
+        variant's extra statistics; computed on first read."""
+        if self._stats is None:
+            with torch.no_grad():
+                active = self._active_last().float()
+                load = active.mean(dim=tuple(range(active.dim() - 1)))
+                entropy = None if self.probs is None else mean_entropy(self.probs, dim=self.heads_dim)
+                m = self.module
+                self._stats = {"load": load, "entropy": entropy, "num_heads": active.shape[-1],
+                               "shared_heads": getattr(m, "shared_heads", 0), "topk": getattr(m, "topk", 0),
+                               "active_heads": m.active_heads(), **self.extra}
+        return self._stats
+
+    def _active_last(self) -> Tensor:
+        active = self.active.movedim(self.heads_dim, -1)
+        if self.shared_prefix:
+            active = torch.cat([active.new_ones(*active.shape[:-1], self.shared_prefix), active], dim=-1)
+        return active
+
+
+def mean_entropy(probs: Tensor, dim: int = -1) -> Tensor:
+    """Mean over tokens of the entropy (nats) of a distribution over ``dim`` (default: the last)."""
+    p = probs.float()
+    return -(p * p.clamp_min(1e-12).log()).sum(dim=dim).mean()
 
 
 def _in_backward() -> bool:
-    """True while autograd runs a backward pass (e.g. a checkpointed block's recomputation). False while
-    ``torch.compile`` traces a forward: the graph-task query cannot be traced (it split the graph at every
-    routed layer of a compiled training step), and a compiled model's checkpointed recomputation runs inside
-    its compiled backward, which never calls back into this Python."""
-    if torch.compiler.is_compiling():
-        return False
+    """True while autograd runs a backward pass (e.g. a checkpointed block's recomputation). Eager only: the
+    graph-task query cannot be traced, and a compiled model's checkpointed recomputation runs inside its
+    compiled backward, which never calls back into this Python."""
     return torch._C._current_graph_task_id() != -1
 
 
@@ -69,16 +112,19 @@ class RoutingRecorder:
         self.records: List[LayerRecord] = []
         self._token: Optional[contextvars.Token] = None
         self._names: Optional[Dict[int, str]] = None
+        self._outer: Optional["RoutingRecorder"] = None
 
     # --- scope --------------------------------------------------------------------------------
     def __enter__(self) -> "RoutingRecorder":
         if self._token is not None:
             raise RuntimeError("this RoutingRecorder is already open")
         self._token = _ACTIVE.set(self)
+        self._outer, _TRACED.recorder = _TRACED.recorder, self
         return self
 
     def __exit__(self, *exc) -> None:
         _ACTIVE.reset(self._token)
+        _TRACED.recorder, self._outer = self._outer, None
         self._token = None
 
     # --- what layers call ---------------------------------------------------------------------
@@ -125,43 +171,40 @@ def record_routing(model: Optional[nn.Module] = None, keep_selection: bool = Fal
     return RoutingRecorder(model, keep_selection=keep_selection)
 
 
+class _Slot:
+    """The recorder that compiled code sees (:func:`active_recorder`): a plain attribute of one object that lives
+    as long as the process, which ``torch.compile`` reads and guards on like any attribute (a ContextVar it
+    cannot trace before torch 2.13, and each new recorder object would be a new guard)."""
+
+    __slots__ = ("recorder",)
+
+    def __init__(self):
+        self.recorder: Optional[RoutingRecorder] = None
+
+
+_TRACED = _Slot()
+
+
 def active_recorder() -> Optional[RoutingRecorder]:
     """The innermost open recorder, or None (then a routed layer records nothing). Forwards that
-    autograd replays during backward see None, so checkpointing never records a layer twice."""
+    autograd replays during backward see None, so checkpointing never records a layer twice.
+
+    Eager code reads the context variable (per thread and per asyncio task). Code that ``torch.compile``
+    traces reads :data:`_TRACED`, the innermost recorder opened in the process, which is the same one unless
+    two threads run compiled models with recorders open at the same time."""
+    if torch.compiler.is_compiling():
+        return _TRACED.recorder
     recorder = _ACTIVE.get()
     if recorder is None or _in_backward():
         return None
     return recorder
 
 
-# The first release whose ``torch.compile`` traces ``ContextVar.get`` (2.11 breaks the graph there; 2.13 and
-# 2.14 trace it, and recompile once, not per recorder: docs/performance.md, "Second lease").
-COMPILE_TRACES_RECORDER = (2, 13)
-
-
-def compile_caveat(model: nn.Module, version: Optional[str] = None) -> Optional[str]:
-    """Why ``torch.compile`` (torch ``version``, default the installed one) cannot capture ``model``'s routed
-    layers in one graph, or None: every routed layer looks up the open recorder through a context variable,
-    which older releases' graph capture cannot trace, so each one splits the graph."""
-    from torch.torch_version import TorchVersion
-
-    from .registry import routed_modules
-
-    version = TorchVersion(torch.__version__ if version is None else version)
-    if version >= COMPILE_TRACES_RECORDER or next(routed_modules(model), None) is None:
-        return None
-    return (f"torch {version} cannot trace the routing recorder's ContextVar.get: torch.compile splits the graph "
-            f"at every routed layer and may run slower than eager; torch >= "
-            f"{'.'.join(map(str, COMPILE_TRACES_RECORDER))} compiles each model whole (requirements.txt pins 2.14.1)")
-
-
 def compile_model(model: nn.Module, mode: str = "default") -> nn.Module:
-    """``torch.compile(model, mode=mode)``, with a warning first where this torch would split the graph at
-    every routed layer (:func:`compile_caveat`). What ``trainer.compile``, ``tools/sample.py compile=true``
-    and ``tools/bench_models.py compile=true`` call."""
-    caveat = compile_caveat(model)
-    if caveat:
-        log.warning(caveat)
+    """``torch.compile(model, mode=mode)``: what ``trainer.compile``, ``tools/sample.py compile=true`` and
+    ``tools/bench_models.py compile=true`` call. Routed layers read the open recorder from :data:`_TRACED` when
+    compiled, so the model is one graph with the recorder open on every torch the project supports (2.11 and
+    the pinned one; ``tests/test_compile_routing.py``)."""
     return torch.compile(model, mode=mode)
 
 

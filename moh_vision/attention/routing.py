@@ -103,12 +103,6 @@ def load_balance_loss(probs: Tensor, mask: Tensor) -> Tensor:
     return num_experts * (me * ce).sum()
 
 
-def mean_entropy(probs: Tensor, dim: int = -1) -> Tensor:
-    """Mean over tokens of the entropy (nats) of a distribution over ``dim`` (default: the last)."""
-    p = probs.float()
-    return -(p * p.clamp_min(1e-12).log()).sum(dim=dim).mean()
-
-
 class RoutedMixin(AttentionVariant):
     """What every routed variant shares: handing the aux loss and statistics of a forward to the
     caller's recorder (:func:`~moh_vision.attention.recorder.record_routing`). Nothing of a forward
@@ -126,31 +120,19 @@ class RoutedMixin(AttentionVariant):
         return self.training and torch.is_grad_enabled()
 
     def record_routing(self, active: Tensor, probs: Optional[Tensor], loss: Optional[Tensor],
-                       gates: Optional[Tensor] = None, heads_dim: int = -1, **extra) -> None:
-        """Hand what this forward decided to the open recorder: [..., h] active mask, router
-        probabilities, aux loss (training only), gates [..., h], and ``extra`` statistics.
-        ``heads_dim``: the dimension of ``active`` and ``probs`` that runs over heads (``1`` for
-        head-major ``[B, h, N]``); the recorder always gets the selection as ``[..., h]``."""
+                       gates: Optional[Tensor] = None, heads_dim: int = -1, shared_prefix: int = 0, **extra) -> None:
+        """Hand what this forward decided to the open recorder: the active mask (heads along ``heads_dim``,
+        ``1`` for head-major ``[B, h, N]``; without the first ``shared_prefix`` heads, which every token
+        uses), router probabilities, aux loss (training only), gates [..., h], and ``extra`` statistics.
+        Only references to tensors the forward made: the recorder computes the statistics when asked
+        (:attr:`LayerRecord.stats`)."""
         recorder = active_recorder()
         if recorder is None:
             return
-        with torch.no_grad():
-            heads_dim %= active.dim()
-            load = active.float().mean(dim=tuple(d for d in range(active.dim()) if d != heads_dim))
-            active = active.movedim(heads_dim, -1)
-            stats = {
-                "load": load,
-                "entropy": None if probs is None else mean_entropy(probs, dim=heads_dim),
-                "num_heads": active.shape[-1],
-                "shared_heads": getattr(self, "shared_heads", 0),
-                "topk": getattr(self, "topk", 0),
-                "active_heads": self.active_heads(),
-                **extra,
-            }
-            keep = recorder.keep_selection
-            selection = active.detach().bool() if keep else None
-            kept_gates = gates.detach() if keep and gates is not None else None
-        recorder.add(LayerRecord(self, loss if self.training else None, stats, selection, kept_gates))
+        keep = recorder.keep_selection
+        recorder.add(LayerRecord(self, loss if self.training else None, active.detach(),
+                                 None if probs is None else probs.detach(), heads_dim, extra,
+                                 gates.detach() if keep and gates is not None else None, keep, shared_prefix))
 
 
 class SharedPlusTopK:

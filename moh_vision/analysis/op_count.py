@@ -1,0 +1,219 @@
+"""What a routed layer costs the host: operators dispatched, host time per call, and graphs under compile.
+
+On a GPU a small layer's time is set by how many kernels the host launches, not by the arithmetic; each
+ATen operator dispatched is (at most) one launch. :func:`count_ops` counts every operator dispatched below
+autograd (forward and backward, views included) with a ``TorchDispatchMode``, the same way for dense and
+MoH, so the counts measured on a CPU are the launches a GPU would see before any fusion. :func:`ops_report`
+puts dense and MoH side by side, the figures of ``tools/bench_models.py ops=true``:
+
+* one attention layer (dims 384 / 6 heads and 768 / 12, batch 8, 196 tokens), inference, and a training
+  forward+backward with the routing recorder open and the aux loss added, as the trainer runs it;
+* each model pair, one inference call and one training forward+backward (recorder open, aux loss);
+* host time per layer call on a negligible input (``[1, 4, 192]``, 12 heads): the fixed cost of a call;
+* ``torch._dynamo.explain``: graphs and graph breaks of each model in eval and in training with the
+  recorder open, and the frames compiled over three training steps with fresh recorders (1: no recompile).
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+Tensor = torch.Tensor
+
+LAYER_SHAPES = ((384, 6), (768, 12))  # (dim, heads): DiT-S and DiT-B / TransNeXt-B widths
+LAYER_TOKENS = (8, 196)  # batch, tokens
+HOST_SHAPE = (1, 4, 192, 12)  # batch, tokens, dim, heads: an input whose arithmetic is negligible
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(call: Callable[[], object]) -> int:
+    """ATen operators that ``call()`` dispatches (forward and backward, below autograd)."""
+    with _Counter() as counter:
+        call()
+    return counter.count
+
+
+def _loss(out) -> Tensor:
+    return out.float().square().mean()
+
+
+def training_call(model: torch.nn.Module, inputs: Tuple) -> Callable[[], None]:
+    """One forward with a routing recorder open, the loss plus the aux loss, backward (as the trainer does)."""
+    from moh_vision.attention import record_routing
+
+    def call() -> None:
+        with record_routing(model) as routing:
+            out = model(*inputs)
+        (_loss(out) + routing.aux_loss()).backward()
+        model.zero_grad(set_to_none=True)
+
+    return call
+
+
+def inference_call(model: torch.nn.Module, inputs: Tuple) -> Callable[[], None]:
+    def call() -> None:
+        with torch.no_grad():
+            model(*inputs)
+
+    return call
+
+
+def steady_count(model: torch.nn.Module, inputs: Tuple, train: bool) -> int:
+    """Operators of one call after a first, uncounted one (lazy initialisations, caches)."""
+    model.train(train)
+    inputs = tuple(t.clone().requires_grad_() if train and t.is_floating_point() else t for t in inputs)
+    call = training_call(model, inputs) if train else inference_call(model, inputs)
+    call()
+    return count_ops(call)
+
+
+def host_us(model: torch.nn.Module, x: Tensor, train: bool, calls: int = 200, repeats: int = 5) -> float:
+    """Median over ``repeats`` of the mean wall time (microseconds) of one call on ``x``."""
+    model.train(train)
+    xi = x.clone().requires_grad_() if train else x
+    call = training_call(model, (xi,)) if train else inference_call(model, (xi,))
+    for _ in range(10):
+        call()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return statistics.median(times)
+
+
+def model_inputs(model: torch.nn.Module, batch: int) -> Tuple:
+    if hasattr(model, "t_embedder"):  # DiT: (x, t, y)
+        return (torch.randn(batch, model.in_channels, *model.x_embedder.img_size), torch.randint(0, 1000, (batch,)),
+                torch.randint(0, model.y_embedder.num_classes, (batch,)))
+    return (torch.randn(batch, *model.pretrained_cfg["input_size"]),)
+
+
+def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
+    """``torch._dynamo.explain`` in eval (no grad) and in training (recorder open): graphs and breaks; and
+    the graphs compiled over three training steps with a fresh recorder each (1 when nothing recompiles)."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.utils import counters
+
+    from moh_vision.attention import record_routing
+
+    out: Dict[str, int] = {}
+    for mode in ("eval", "train"):
+        model.train(mode == "train")
+        dynamo.reset()
+        with torch.no_grad() if mode == "eval" else record_routing(model):
+            explained = dynamo.explain(model)(*inputs)
+        out[f"{mode}_graphs"], out[f"{mode}_breaks"] = explained.graph_count, explained.graph_break_count
+    dynamo.reset()
+    counters.clear()
+    compiled = torch.compile(model, backend="eager")
+    step = training_call(compiled, inputs)
+    model.train()
+    for _ in range(3):
+        step()
+    out["train_graphs_3_steps"] = int(counters["stats"]["unique_graphs"])
+    dynamo.reset()
+    return out
+
+
+def layer_rows(attention: Dict) -> List[Dict]:
+    """Per-layer figures, dense ``mha`` against ``attention`` (e.g. ``{"name": "moh", "activation_ratio": 0.75,
+    "impl": "masked"}``), at :data:`LAYER_SHAPES` and on :data:`HOST_SHAPE`."""
+    from moh_vision.attention import build_attention
+    from moh_vision.models.build import NON_MODULE_KEYS
+
+    options = {k: v for k, v in attention.items() if k not in NON_MODULE_KEYS}
+    rows = []
+    batch, tokens = LAYER_TOKENS
+    for dim, heads in LAYER_SHAPES:
+        torch.manual_seed(0)
+        x = torch.randn(batch, tokens, dim)
+        layers = {"dense": build_attention("mha", dim, heads), "moh": build_attention(attention["name"], dim, heads,
+                                                                                      **options)}
+        for mode in ("infer", "train"):
+            counts = {k: steady_count(m, (x,), mode == "train") for k, m in layers.items()}
+            rows.append({"figure": f"one attention layer, dim {dim} / {heads} heads, {mode} ops", **counts})
+    batch, tokens, dim, heads = HOST_SHAPE
+    x = torch.randn(batch, tokens, dim)
+    layers = {"dense": build_attention("mha", dim, heads), "moh": build_attention(attention["name"], dim, heads,
+                                                                                  **options)}
+    for mode in ("infer", "train"):
+        rows.append({"figure": f"host time per layer call [{batch}, {tokens}, {dim}], {heads} heads, {mode} (us)",
+                     **{k: round(host_us(m, x, mode == "train"), 1) for k, m in layers.items()}})
+    return rows
+
+
+def model_rows(moh: torch.nn.Module, dense: torch.nn.Module, label: str, batch: int = 2,
+               graphs: bool = True) -> List[Dict]:
+    """Whole-model operator counts (inference, training) and, with ``graphs``, :func:`graph_counts`."""
+    inputs = model_inputs(dense, batch)
+    rows = []
+    for mode in ("infer", "train"):
+        rows.append({"figure": f"{label}, {mode} ops", "dense": steady_count(dense, inputs, mode == "train"),
+                     "moh": steady_count(moh, inputs, mode == "train")})
+    if graphs:
+        counts = {k: graph_counts(m, inputs) for k, m in (("dense", dense), ("moh", moh))}
+        for key in counts["dense"]:
+            rows.append({"figure": f"{label}, torch.compile {key.replace('_', ' ')}",
+                         "dense": counts["dense"][key], "moh": counts["moh"][key]})
+    return rows
+
+
+def ops_table(rows: Sequence[Dict], header: str) -> str:
+    lines = [header, "", "| figure | dense | MoH | MoH / dense |", "|---|---|---|---|"]
+    for r in rows:
+        ratio = f"{r['moh'] / r['dense']:.2f}x" if r["dense"] else "-"
+        lines.append(f"| {r['figure']} | {r['dense']} | {r['moh']} | {ratio} |")
+    return "\n".join(lines) + "\n"
+
+
+def ops_report(pairs: Sequence[Tuple[torch.nn.Module, torch.nn.Module, str]], attention: Optional[Dict] = None,
+               graphs: bool = True) -> Tuple[List[Dict], str]:
+    """Every figure of the module docstring: per layer (``attention``, default MoH 0.75 masked, the path
+    ``impl=auto`` runs on CUDA) and per model pair ``(moh, dense, label)``."""
+    attention = attention or {"name": "moh", "activation_ratio": 0.75, "impl": "masked"}
+    rows = layer_rows(attention)
+    for moh, dense, label in pairs:
+        rows += model_rows(moh, dense, label, graphs=graphs)
+    header = (f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads; ATen operators dispatched per call "
+              f"(forward and backward, below autograd); layer: {attention}")
+    return rows, ops_table(rows, header)
+
+
+def bench_ops(pairs: Sequence[str], img_size: int = 64, attention: Optional[Dict] = None, graphs: bool = True,
+              out: Optional[str] = None) -> List[Dict]:
+    """``tools/bench_models.py ops=true``: :func:`ops_report` for ``moh:dense`` model pairs built at ``img_size``
+    (operator counts do not depend on it), MoH layers on the masked path (``impl=auto`` on CUDA); prints the
+    table, and with ``out`` writes it and ``<out>.json``."""
+    import json
+    from pathlib import Path
+
+    from .benchmark import build_for_bench
+
+    built = []
+    for pair in pairs:
+        moh, _, dense = pair.partition(":")
+        built.append((build_for_bench(moh, img_size, "masked", torch.device("cpu"), attention),
+                      build_for_bench(dense, img_size, "masked", torch.device("cpu")), f"{moh} vs {dense}"))
+    layer_attention = {"name": "moh", "activation_ratio": 0.75, **(attention or {}), "impl": "masked"}
+    rows, table = ops_report(built, layer_attention, graphs=graphs)
+    print(table)
+    if out:
+        Path(out).write_text(table)
+        Path(out).with_suffix(".json").write_text(json.dumps({"torch": torch.__version__, "img_size": img_size,
+                                                              "rows": rows}, indent=1))
+    return rows
