@@ -50,7 +50,7 @@ TINY: Dict[str, Sequence[str]] = {
     "train.py experiment=diffusion": ("data.img_size=8", "task.sample.per_class=1", "task.sample.eval_per_class=0",
                                       "task.sample.steps=2", "task.sample.every_epochs=0"),
     "eval.py": (),
-    "tools/sample.py": ("per_class=1", "steps=2", "progress=false"),
+    "tools/sample.py": ("per_class=1", "steps=2", "progress=false"),  # + an untrained metrics classifier
     "tools/analyze_routing.py": ("num_images=2", "map_images=1"),
     "tools/flops.py": (),
     "tools/sweep_report.py": (),
@@ -163,6 +163,15 @@ class Runner:
         missing = [name for name in block.writes if not self.written(name)]
         assert not missing, f"{block.doc.name}:{block.line}: the run did not write {missing} (in {self.run_dir})"
 
+    def untrained_classifier(self) -> Path:
+        """The digits metrics' classifier, untrained (training it is not what the docs test)."""
+        import torch
+        from moh_vision.analysis.metrics import DigitsClassifier
+        path = self.tmp / "untrained_digits_classifier.pt"
+        img_size = int(next(w for w in TINY["train.py experiment=diffusion"] if w.startswith("data.img_size="))[14:])
+        torch.save({"model": DigitsClassifier().state_dict(), "img_size": img_size}, path)
+        return path
+
     def written(self, name: str) -> bool:
         """``name`` (a glob) exists in the last run directory, or, as ``./<path>``, in the working directory."""
         base = self.tmp if name.startswith("./") else self.run_dir
@@ -173,6 +182,8 @@ class Runner:
         tiny = list(TINY[script])
         if script == "train.py" and "experiment=diffusion" in words:
             tiny += TINY["train.py experiment=diffusion"]
+        if script == "tools/sample.py":
+            tiny.append(f"digits_classifier={self.untrained_classifier()}")
         words = merge(words, tiny)
         self.count += 1
         if script in ("train.py", "eval.py"):
