@@ -8,19 +8,21 @@ What runs, for README.md and every page of docs/ (the measurement log docs/perfo
 - **Shell blocks marked runnable.** A ```` ```bash ```` block directly preceded by
   ``<!-- run: writes=a,b/c -->`` runs command by command, each with the tiny overrides of ``TINY``
   below (one epoch of a few steps, a few samples), in this process (the entry points' ``main``) with a
-  temporary working directory (a relative ``hydra.run.dir`` lands there), and
+  temporary working directory (where runs land in ``outputs/...`` as they would for a user), and
   must exit 0; then every file named in ``writes=`` (globs allowed) must exist in the directory of the
   last run of the page, or, written ``./<path>``, in the working directory. ``<run>`` (and ``outputs/train/<date>/<time>``) stand for that directory, so later blocks of a
   page use the run of an earlier one. ``pip install -r requirements.txt &&`` and the test-suite command
   are not run (this is the test suite). Blocks that need ImageNet, a GPU or hours stay unmarked.
+- **Printed output.** The lines of a ```` ```text ```` block preceded by ``<!-- prints -->`` must each
+  match a line that the page's runnable commands printed (``...``, ``<date>``, ``<time>``: anything).
 - **Quoted figures.** A number followed by ``<!-- bench: <record> <key> [*scale] -->`` must equal,
   to the decimals it shows, the value at ``<key>`` (dots; list indices are numbers) of the JSON record
   ``docs/bench/<record>``, times the scale.
 - **Paths.** Every repository path quoted in backticks (``moh_vision/...``, ``configs/...``,
   ``tools/...``, ``tests/...``, ``docs/...``) exists.
 
-``test_drift_is_caught`` edits copies of the README (a snippet, a command, a promised file, a figure,
-a path) and shows each check fail. ``mkdocs build --strict`` (in ``.ci/run``) checks the links.
+``test_drift_is_caught`` edits copies of the README (a snippet, a command, a promised file, printed
+output, a figure, a path) and shows each check fail. ``mkdocs build --strict`` (in ``.ci/run``) checks the links.
 """
 from __future__ import annotations
 
@@ -142,7 +144,6 @@ class Runner:
     """Runs a page's runnable commands in this process; remembers the last run directory for ``<run>``."""
     tmp: Path
     run_dir: Optional[Path] = None
-    count: int = 0
     ran: List[str] = field(default_factory=list)
 
     def substitute(self, word: str) -> str:
@@ -185,14 +186,14 @@ class Runner:
         if script == "tools/sample.py":
             tiny.append(f"digits_classifier={self.untrained_classifier()}")
         words = merge(words, tiny)
-        self.count += 1
-        if script in ("train.py", "eval.py"):
-            given = [w.split("=", 1)[1] for w in words if w.startswith("hydra.run.dir=")]
-            target = self.tmp / (given[-1] if given else f"run{self.count}")  # relative: under the page's tmp
-            words = [w for w in words if not w.startswith("hydra.run.dir=")] + [f"hydra.run.dir={target}"]
-            if script == "train.py":
-                self.run_dir = target
+        before = set(self.tmp.glob("outputs/*/*/*"))
+        given = [w.split("=", 1)[1] for w in words if w.startswith("hydra.run.dir=")]
+        if given:  # a relative directory lands under the page's working directory
+            words = [w for w in words if not w.startswith("hydra.run.dir=")] + [f"hydra.run.dir={self.tmp / given[-1]}"]
         code = call_entry(REPO / script, words, tool=script.startswith("tools/"), cwd=self.tmp)
+        if script == "train.py":
+            new = sorted(set(self.tmp.glob("outputs/*/*/*")) - before)
+            self.run_dir = self.tmp / given[-1] if given else (new[-1] if new else None)
         self.ran.append(" ".join([script, *words]))
         assert code == 0, f"{where}: python {script} {' '.join(words)} exited {code}"
 
@@ -200,7 +201,7 @@ class Runner:
 def call_entry(path: Path, words: List[str], tool: bool = False, cwd: Optional[Path] = None) -> int:
     """``python <path> <words>`` in this process: its exit status. Logging handlers that Hydra adds for a
     job are removed afterwards."""
-    spec = importlib.util.spec_from_file_location(f"docs_entry_{path.stem}", path)
+    spec = importlib.util.spec_from_file_location(path.stem, path)  # Hydra names the job after it
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     root = logging.getLogger()
@@ -239,13 +240,37 @@ def _quiet_environment(monkeypatch):
     monkeypatch.setenv("MPLBACKEND", "Agg")
 
 
+TEXT = Sybil(parsers=[CodeBlockParser(language="text")])
+PRINTS_MARK = re.compile(r"<!--\s*prints\s*-->\s*$")
+
+
+def promised_output(doc: Path) -> List[str]:
+    """The lines of the ``text`` blocks marked ``<!-- prints -->``: what the page's commands print."""
+    document = TEXT.parse(doc)
+    return [line for example in document if PRINTS_MARK.search(document.text[:example.start])
+            for line in str(example.parsed).splitlines() if line.strip()]
+
+
+def unprinted(promised: Sequence[str], printed: str) -> List[str]:
+    """The promised lines that match no printed line (``...``, ``<date>`` and ``<time>`` match anything)."""
+    def pattern(line: str) -> re.Pattern:
+        parts = re.split(r"(\.\.\.|<date>|<time>)", line.strip())
+        return re.compile("".join(".*" if p in ("...", "<date>", "<time>") else re.escape(p) for p in parts))
+    lines = printed.splitlines()
+    return [p for p in promised if not any(pattern(p).fullmatch(line.strip()) for line in lines)]
+
+
 @pytest.mark.parametrize("doc", [d for d in DOCS if runnable_blocks(d)], ids=doc_id)
-def test_runnable_commands_run_and_write_what_they_promise(doc, tmp_path):
+def test_runnable_commands_run_and_write_what_they_promise(doc, tmp_path, capsys):
     runner = run_page(doc, tmp_path)
     assert runner.ran, f"{doc_id(doc)}: no command ran"
+    captured = capsys.readouterr()
+    missing = unprinted(promised_output(doc), captured.out + captured.err)
+    assert not missing, f"{doc_id(doc)}: no command printed {missing}"
 
 
 def test_readme_marks_its_main_commands_runnable():
+    assert len(promised_output(REPO / "README.md")) == 2  # the set-up command's last lines
     """The README's set-up command and the one command of each task that runs on a CPU in seconds."""
     sources = "\n".join(b.source for b in runnable_blocks(REPO / "README.md"))
     for command in ("python train.py\n", "python train.py experiment=diffusion", "python tools/sample.py",
@@ -340,6 +365,12 @@ def test_drift_is_caught(tmp_path):
     runner.run_command = lambda *a: None  # only the promise is checked here; the commands run above
     with pytest.raises(AssertionError, match="head_loads.png"):
         runner.run_block(block)
+
+    # what a command prints
+    promised = promised_output(edited_readme(tmp_path, "- done: val/loss=", "- finished: val/loss="))
+    printed = "[2026-11-26 03:14:34,276][moh_vision.engine.run][INFO] - done: val/loss=2.264, val/acc1=12.53, " \
+              "val/acc5=61.28, val/count=359, best/val/acc1=12.53"
+    assert unprinted(promised_output(REPO / "README.md")[:1], printed) == [] and unprinted(promised[:1], printed)
 
     # a quoted figure that no longer equals its record
     text = (REPO / "README.md").read_text()
