@@ -10,8 +10,9 @@ What runs, for README.md and every page of docs/ (the measurement log docs/perfo
   below (one epoch of a few steps, a few samples), in this process (the entry points' ``main``) with a
   temporary working directory (where runs land in ``outputs/...`` as they would for a user), and
   must exit 0; then every file named in ``writes=`` (globs allowed) must exist in the directory of the
-  last run of the page, or, written ``./<path>``, in the working directory. ``<run>`` (and ``outputs/train/<date>/<time>``) stand for that directory, so later blocks of a
-  page use the run of an earlier one. ``pip install -r requirements.txt &&`` and the test-suite command
+  last run of the page, or, written ``./<path>``, in the working directory. ``<run>`` (and
+  ``outputs/train/<date>/<time>``) stand for that directory, so later blocks of a page use the run of
+  an earlier one. ``pip install -r requirements.txt &&`` and the test-suite command
   are not run (this is the test suite). Blocks that need ImageNet, a GPU or hours stay unmarked.
 - **Printed output.** The lines of a ```` ```text ```` block preceded by ``<!-- prints -->`` must each
   match a line that the page's runnable commands printed (``...``, ``<date>``, ``<time>``: anything).
@@ -22,7 +23,8 @@ What runs, for README.md and every page of docs/ (the measurement log docs/perfo
   ``tools/...``, ``tests/...``, ``docs/...``) exists.
 
 ``test_drift_is_caught`` edits copies of the README (a snippet, a command, a promised file, printed
-output, a figure, a path) and shows each check fail. ``mkdocs build --strict`` (in ``.ci/run``) checks the links.
+output, a figure, a path) and shows each check fail. ``mkdocs build --strict`` (in ``.ci/run``) checks
+the links.
 """
 from __future__ import annotations
 
