@@ -12,7 +12,7 @@ What runs, for README.md and every page of docs/ (the measurement log docs/perfo
   must exit 0; then every file named in ``writes=`` (globs allowed) must exist in the directory of the
   last run of the page, or, written ``./<path>``, in the working directory. ``<run>`` (and
   ``outputs/train/<date>/<time>``) stand for that directory, so later blocks of a page use the run of
-  an earlier one. ``pip install -r requirements.txt &&`` and the test-suite command
+  an earlier one; ``multirun/train/<date>/<time>`` stands for the page's last multirun. ``pip install -r requirements.txt &&`` and the test-suite command
   are not run (this is the test suite). Blocks that need ImageNet, a GPU or hours stay unmarked.
 - **Printed output.** The lines of a ```` ```text ```` block preceded by ``<!-- prints -->`` must each
   match a line that the page's runnable commands printed (``...``, ``<date>``, ``<time>``: anything).
@@ -146,13 +146,15 @@ class Runner:
     """Runs a page's runnable commands in this process; remembers the last run directory for ``<run>``."""
     tmp: Path
     run_dir: Optional[Path] = None
+    sweep_dir: Optional[Path] = None
     ran: List[str] = field(default_factory=list)
 
     def substitute(self, word: str) -> str:
-        for placeholder in ("<run>", "outputs/train/<date>/<time>", "multirun/train/<date>/<time>"):
+        for placeholder, value in (("<run>", self.run_dir), ("outputs/train/<date>/<time>", self.run_dir),
+                                   ("multirun/train/<date>/<time>", self.sweep_dir)):
             if placeholder in word:
-                assert self.run_dir is not None, f"{placeholder} before any run on the page"
-                word = word.replace(placeholder, str(self.run_dir))
+                assert value is not None, f"{placeholder} before any run (or multirun) on the page"
+                word = word.replace(placeholder, str(value))
         return word
 
     def run_block(self, block: Block) -> None:
@@ -188,14 +190,16 @@ class Runner:
         if script == "tools/sample.py":
             tiny.append(f"digits_classifier={self.untrained_classifier()}")
         words = merge(words, tiny)
-        before = set(self.tmp.glob("outputs/*/*/*"))
+        before = set(self.tmp.glob("outputs/*/*/*")) | set(self.tmp.glob("multirun/*/*/*"))
         given = [w.split("=", 1)[1] for w in words if w.startswith("hydra.run.dir=")]
         if given:  # a relative directory lands under the page's working directory
             words = [w for w in words if not w.startswith("hydra.run.dir=")] + [f"hydra.run.dir={self.tmp / given[-1]}"]
         code = call_entry(REPO / script, words, tool=script.startswith("tools/"), cwd=self.tmp)
-        if script == "train.py":
-            new = sorted(set(self.tmp.glob("outputs/*/*/*")) - before)
-            self.run_dir = self.tmp / given[-1] if given else (new[-1] if new else None)
+        if script == "train.py" and "-m" in words:  # a multirun: its sweep directory
+            self.sweep_dir = max(set(self.tmp.glob("multirun/*/*/*")) - before, default=None)
+        elif script == "train.py":
+            self.run_dir = self.tmp / given[-1] if given else max(set(self.tmp.glob("outputs/*/*/*")) - before,
+                                                                   default=None)
         self.ran.append(" ".join([script, *words]))
         assert code == 0, f"{where}: python {script} {' '.join(words)} exited {code}"
 
