@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from moh_vision.cli import CONFIG_DIR, run_cli
-from moh_vision.errors import ConfigError
+from moh_vision.errors import ConfigError, os_error_line
 
 
 # ----------------------------------------------------------------------------------------------
@@ -369,7 +369,7 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
             try:
                 return hydra_task()
             except Exception as err:
-                message = explain(err)
+                message = explain(err) or os_error_line(err)  # Hydra could not write .hydra/ into the run dir
                 if message is None:
                     raise
                 print(f"error: {message}", file=sys.stderr)
