@@ -488,7 +488,7 @@ def validate(cfg: DictConfig) -> Any:
         data_class(typed.data.name)
     if isinstance(typed, TrainConfig):
         check_attention(typed.attention)
-        check_model(typed.model, typed.attention)
+        check_model(typed.model, typed.attention, typed.task.name)
         check_task_model(typed.task.name, typed.model.name)
     return typed
 
@@ -584,12 +584,16 @@ def _matches(value: Any, annotation: Any) -> bool:
     return isinstance(value, annotation) if isinstance(annotation, type) else True
 
 
-def check_model(model: ModelConfig, attention: Dict[str, Any]) -> None:
+def check_model(model: ModelConfig, attention: Dict[str, Any], task: Optional[str] = None) -> None:
     """Build the model once on the meta device (no memory, no weights): a bad model name, a constructor
-    argument it does not take or an attention option out of range fails here, before the run starts."""
+    argument it does not take, one given twice (in ``model.kwargs`` and by the ``task`` or the attention
+    group) or an attention option out of range fails here, before the run starts."""
     import torch
 
-    from moh_vision.models.build import build_model
+    from moh_vision.models.build import build_model, check_model_kwargs
+
+    if task is not None:
+        check_model_kwargs(model.kwargs, _load(TASK_CLASSES[task]).model_arguments, task)
 
     if model.checkpoint_path and model.init_from:
         raise ConfigError("give model.checkpoint_path (this model's own weights) or model.init_from (a dense "
