@@ -86,7 +86,7 @@ class Trainer:
         self.counters = {"nonfinite_skipped": 0, "nonfinite_in_a_row": 0, "skipped_images": 0}
         self.meters = EpochMeters()
         self.throughput = Throughput(cfg.throughput_warmup_steps)
-        self.skipped = SkippedFiles()
+        self.skipped = SkippedFiles(announce=dist.is_main)
         self.steps_at_start = 0
         self.last_good_checkpoint: Optional[str] = None
         # this process's fit
