@@ -103,6 +103,8 @@ class TrainerConfig:
                                help="validate the initial weights (epoch -1); auto: when the model starts from weights")
     ckpt_every_steps: int = option(0, at_least=0, help="0: only at epoch ends")
     resume: str = option("auto", path="resume", help="auto: last.pt of this output dir; never; or a checkpoint")
+    extend: bool = option(False, help="resume with options that change the training (more epochs, another lr): "
+                          "the schedule is recomputed for the new length")
     deterministic: bool = False
     max_nonfinite_in_a_row: int = option(10, at_least=1)
     requeue_on_preempt: bool = option(True, help="inside a plain sbatch job: scontrol requeue after preemption")
