@@ -24,7 +24,7 @@ from moh_vision.config import ConstantSched, OptimConfig
 from moh_vision.engine.distributed import DistInfo
 from moh_vision.engine.loggers import Loggers
 from moh_vision.engine.trainer import Preempted, Trainer
-from moh_vision.errors import ConfigError
+from moh_vision.errors import ConfigError, RunError
 from moh_vision.tasks.classification import ClassificationTask
 
 # Deterministic, small, checkpoint every 2 steps (the digits: 1438 training images, 11 steps of 128).
@@ -188,6 +188,28 @@ def test_full_disk_names_the_cause_and_keeps_the_previous_checkpoint(tmp_path, t
     assert torch.load(run_dir / "checkpoints" / "last.pt", weights_only=True)["step"] == 2
     assert not list((run_dir / "checkpoints").glob(".*.tmp")), "nothing half-written"
     assert not (run_dir / LOCK_NAME).exists(), "the lock goes with the run"
+
+
+def test_full_disk_while_logging_leaves_no_half_row(tmp_path, monkeypatch):
+    from moh_vision.engine import loggers
+    metrics = loggers.CSVMetrics(tmp_path / "metrics.csv")
+    metrics.log({"step": 1, "train/loss": 2.5})
+    before = (tmp_path / "metrics.csv").read_bytes()
+
+    def full_disk_open(path, mode="r", *args, **kwargs):  # the disk fills after the row's first bytes
+        f = open(path, mode, *args, **kwargs)
+        write = f.write
+        f.write = lambda data: (write(data[:3]), f.flush(), _raise(OSError(errno.ENOSPC, "No space left on device")))
+        return f
+    monkeypatch.setattr(loggers, "open", full_disk_open, raising=False)
+    with pytest.raises(RunError, match=r"could not write metrics file .* \(No space left on device\)"):
+        metrics.log({"step": 2, "train/loss": 2.25})
+    monkeypatch.undo()
+    assert (tmp_path / "metrics.csv").read_bytes() == before
+
+
+def _raise(err):
+    raise err
 
 
 def test_read_only_run_directory_is_one_error_line(tmp_path, train_in_process, monkeypatch):
