@@ -32,7 +32,7 @@ from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Tupl
 import torch
 import yaml
 
-from moh_vision.errors import ConfigError, RunError
+from moh_vision.errors import ConfigError, RunError, os_error_in, storage_problem
 
 log = logging.getLogger(__name__)
 
@@ -61,9 +61,10 @@ def atomic_write(path: os.PathLike, write: Callable[[BinaryIO], None], keep_prev
     """``write(file)`` into a temporary file beside ``path``, fsync, then rename it over ``path`` (keeping the
     old file as ``*.prev.<suffix>`` with ``keep_previous``): readers never see a half-written file."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
@@ -73,13 +74,18 @@ def atomic_write(path: os.PathLike, write: Callable[[BinaryIO], None], keep_prev
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException as err:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
         if isinstance(err, (OSError, RuntimeError)):  # torch's zip writer reports a full disk as RuntimeError
-            reason = err.strerror if isinstance(err, OSError) and err.strerror else str(err).splitlines()[0]
-            raise CheckpointWriteError(f"could not write {what} {path}: {reason}; the previous {what} is intact") \
+            cause = os_error_in(err)  # the operating system's reason, not the zip writer's
+            if cause is None:
+                reason = str(err).splitlines()[0]
+            else:  # the temporary file's name says nothing to the user
+                reason = cause.strerror if cause.filename in (None, tmp) and cause.strerror else storage_problem(cause)
+            raise CheckpointWriteError(f"could not write {what} {path} ({reason}); the previous {what} is intact") \
                 from err
         raise
     return path

@@ -17,7 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from moh_vision.errors import ConfigError, RunError
+from moh_vision.errors import ConfigError, RunError, os_error_line
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -34,19 +34,21 @@ def user_error_in(err: BaseException) -> Optional[Exception]:
 
 
 def run_cli(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``; a user error becomes one ``error:`` line on stderr and exit status 2 (1 for a RunError).
-    A run that stops on a RunError or fails with a traceback also records it in its log file
+    """``fn(*args)``; a user error becomes one ``error:`` line on stderr and exit status 2 (1 for a RunError,
+    and for a failed read or write that names its cause: ``<path>: No space left on device``). A run that
+    stops on a RunError or fails with a traceback also records it (with the traceback) in its log file
     (``train.log``), which a rejected configuration never creates."""
     try:
         return fn(*args)
     except Exception as err:
         user_error = user_error_in(err)
+        system_error = os_error_line(err) if user_error is None else None
         if not isinstance(user_error, ConfigError):
             _log_to_files(f"error: {user_error}" if user_error else "the run failed:",
                           exc_info=None if user_error else sys.exc_info())
-        if user_error is None:
+        if user_error is None and system_error is None:
             raise
-        print(f"error: {user_error}", file=sys.stderr)
+        print(f"error: {user_error or system_error}", file=sys.stderr)
         sys.exit(2 if isinstance(user_error, ConfigError) else 1)
 
 

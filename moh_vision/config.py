@@ -31,7 +31,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from moh_vision.cli import CONFIG_DIR, run_cli
-from moh_vision.errors import ConfigError
+from moh_vision.errors import ConfigError, os_error_line
 
 
 # ----------------------------------------------------------------------------------------------
@@ -103,6 +103,8 @@ class TrainerConfig:
                                help="validate the initial weights (epoch -1); auto: when the model starts from weights")
     ckpt_every_steps: int = option(0, at_least=0, help="0: only at epoch ends")
     resume: str = option("auto", path="resume", help="auto: last.pt of this output dir; never; or a checkpoint")
+    extend: bool = option(False, help="resume with options that change the training (more epochs, another lr): "
+                          "the schedule is recomputed for the new length")
     deterministic: bool = False
     max_nonfinite_in_a_row: int = option(10, at_least=1)
     requeue_on_preempt: bool = option(True, help="inside a plain sbatch job: scontrol requeue after preemption")
@@ -369,7 +371,7 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
             try:
                 return hydra_task()
             except Exception as err:
-                message = explain(err)
+                message = explain(err) or os_error_line(err)  # Hydra could not write .hydra/ into the run dir
                 if message is None:
                     raise
                 print(f"error: {message}", file=sys.stderr)
@@ -488,7 +490,7 @@ def validate(cfg: DictConfig) -> Any:
         data_class(typed.data.name)
     if isinstance(typed, TrainConfig):
         check_attention(typed.attention)
-        check_model(typed.model, typed.attention)
+        check_model(typed.model, typed.attention, typed.task.name)
         check_task_model(typed.task.name, typed.model.name)
     return typed
 
@@ -584,12 +586,16 @@ def _matches(value: Any, annotation: Any) -> bool:
     return isinstance(value, annotation) if isinstance(annotation, type) else True
 
 
-def check_model(model: ModelConfig, attention: Dict[str, Any]) -> None:
+def check_model(model: ModelConfig, attention: Dict[str, Any], task: Optional[str] = None) -> None:
     """Build the model once on the meta device (no memory, no weights): a bad model name, a constructor
-    argument it does not take or an attention option out of range fails here, before the run starts."""
+    argument it does not take, one given twice (in ``model.kwargs`` and by the ``task`` or the attention
+    group) or an attention option out of range fails here, before the run starts."""
     import torch
 
-    from moh_vision.models.build import build_model
+    from moh_vision.models.build import build_model, check_model_kwargs
+
+    if task is not None:
+        check_model_kwargs(model.kwargs, _load(TASK_CLASSES[task]).model_arguments, task)
 
     if model.checkpoint_path and model.init_from:
         raise ConfigError("give model.checkpoint_path (this model's own weights) or model.init_from (a dense "

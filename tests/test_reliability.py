@@ -119,7 +119,7 @@ def test_corrupt_last_checkpoint_falls_back_to_previous(tmp_path):
     last = tmp_path / "checkpoints" / "last.pt"
     previous = weights(tmp_path)["step"]
     last.write_bytes(last.read_bytes()[: last.stat().st_size // 3])  # truncated mid-write by a crash
-    proc = run_entry("train.py", *CLS, f"hydra.run.dir={tmp_path}")
+    proc = run_entry("train.py", *CLS, "trainer.extend=true", f"hydra.run.dir={tmp_path}")  # past max_steps
     log = proc.stdout + proc.stderr
     assert "last.pt is unreadable" in log and "last.prev.pt" in log
     assert f"at step {previous - 1}" in log or f"at step {previous}" in log
@@ -137,11 +137,13 @@ def test_full_disk_during_save_keeps_previous_checkpoint(tmp_path):
     run_entry("train.py", *CLS, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}")
     before = weights(tmp_path)
     size = (tmp_path / "checkpoints" / "last.pt").stat().st_size
-    proc = start(CLS, tmp_path, preexec_fn=_limit_file_size(size // 2))  # the next save cannot fit
+    proc = start((*CLS, "trainer.extend=true"), tmp_path,  # past max_steps; the next save cannot fit
+                 preexec_fn=_limit_file_size(size // 2))
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-3000:]
     last_line = out.strip().splitlines()[-1]
     assert last_line.startswith("error: could not write checkpoint") and "previous checkpoint is intact" in last_line
+    assert "File too large" in last_line, "the operating system's reason (here: the file size limit)"
     after = weights(tmp_path)
     assert after["step"] == before["step"]
     assert all(torch.equal(after["model"][k], before["model"][k]) for k in before["model"])
@@ -151,7 +153,8 @@ def test_nonfinite_steps_are_skipped_then_stop_with_last_good_checkpoint(tmp_pat
     assert train_in_process(*CLS, "trainer.max_steps=3", f"hydra.run.dir={tmp_path}")[0] == 0
     good = weights(tmp_path)
     code, stderr = train_in_process(*CLS, "data=custom", "data.name=nan_data:NaNDigits", "+data.kwargs.nan_from=0",
-                                    "trainer.max_nonfinite_in_a_row=3", f"hydra.run.dir={tmp_path}")
+                                    "trainer.max_nonfinite_in_a_row=3", "trainer.extend=true",  # other data
+                                    f"hydra.run.dir={tmp_path}")
     assert code == 1
     last_line = stderr.strip().splitlines()[-1]
     assert "3 non-finite steps in a row" in last_line and "at step" in last_line and "last.pt" in last_line

@@ -65,7 +65,7 @@ def test_auto_resume_continues_the_run(tmp_path):
     run_entry("train.py", *args, "trainer.max_steps=5")  # stops after the first epoch (5 steps of 256)
     first = read_summary(tmp_path)
     assert first["steps"] == 5 and first["epochs"] == 1
-    proc = run_entry("train.py", *args)
+    proc = run_entry("train.py", *args, "trainer.extend=true")  # past max_steps
     assert "resumed from" in proc.stderr + proc.stdout
     second = read_summary(tmp_path)
     assert second["steps"] == 10 and second["epochs"] == 2

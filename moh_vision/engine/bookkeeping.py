@@ -147,11 +147,13 @@ class Throughput:
 class SkippedFiles:
     """Unreadable images: the distinct files per split over the whole run (saved in checkpoints), each
     named once in train.log, plus skips reported by data that do not name their files (counted as
-    events, this process only)."""
+    events, this process only). Only the process that ``announce``s names files (rank 0): the files
+    other ranks meet are named when :meth:`gather` brings them over."""
 
-    def __init__(self):
+    def __init__(self, announce: bool = True):
         self.files: Dict[str, Dict[str, str]] = {"train": {}, "val": {}}  # split -> {path: reason}
         self.unnamed = 0
+        self.announce = announce
 
     def state_dict(self) -> Dict[str, Dict[str, str]]:
         return {split: dict(files) for split, files in self.files.items()}
@@ -167,7 +169,7 @@ class SkippedFiles:
             self.unnamed += int(skipped or 0)
             return
         for path, reason in files:
-            self._add(split, path, reason, announce=True)
+            self._add(split, path, reason)
 
     def noting(self, split: str, loader: Any) -> "_NotingLoader":
         """``loader``, noting the skips of every batch it yields."""
@@ -182,17 +184,17 @@ class SkippedFiles:
             for other in gathered:
                 for split, files in (other or {}).items():
                     for path, reason in files.items():
-                        self._add(split, path, reason, announce=dist.is_main)
+                        self._add(split, path, reason)
         return sum(len(files) for files in self.files.values()) + self.unnamed
 
     def row(self) -> Dict[str, int]:
         """``train/skipped_images`` and ``val/skipped_images``: distinct unreadable files so far."""
         return {f"{split}/skipped_images": len(files) for split, files in self.files.items()}
 
-    def _add(self, split: str, path: str, reason: str, announce: bool) -> None:
+    def _add(self, split: str, path: str, reason: str) -> None:
         if path not in self.files[split]:
             self.files[split][path] = reason
-            if announce:
+            if self.announce:
                 log.warning("skipped unreadable %s image %s (%s)", split, path, reason)
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from moh_vision.checkpoints import atomic_write
+from moh_vision.errors import RunError, storage_problem
 
 log = logging.getLogger(__name__)
 
@@ -56,8 +57,21 @@ class CSVMetrics:
             self.columns += new
             self._rewrite()
         else:
-            with open(self.path, "a", newline="") as f:
-                csv.DictWriter(f, fieldnames=self.columns).writerow(row)
+            self._append(row)
+
+    def _append(self, row: Dict[str, Any]) -> None:
+        """One row, whole or not at all: a write that fails (disk full) is cut off again."""
+        text = io.StringIO()
+        csv.DictWriter(text, fieldnames=self.columns).writerow(row)
+        with open(self.path, "ab") as f:
+            end = f.tell()
+            try:
+                f.write(text.getvalue().encode())
+                f.flush()
+            except OSError as err:
+                f.truncate(end)
+                raise RunError(f"could not write metrics file {self.path} ({storage_problem(err)}); "
+                               f"its rows so far are intact") from err
 
     def _rewrite(self) -> None:
         text = io.StringIO()

@@ -18,6 +18,7 @@ from moh_vision.config import EvalConfig, TrainConfig, build_data, build_task, g
 from moh_vision.errors import ConfigError
 from .distributed import broadcast_object, cleanup, init_distributed
 from .loggers import Loggers, write_json
+from .run_dir import RunLock
 from .trainer import Preempted, Trainer
 
 log = logging.getLogger(__name__)
@@ -96,8 +97,25 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
     config = OmegaConf.to_container(cfg, resolve=True)
     dist = init_distributed(run.trainer.device)
     out_dir = shared_output_dir(hydra_output_dir(), dist)
+    lock = RunLock(out_dir)  # rank 0 holds it for all ranks
+    problem = None
     if dist.is_main:
-        out_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            lock.acquire()
+        except ConfigError as err:
+            problem = str(err)
+    problem = broadcast_object(problem, dist)
+    if problem:
+        cleanup(dist)
+        raise ConfigError(problem)
+    try:
+        return _train_in(out_dir, run, config, dist)
+    finally:
+        lock.release()
+
+
+def _train_in(out_dir: Path, run: TrainConfig, config: Dict[str, Any], dist) -> Dict[str, Any]:
+    """``train`` once this process holds the run directory."""
     data = build_data(run.data)
     task = build_task(run.task, model=config["model"], attention=config["attention"])
     loggers = make_loggers(run.logger, run.tag, out_dir, dist.is_main, config,

@@ -30,6 +30,7 @@ from .fit_setup import FitParts, build_parts, flops_text, seed_everything
 from .loggers import Loggers, write_json
 from .preemption import Preempted, StopSignals
 from .rng_state import capture_rng, restore_rng
+from .run_dir import config_changes, record_config
 
 __all__ = ["NonFiniteLoss", "Preempted", "Trainer"]
 
@@ -86,7 +87,7 @@ class Trainer:
         self.counters = {"nonfinite_skipped": 0, "nonfinite_in_a_row": 0, "skipped_images": 0}
         self.meters = EpochMeters()
         self.throughput = Throughput(cfg.throughput_warmup_steps)
-        self.skipped = SkippedFiles()
+        self.skipped = SkippedFiles(announce=dist.is_main)
         self.steps_at_start = 0
         self.last_good_checkpoint: Optional[str] = None
         # this process's fit
@@ -106,8 +107,7 @@ class Trainer:
         parts = self.parts = build_parts(self.cfg, self.optim_cfg, self.sched_cfg, self.dist, self.seed, task, data)
         self._resume()
         if self.dist.is_main:  # only now: a run that fails to set up must not overwrite a good run's config
-            from omegaconf import OmegaConf
-            OmegaConf.save(OmegaConf.create(self.config), self.out_dir / "config.yaml")
+            record_config(self.out_dir, self.config, self.step)
             log.info("%s | %s | %.2fM params | %s", parts.model_name, data.describe(), parts.params / 1e6,
                      flops_text(parts.flops))
         start = time.time()
@@ -329,13 +329,15 @@ class Trainer:
                 self.last_good_checkpoint = str(path)
 
     def _state(self) -> Dict[str, Any]:
+        """The checkpoint. Under DDP, ``rng`` and ``meters`` (this epoch's sums so far) are lists with one
+        entry per rank: each rank resumes its own."""
         parts = self.parts
-        rng = capture_rng()
+        rng, meters = capture_rng(), self.meters.state_dict()
         if self.dist.enabled:
             import torch.distributed as tdist
             gathered = [None] * self.dist.world_size
-            tdist.all_gather_object(gathered, rng)
-            rng = gathered
+            tdist.all_gather_object(gathered, (rng, meters))
+            rng, meters = [g[0] for g in gathered], [g[1] for g in gathered]
         state = {
             "format": ckpt_io.FORMAT_VERSION,
             "model": parts.model.state_dict(),
@@ -346,7 +348,7 @@ class Trainer:
             "best": dict(self.best), "counters": dict(self.counters),
             "skipped_files": self.skipped.state_dict(),
             "throughput": self.throughput.state_dict(),
-            "meters": self.meters.state_dict(),
+            "meters": meters,
             "config": self.config, "model_name": parts.model_name,
             "wandb_run_id": self.loggers.run_id,
         }
@@ -363,6 +365,7 @@ class Trainer:
         if path is None:
             return
         state, used = ckpt_io.load_with_fallback(path)
+        self._check_resumable(state, used)
         problem = ckpt_io.state_dict_mismatch(parts.model.state_dict(), state["model"])
         if problem or (state.get("model_name") and state["model_name"] != parts.model_name):
             raise ConfigError(f"cannot resume from {used}: it holds model '{state.get('model_name')}' and this run "
@@ -379,7 +382,7 @@ class Trainer:
         self.skipped.load_state_dict(state.get("skipped_files") or {})
         self.throughput.load_state_dict(state.get("throughput") or {})
         self.steps_at_start = self.step
-        self.meters = EpochMeters(state.get("meters"))
+        self.meters = EpochMeters(self._own(state.get("meters")))
         rng = state["rng"]
         if isinstance(rng, list):
             rng = rng[self.dist.rank] if len(rng) == self.dist.world_size else rng[0]
@@ -387,6 +390,34 @@ class Trainer:
         self.loggers.truncate_after(self.step)
         self.last_good_checkpoint = str(used)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", used, self.step, self.epoch, self.batch_in_epoch)
+        if self.cfg.extend and self.dist.is_main:
+            old_lr, new_lr = parts.optimizer.param_groups[0]["lr"], parts.schedule.lr(self.step)
+            log.warning("extended run: %d steps in all (schedule recomputed for them); the learning rate goes "
+                        "from %.3g to %.3g at step %d", parts.total_steps, old_lr, new_lr, self.step)
+
+    def _check_resumable(self, state: Dict[str, Any], used: Path) -> None:
+        """Refuse a checkpoint this run cannot continue exactly: one saved mid-epoch by another number of
+        processes, or one trained with other options (unless ``trainer.extend``)."""
+        saved_world = int(state.get("world_size") or 1)
+        if state.get("batch_in_epoch") and saved_world != self.dist.world_size:
+            raise ConfigError(f"cannot resume from {used}: it was saved mid-epoch (epoch {state['epoch']}, batch "
+                              f"{state['batch_in_epoch']}) by {saved_world} processes and this run has "
+                              f"{self.dist.world_size}; resume it with {saved_world} processes (the epoch's data "
+                              f"order depends on them), or from an epoch-end checkpoint")
+        changes = config_changes(state.get("config") or self.config, self.config)
+        if changes and not self.cfg.extend:
+            raise ConfigError(f"cannot resume from {used} with other options ({'; '.join(changes)}): add "
+                              f"trainer.extend=true to continue it with them (the schedule is recomputed for "
+                              f"the new length), or use another output directory")
+        if changes and self.dist.is_main:
+            log.warning("continuing %s with other options: %s", used, "; ".join(changes))
+
+    def _own(self, per_rank: Any) -> Optional[Dict[str, Any]]:
+        """This rank's entry of a checkpoint's per-rank list. A dict is rank 0's alone (a single process,
+        or a checkpoint from before per-rank entries): restored on rank 0 only, it counts once."""
+        if isinstance(per_rank, list):
+            return per_rank[self.dist.rank] if self.dist.rank < len(per_rank) else None
+        return per_rank if self.dist.is_main else None
 
     # ------------------------------------------------------------------------------------------
     # summary

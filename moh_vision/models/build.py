@@ -4,7 +4,7 @@ continue-tune from). Errors are one line."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional
+from typing import Any, Dict, Mapping, Optional, Sequence
 
 import timm
 from torch import nn
@@ -46,7 +46,12 @@ def build_model(name: str, attention: Optional[Mapping[str, Any]] = None, checkp
         raise ConfigError("give model.checkpoint_path (this model's own weights) or model.init_from (a dense "
                           "checkpoint to continue-tune from), not both")
     check_model_name(name)
-    kwargs = {**kwargs, **attention_kwargs(attention)}
+    from_attention = attention_kwargs(attention)
+    twice = sorted(set(kwargs) & set(from_attention))
+    if twice:
+        raise ConfigError(f"model.kwargs.{twice[0]} is set by the attention group (attention.{twice[0]}, "
+                          f"attention=<name>); give it there, not in model.kwargs")
+    kwargs = {**kwargs, **from_attention}
     try:
         model = timm.create_model(name, **kwargs)
     except TypeError as err:  # an option the model does not take
@@ -56,6 +61,25 @@ def build_model(name: str, attention: Optional[Mapping[str, Any]] = None, checkp
     elif init_from:
         init_from_dense(model, init_from)
     return model
+
+
+def check_model_kwargs(given: Mapping[str, Any], task_sets: Sequence[str], task: str) -> None:
+    """``model.kwargs`` names no constructor argument that the task sets itself (from the data), nor one
+    that has its own option (``attention=``, ``model.checkpoint_path``, ``model.init_from``)."""
+    own = sorted(set(given) & {"attention", "checkpoint_path", "init_from"})
+    if own:
+        where = "attention=<name>" if own[0] == "attention" else f"model.{own[0]}"
+        raise ConfigError(f"model.kwargs.{own[0]} has its own option: give {where}, not +model.kwargs.{own[0]}")
+    twice = sorted(set(given) & set(task_sets))
+    if twice:
+        raise ConfigError(f"model.kwargs.{twice[0]} is set by task={task} itself "
+                          f"({', '.join(task_sets)}); remove +model.kwargs.{twice[0]}")
+
+
+def with_model_kwargs(derived: Mapping[str, Any], given: Optional[Mapping[str, Any]], task: str) -> Dict[str, Any]:
+    """The constructor arguments a task derives from the data, plus ``model.kwargs`` (none given twice)."""
+    check_model_kwargs(given or {}, tuple(derived), task)
+    return {**derived, **(given or {})}
 
 
 def load_weights(model: nn.Module, path: str) -> None:

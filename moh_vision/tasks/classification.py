@@ -10,6 +10,7 @@ from torch import nn
 from moh_vision.attention import record_routing
 from moh_vision.errors import ConfigError
 from moh_vision.models import build_model
+from moh_vision.models.build import with_model_kwargs
 from moh_vision.tasks.protocols import EpochContext, capability
 
 Tensor = torch.Tensor
@@ -34,6 +35,7 @@ class ClassificationTask:
     name = "classification"
     primary_metric, primary_mode = "val/acc1", "max"
     flops_kwargs = None  # the images are the model's only input
+    model_arguments = ("num_classes", "in_chans", "img_size")  # set from the data, never by model.kwargs
 
     def __init__(self, model: Mapping[str, Any], attention: Mapping[str, Any],
                  aux_loss_weight: Optional[float] = None):
@@ -52,10 +54,9 @@ class ClassificationTask:
                               f"(for latents: experiment=latent_diffusion data.root=<dir>)")
         cfg = self.model_cfg
         self.mixup, self.label_smoothing = data.mixup, float(data.label_smoothing)
+        derived = dict(zip(self.model_arguments, (data.num_classes, data.in_chans, data.img_size)))
         return build_model(cfg["name"], attention=self.attention_cfg, checkpoint_path=cfg["checkpoint_path"],
-                           init_from=cfg["init_from"],
-                           num_classes=data.num_classes, in_chans=data.in_chans, img_size=data.img_size,
-                           **dict(cfg["kwargs"] or {}))
+                           init_from=cfg["init_from"], **with_model_kwargs(derived, cfg["kwargs"], self.name))
 
     @staticmethod
     def input_shape(data) -> Tuple[int, ...]:

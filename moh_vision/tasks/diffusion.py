@@ -14,6 +14,7 @@ from moh_vision.config import SampleConfig, VaeConfig
 from moh_vision.diffusion import create_diffusion, guided_model_fn
 from moh_vision.errors import ConfigError
 from moh_vision.models import build_model, model_family
+from moh_vision.models.build import with_model_kwargs
 from moh_vision.tasks.protocols import EpochContext, capability
 from .classification import split_batch
 
@@ -40,6 +41,8 @@ class DiffusionTask:
 
     name = "diffusion"
     primary_metric, primary_mode = "val/loss", "min"
+    # set from the data and the task's options, never by model.kwargs
+    model_arguments = ("input_size", "in_channels", "num_classes", "learn_sigma", "class_dropout_prob")
 
     def __init__(self, model: Mapping[str, Any], attention: Mapping[str, Any],
                  aux_loss_weight: Optional[float] = None, diffusion_steps: int = 1000, noise_schedule: str = "linear",
@@ -68,11 +71,11 @@ class DiffusionTask:
         self.data = data
         self.null_class = data.num_classes
         self._resolve_vae(data)
+        derived = dict(zip(self.model_arguments, (data.img_size, data.in_chans, data.num_classes, self.learn_sigma,
+                                                  self.class_dropout_prob)))
         return build_model(name, attention=self.attention_cfg, checkpoint_path=self.model_cfg["checkpoint_path"],
                            init_from=self.model_cfg["init_from"],
-                           input_size=data.img_size, in_channels=data.in_chans, num_classes=data.num_classes,
-                           learn_sigma=self.learn_sigma, class_dropout_prob=self.class_dropout_prob,
-                           **dict(self.model_cfg["kwargs"] or {}))
+                           **with_model_kwargs(derived, self.model_cfg["kwargs"], self.name))
 
     def _resolve_vae(self, data) -> None:
         """Latent data need their VAE to decode samples: ``task.vae.path``, else the one the latents
