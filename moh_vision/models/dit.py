@@ -312,6 +312,15 @@ class DiT(nn.Module):
         """The input this very model takes (what its ``pretrained_cfg`` reports)."""
         return dict(input_size=(self.in_channels, *self.input_size), num_classes=self.num_classes)
 
+    def adapt_checkpoint(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """A DiT state dict of another input size: the position embedding is fixed (sin-cos of the grid, not
+        learned), so this model's own replaces a checkpoint's of another grid."""
+        out = dict(state_dict)
+        pos = out.get("pos_embed")
+        if pos is not None and pos.shape != self.pos_embed.shape and pos.shape[-1] == self.pos_embed.shape[-1]:
+            out["pos_embed"] = self.pos_embed.detach().clone()
+        return out
+
     # --- forward -----------------------------------------------------------------------------------
     def forward(self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None) -> Tensor:
         """``x``: [B, C, H, W] noisy input; ``t``: [B] (or scalar) timesteps; ``y``: [B] labels
