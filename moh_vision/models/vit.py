@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moh_vision.attention import build_attention, layer_options
 from moh_vision.errors import ConfigError
-from .families import register_family
+from .families import register_family, register_timm_equivalents
 from .factory import build_from_preset
 
 Tensor = torch.Tensor
@@ -424,3 +424,4 @@ def plain_vit_nano(pretrained: bool = False, **kwargs: Any) -> PlainViT:
 
 
 register_family(PlainViT, VIT_PRESETS)
+register_timm_equivalents(TIMM_EQUIVALENTS)
