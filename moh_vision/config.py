@@ -161,8 +161,9 @@ class WandbLogger:
 @dataclass
 class ModelConfig:
     name: str = option(MISSING, help="a registered model (model=<name> picks one)")
-    checkpoint_path: Optional[str] = option(None, path="checkpoint", help="this model's weights (official or ours) to fine-tune from: "
-                                                "classifier, input channels and position embeddings adapted to the data")
+    checkpoint_path: Optional[str] = option(
+        None, path="checkpoint", help="this model's weights (official or ours) to fine-tune from: classifier, "
+                                      "input channels and position embeddings adapted to the data")
     init_from: Optional[str] = option(None, path="checkpoint",
                                       help="a dense checkpoint of this backbone to continue-tune from "
                                            "(adapted to the data like checkpoint_path; routers start dense)")

@@ -246,7 +246,8 @@ def check_layout(model: nn.Module, ckpt: DenseCheckpoint, attention_prefixes: Tu
         raise ContinueTuningError(
             f"{ckpt.path}{source} is not the dense version of this backbone: {'; '.join(problems)}. "
             f"Continue-tuning copies every dense tensor, so width, depth and heads per layer must match (classes, "
-            f"input channels and position embeddings are adapted to the data){_layout_hint(reshaped, missing, unexpected, attention_prefixes)}")
+            f"input channels and position embeddings are adapted to the data)"
+            f"{_layout_hint(reshaped, missing, unexpected, attention_prefixes)}")
     src = _source_heads(ckpt)
     tgt = heads_per_layer(model)
     if src is not None and src != tgt:

@@ -8,9 +8,9 @@ The three families (TransNeXt, DiT, plain ViT) share this plumbing:
   work as for timm's own models;
 * ``pretrained=True`` loads the released weights from where they live (:mod:`~moh_vision.models.hub`: the
   hub id or URL of the cfg, through the caches, so offline once fetched), or a local file named by
-  ``pretrained_cfg_overlay=dict(file=...)`` (never the network): released checkpoints in their official formats (a plain state dict, ``{"model": ...}``
-  training checkpoints with a pickled ``argparse.Namespace``, DiT's ``{"model", "ema", ...}``), ours, and
-  ``.safetensors``;
+  ``pretrained_cfg_overlay=dict(file=...)`` (never the network): released checkpoints in their official
+  formats (a plain state dict, ``{"model": ...}`` training checkpoints with a pickled ``argparse.Namespace``,
+  DiT's ``{"model", "ema", ...}``), ours, and ``.safetensors``;
 * :mod:`~moh_vision.models.families` says which registered names are ours and the family of each
   (models carry a ``family`` class attribute; nothing reads a family from a name);
 * :func:`build_model` is what the tasks call: one-line errors, ``checkpoint_path`` and ``init_from``.
@@ -82,8 +82,8 @@ def build_from_preset(model_cls: Callable[..., nn.Module], name: str, pretrained
     if not kwargs.get("features_only"):  # timm's entry points ignore these without features_only
         kwargs.pop("out_indices", None)
         kwargs.pop("feature_cls", None)
-    overlay = _local_weights(name, pretrained, timm_args.get("pretrained_cfg"), timm_args.get("pretrained_cfg_overlay"),
-                             timm_args.get("cache_dir"))
+    overlay = _pretrained_weights(name, pretrained, timm_args.get("pretrained_cfg"),
+                                  timm_args.get("pretrained_cfg_overlay"), timm_args.get("cache_dir"))
     args = preset_arguments(preset, kwargs)
     try:
         model = build_model_with_cfg(model_cls, name, pretrained, pretrained_cfg=timm_args.get("pretrained_cfg"),
@@ -124,7 +124,7 @@ def instance_cfg(cfg: Dict[str, Any], instance: Dict[str, Any]) -> Dict[str, Any
     return cfg
 
 
-def _local_weights(name: str, pretrained: bool, pretrained_cfg: Any, overlay: Optional[Mapping[str, Any]],
+def _pretrained_weights(name: str, pretrained: bool, pretrained_cfg: Any, overlay: Optional[Mapping[str, Any]],
                    cache_dir: Optional[str] = None) -> Dict[str, Any]:
     """The ``pretrained_cfg_overlay`` to build with. With ``pretrained=True`` the released weights are found
     here (:func:`~moh_vision.models.hub.released_weights_file`: the overlay's ``file``, else the hub id or URL

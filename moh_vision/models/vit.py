@@ -335,8 +335,8 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PlainViT) -> Dict
 
     The layouts are the same, so the tensors are kept; a position embedding trained at another
     resolution is resampled to the model's grid (bicubic, as timm does), and a patch embedding of another
-    patch size to the model's (timm's ``resample_patch_embed``, FlexiViT's pseudo-inverse resize). Parts a plain ViT does not
-    have (distillation or register tokens, LayerScale, fc_norm, ...) are refused by name.
+    patch size to the model's (timm's ``resample_patch_embed``, FlexiViT's pseudo-inverse resize). Parts a
+    plain ViT does not have (distillation or register tokens, LayerScale, fc_norm, ...) are refused by name.
     """
     foreign = sorted({what for key in state_dict for part, what in _FOREIGN_PARTS.items() if part in f".{key}"})
     if foreign:
