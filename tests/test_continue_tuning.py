@@ -334,6 +334,11 @@ def test_digits_continue_tuning_from_a_timm_vit_file_runs(tmp_path, train_in_pro
     summary = read_summary(tmp_path / "run")
     assert summary["steps"] == 2 and summary["attention"] == "moh" and summary["activation_ratio"] == 0.75
     assert summary["model"] == "plain_vit_tiny"
+    log = (tmp_path / "run" / "train.log").read_text()  # what was adapted to the digits, said once each
+    for note in ("head re-initialised: the checkpoint has 1000 outputs (classes), the model 10",
+                 "pos_embed resampled (1, 197, 192) -> (1, 65, 192)", "patch_embed.proj adapted from 3 to 1 input",
+                 "patch_embed.proj.weight resampled (192, 3, 16, 16) -> (192, 3, 4, 4)"):
+        assert log.count(note) == 1, note
 
 
 # ---------------------------------------------------------------------------------------------
