@@ -12,8 +12,9 @@ How a group option is written: ``configs/<group>/<option>.yaml`` extends its sch
 (``defaults: [/schema/<group>/<schema>@_here_, _self_]``) and sets only what differs from it. Every group
 dispatches the same way: its ``name`` selects what Python builds (:data:`DATA_CLASSES`,
 :data:`TASK_CLASSES`; the attention registry, the optimizer and schedule by their names). Models are
-data: one file per family in ``configs/model/`` and one generated option per registered preset
-(:func:`register_configs`), so ``model=<preset>`` lists every model the package registers.
+data: one file per family in ``configs/model/family/`` (not an option: it names no model) and one generated
+option per registered preset (:func:`register_configs`), so ``model=<preset>`` lists every model the package
+registers and nothing else; a timm name is pointed at the preset its checkpoints load into.
 
 Errors: :func:`explain` turns Hydra's composition errors and :func:`validate` raises for values into one
 line naming the key, the bad value and what is allowed (:class:`~moh_vision.errors.ConfigError`, exit 2).
@@ -162,9 +163,12 @@ class WandbLogger:
 @dataclass
 class ModelConfig:
     name: str = option(MISSING, help="a registered model (model=<name> picks one)")
-    checkpoint_path: Optional[str] = option(None, path="checkpoint", help="this model's own weights, loaded strictly")
+    checkpoint_path: Optional[str] = option(
+        None, path="checkpoint", help="this model's weights (official or ours) to fine-tune from: classifier, "
+                                      "input channels and position embeddings adapted to the data")
     init_from: Optional[str] = option(None, path="checkpoint",
-                                      help="a dense checkpoint of this backbone to continue-tune from")
+                                      help="a dense checkpoint of this backbone to continue-tune from "
+                                           "(adapted to the data like checkpoint_path; routers start dense)")
     kwargs: Dict[str, Any] = option({}, help="extra constructor arguments, e.g. {drop_path_rate: 0.1}")
 
 
@@ -323,7 +327,8 @@ def register_configs() -> None:
         for name, schema in schemas.items():
             store.store(group=f"schema/{group}", name=name, node=schema)
     for name in list_models():  # a preset is data: its family's file plus its name
-        store.store(group="model", name=name, node={"defaults": [model_family(name), "_self_"], "name": name})
+        store.store(group="model", name=name,
+                    node={"defaults": [f"family/{model_family(name)}@_here_", "_self_"], "name": name})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -391,7 +396,11 @@ def explain(err: BaseException) -> Optional[str]:
         found = re.search(r"Could not find '([^']+)/([^'/]+)'", first)
         if found:
             group, name = found.groups()
-            return f"{group}={name} is unknown; options: {', '.join(group_options(group))}"
+            hint = ""
+            if group == "model":
+                from moh_vision.models.families import suggest_model
+                hint = suggest_model(name)
+            return f"{group}={name} is unknown; {hint + '; ' if hint else ''}options: {', '.join(group_options(group))}"
         return first
     if isinstance(err, OverrideParseException):
         return f"cannot parse an override: {str(err).strip().splitlines()[0]}"

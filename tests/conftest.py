@@ -31,11 +31,10 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = "1"  # subprocesses the tests start inherit it
 
 
-@pytest.fixture
-def train_in_process(monkeypatch, capsys):
-    """``train_in_process(*words)`` runs ``python train.py <words>`` in this process (Hydra, the schema, the
-    run): returns (exit code, stderr); 0 when it finished. Hydra's logging set-up for the job is undone."""
-    spec = importlib.util.spec_from_file_location("train", REPO / "train.py")
+def entry_in_process(script, monkeypatch, capsys):
+    """``run(*words)``: ``python <script> <words>`` in this process (Hydra, the schema, the run); returns (exit
+    code, stderr), 0 when it finished. Hydra's logging set-up for the job is undone afterwards."""
+    spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / script)
     entry = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(entry)
     root = logging.getLogger()
@@ -43,7 +42,7 @@ def train_in_process(monkeypatch, capsys):
     monkeypatch.setattr(root, "level", root.level)
 
     def run(*words):
-        monkeypatch.setattr(sys, "argv", ["train.py", *words])
+        monkeypatch.setattr(sys, "argv", [script, *words])
         capsys.readouterr()
         try:
             entry.main()
@@ -52,3 +51,15 @@ def train_in_process(monkeypatch, capsys):
             code = stop.code
         return code, capsys.readouterr().err
     return run
+
+
+@pytest.fixture
+def train_in_process(monkeypatch, capsys):
+    """``train_in_process(*words)`` runs ``python train.py <words>`` in this process: (exit code, stderr)."""
+    return entry_in_process("train.py", monkeypatch, capsys)
+
+
+@pytest.fixture
+def eval_in_process(monkeypatch, capsys):
+    """``eval_in_process(*words)`` runs ``python eval.py <words>`` in this process: (exit code, stderr)."""
+    return entry_in_process("eval.py", monkeypatch, capsys)

@@ -277,3 +277,16 @@ def test_no_code_tests_a_type_name():
             for number, line in enumerate(path.read_text().splitlines(), 1)
             if pattern.search(line) and "__main__" not in line]
     assert not hits, hits
+
+
+def test_the_model_group_offers_only_models_that_run():
+    """Every ``model=`` option composes and names a registered model (the family files are not options)."""
+    from moh_vision.config import compose, group_options
+    from moh_vision.models import list_models
+    from moh_vision.models.families import suggest_model
+
+    options = group_options("model")
+    assert options == list_models()
+    assert compose("train", ["model=moh_dit_s_2_75"]).model.name == "moh_dit_s_2_75"
+    assert "model=plain_vit_small with img_size=384" in suggest_model("deit_small_patch16_384.fb_in1k")
+    assert suggest_model("resnet50") == ""

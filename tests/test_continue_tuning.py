@@ -12,6 +12,8 @@ import timm
 import torch
 
 from helpers import FAST_TRAIN, REPO, load_tool, read_summary, run_entry
+from timm.layers import resample_abs_pos_embed, resample_patch_embed
+
 from moh_vision.errors import ConfigError
 from moh_vision.models import build_model
 from moh_vision.models.continue_tuning import (ContinueTuningError, DenseCheckpoint, init_from_dense,
@@ -266,6 +268,77 @@ def test_train_continues_from_a_dense_checkpoint(digits_dense, tmp_path):
     rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
     assert rows[0]["epoch"] == "-1" and rows[0]["step"] == "0" and float(rows[0]["val/acc1"]) > 0
     assert summary["start/val/acc1"] == pytest.approx(float(rows[0]["val/acc1"]))
+
+
+# ---------------------------------------------------------------------------------------------
+# Onto other data: classes, channels, resolution (fine-tuning and continue-tuning, issue 33)
+# ---------------------------------------------------------------------------------------------
+def test_a_timm_vit_file_fits_the_digits(tmp_path):
+    """ImageNet layout (224px, patch 16, RGB, 1000 classes) -> digits (32px, patch 4, grey, 10 classes)."""
+    theirs = trained_like(timm.create_model("vit_tiny_patch16_224", depth=2))
+    path = tmp_path / "vit.pth"
+    torch.save(theirs.state_dict(), path)
+    digits = dict(depth=2, num_classes=10, in_chans=1, img_size=32, patch_size=4)
+    for weights in (dict(init_from=str(path), attention={"name": "moh", "activation_ratio": 0.75}),
+                    dict(checkpoint_path=str(path))):
+        torch.manual_seed(0)
+        fresh_head = build_model("plain_vit_tiny", attention=weights.get("attention"), **digits).head.weight
+        torch.manual_seed(0)
+        model = build_model("plain_vit_tiny", **weights, **digits)
+        state = model.state_dict()
+        assert torch.equal(state["blocks.1.attn.qkv.weight"], theirs.blocks[1].attn.qkv.weight)
+        assert torch.equal(state["head.weight"], fresh_head)                # re-initialised, 10 classes
+        expected_pos = resample_abs_pos_embed(theirs.pos_embed.detach(), [8, 8], num_prefix_tokens=1)
+        torch.testing.assert_close(state["pos_embed"], expected_pos)     # 14x14 -> 8x8
+        expected_patch = resample_patch_embed(theirs.patch_embed.proj.weight.detach().sum(1, keepdim=True), [4, 4])
+        torch.testing.assert_close(state["patch_embed.proj.weight"], expected_patch)  # RGB -> grey, 16 -> 4
+        assert model(torch.randn(2, 1, 32, 32)).shape == (2, 10)
+
+
+def test_checkpoint_path_fine_tunes_onto_other_classes_and_resolution(tmp_path, caplog):
+    source = trained_like(timm.create_model("plain_vit_nano", attention="moh", activation_ratio=0.5))
+    path = tmp_path / "moh.pt"
+    torch.save({"model": source.state_dict()}, path)
+    with caplog.at_level("INFO"):
+        model = build_model("plain_vit_nano", attention={"name": "moh", "activation_ratio": 0.5},
+                            checkpoint_path=str(path), img_size=64, num_classes=3)
+    assert torch.equal(model.blocks[2].attn.wg.weight, source.blocks[2].attn.wg.weight)  # routers kept
+    assert model.pos_embed.shape == (1, 257, 128) and model.head.out_features == 3
+    assert "head re-initialised: the checkpoint has 10 outputs (classes), the model 3" in caplog.text
+    assert "pos_embed resampled (1, 65, 128) -> (1, 257, 128)" in caplog.text
+    dense = tmp_path / "dense.pt"
+    torch.save(timm.create_model("plain_vit_nano", attention="mha").state_dict(), dense)
+    with pytest.raises(ConfigError, match="use model.init_from"):
+        build_model("plain_vit_nano", attention={"name": "moh", "activation_ratio": 0.5}, checkpoint_path=str(dense))
+
+
+def test_dit_continue_tunes_onto_other_classes_and_latent_size(tmp_path):
+    kwargs = dict(hidden_size=32, depth=2, num_heads=4)
+    source = trained_like(timm.create_model("dit_s_2", attention="mha", **kwargs))  # 32x32x4 latents, 1000 classes
+    path = save_dense(source, tmp_path / "dit.pt", fmt=lambda state: {"model": state, "ema": state})
+    model = build_model("dit_s_2", attention={"name": "moh", "activation_ratio": 0.75}, init_from=str(path),
+                        input_size=16, num_classes=10, **kwargs)
+    assert model.y_embedder.embedding_table.weight.shape == (11, 32)
+    assert torch.equal(model.blocks[1].mlp.fc1.weight, source.blocks[1].mlp.fc1.weight)
+    torch.testing.assert_close(model.pos_embed, timm.create_model("dit_s_2", input_size=16, **kwargs).pos_embed)
+
+
+def test_digits_continue_tuning_from_a_timm_vit_file_runs(tmp_path, train_in_process):
+    """The documented command (configs/experiment/continue_digits_vit.yaml), on a 2-block ViT-Tiny file."""
+    path = tmp_path / "vit_tiny_patch16_224.pth"
+    torch.save(timm.create_model("vit_tiny_patch16_224", depth=2).state_dict(), path)
+    code, err = train_in_process("experiment=continue_digits_vit", f"model.init_from={path}", "+model.kwargs.depth=2",
+                                 *FAST_TRAIN, "trainer.max_steps=2", "trainer.count_flops=false",
+                                 f"hydra.run.dir={tmp_path / 'run'}")
+    assert code == 0, err
+    summary = read_summary(tmp_path / "run")
+    assert summary["steps"] == 2 and summary["attention"] == "moh" and summary["activation_ratio"] == 0.75
+    assert summary["model"] == "plain_vit_tiny"
+    log = (tmp_path / "run" / "train.log").read_text()  # what was adapted to the digits, said once each
+    for note in ("head re-initialised: the checkpoint has 1000 outputs (classes), the model 10",
+                 "pos_embed resampled (1, 197, 192) -> (1, 65, 192)", "patch_embed.proj adapted from 3 to 1 input",
+                 "patch_embed.proj.weight resampled (192, 3, 16, 16) -> (192, 3, 4, 4)"):
+        assert log.count(note) == 1, note
 
 
 # ---------------------------------------------------------------------------------------------

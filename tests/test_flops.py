@@ -260,9 +260,26 @@ def test_tool_counts_the_input_channels_and_reads_them_from_a_run(tmp_path):
                           img_size=32, num_classes=10)
     expected = count_flops(trained, (1, 32, 32))
     row = tool.main([f"run={tmp_path}"])[0]
-    assert row["model"] == "transnext_nano" and row["attention"] == "moh @0.5"
+    assert row["model"] == "transnext_nano" and row["attention"] == "moh @0.526 (requested 0.5)"
     assert row["gflops"] == pytest.approx(expected["gflops"], rel=1e-12)
     assert row["active_gflops"] == pytest.approx(expected["active_gflops"], rel=1e-12)
     assert parse_options(["model=transnext_nano", "data.in_chans=1"], tool.OPTIONS)[0]["in_chans"] == 1  # train.py's
     with pytest.raises(SystemExit):
         tool.main([f"run={tmp_path / 'nope'}"])
+
+
+@pytest.mark.parametrize("name,attention,label", [
+    ("transnext_nano", dict(name="moh", activation_ratio=0.75), "moh @0.789 (requested 0.75)"),
+    ("transnext_nano", dict(name="random_heads", activation_ratio=0.75), "random_heads @0.789 (requested 0.75)"),
+    ("plain_vit_nano", dict(name="moh", activation_ratio=0.5), "moh @0.5"),           # realised = requested
+    ("plain_vit_nano", dict(name="moh", activation_ratio=0.9), "moh @1 (requested 0.9)"),  # 0.9 of 4 heads: all
+    ("transnext_nano", dict(name="moa", topk=1), "moa @0.263"),                         # explicit heads: realised
+    ("moh_transnext_small_80", None, "moh @0.8 (preset)"),
+    ("plain_vit_nano", dict(name="mha"), "mha"),
+])
+def test_flops_labels_say_realised_and_requested_ratio_the_same_way_for_every_variant(name, attention, label):
+    from moh_vision.analysis.flops_table import attention_label
+    from moh_vision.models import build_model
+    with torch.device("meta"):
+        model = build_model(name, attention=attention)
+    assert attention_label(model, attention) == label

@@ -143,3 +143,20 @@ def test_digits_classifier_is_trained_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     assert metrics.cache_dir() == tmp_path / "home" / ".cache" / "moh_vision"
+
+
+def test_the_proxy_classifiers_first_training_is_announced_with_a_progress_bar(tmp_path, monkeypatch, caplog,
+                                                                                 capsys):
+    from moh_vision.analysis import metrics
+
+    monkeypatch.setenv("MOH_VISION_CACHE_DIR", str(tmp_path / "cache"))
+    real = metrics.train_digits_classifier
+    monkeypatch.setattr(metrics, "train_digits_classifier", lambda img_size, **kw: real(img_size, epochs=0, **kw))
+    with caplog.at_level("INFO", logger=metrics.__name__):
+        metrics.load_or_train_classifier(None, 8)
+        assert "training the digits proxy classifier for the sample metrics" in caplog.text
+        assert str(tmp_path / "cache") in caplog.text
+        assert "digits proxy classifier: 0epoch" in capsys.readouterr().err  # the bar (tqdm)
+        caplog.clear()
+        metrics.load_or_train_classifier(None, 8)  # cached: nothing to announce
+        assert "training the digits proxy classifier" not in caplog.text

@@ -184,3 +184,33 @@ def test_frechet_distance_matches_closed_forms_and_scipy():
     few = np.cov(rng.normal(size=(4, 6)), rowvar=False)
     assert np.isfinite(frechet_distance(mu1, few, mu2, s2))
     assert frechet_distance(mu1, few, mu1, few) == pytest.approx(0, abs=1e-6)
+
+
+def test_eval_of_a_diffusion_run_samples_and_reports_the_sample_metrics(checkpoint, tmp_path, monkeypatch,
+                                                                        eval_in_process):
+    """eval.py on a diffusion checkpoint: losses, a sample grid, the digits sample metrics, and which weights."""
+    from moh_vision.analysis import metrics
+
+    monkeypatch.setenv("MOH_VISION_CACHE_DIR", str(tmp_path / "cache"))  # a cached proxy classifier: no training
+    metrics.classifier_cache_path(16).parent.mkdir(parents=True)
+    torch.save({"model": DigitsClassifier().state_dict(), "img_size": 16, "key": metrics.classifier_key(16)},
+               metrics.classifier_cache_path(16))
+    state = torch.load(checkpoint, map_location="cpu", weights_only=True)
+    state["config"]["task"]["sample"].update(steps="ddim2", eval_per_class=2, per_class=1)  # tiny sampling
+    path = tmp_path / "last.pt"
+    torch.save(state, path)
+    out = tmp_path / "eval"
+    code, err = eval_in_process(f"ckpt={path}", "eval.use_ema=true", "eval.num_workers=0", f"hydra.run.dir={out}")
+    assert code == 0, err
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["weights"] == "ema" and summary["ema_available"] and "val/loss" in summary
+    assert 0 <= summary["sample/class_acc"] <= 100 and summary["sample/fd_digits"] >= 0
+    assert len(list((out / "samples").glob("*.png"))) == 1
+    assert "evaluating the EMA weights" in (out / "eval.log").read_text()
+    # the raw weights: said so, and that EMA ones are there (no sampling this time: only the statement is new)
+    state["config"]["task"]["sample"].update(eval_per_class=0, per_class=0)
+    torch.save(state, path)
+    code, err = eval_in_process(f"ckpt={path}", "eval.num_workers=0", f"hydra.run.dir={tmp_path / 'raw'}")
+    assert code == 0 and json.loads((tmp_path / "raw" / "summary.json").read_text())["weights"] == "model"
+    assert "raw (non-EMA) weights" in (tmp_path / "raw" / "eval.log").read_text()
+    assert "the checkpoint also holds EMA weights: eval.use_ema=true" in (tmp_path / "raw" / "eval.log").read_text()

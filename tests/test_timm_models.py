@@ -130,6 +130,98 @@ def test_pretrained_without_a_local_file_is_refused():
         timm.create_model("dit_tiny_2", pretrained=True, pretrained_cfg_overlay=dict(file="/nonexistent.pth"))
 
 
+# ---------------------------------------------------------------------------------------------
+# Released weights from where they live: the hub (and DiT's URL), tested offline on a pre-populated cache
+# ---------------------------------------------------------------------------------------------
+SHRUNK = {"transnext": dict(depths=(1, 1, 1, 1)), "dit": dict(depth=1, hidden_size=64, num_heads=4)}
+
+
+def hub_cache_file(cache, repo, filename, obj):
+    """``obj`` saved where huggingface_hub's cache keeps ``repo``'s ``filename`` at revision main."""
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    commit = "a" * 40
+    (folder / "refs").mkdir(parents=True, exist_ok=True)
+    (folder / "refs" / "main").write_text(commit)
+    (folder / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+    torch.save(obj, folder / "snapshots" / commit / filename)
+
+
+@pytest.fixture
+def offline_hub(tmp_path, monkeypatch):
+    """An empty hub cache and torch hub dir in tmp_path, HF_HUB_OFFLINE=1, and no socket may connect."""
+    import socket
+
+    def no_network(*args, **kwargs):
+        raise AssertionError("the test tried to reach the network")
+
+    monkeypatch.setattr(socket.socket, "connect", no_network)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("TORCH_HOME", str(tmp_path / "torch"))
+    return tmp_path
+
+
+def test_pretrained_cfgs_say_where_the_released_weights_live():
+    cfg = lambda name: timm.models.get_pretrained_cfg(name).to_dict()  # noqa: E731
+    for size in ("micro", "tiny", "small", "base"):
+        assert (cfg(f"transnext_{size}")["hf_hub_id"], cfg(f"transnext_{size}")["hf_hub_filename"]) == (
+            f"DaiShiResearch/transnext-{size}-224-1k", f"transnext_{size}_224_1k.pth")
+    for size in ("small", "base"):
+        assert (cfg(f"transnext_{size}.in1k_384")["hf_hub_id"], cfg(f"transnext_{size}.in1k_384")["input_size"]) == (
+            f"DaiShiResearch/transnext-{size}-384-1k-ft-1k", (3, 384, 384))
+    assert {cfg(f"moh_transnext_{n}")["hf_hub_id"] for n in ("base_75", "base_50", "small_80", "small_75")} == {
+        f"Chat-UniVi/MoH-ViT-{n}" for n in ("B-75", "B-50", "S-80", "S-75")}
+    assert cfg("moh_dit_xl_2_90")["hf_hub_id"] == "Chat-UniVi/MoH-DiT-XL-90"
+    assert cfg("dit_xl_2")["url"].endswith("/DiT-XL-2-256x256.pt")
+    assert cfg("dit_xl_2.in1k_512")["url"].endswith("/DiT-XL-2-512x512.pt")
+    assert not any(cfg(name).get(k) for name in ("transnext_nano", "dit_s_2") for k in ("hf_hub_id", "url"))
+
+
+def test_pretrained_true_loads_released_weights_from_the_hub_cache_offline(offline_hub):
+    cache = offline_hub / "hf"
+    # TransNeXt: the released plain state dict, under the name the repo publishes
+    source = deterministic_(timm.create_model("transnext_micro", **SHRUNK["transnext"]))
+    hub_cache_file(cache, "DaiShiResearch/transnext-micro-224-1k", "transnext_micro_224_1k.pth", source.state_dict())
+    model = timm.create_model("transnext_micro", pretrained=True, **SHRUNK["transnext"])
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items())
+    assert model.pretrained_cfg["file"].startswith(str(cache))
+    # the 384 fine-tune is its own tag and repo
+    small = deterministic_(timm.create_model("transnext_small", **SHRUNK["transnext"]), seed=3)
+    hub_cache_file(cache, "DaiShiResearch/transnext-small-384-1k-ft-1k", "transnext_small_384_1k_ft_1k.pth",
+                   small.state_dict())
+    model = timm.create_model("transnext_small.in1k_384", pretrained=True, **SHRUNK["transnext"])
+    assert torch.equal(model.head.weight, small.head.weight)
+    # MoH-ViT: a training checkpoint (pickled arguments); a repo whose one weights file has another name is found
+    moh = deterministic_(timm.create_model("moh_transnext_small_80", **SHRUNK["transnext"]), seed=1)
+    hub_cache_file(cache, "Chat-UniVi/MoH-ViT-S-80", "checkpoint.pth",
+                   {"model": moh.state_dict(), "args": argparse.Namespace(model="moh_transnext_small_80")})
+    model = timm.create_model("moh_transnext_small_80", pretrained=True, **SHRUNK["transnext"])
+    assert all(torch.equal(v, moh.state_dict()[k]) for k, v in model.state_dict().items())
+    # DiT: the released URL's file in timm's download cache ($TORCH_HOME/hub/checkpoints)
+    dit = deterministic_(timm.create_model("dit_xl_2", **SHRUNK["dit"]), seed=2)
+    (offline_hub / "torch" / "hub" / "checkpoints").mkdir(parents=True)
+    torch.save(dit.state_dict(), offline_hub / "torch" / "hub" / "checkpoints" / "DiT-XL-2-256x256.pt")
+    model = timm.create_model("dit_xl_2", pretrained=True, **SHRUNK["dit"])
+    assert all(torch.equal(v, dit.state_dict()[k]) for k, v in model.state_dict().items())
+    # a local file still wins, and is all it reads
+    local = offline_hub / "local.pth"
+    torch.save(moh.state_dict(), local)
+    model = timm.create_model("moh_transnext_small_80", pretrained=True, pretrained_cfg_overlay=dict(file=str(local)),
+                              **SHRUNK["transnext"])
+    assert model.pretrained_cfg["file"] == str(local)
+
+
+def test_pretrained_true_without_the_weights_names_the_id_and_the_local_route(offline_hub):
+    with pytest.raises(ConfigError, match=r"Chat-UniVi/MoH-DiT-XL-90: HF_HUB_OFFLINE is set and it is not in the "
+                                          r"hub cache .*pretrained_cfg_overlay=dict\(file=<path>\)"):
+        timm.create_model("moh_dit_xl_2_90", pretrained=True, **SHRUNK["dit"])
+    with pytest.raises(ConfigError, match=r"DaiShiResearch/transnext-base-224-1k \(transnext_base_224_1k.pth\).*"
+                                          r"hf download DaiShiResearch"):
+        timm.create_model("transnext_base", pretrained=True, **SHRUNK["transnext"])
+    with pytest.raises(ConfigError, match=r"DiT-XL-2-512x512.pt: HF_HUB_OFFLINE is set.*pretrained_cfg_overlay"):
+        timm.create_model("dit_xl_2.in1k_512", pretrained=True, **SHRUNK["dit"])
+
+
 @pytest.mark.parametrize("name,kwargs,fmt", [
     ("transnext_nano", {}, "plain"),                               # released TransNeXt .pth: the state dict
     ("transnext_nano", MOH, "moh_vit_training"),                   # MoH-ViT main.py checkpoint (pickled args)

@@ -143,7 +143,9 @@ def test_wandb_logger_works_offline(tmp_path):
 
 
 @pytest.mark.parametrize("override,fragment", [
-    ("model=resnet_moh", "model=resnet_moh is unknown; options: dit,"),  # the options are listed
+    ("model=resnet_moh", "options: dit_b_2, dit_b_4,"),  # the options are listed
+    ("model=dit", "did you mean dit_s_8"),        # a family file is not an option: it names no model
+    ("model=vit_tiny_patch16_224", "its checkpoints load into model=plain_vit_tiny"),  # a timm name
     ("model.name=transnext_nanoo", "did you mean transnext_nano"),
     ("attention=moh attention.activation_ratio=1.5", "outside (0, 1]"),
     ("attention=nonexistent", "attention=nonexistent is unknown; options: mha, moa, moh"),

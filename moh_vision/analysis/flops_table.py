@@ -101,12 +101,19 @@ def build(name: str, attention: Optional[Dict[str, Any]], img_size: Optional[int
 
 
 def attention_label(model, attention: Optional[Dict[str, Any]]) -> str:
+    """``<attention> @<realised>`` for every variant: the number after ``@`` is always the realised share of
+    active heads (what the layers declare they activate, summed over layers); a requested
+    ``activation_ratio`` that rounds to another share follows as ``(requested <r>)``; ``(preset)``: the
+    model's own routing. Dense models get no ``@``."""
     names = sorted({getattr(m, "attention_name", "?") for _, m in find_attention(model)})
     label = "/".join(names)
     fraction = active_head_fraction(model)
-    if fraction is not None and fraction < 1.0:  # what the layers declare they activate
-        label += f" @{attention['activation_ratio']}" if attention and attention.get("activation_ratio") is not None \
-            and attention.get("topk") is None else f" @{fraction:.3g}"
+    realised = 1.0 if fraction is None else fraction
+    requested = (attention or {}).get("activation_ratio")
+    if realised < 1.0 or requested is not None:
+        label += f" @{realised:.3g}"
+        if requested is not None and f"{realised:.3g}" != f"{float(requested):.3g}":
+            label += f" (requested {float(requested):g})"
         if attention is None:
             label += " (preset)"
     return label

@@ -107,8 +107,12 @@ def classifier_cache_path(img_size: int) -> Path:
 
 
 def train_digits_classifier(img_size: int, epochs: int = CLASSIFIER_SETTINGS["epochs"],
-                            seed: int = CLASSIFIER_SETTINGS["seed"]) -> Tuple[DigitsClassifier, float]:
-    """Train the classifier on the digits training split (augmented); returns it and its val accuracy (%)."""
+                            seed: int = CLASSIFIER_SETTINGS["seed"], progress: bool = True
+                            ) -> Tuple[DigitsClassifier, float]:
+    """Train the classifier on the digits training split (augmented); returns it and its val accuracy (%).
+    ``progress``: a progress bar over the epochs (on stderr)."""
+    from tqdm.auto import tqdm
+
     from moh_vision.data.digits import DigitsData
 
     data = DigitsData(img_size=img_size, in_chans=1, augment=True)
@@ -120,7 +124,8 @@ def train_digits_classifier(img_size: int, epochs: int = CLASSIFIER_SETTINGS["ep
                                 weight_decay=CLASSIFIER_SETTINGS["weight_decay"])
         n = len(data.train)
         model.train()
-        for _ in range(epochs):
+        for _ in tqdm(range(epochs), desc="digits proxy classifier", unit="epoch", disable=not progress,
+                      leave=False):
             for idx in torch.randperm(n, generator=g).split(CLASSIFIER_SETTINGS["batch_size"]):
                 batch = [data.train[int(i)] for i in idx]
                 x = torch.stack([b[0] for b in batch])
@@ -176,6 +181,8 @@ def load_or_train_classifier(path: Optional[Path], img_size: int) -> DigitsClass
     model = _load_classifier(cached, img_size, key)
     state = None
     if model is None:
+        log.warning("training the digits proxy classifier for the sample metrics (once per image size and library "
+                    "versions, a few minutes on a CPU; cached in %s for every later run)", cached)
         model, acc = train_digits_classifier(img_size)
         log.info("trained the digits classifier for sample metrics: %.1f%% val top-1 at %dx%d; cached in %s",
                  acc, img_size, img_size, cached)

@@ -16,6 +16,7 @@ from omegaconf import DictConfig, OmegaConf
 from moh_vision import checkpoints as ckpt_io
 from moh_vision.config import EvalConfig, TrainConfig, build_data, build_task, group_name, validate
 from moh_vision.errors import ConfigError
+from moh_vision.tasks.protocols import EpochContext
 from .distributed import broadcast_object, cleanup, init_distributed
 from .loggers import Loggers, write_json
 from .run_dir import RunLock
@@ -183,7 +184,9 @@ def weights_of(run: RebuiltRun, use_ema: bool, off_switch: str = "eval.use_ema=f
 
 
 def evaluate(cfg: DictConfig) -> Dict[str, Any]:
-    """Top-1/top-5 (or the diffusion task's metrics) of a checkpoint; its config travels inside it."""
+    """Top-1/top-5 (or the diffusion task's metrics) of a checkpoint; its config travels inside it. The task's
+    end-of-run work runs too (diffusion: a sample grid in ``samples/`` and the sample metrics), and which weights
+    were used (EMA or raw) is logged and recorded in ``summary.json``."""
     from moh_vision.engine.distributed import pick_device
 
     options: EvalConfig = validate(cfg)
@@ -193,19 +196,28 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     device = pick_device(options.eval.device)
     data, task, container, state, used = run.data, run.task, run.config, run.state, run.path
     use_ema = options.eval.use_ema
+    has_ema = "model_ema" in state
+    log.info("evaluating the %s weights of %s%s", "EMA" if use_ema else "raw (non-EMA)", used,
+             "" if use_ema or not has_ema else " (the checkpoint also holds EMA weights: eval.use_ema=true)")
     model = task.build_model(data)
     model.load_state_dict(weights_of(run, use_ema))
     model = model.to(device)
     trainer_like = _EvalRunner(options, device, data, task)
     metrics = trainer_like.run(model)
-    summary = {"checkpoint": str(used), "use_ema": use_ema, "model": container["model"]["name"],
+    step = int(state.get("step") or 0)
+    loggers = make_loggers(options.logger, None, out_dir, True, {"eval": OmegaConf.to_container(cfg, resolve=True)},
+                           None, "eval")
+    # the task's end-of-run work on these weights (diffusion: a sample grid and the sample metrics)
+    metrics.update(task.on_epoch_end(EpochContext(
+        epoch=int(state.get("epoch") or 0), step=step, last_epoch=True, is_main=True, device=device, out_dir=out_dir,
+        model_for_eval=model.eval(), log_image=lambda *args, **kwargs: loggers.log_image(*args, step=step, **kwargs))))
+    summary = {"checkpoint": str(used), "use_ema": use_ema, "weights": "ema" if use_ema else "model",
+               "ema_available": has_ema, "model": container["model"]["name"],
                "params": sum(p.numel() for p in model.parameters()), "step": state.get("step"), **metrics}
     write_json(out_dir / "summary.json", summary)
     OmegaConf.save(OmegaConf.create({"eval": OmegaConf.to_container(cfg, resolve=True), "trained": container}),
                    out_dir / "config.yaml")
-    loggers = make_loggers(options.logger, None, out_dir, True, {"eval": OmegaConf.to_container(cfg, resolve=True)},
-                           None, "eval")
-    loggers.log_epoch({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=int(state.get("step") or 0))
+    loggers.log_epoch({k: v for k, v in metrics.items() if isinstance(v, (int, float))}, step=step)
     loggers.finish(summary=summary)
     log.info("%s", ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
     return summary

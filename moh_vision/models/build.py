@@ -3,16 +3,20 @@ weights come from (``checkpoint_path``: this model's own; ``init_from``: a dense
 continue-tune from). Errors are one line."""
 from __future__ import annotations
 
+import logging
 from pathlib import Path
-from typing import Any, Dict, Mapping, Optional, Sequence
+from typing import Any, Dict, List, Mapping, Optional, Sequence
 
 import timm
 from torch import nn
 
 from moh_vision.checkpoints import read_weights, state_dict_mismatch
 from moh_vision.errors import ConfigError
-from .continue_tuning import init_from_dense
+from .continue_tuning import init_from_dense, router_keys
 from .families import check_model_name
+from .fitting import fit_to_model
+
+log = logging.getLogger(__name__)
 
 # Keys of the attention config group that configure training, not the attention modules.
 NON_MODULE_KEYS = ("name", "aux_loss_weight")
@@ -39,8 +43,9 @@ def build_model(name: str, attention: Optional[Mapping[str, Any]] = None, checkp
                 init_from: Optional[str] = None, **kwargs: Any) -> nn.Module:
     """``timm.create_model(name, attention=..., **options, **kwargs)`` with one-line errors for bad input.
 
-    ``checkpoint_path`` loads this very model's weights strictly; ``init_from`` starts a MoH model from a
-    dense checkpoint of the same backbone (continue-tuning, :mod:`moh_vision.models.continue_tuning`).
+    ``checkpoint_path`` loads this model's weights (:func:`load_weights`: fine-tuning onto other classes or
+    resolution); ``init_from`` starts a routed model from a dense checkpoint of the same backbone
+    (continue-tuning, :mod:`moh_vision.models.continue_tuning`; the same adaptations to the data).
     """
     if checkpoint_path and init_from:
         raise ConfigError("give model.checkpoint_path (this model's own weights) or model.init_from (a dense "
@@ -82,15 +87,24 @@ def with_model_kwargs(derived: Mapping[str, Any], given: Optional[Mapping[str, A
     return {**derived, **(given or {})}
 
 
-def load_weights(model: nn.Module, path: str) -> None:
-    """Strictly load this model's weights from any checkpoint format we read (EMA weights first)."""
+def load_weights(model: nn.Module, path: str) -> List[str]:
+    """Load this model's weights from any checkpoint format we read (EMA weights first), fine-tuning style:
+    made to fit data of other classes, channels or resolution (:func:`~moh_vision.models.fitting.fit_to_model`:
+    classifier re-initialised, first conv adapted, position / patch embeddings resampled), every other tensor
+    strictly. Returns (and logs) the adaptations made."""
     if not Path(path).is_file():
         raise ConfigError(f"checkpoint_path={path} does not exist")
-    state = read_weights(path)
+    state, notes = fit_to_model(model, read_weights(path))
     problem = state_dict_mismatch(model.state_dict(), state)
     if problem:
-        raise ConfigError(f"checkpoint {path} does not fit this model: {problem}")
+        missing = set(model.state_dict()) - set(state)
+        hint = (" (the model's attention adds parameters the checkpoint lacks: to start a routed model from a "
+                "dense checkpoint use model.init_from)" if missing and missing <= set(router_keys(model)) else "")
+        raise ConfigError(f"checkpoint {path} does not fit this model: {problem}{hint}")
     model.load_state_dict(state, strict=True)
+    for note in notes:
+        log.info("checkpoint_path %s: %s", path, note)
+    return notes
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:

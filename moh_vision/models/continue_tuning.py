@@ -29,6 +29,10 @@ e.g. MoH routers or MoA experts), backbones of another width / depth / head layo
 differently), and targets whose variant declares that it cannot start from dense weights (MoA: one shared
 key/value head and a bias-free output projection, so no dense layer maps onto it).
 
+The checkpoint is first made to fit the data the target is built for
+(:func:`moh_vision.models.fitting.fit_to_model`): a classifier of another class count is re-initialised,
+the first convolution takes the target's input channels, position (and ViT patch) embeddings are resampled.
+
 ``model.init_from=<checkpoint>`` (``build_model(..., init_from=...)``) and
 ``tools/convert_dense_to_moh.py`` both call :func:`init_from_dense`.
 """
@@ -45,6 +49,7 @@ from torch import nn
 from moh_vision.attention import find_attention, list_attention, variant_class
 from moh_vision.checkpoints import find_weights, load_file, state_dict_diff
 from moh_vision.errors import ConfigError
+from .fitting import fit_to_model
 
 log = logging.getLogger(__name__)
 
@@ -240,8 +245,9 @@ def check_layout(model: nn.Module, ckpt: DenseCheckpoint, attention_prefixes: Tu
     if problems:
         raise ContinueTuningError(
             f"{ckpt.path}{source} is not the dense version of this backbone: {'; '.join(problems)}. "
-            f"Continue-tuning copies every dense tensor unchanged, so width, depth, heads per layer, image/latent "
-            f"size and classes must match{_layout_hint(reshaped, missing, unexpected, attention_prefixes)}")
+            f"Continue-tuning copies every dense tensor, so width, depth and heads per layer must match (classes, "
+            f"input channels and position embeddings are adapted to the data)"
+            f"{_layout_hint(reshaped, missing, unexpected, attention_prefixes)}")
     src = _source_heads(ckpt)
     tgt = heads_per_layer(model)
     if src is not None and src != tgt:
@@ -308,15 +314,14 @@ def init_from_dense(model: nn.Module, source: Union[str, Path, DenseCheckpoint],
         raise ContinueTuningError(f"router_std={router_std} must be >= 0")
     layers = check_target(model)
     check_dense(ckpt)
-    adapt = getattr(model, "adapt_checkpoint", None)  # e.g. a timm ViT's state dict into plain_vit_* (pos-embed)
-    if adapt is not None:
-        ckpt.state = adapt(ckpt.state)
+    # other data: classifier re-initialised, first conv to the model's channels, position embeddings resampled
+    ckpt.state, adapted = fit_to_model(model, ckpt.state)
     check_layout(model, ckpt, tuple(f"{name}." for name, _ in find_attention(model)))
     routers, zero, random = router_start(model, router_std, seed)
     model.load_state_dict({**ckpt.state, **routers}, strict=True)  # copy_ casts dtype and device
     report = ConversionReport(source=f"{ckpt.path}{ckpt.where if ckpt.where != '(top level)' else ''}",
                               source_model=ckpt.model_name, copied=len(ckpt.state), routers_zero=zero,
-                              routers_random=random, layers=layers)
+                              routers_random=random, layers=layers, notes=list(adapted))
     if ckpt.config is None:
         report.notes.append("the checkpoint records no model config (official format): the target's heads per layer "
                             "are assumed to be the checkpoint's")

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from timm.layers import Mlp, PatchEmbed
-from timm.models import register_model
+from timm.models import generate_default_cfgs, register_model
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -312,6 +312,15 @@ class DiT(nn.Module):
         """The input this very model takes (what its ``pretrained_cfg`` reports)."""
         return dict(input_size=(self.in_channels, *self.input_size), num_classes=self.num_classes)
 
+    def adapt_checkpoint(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
+        """A DiT state dict of another input size: the position embedding is fixed (sin-cos of the grid, not
+        learned), so this model's own replaces a checkpoint's of another grid."""
+        out = dict(state_dict)
+        pos = out.get("pos_embed")
+        if pos is not None and pos.shape != self.pos_embed.shape and pos.shape[-1] == self.pos_embed.shape[-1]:
+            out["pos_embed"] = self.pos_embed.detach().clone()
+        return out
+
     # --- forward -----------------------------------------------------------------------------------
     def forward(self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None) -> Tensor:
         """``x``: [B, C, H, W] noisy input; ``t``: [B] (or scalar) timesteps; ``y``: [B] labels
@@ -407,27 +416,37 @@ def _all_presets() -> Dict[str, Dict[str, Any]]:
 DIT_PRESETS: Dict[str, Dict[str, Any]] = _all_presets()
 
 _MOH_PRESET_NAMES = {f"moh_dit_{key}" for key in _MOH_PRESETS}
-_DIT_SOURCES = {  # where the released weights of a preset come from (pretrained_cfg_overlay=dict(file=...))
-    "dit_xl_2": ("https://github.com/facebookresearch/DiT", "DiT-XL-2-256x256.pt (EMA weights)"),
-    "moh_dit_xl_2_90": ("https://github.com/SkyworkAI/MoH", "Chat-UniVi/MoH-DiT-XL-90 (training checkpoint: EMA)"),
+_DIT_URL = "https://dl.fbaipublicfiles.com/DiT/models/DiT-XL-2-{}x{}.pt"
+# Released weights, where they live (pretrained=True fetches them: moh_vision/models/hub.py; a local copy:
+# pretrained_cfg_overlay=dict(file=<path>)). DiT's by URL (EMA state dicts); MoH-DiT on the hub (a training
+# checkpoint, EMA weights; the repo's one weights file is taken).
+_RELEASED = {
+    "dit_xl_2": dict(url=_DIT_URL.format(256, 256), origin_url="https://github.com/facebookresearch/DiT"),
+    "moh_dit_xl_2_90": dict(hf_hub_id="Chat-UniVi/MoH-DiT-XL-90", origin_url="https://github.com/SkyworkAI/MoH"),
 }
 
 
-def _cfg(name: str) -> Dict[str, Any]:
+def _cfg(name: str, side: Optional[int] = None) -> Dict[str, Any]:
     """What a preset takes: 256x256 ImageNet images as Stable-Diffusion VAE latents (32x32x4, scaled by
     0.18215; the images are center-cropped as in ADM and mapped to [-1, 1] before the VAE), or for
     ``dit_tiny_2`` the 16x16 digits mapped to [-1, 1]. ``classifier`` is the class-embedding table (it
-    is dropped when ``num_classes`` differs from the checkpoint's)."""
+    is dropped when ``num_classes`` differs from the checkpoint's). ``side``: the latent side of a tagged
+    cfg (DiT-XL/2 512x512: 64, built with input_size=64)."""
     preset = DIT_PRESETS[name]
-    channels, side = preset.get("in_channels", 4), preset.get("input_size", 32)
+    channels, side = preset.get("in_channels", 4), side or preset.get("input_size", 32)
     moh = name in _MOH_PRESET_NAMES
-    origin, note = _DIT_SOURCES.get(name, ("https://github.com/SkyworkAI/MoH" if moh else
-                                           "https://github.com/facebookresearch/DiT", "no released weights"))
+    released = dict(_RELEASED.get(name, {}))
+    if side == 64:
+        released["url"] = _DIT_URL.format(512, 512)
+    source = released.get("url") or released.get("hf_hub_id")
     cfg = dict(num_classes=preset.get("num_classes", 1000), input_size=(channels, side, side), pool_size=None,
                fixed_input_size=True, crop_pct=1.0, interpolation="bicubic", mean=(0.0,) * channels,
                std=(1.0,) * channels, first_conv="x_embedder.proj", classifier="y_embedder.embedding_table",
-               origin_url=origin, paper_ids="arXiv:2410.11842" if moh else "arXiv:2212.09748",
-               notes=(note, "inputs: SD-VAE latents x 0.18215 of 256px center crops in [-1, 1]"))
+               origin_url="https://github.com/SkyworkAI/MoH" if moh else "https://github.com/facebookresearch/DiT",
+               paper_ids="arXiv:2410.11842" if moh else "arXiv:2212.09748",
+               notes=(f"released weights: {source}" if source else "no released weights",
+                      f"inputs: SD-VAE latents x 0.18215 of {side * 8}px center crops in [-1, 1]"))
+    cfg.update(released)
     if channels != 4:
         cfg.update(mean=(0.5,) * channels, std=(0.5,) * channels, interpolation="bilinear",
                    notes=("CPU-sized: pixel-space diffusion on the embedded digits in [-1, 1]",))
@@ -435,7 +454,11 @@ def _cfg(name: str) -> Dict[str, Any]:
 
 
 # Read by timm's register_model (it must exist before the entry points below are decorated).
-default_cfgs = {name: _cfg(name) for name in DIT_PRESETS}
+# A name with released weights gets the tag ``in1k`` (256x256); DiT-XL/2 at 512x512: ``dit_xl_2.in1k_512``.
+default_cfgs = generate_default_cfgs({
+    **{(f"{name}.in1k" if name in _RELEASED else name): _cfg(name) for name in DIT_PRESETS},
+    "dit_xl_2.in1k_512": _cfg("dit_xl_2", 64),
+})
 
 
 def _from_builder(in_chans: int, img_size: Any = None, **kwargs: Any) -> DiT:

@@ -6,10 +6,11 @@ The three families (TransNeXt, DiT, plain ViT) share this plumbing:
   overridden by the user's, go through ``timm.models.build_model_with_cfg``, so ``features_only``,
   ``out_indices``, ``feature_cls``, ``pretrained_cfg`` / ``pretrained_cfg_overlay`` and ``pretrained=True``
   work as for timm's own models;
-* ``pretrained=True`` reads a *local* file named by ``pretrained_cfg_overlay=dict(file=...)`` (nothing is
-  ever downloaded): released checkpoints in their official formats (a plain state dict, ``{"model": ...}``
-  training checkpoints with a pickled ``argparse.Namespace``, DiT's ``{"model", "ema", ...}``), ours, and
-  ``.safetensors``;
+* ``pretrained=True`` loads the released weights from where they live (:mod:`~moh_vision.models.hub`: the
+  hub id or URL of the cfg, through the caches, so offline once fetched), or a local file named by
+  ``pretrained_cfg_overlay=dict(file=...)`` (never the network): released checkpoints in their official
+  formats (a plain state dict, ``{"model": ...}`` training checkpoints with a pickled ``argparse.Namespace``,
+  DiT's ``{"model", "ema", ...}``), ours, and ``.safetensors``;
 * :mod:`~moh_vision.models.families` says which registered names are ours and the family of each
   (models carry a ``family`` class attribute; nothing reads a family from a name);
 * :func:`build_model` is what the tasks call: one-line errors, ``checkpoint_path`` and ``init_from``.
@@ -27,6 +28,7 @@ from torch import nn
 from moh_vision.attention import HeadAttention
 from moh_vision.checkpoints import read_weights
 from moh_vision.errors import ConfigError
+from .hub import released_weights_file
 from .families import check_model_name, list_models, model_class, model_family, register_family  # noqa: F401
 
 Tensor = torch.Tensor
@@ -80,7 +82,8 @@ def build_from_preset(model_cls: Callable[..., nn.Module], name: str, pretrained
     if not kwargs.get("features_only"):  # timm's entry points ignore these without features_only
         kwargs.pop("out_indices", None)
         kwargs.pop("feature_cls", None)
-    overlay = _local_weights(name, pretrained, timm_args.get("pretrained_cfg"), timm_args.get("pretrained_cfg_overlay"))
+    overlay = _pretrained_weights(name, pretrained, timm_args.get("pretrained_cfg"),
+                                  timm_args.get("pretrained_cfg_overlay"), timm_args.get("cache_dir"))
     args = preset_arguments(preset, kwargs)
     try:
         model = build_model_with_cfg(model_cls, name, pretrained, pretrained_cfg=timm_args.get("pretrained_cfg"),
@@ -121,19 +124,29 @@ def instance_cfg(cfg: Dict[str, Any], instance: Dict[str, Any]) -> Dict[str, Any
     return cfg
 
 
-def _local_weights(name: str, pretrained: bool, pretrained_cfg: Any,
-                   overlay: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
-    """The ``pretrained_cfg_overlay`` to build with: with ``pretrained=True`` its ``file`` is read here (it may
-    be a released checkpoint that timm's tensors-only loader refuses) and handed over as ``state_dict``."""
+def _pretrained_weights(name: str, pretrained: bool, pretrained_cfg: Any, overlay: Optional[Mapping[str, Any]],
+                   cache_dir: Optional[str] = None) -> Dict[str, Any]:
+    """The ``pretrained_cfg_overlay`` to build with. With ``pretrained=True`` the released weights are found
+    here (:func:`~moh_vision.models.hub.released_weights_file`: the overlay's ``file``, else the hub id or URL
+    of the cfg, through their caches) and read here (they may be released training checkpoints that timm's
+    tensors-only loader refuses), then handed to timm's builder as ``state_dict``."""
     overlay = dict(overlay or {})
-    if not pretrained:
+    if not pretrained or overlay.get("state_dict"):
         return overlay
-    sources = {k: v for k, v in {**dict(pretrained_cfg if isinstance(pretrained_cfg, dict) else {}),
-                                 **overlay}.items() if k in ("file", "state_dict", "url", "hf_hub_id") and v}
-    if not sources:
-        raise ConfigError(f"{name}: pretrained=True needs local weights, nothing is downloaded: pass "
-                          f"pretrained_cfg_overlay=dict(file=<checkpoint>) (official or ours), or load them with "
-                          f"checkpoint_path=<checkpoint> (strict, this model's own keys)")
-    if overlay.get("file") and not overlay.get("state_dict"):
-        overlay["state_dict"] = read_weights(overlay["file"])  # official formats too (moh_vision.checkpoints)
+    cfg = {**_registered_cfg(name, pretrained_cfg), **overlay}
+    if overlay.get("file"):  # a local file: the hub and URL are not asked
+        cfg = {"file": overlay["file"]}
+    path = released_weights_file(name, cfg, cache_dir)
+    if path is None:
+        raise ConfigError(f"{name}: no released weights to load with pretrained=True: pass a local file with "
+                          f"pretrained_cfg_overlay=dict(file=<checkpoint>) (official or ours), or load one with "
+                          f"checkpoint_path=<checkpoint> (this model's weights, adapted to its classes and size)")
+    overlay.update(file=str(path), state_dict=read_weights(path))  # official formats too (moh_vision.checkpoints)
     return overlay
+
+
+def _registered_cfg(name: str, pretrained_cfg: Any) -> Dict[str, Any]:
+    """What timm resolves for this build (the name's default cfg, a tag's, or one passed in), as a dict."""
+    from timm.models._builder import resolve_pretrained_cfg
+
+    return resolve_pretrained_cfg(name, pretrained_cfg=pretrained_cfg).to_dict()

@@ -7,7 +7,8 @@ imports nothing else of :mod:`moh_vision.models`, so any module there may ask it
 from __future__ import annotations
 
 import difflib
-from typing import Dict, Iterable, List, Union
+import re
+from typing import Dict, Iterable, List, Mapping, Union
 
 import timm
 from torch import nn
@@ -15,6 +16,7 @@ from torch import nn
 from moh_vision.errors import ConfigError
 
 _MODEL_CLASSES: Dict[str, type] = {}
+_TIMM_EQUIVALENTS: Dict[str, str] = {}  # a timm model (224px) -> our preset its checkpoints load into
 
 
 def register_family(model_cls: type, names: Iterable[str]) -> None:
@@ -30,12 +32,29 @@ def list_models() -> List[str]:
     return sorted(_MODEL_CLASSES)
 
 
+def register_timm_equivalents(equivalents: Mapping[str, str]) -> None:
+    """Record that the checkpoints of timm models (keys, their 224px names) load into our presets (values)."""
+    _TIMM_EQUIVALENTS.update(equivalents)
+
+
+def suggest_model(name: str) -> str:
+    """A hint for a model name that is not one of ours ('' when there is none): the preset a timm model's
+    checkpoints load into (any tag or resolution of it), else the closest of our names."""
+    arch = name.split(".", 1)[0]
+    sized = re.fullmatch(r"(.+_patch\d+)_(\d+)", arch)
+    preset = _TIMM_EQUIVALENTS.get(f"{sized.group(1)}_224" if sized else arch)
+    if preset:
+        size = f" with img_size={sized.group(2)}" if sized and sized.group(2) != "224" else ""
+        return (f"{name} is a timm model; its checkpoints load into model={preset}{size} "
+                f"(model.init_from=<its file>: dense -> MoH; model.checkpoint_path=<its file>: fine-tune)")
+    close = difflib.get_close_matches(arch, list_models(), n=5, cutoff=0.6)
+    return f"did you mean {', '.join(close)}?" if close else ""
+
+
 def check_model_name(name: str) -> None:
     """A :class:`ConfigError` naming the closest of our models when timm does not know ``name``."""
     if name not in timm.list_models():
-        ours = list_models()
-        close = difflib.get_close_matches(name, ours, n=5, cutoff=0.5)
-        hint = f"did you mean {', '.join(close)}?" if close else f"moh-vision models: {', '.join(ours)}"
+        hint = suggest_model(name) or f"moh-vision models: {', '.join(list_models())}"
         raise ConfigError(f"unknown model '{name}'; {hint}")
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
 from timm.layers import DropPath, register_notrace_function, to_2tuple, trunc_normal_
-from timm.models import register_model
+from timm.models import generate_default_cfgs, register_model
 from timm.models._features import feature_take_indices
 from torch.utils.checkpoint import checkpoint
 
@@ -858,29 +858,40 @@ TRANSNEXT_PRESETS: Dict[str, Dict[str, Any]] = {
     "moh_transnext_base_50": {**_BASE, **_moh((2, 2, 2, 4), (2, 4, 6, 8))},
 }
 
-# Released weights (load them with pretrained=True, pretrained_cfg_overlay=dict(file=<local copy>)).
+# Released weights, where they live (pretrained=True fetches them through the hub cache: moh_vision/models/hub.py;
+# a local copy: pretrained_cfg_overlay=dict(file=<path>)). (hub id, file name as the repo publishes it.)
 _RELEASED = {
-    "transnext_micro": "DaiShiResearch/transnext-micro-224-1k (transnext_micro_224_1k.pth)",
-    "transnext_tiny": "DaiShiResearch/transnext-tiny-224-1k (transnext_tiny_224_1k.pth)",
-    "transnext_small": "DaiShiResearch/transnext-small-224-1k (transnext_small_224_1k.pth)",
-    "transnext_base": "DaiShiResearch/transnext-base-224-1k (transnext_base_224_1k.pth)",
-    "moh_transnext_small_80": "Chat-UniVi/MoH-ViT-S-80",
-    "moh_transnext_small_75": "Chat-UniVi/MoH-ViT-S-75",
-    "moh_transnext_base_75": "Chat-UniVi/MoH-ViT-B-75",
-    "moh_transnext_base_50": "Chat-UniVi/MoH-ViT-B-50",
+    "transnext_micro": ("DaiShiResearch/transnext-micro-224-1k", "transnext_micro_224_1k.pth"),
+    "transnext_tiny": ("DaiShiResearch/transnext-tiny-224-1k", "transnext_tiny_224_1k.pth"),
+    "transnext_small": ("DaiShiResearch/transnext-small-224-1k", "transnext_small_224_1k.pth"),
+    "transnext_base": ("DaiShiResearch/transnext-base-224-1k", "transnext_base_224_1k.pth"),
+    # MoH-ViT: the official evaluation reads checkpoints/<config name>.pth; a repo holding one weights file
+    # under another name is found too (hub.py)
+    "moh_transnext_small_80": ("Chat-UniVi/MoH-ViT-S-80", "moh_transnext_small_80.pth"),
+    "moh_transnext_small_75": ("Chat-UniVi/MoH-ViT-S-75", "moh_transnext_small_75.pth"),
+    "moh_transnext_base_75": ("Chat-UniVi/MoH-ViT-B-75", "moh_transnext_base_75.pth"),
+    "moh_transnext_base_50": ("Chat-UniVi/MoH-ViT-B-50", "moh_transnext_base_50.pth"),
+}
+# The 384x384 fine-tunes: timm tag ``.in1k_384`` (build with img_size=384).
+_RELEASED_384 = {
+    "transnext_small": ("DaiShiResearch/transnext-small-384-1k-ft-1k", "transnext_small_384_1k_ft_1k.pth"),
+    "transnext_base": ("DaiShiResearch/transnext-base-384-1k-ft-1k", "transnext_base_384_1k_ft_1k.pth"),
 }
 
 
-def _cfg(name: Optional[str] = None) -> Dict[str, Any]:
+def _cfg(name: Optional[str] = None, size: int = 224) -> Dict[str, Any]:
     """The official ImageNet-1K evaluation: 224 inputs (resize 256, center crop 224: crop_pct 0.875), bicubic,
-    ImageNet statistics; ``transnext_nano``: the embedded digits ((x - 0.5) / 0.5 at 32x32, no crop)."""
+    ImageNet statistics (the 384 fine-tunes: 384, no crop); ``transnext_nano``: the embedded digits
+    ((x - 0.5) / 0.5 at 32x32, no crop). Released weights: their hub id and file."""
     moh = name in _MOH_PRESET_NAMES
-    cfg = dict(num_classes=1000, input_size=(3, 224, 224), pool_size=(7, 7), fixed_input_size=True, crop_pct=0.875,
+    hub_id, filename = (_RELEASED_384 if size == 384 else _RELEASED).get(name, (None, None))
+    cfg = dict(num_classes=1000, input_size=(3, size, size), pool_size=(size // 32, size // 32),
+               fixed_input_size=True, crop_pct=0.875 if size == 224 else 1.0,
                interpolation="bicubic", mean=IMAGENET_DEFAULT_MEAN, std=IMAGENET_DEFAULT_STD,
-               first_conv="patch_embed1.proj", classifier="head",
+               first_conv="patch_embed1.proj", classifier="head", hf_hub_id=hub_id, hf_hub_filename=filename,
                origin_url="https://github.com/SkyworkAI/MoH" if moh else "https://github.com/DaiShiResearch/TransNeXt",
                paper_ids="arXiv:2410.11842" if moh else "arXiv:2311.17132",
-               notes=(f"released weights: {_RELEASED.get(name, 'none')}",))
+               notes=(f"released weights: {hub_id} ({filename})" if hub_id else "released weights: none",))
     if name == "transnext_nano":
         cfg.update(num_classes=10, input_size=(3, 32, 32), pool_size=(1, 1), crop_pct=1.0, interpolation="bilinear",
                    mean=(0.5, 0.5, 0.5), std=(0.5, 0.5, 0.5), notes=("CPU-sized, for the embedded digits",))
@@ -888,8 +899,12 @@ def _cfg(name: Optional[str] = None) -> Dict[str, Any]:
 
 
 _MOH_PRESET_NAMES = {name for name, preset in TRANSNEXT_PRESETS.items() if "shared_heads" in preset}
-# Read by timm's register_model (it must exist before the entry points below are decorated).
-default_cfgs = {name: _cfg(name) for name in TRANSNEXT_PRESETS}
+# Read by timm's register_model (it must exist before the entry points below are decorated). A name with
+# released weights gets the tag ``in1k`` (its default), the 384 fine-tunes ``in1k_384``.
+default_cfgs = generate_default_cfgs({
+    **{(f"{name}.in1k" if name in _RELEASED else name): _cfg(name) for name in TRANSNEXT_PRESETS},
+    **{f"{name}.in1k_384": _cfg(name, 384) for name in _RELEASED_384},
+})
 
 
 def create_transnext(name: str, pretrained: bool = False, **kwargs: Any) -> TransNeXt:

@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
-from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, trunc_normal_
+from timm.layers import DropPath, Mlp, PatchEmbed, resample_abs_pos_embed, resample_patch_embed, trunc_normal_
 from timm.models import register_model
 from timm.models._features import feature_take_indices
 from torch import nn
@@ -29,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from moh_vision.attention import build_attention, layer_options
 from moh_vision.errors import ConfigError
-from .families import register_family
+from .families import register_family, register_timm_equivalents
 from .factory import build_from_preset
 
 Tensor = torch.Tensor
@@ -334,8 +334,9 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PlainViT) -> Dict
     """Adapt a timm ``VisionTransformer`` state dict (``vit_*``, ``deit_*``, or one of ours) to ``model``.
 
     The layouts are the same, so the tensors are kept; a position embedding trained at another
-    resolution is resampled to the model's grid (bicubic, as timm does). Parts a plain ViT does not
-    have (distillation or register tokens, LayerScale, fc_norm, ...) are refused by name.
+    resolution is resampled to the model's grid (bicubic, as timm does), and a patch embedding of another
+    patch size to the model's (timm's ``resample_patch_embed``, FlexiViT's pseudo-inverse resize). Parts a
+    plain ViT does not have (distillation or register tokens, LayerScale, fc_norm, ...) are refused by name.
     """
     foreign = sorted({what for key in state_dict for part, what in _FOREIGN_PARTS.items() if part in f".{key}"})
     if foreign:
@@ -349,6 +350,10 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PlainViT) -> Dict
                               f"another ViT size")
         out["pos_embed"] = resample_abs_pos_embed(pos, list(model.patch_embed.grid_size),
                                                   num_prefix_tokens=model.num_prefix_tokens)
+    patch = out.get("patch_embed.proj.weight")
+    size = list(model.patch_embed.patch_size)
+    if patch is not None and patch.ndim == 4 and list(patch.shape[-2:]) != size:
+        out["patch_embed.proj.weight"] = resample_patch_embed(patch, size)
     return out
 
 
@@ -419,3 +424,4 @@ def plain_vit_nano(pretrained: bool = False, **kwargs: Any) -> PlainViT:
 
 
 register_family(PlainViT, VIT_PRESETS)
+register_timm_equivalents(TIMM_EQUIVALENTS)
