@@ -356,17 +356,18 @@ def test_dit_is_not_a_feature_backbone():
         timm.create_model("dit_tiny_2", features_only=True)
 
 
-def _readme_example(title):
-    """The python block under ``title`` in README.md's timm subsection, run as written."""
-    text = (REPO / "README.md").read_text()
+def _docs_example(title):
+    """The python block under ``title`` in docs/models.md's timm section, run as written (tests/test_docs.py
+    runs every snippet; these check what the snippets compute)."""
+    text = (REPO / "docs" / "models.md").read_text()
     match = re.search(re.escape(title) + r".*?```python\n(.*?)```", text, re.S)
-    assert match, f"README has no example '{title}'"
+    assert match, f"docs/models.md has no example '{title}'"
     return match.group(1)
 
 
-def test_readme_feature_extraction_example_runs_as_written():
+def test_docs_feature_extraction_example_runs_as_written():
     namespace = {}
-    exec(compile(_readme_example("Feature extraction"), "README.md", "exec"), namespace)
+    exec(compile(_docs_example("Feature extraction"), "docs/models.md", "exec"), namespace)
     assert torch.isfinite(namespace["loss"]) and namespace["backbone"].feature_info.channels() == [24, 48, 96, 192]
 
 
@@ -491,8 +492,8 @@ def test_timm_vit_checkpoint_filter_resamples_and_refuses_other_variants():
         checkpoint_filter_fn(distilled, model)
 
 
-def test_readme_timm_vit_example_runs_as_written(tmp_path, monkeypatch):
+def test_docs_timm_vit_example_runs_as_written(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace = {}
-    exec(compile(_readme_example("From a timm ViT"), "README.md", "exec"), namespace)
+    exec(compile(_docs_example("From a timm ViT"), "docs/models.md", "exec"), namespace)
     torch.testing.assert_close(namespace["moh_out"], namespace["timm_out"], rtol=1e-4, atol=1e-4)
