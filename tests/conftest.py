@@ -32,6 +32,16 @@ def pytest_configure(config):
 
 
 @pytest.fixture
+def one_thread():
+    """One intra-op thread for a test of tiny models (thread start-up and spinning cost more than they give on a
+    busy 2-core machine); the previous setting is restored. Use: ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
 def train_in_process(monkeypatch, capsys):
     """``train_in_process(*words)`` runs ``python train.py <words>`` in this process (Hydra, the schema, the
     run): returns (exit code, stderr); 0 when it finished. Hydra's logging set-up for the job is undone."""
