@@ -106,7 +106,7 @@ def test_jit_trace_is_exact_on_a_new_input(family, attention):
 # ONNX: the TorchScript-based exporter and the torch.export-based one (dynamo=True), run in onnxruntime
 # ---------------------------------------------------------------------------------------------
 def run_onnx(data: bytes, args):
-    ort = pytest.importorskip("onnxruntime")
+    import onnxruntime as ort  # requirements.txt pins it (and onnx, onnxscript)
     session = ort.InferenceSession(data, providers=["CPUExecutionProvider"])
     feed = {i.name: a.numpy() for i, a in zip(session.get_inputs(), args)}
     return torch.from_numpy(session.run(None, feed)[0])
@@ -114,7 +114,6 @@ def run_onnx(data: bytes, args):
 
 @every
 def test_onnx_legacy_exporter_runs_in_onnxruntime(family, attention):
-    pytest.importorskip("onnx")
     model = make_model(family, attention)
     buffer = io.BytesIO()
     torch.onnx.export(model, inputs(family, 0), buffer, dynamo=False)
@@ -130,7 +129,6 @@ DYNAMO_ATTENTIONS = [pytest.param(a, marks=() if a == "moh" else pytest.mark.slo
 @pytest.mark.parametrize("attention", DYNAMO_ATTENTIONS)
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_onnx_dynamo_exporter_runs_in_onnxruntime(family, attention):
-    pytest.importorskip("onnxscript")
     model = make_model(family, attention)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)
     program = torch.onnx.export(model, inputs(family, 0), dynamo=True, verbose=False)
@@ -309,6 +307,7 @@ def test_explicit_sparse_refuses_under_tracers(family):
     clients = {
         "torch.jit.trace": lambda: torch.jit.trace(model, args, check_trace=False),
         "torch.onnx.export": lambda: torch.onnx.export(model, args, io.BytesIO(), dynamo=False),
+        "torch.export": lambda: torch.export.export(model, args),
         "torch.fx": lambda: create_feature_extractor(model, return_nodes=["add"]),
         "torch.func.vmap": lambda: vmap(lambda *a: model(*(t.unsqueeze(0) for t in a)))(*args),
     }
