@@ -156,6 +156,17 @@ def test_torchvision_feature_extractor(family, attention):
     assert torch.isfinite(features["inner"]).all()
 
 
+def test_torchvision_feature_extractor_learned_shared_heads():
+    """MoH learning its shared heads traces too (torchvision traces the train mode as well: the warm-up's
+    straight-through estimator)."""
+    from torchvision.models.feature_extraction import create_feature_extractor
+    model = make_model("vit", "moh", shared_heads="learned", learn_shared_steps=5)
+    extractor = create_feature_extractor(model, return_nodes={"head": "logits"})
+    new = inputs("vit", 1)
+    with torch.no_grad():
+        torch.testing.assert_close(extractor(*new)["logits"], eager(model, new), atol=ATOL, rtol=1e-4)
+
+
 # ---------------------------------------------------------------------------------------------
 # torch.func
 # ---------------------------------------------------------------------------------------------

@@ -264,7 +264,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
                     norm = shared_logits.index_select(-1, shared_idx).float().logsumexp(dim=-1, keepdim=True)
                     as_shared = torch.sigmoid(shared_logits.float() - norm) * h_s * mix[..., :1]
                 else:
-                    as_shared = mix[..., :1].float().expand(*gates.shape)
+                    as_shared = mix[..., :1].float().expand(gates.shape)  # a size, not *args: torch.fx traces it
                 delta = torch.where(mask, gates.float(), as_shared - gates.float())
             live = (~frozen).to(soft.dtype)  # no estimator once frozen (the scores stay in the graph)
             gates = gates + ((soft - soft.detach()) * live * delta).to(gates.dtype)
