@@ -31,6 +31,16 @@ def pytest_configure(config):
         os.environ["OMP_NUM_THREADS"] = "1"  # subprocesses the tests start inherit it
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread for a test of tiny models (thread start-up and spinning cost more than they give on a
+    busy 2-core machine); the previous setting is restored. Use: ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def entry_in_process(script, monkeypatch, capsys):
     """``run(*words)``: ``python <script> <words>`` in this process (Hydra, the schema, the run); returns (exit
     code, stderr), 0 when it finished. Hydra's logging set-up for the job is undone afterwards."""

@@ -61,6 +61,7 @@ from torch import nn
 
 from moh_vision.attention import (active_head_fraction, find_attention, flops_roles_of, record_routing,
                                   routed_layer_names, routed_modules)
+from moh_vision.attention.tracing import one_input_trace
 
 log = logging.getLogger(__name__)
 
@@ -449,7 +450,8 @@ def flop_report(model: nn.Module, input_shape: Sequence[int], model_kwargs: Opti
     model.eval()
     try:
         # a recorder of its own: an outer one (a training step's) must not collect the traced forwards
-        with moh_execution(model, moh_impl), torch.no_grad(), record_routing(model):
+        # the trace counts this one input: an explicit sparse path may run under it (one_input_trace)
+        with moh_execution(model, moh_impl), one_input_trace(), torch.no_grad(), record_routing(model):
             analysis = _analysis_class()(target, inputs)
             counts = {name[len(prefix):] if name.startswith(prefix) else name: c
                       for name, c in analysis.by_module_and_operator().items()}

@@ -20,6 +20,7 @@ from torch import nn
 
 from moh_vision.errors import ConfigError
 from .registry import register_kernel
+from .tracing import FUNC_PREFIX, active_tracer
 
 Tensor = torch.Tensor
 
@@ -41,26 +42,61 @@ def resolve_head_dim(dim: int, num_heads: int, head_dim: Optional[int]) -> int:
 
 
 def custom_functions_opaque() -> bool:
-    """Whether a custom autograd Function would hide its work: under ``torch.jit.trace`` (the FLOP
-    counter sees a Function as one opaque op) and ``torch.compile`` (which cannot trace their ``out=``
-    writes and fuses plain ops itself). Fast paths built as Functions run their plain-op twins then."""
-    return torch.jit.is_tracing() or torch.compiler.is_compiling()
+    """Whether a custom autograd Function would hide its work or break the trace: under ``torch.jit.trace``
+    and the ONNX exporter built on it (a Function is one opaque op: the FLOP counter cannot see into it,
+    ONNX has no such operator), ``torch.compile`` / ``torch.export`` (which cannot trace their ``out=`` writes
+    and fuse plain ops themselves) and ``torch.fx`` (a Function cannot run on proxies). Fast paths built as
+    Functions run their plain-op twins then. ``torch.func`` transforms run the Functions themselves (they
+    define ``setup_context`` and ``vmap``)."""
+    tracer = active_tracer()
+    return tracer is not None and not tracer.startswith(FUNC_PREFIX)
+
+
+def functorch_wrapped(*tensors: Optional[Tensor]) -> bool:
+    """Whether any of ``tensors`` is a ``torch.func`` transform's tensor (batched by ``vmap``, tracked by
+    ``grad``): a custom Function's backward then runs plain ops (no ``out=`` writes into unbatched buffers)."""
+    return any(t is not None and torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors)
+
+
+def fold_vmap_dim(info, in_dims, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """For a Function's ``vmap`` rule: every tensor with its vmapped dim (``in_dims``; None: unbatched, expanded)
+    moved to the front and folded into its leading batch dim, ``[V, B, ...] -> [V * B, ...]``."""
+    folded = []
+    for t, dim in zip(tensors, in_dims):
+        if t is None:
+            folded.append(None)
+            continue
+        t = t.movedim(dim, 0) if dim is not None else t.unsqueeze(0).expand(info.batch_size, *t.shape)
+        folded.append(t.flatten(0, 1))
+    return tuple(folded)
 
 
 class GatedMerge(torch.autograd.Function):
     """``(o * gates) -> [B, N, h * d]`` for ``o`` [B, h, N, d] and ``gates`` [B, N, h], in one pass: the gate
     multiply writes the merged layout directly (multiply, then merge, would read and write ``o`` twice;
-    the same for its gradient). The values are those of the two-step form (same elementwise products)."""
+    the same for its gradient). The values are those of the two-step form (same elementwise products).
+
+    ``torch.func`` transforms: ``setup_context`` (``grad``, ``vjp``, ``jacrev``), a ``vmap`` rule that folds the
+    vmapped dim into the batch, and a plain-op backward for batched or transform-tracked gradients."""
 
     @staticmethod
-    def forward(ctx, o: Tensor, gates: Tensor) -> Tensor:
+    def forward(o: Tensor, gates: Tensor) -> Tensor:
         B, h, N, d = o.shape
-        g = gates.to(o.dtype)
         out = torch.empty(B, N, h, d, dtype=o.dtype, device=o.device)
-        torch.mul(o.transpose(1, 2), g.unsqueeze(-1), out=out)
-        ctx.save_for_backward(o, g)
-        ctx.gates_dtype = gates.dtype
+        torch.mul(o.transpose(1, 2), gates.to(o.dtype).unsqueeze(-1), out=out)
         return out.view(B, N, h * d)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output) -> None:
+        o, gates = inputs
+        ctx.save_for_backward(o, gates.to(o.dtype))
+        ctx.gates_dtype = gates.dtype
+
+    @staticmethod
+    def vmap(info, in_dims, o: Tensor, gates: Tensor):
+        V = info.batch_size
+        o, gates = fold_vmap_dim(info, in_dims, o, gates)
+        return GatedMerge.apply(o, gates).unflatten(0, (V, -1)), 0
 
     @staticmethod
     @torch.autograd.function.once_differentiable
@@ -69,6 +105,12 @@ class GatedMerge(torch.autograd.Function):
         B, h, N, d = o.shape
         grad = grad.reshape(B, N, h, d)
         grad_o = grad_gates = None
+        if functorch_wrapped(grad, o, g):  # plain ops: the transform batches or tracks them
+            if ctx.needs_input_grad[0]:
+                grad_o = (grad * g.unsqueeze(-1)).transpose(1, 2)
+            if ctx.needs_input_grad[1]:
+                grad_gates = (grad * o.transpose(1, 2)).sum(-1).to(ctx.gates_dtype)
+            return grad_o, grad_gates
         if ctx.needs_input_grad[0]:  # in o's own layout, so attention's backward gets what it expects
             grad_o = torch.empty_like(o)
             torch.mul(grad.transpose(1, 2), g.transpose(1, 2).unsqueeze(-1), out=grad_o)
@@ -149,8 +191,9 @@ class HeadAttention(nn.Module):
 def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, fused: bool = True,
                           scale: Optional[float] = None) -> Tensor:
     """softmax(q k^T * scale) v over the last two dims; k/v may have a single shared head."""
-    if k.shape[1] != q.shape[1]:
-        k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
+    # a shared key/value head broadcast to every query head (a no-op view where they match); unconditional, so
+    # that torch.fx traces it (a comparison of traced shapes cannot steer Python)
+    k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
     if fused:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

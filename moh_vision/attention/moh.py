@@ -64,12 +64,15 @@ from torch import nn
 
 from moh_vision.errors import ConfigError
 from .gates import TokenMajorGates, head_major_gates
-from .kernels import custom_functions_opaque
+from .tracing import active_tracer, freezes_dispatch, refuse_data_dependent, traces_by_module
 from .registry import register_attention
 from .routing import (RoutedMixin, SharedPlusTopK, load_balance_loss, renormalised_topk_gates, resolve_moh_heads, topk_mask)
 from .sparse import choose_impl, kernels_supporting, sparse_forward, sparse_support  # noqa: F401 (choose_impl)
 
 Tensor = torch.Tensor
+# torch.fx (any tracer) records the top-k renormalisation as one call: it reads its dtype's epsilon, which
+# a traced proxy does not carry
+torch.fx.wrap("renormalised_topk_gates")
 
 MOH_IMPLS = ("auto", "masked", "sparse", "triton")
 SHARED_ESTIMATORS = ("ste", "gumbel")  # straight-through top-h_s; the same on Gumbel-perturbed scores
@@ -105,7 +108,9 @@ class MoH(SharedPlusTopK, RoutedMixin):
             ``"triton"`` is ``sparse`` with a Triton attention kernel for the routed heads (``sdpa``;
             CUDA, on CPU only under ``TRITON_INTERPRET=1``); ``"auto"`` picks per call from the
             kernel's measured rule (``sdpa``: :func:`choose_impl`; TransNeXt: its own table), and runs
-            masked under ``torch.compile`` (which then compiles the layer as one graph).
+            masked under ``torch.compile``, ``torch.jit.trace``, the ONNX exporters, ``torch.export``,
+            ``torch.fx`` and ``torch.func`` transforms (:mod:`~moh_vision.attention.tracing`); an explicit
+            ``sparse``/``triton`` refuses under those that would freeze its dispatch.
         learn_shared_steps: with ``shared_heads="learned"``: optimizer steps of warm-up before the
             shared heads are frozen (0: frozen at once, on the initial partition = the first ``h_s``
             heads). Ignored otherwise.
@@ -248,7 +253,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
             shared_logits = logits["wg_1"]
             shared = shared_logits.index_select(-1, shared_idx).softmax(dim=-1) * h_s
         else:
-            shared = x.new_ones(*x.shape[:-1], h_s)
+            shared = x.new_ones(x.shape[:-1] + (h_s,))  # a size, not *args: torch.fx traces it
         probs = logits["wg"].index_select(-1, routed_idx).softmax(dim=-1)
         index, selected = topk_mask(probs.detach(), k)
         routed = renormalised_topk_gates(probs, selected, k)
@@ -259,7 +264,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
                     norm = shared_logits.index_select(-1, shared_idx).float().logsumexp(dim=-1, keepdim=True)
                     as_shared = torch.sigmoid(shared_logits.float() - norm) * h_s * mix[..., :1]
                 else:
-                    as_shared = mix[..., :1].float().expand(*gates.shape)
+                    as_shared = mix[..., :1].float().expand(gates.shape)  # a size, not *args: torch.fx traces it
                 delta = torch.where(mask, gates.float(), as_shared - gates.float())
             live = (~frozen).to(soft.dtype)  # no estimator once frozen (the scores stay in the graph)
             gates = gates + ((soft - soft.detach()) * live * delta).to(gates.dtype)
@@ -302,7 +307,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
         once more, and with a backward that writes every gradient into one buffer the layer measured within
         its run-to-run spread (docs/performance.md, "Where the masked path's tax goes")."""
         routers = self.routers()
-        if len(routers) < 2 or not self.plain_routers(routers) or torch.jit.is_tracing():
+        if len(routers) < 2 or not self.plain_routers(routers) or traces_by_module(x):
             return {name: r(x) for name, r in routers}
         fused = F.linear(x, self.stacked_router_weight(routers))
         return dict(zip((name for name, _ in routers), fused.split([r.out_features for _, r in routers], dim=-1)))
@@ -310,23 +315,21 @@ class MoH(SharedPlusTopK, RoutedMixin):
     def uses_head_major_gates(self, x: Tensor, routers: Optional[Tuple[Tuple[str, nn.Linear], ...]] = None) -> bool:
         """Whether :meth:`route` runs :func:`~moh_vision.attention.gates.head_major_gates` (the same gates,
         head-major, faster on a CPU) over ``routers`` (default :meth:`routers`; none: one head, always on): CPU
-        calls without autograd (inference) on routed layers with plain routers, in eager mode (``jit.trace`` and
-        ``torch.compile`` see the formulas written out), outside autocast."""
+        calls without autograd (inference) on routed layers with plain routers, in eager mode (tracers, exporters,
+        ``torch.compile`` and ``torch.func`` transforms see the formulas written out), outside autocast."""
         routers = self.routers() if routers is None else routers
-        return (x.device.type == "cpu" and not torch.is_grad_enabled() and not custom_functions_opaque()
-                and len(routers) > 0
-                and not self.learned_shared and not torch.is_autocast_enabled(x.device.type)
+        return (x.device.type == "cpu" and not torch.is_grad_enabled() and active_tracer(x) is None
+                and len(routers) > 0 and not self.learned_shared and not torch.is_autocast_enabled(x.device.type)
                 and x.dim() == 3 and x.dtype == routers[0][1].weight.dtype and self.plain_routers(routers))
 
     def uses_token_major_gates(self, x: Tensor, routers: Tuple[Tuple[str, nn.Linear], ...]) -> bool:
         """Whether :meth:`route` runs :class:`~moh_vision.attention.gates.TokenMajorGates` (the formulas as one
         autograd node with a written-out backward, in fewer operators): calls that do not run
         :meth:`uses_head_major_gates` (training; inference off the CPU or under autocast) over plain routers, in
-        eager mode (``torch.compile`` and ``jit.trace`` see the formulas written out), outside functorch
-        transforms (the written-out backward is autograd's, not functorch's)."""
-        return (not custom_functions_opaque() and not self.learned_shared
-                and len(routers) > 0 and self.plain_routers(routers)
-                and not torch._C._functorch.is_functorch_wrapped_tensor(x))
+        eager mode: tracers, exporters, ``torch.compile`` and ``torch.func`` transforms see the formulas written
+        out (the written-out backward is autograd's, not functorch's)."""
+        return (active_tracer(x) is None and not self.learned_shared and len(routers) > 0
+                and self.plain_routers(routers))
 
     def route(self, x: Tensor) -> Route:
         """Per-token head gates ``[B, N, h]`` and the selected routed head indices ``[B, N, k]``
@@ -357,7 +360,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
         if h_s > 1:
             shared = logits["wg_1"].softmax(dim=-1) * h_s
         else:
-            shared = x.new_ones(*x.shape[:-1], h_s)
+            shared = x.new_ones(x.shape[:-1] + (h_s,))  # a size, not *args: torch.fx traces it
         if k == 0:
             if self.recording():
                 self.record_routing(shared[..., :0], None, None, gates=shared, shared_prefix=h_s)
@@ -401,13 +404,18 @@ class MoH(SharedPlusTopK, RoutedMixin):
         return path
 
     def _requested_path(self, x: Tensor) -> str:
-        if self.topk == 0:  # dense-weighted layer: nothing to skip, masked is the exact computation
+        if self.topk == 0 or self.impl == "masked":  # dense-weighted layer: nothing to skip, masked is exact
             return "masked"
+        tracer = active_tracer(x)
         if self.impl != "auto":
+            # triton's attention Function has no torch.func support; sparse's Functions have
+            if freezes_dispatch(tracer, func_grad=self.impl == "sparse"):
+                refuse_data_dependent("MoH", self.impl, tracer)
             return self.impl
-        if torch.compiler.is_compiling():
-            # under torch.compile the sparse path's per-head token lists (data-dependent sizes) would
-            # break the graph; masked compiles whole, and the compiler fuses its routing ops
+        if tracer is not None:
+            # the sparse path's per-head token lists have data-dependent sizes: a trace or export would freeze
+            # one input's dispatch, vmap cannot batch it, torch.compile would break the graph around it. The
+            # reference path is one graph everywhere (and the compiler fuses its routing ops)
             return "masked"
         support = sparse_support(self)
         if support is None or support.auto is None:  # no sparse path, or never measured faster than masked

@@ -61,9 +61,9 @@ class RandomHeads(SharedPlusTopK, RoutedMixin):
 
     # --- forward -------------------------------------------------------------------------------------
     def forward(self, x: Tensor) -> Tensor:
-        shape = (*x.shape[:-1], self.shared_heads)
+        shape = x.shape[:-1] + (self.shared_heads,)  # sizes as one tuple, not *args: torch.fx traces them
         if self.topk == 0:
-            gates = x.new_ones(*x.shape[:-1], self.num_heads)
+            gates = x.new_ones(x.shape[:-1] + (self.num_heads,))
         else:
             scores = x.detach() @ self.router.to(x.dtype)
             _, mask = topk_mask(scores, self.topk)

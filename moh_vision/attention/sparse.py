@@ -70,7 +70,7 @@ import torch
 import torch.nn.functional as F
 
 from .auto_table import AutoTable, auto_table
-from .kernels import DotProductAttention, custom_functions_opaque, dot_product_attention
+from .kernels import DotProductAttention, custom_functions_opaque, dot_product_attention, functorch_wrapped
 
 Tensor = torch.Tensor
 
@@ -196,15 +196,28 @@ def _autocast_dtype(device_type: str) -> Optional[torch.dtype]:
     return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
+def vmap_by_slices(fn, info, in_dims, *args):
+    """A Function's ``vmap`` rule that applies it once per vmapped slice and stacks the results (dim 0). The
+    head-projection Functions gather rows by a data-dependent dispatch: there is no batched kernel to fold
+    into, and MoH runs them under ``vmap`` only when called directly (the layer refuses sparse under vmap)."""
+    results = [fn.apply(*(a.select(d, i) if isinstance(a, Tensor) and d is not None else a
+                          for a, d in zip(args, in_dims)))
+               for i in range(info.batch_size)]
+    if isinstance(results[0], tuple):
+        return tuple(torch.stack(parts) for parts in zip(*results)), (0,) * len(results[0])
+    return torch.stack(results), 0
+
+
 class GatheredHeadProjection(torch.autograd.Function):
     """``out[r] = x[rows[r]] @ weight_e^T + bias_e`` for the rows ``r`` of each head segment ``e``.
 
     ``x``: [T, C]; ``weight``: [E * d, C] (head e = rows ``e*d:(e+1)*d``); ``bias``: [E * d] or
     None. The gathered inputs are never stored: backward gathers again, chunk by chunk.
+    ``torch.func``: ``setup_context``, a per-slice ``vmap`` rule, a plain-op backward for transform tensors.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, rows, segments):
+    def forward(x, weight, bias, rows, segments):
         E = len(segments)
         d, C = weight.shape[0] // E, x.shape[1]
         out = x.new_empty(rows.shape[0], d)
@@ -217,17 +230,28 @@ class GatheredHeadProjection(torch.autograd.Function):
                 torch.mm(gathered, w.t(), out=out[start:stop])
             else:
                 torch.addmm(bias[e * d:(e + 1) * d], gathered, w.t(), out=out[start:stop])
+        return out
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, rows, segments = inputs
         ctx.save_for_backward(x, weight, rows)
         ctx.segments, ctx.has_bias = segments, bias is not None
-        return out
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return vmap_by_slices(GatheredHeadProjection, info, in_dims, *args)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight, rows = ctx.saved_tensors
         segments = ctx.segments
         d = weight.shape[0] // len(segments)
-        grad_out = grad_out.contiguous()
         need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        if functorch_wrapped(grad_out, x, weight):
+            return _gathered_backward_plain(grad_out, x, weight, rows, segments, need_x, need_w,
+                                            need_b and ctx.has_bias) + (None, None)
+        grad_out = grad_out.contiguous()
         grad_x = torch.zeros_like(x) if need_x else None
         grad_w = torch.zeros_like(weight) if need_w else None  # chunks of a head accumulate
         grad_b = weight.new_zeros(weight.shape[0]) if need_b and ctx.has_bias else None
@@ -244,12 +268,26 @@ class GatheredHeadProjection(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None
 
 
+def _gathered_backward_plain(grad_out, x, weight, rows, segments, need_x, need_w, need_b):
+    """:class:`GatheredHeadProjection`'s gradients in plain out-of-place ops (``torch.func`` transforms batch
+    or track them; no writes into buffers)."""
+    d = weight.shape[0] // len(segments)
+    parts = [(grad_out[start:stop], rows[start:stop], weight[e * d:(e + 1) * d]) for e, (start, stop) in
+             enumerate(segments)]
+    grad_x = torch.zeros_like(x).index_add(0, rows, torch.cat([g @ w for g, _, w in parts])) if need_x else None
+    grad_w = torch.cat([g.t() @ x.index_select(0, r) for g, r, _ in parts]) if need_w else None
+    grad_b = torch.cat([g.sum(0) for g, _, _ in parts]) if need_b else None
+    return grad_x, grad_w, grad_b
+
+
 class ScatteredHeadProjection(torch.autograd.Function):
     """``y[rows[r]] += (gate[r] * o[r]) @ weight_e^T`` for the rows ``r`` of each head segment ``e``.
 
-    ``y``: [T, C], updated **in place** and returned: callers pass a fresh tensor nobody else reads
-    (the shared heads' output projection, or the bias). ``o``: [R, d] ungated head outputs;
-    ``gate``: [R]; ``weight``: [C, E * d] (head e = columns ``e*d:(e+1)*d``). Rows repeat across
+    ``y``: [T, C], updated **in place** and returned when ``in_place`` (callers pass a fresh tensor nobody else
+    reads: the shared heads' output projection, or the bias); else on a copy (under ``torch.jit.trace``, where
+    adds into the traced input would stay in the graph beside this op and be counted twice, and under
+    ``torch.func`` transforms, which do not track a Function's in-place writes). ``o``: [R, d] ungated head
+    outputs; ``gate``: [R]; ``weight``: [C, E * d] (head e = columns ``e*d:(e+1)*d``). Rows repeat across
     heads (a token uses several), so outputs are accumulated with ``index_add_``.
 
     Memory: the gated rows are formed chunk by chunk in a scratch buffer and again in backward, so
@@ -259,12 +297,9 @@ class ScatteredHeadProjection(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, y, o, gate, weight, rows, segments):
+    def forward(y, o, gate, weight, rows, segments, in_place: bool = True):
         d, C = o.shape[1], y.shape[-1]
-        # under torch.jit.trace (FLOP counting) on a copy: adds into the traced input would stay in
-        # the graph beside this op and be counted twice
-        tracing = torch.jit.is_tracing()
-        result = y.clone() if tracing else y
+        result = y if in_place else y.clone()
         out = result.view(-1, C)
         pieces, size = _chunks(segments, C)
         buf, gated = o.new_empty(size, C), o.new_empty(size, d)
@@ -272,18 +307,32 @@ class ScatteredHeadProjection(torch.autograd.Function):
             g = torch.mul(o[start:stop], gate[start:stop, None], out=gated[:stop - start])
             contrib = torch.mm(g, weight[:, e * d:(e + 1) * d].t(), out=buf[:stop - start])
             out.index_add_(0, rows[start:stop], contrib)
-        if not tracing:
+        return result
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        y, o, gate, weight, rows, segments = inputs[:6]
+        if inputs[6] if len(inputs) > 6 else True:  # in_place (its default when left out)
             ctx.mark_dirty(y)
         ctx.save_for_backward(o, gate, weight, rows)
         ctx.segments = segments
-        return result
+
+    @staticmethod
+    def vmap(info, in_dims, y, o, gate, weight, rows, segments, in_place=True):
+        # on copies: a batched y cannot be written slice by slice through a Function
+        return vmap_by_slices(ScatteredHeadProjection, info, tuple(in_dims[:6]) + (None,), y, o, gate, weight,
+                              rows, segments, False)
 
     @staticmethod
     def backward(ctx, grad_out):
         o, gate, weight, rows = ctx.saved_tensors
         d, C = o.shape[1], grad_out.shape[-1]
-        flat = grad_out.contiguous().view(-1, C)
         need_y, need_o, need_gate, need_w = ctx.needs_input_grad[:4]
+        if functorch_wrapped(grad_out, o, gate, weight):
+            return (grad_out if need_y else None, *_scattered_backward_plain(
+                grad_out.reshape(-1, C), o, gate, weight, rows, ctx.segments, need_o, need_gate, need_w),
+                None, None, None)
+        flat = grad_out.contiguous().view(-1, C)
         grad_o = torch.empty_like(o) if need_o else None
         grad_gate = torch.empty_like(gate) if need_gate else None
         grad_w = torch.zeros_like(weight) if need_w else None  # chunks of a head accumulate
@@ -301,7 +350,21 @@ class ScatteredHeadProjection(torch.autograd.Function):
             if need_w:
                 gated = torch.mul(o[start:stop], gate[start:stop, None], out=small[:n])
                 grad_w[:, heads].addmm_(g.t(), gated)
-        return grad_out if need_y else None, grad_o, grad_gate, grad_w, None, None
+        return grad_out if need_y else None, grad_o, grad_gate, grad_w, None, None, None
+
+
+def _scattered_backward_plain(flat, o, gate, weight, rows, segments, need_o, need_gate, need_w):
+    """:class:`ScatteredHeadProjection`'s gradients of ``o``, ``gate`` and ``weight`` in plain out-of-place ops
+    (``torch.func`` transforms batch or track them)."""
+    d = o.shape[1]
+    g_rows = flat.index_select(0, rows)  # [R, C]: the output gradient of every packed row's token
+    parts = [(g_rows[start:stop], o[start:stop], gate[start:stop], weight[:, e * d:(e + 1) * d])
+             for e, (start, stop) in enumerate(segments)]
+    g_gated = torch.cat([g @ w for g, _, _, w in parts]) if need_o or need_gate else None  # [R, d]
+    grad_o = g_gated * gate[:, None] if need_o else None
+    grad_gate = (g_gated * o).sum(1) if need_gate else None
+    grad_w = torch.cat([g.t() @ (o_e * gate_e[:, None]) for g, o_e, gate_e, _ in parts], dim=1) if need_w else None
+    return grad_o, grad_gate, grad_w
 
 
 def _run_projection(fn, *args):
@@ -373,16 +436,26 @@ class KeyValueHeads(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, shape, groups):
+    def forward(x, weight, bias, shape, groups):
         kv = _projected_keys_values(x, weight, bias, shape).contiguous()
+        return _key_value_groups(kv, groups)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, weight, bias, shape, groups = inputs
         ctx.save_for_backward(x, weight)
         ctx.shape, ctx.groups, ctx.has_bias = shape, groups, bias is not None
-        return _key_value_groups(kv, groups)
+
+    @staticmethod
+    def vmap(info, in_dims, *args):
+        return vmap_by_slices(KeyValueHeads, info, in_dims, *args)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, *grads):
         x, weight = ctx.saved_tensors
+        if functorch_wrapped(x, weight, *grads):  # plain ops: stack the groups' gradients back
+            return _key_value_backward_plain(grads, x, weight, ctx)
         dtype = next((g.dtype for g in grads if g is not None), x.dtype)
         buf = torch.empty(ctx.shape, dtype=dtype, device=x.device)
         for dst, grad in zip(_key_value_groups(_heads_first(buf), ctx.groups), grads):
@@ -396,6 +469,21 @@ class KeyValueHeads(torch.autograd.Function):
         grad_w = flat.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
         grad_b = flat.sum(0) if need_b and ctx.has_bias else None
         return grad_x, grad_w, grad_b, None, None
+
+
+def _key_value_backward_plain(grads, x: Tensor, weight: Tensor, ctx):
+    """:class:`KeyValueHeads`' gradients in plain out-of-place ops (``torch.func`` transforms batch or track them)."""
+    B, N, two, h, d = ctx.shape
+    zeros = x.new_zeros(())
+    grads = [g if g is not None else zeros.expand(B, n, N, d) for g, n in
+             zip(grads, [n for n in ctx.groups for _ in range(2)])]
+    kv = torch.cat([torch.stack(grads[2 * i:2 * i + 2]) for i in range(len(ctx.groups))], dim=2)  # [2, B, h, N, d]
+    flat = kv.permute(1, 3, 0, 2, 4).reshape(-1, weight.shape[0])  # the GEMM's [B, N, 2, h, d] layout
+    need_x, need_w, need_b = ctx.needs_input_grad[:3]
+    grad_x = (flat @ weight).reshape(x.shape) if need_x else None
+    grad_w = flat.t() @ x.reshape(-1, x.shape[-1]) if need_w else None
+    grad_b = flat.sum(0) if need_b and ctx.has_bias else None
+    return grad_x, grad_w, grad_b, None, None
 
 
 def project_keys_values(m, x: Tensor, w: QKVWeights):
@@ -508,7 +596,10 @@ def add_routed_output(m, y: Tensor, o_routed: Tensor, gates: Tensor, w_routed: T
     ``y`` [B * N, C] (:func:`shared_output` or :func:`bias_output`) is updated in place: it must not
     be a view, or autograd would copy it whole (``CopySlices``) to rebase the view's history."""
     gate = packed_gates(m, gates, dispatch).to(o_routed.dtype)
-    out = _run_projection(ScatteredHeadProjection, y, o_routed, gate, w_routed, dispatch.rows, dispatch.segments)
+    # in place except under jit.trace (FLOP counting) and torch.func transforms (see ScatteredHeadProjection)
+    in_place = not torch.jit.is_tracing() and not functorch_wrapped(y, o_routed, gate, w_routed)
+    out = _run_projection(ScatteredHeadProjection, y, o_routed, gate, w_routed, dispatch.rows, dispatch.segments,
+                          in_place)
     return out.view(*gates.shape[:2], out.shape[-1])
 
 

@@ -48,6 +48,12 @@ def modulate(x: Tensor, shift: Tensor, scale: Tensor) -> Tensor:
     return x * (1 + scale.unsqueeze(1)) + shift.unsqueeze(1)
 
 
+@torch.fx.wrap  # any torch.fx tracer records the check as one call, run on the real input
+def check_token_count(x: Tensor, expected: int) -> None:
+    if x.shape[1] != expected:
+        raise ValueError(f"unpatchify expected {expected} tokens, got {x.shape[1]}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Fixed 2-D sine-cosine position embedding
 # ---------------------------------------------------------------------------------------------
@@ -107,6 +113,9 @@ class TimestepEmbedder(nn.Module):
         return self.mlp(t_freq.to(self.mlp[0].weight.dtype))
 
 
+NO_NULL_CLASS = "dropping labels needs a null class: build the model with class_dropout_prob > 0"
+
+
 class LabelEmbedder(nn.Module):
     """Class labels -> vectors, with label dropout for classifier-free guidance.
 
@@ -127,17 +136,29 @@ class LabelEmbedder(nn.Module):
 
     def token_drop(self, labels: Tensor, force_drop_ids: Optional[Tensor] = None) -> Tensor:
         if not self.has_null_class:
-            raise ConfigError("dropping labels needs a null class: build the model with class_dropout_prob > 0")
-        if force_drop_ids is None:
-            drop = torch.rand(labels.shape[0], device=labels.device) < self.dropout_prob
-        else:
-            drop = force_drop_ids == 1
-        return torch.where(drop, torch.full_like(labels, self.num_classes), labels)
+            raise ConfigError(NO_NULL_CLASS)
+        return drop_labels(labels, force_drop_ids, self.num_classes, self.dropout_prob, True)
 
     def forward(self, labels: Tensor, train: bool, force_drop_ids: Optional[Tensor] = None) -> Tensor:
-        if (train and self.has_null_class) or force_drop_ids is not None:
-            labels = self.token_drop(labels, force_drop_ids)
-        return self.embedding_table(labels)
+        return self.embedding_table(drop_labels(labels, force_drop_ids, self.num_classes,
+                                                self.dropout_prob if train else 0.0, self.has_null_class))
+
+
+@torch.fx.wrap  # torch.fx traces force_drop_ids as an input (never None while tracing): decide on the real one
+def drop_labels(labels: Tensor, force_drop_ids: Optional[Tensor], null_class: int, drop_prob: float,
+                has_null_class: bool) -> Tensor:
+    """``labels`` with the null class ``null_class`` where ``force_drop_ids == 1`` or, without
+    ``force_drop_ids``, at random with probability ``drop_prob`` (0: ``labels`` as they are). Forced drops
+    need a table with a null class (``has_null_class``)."""
+    if force_drop_ids is not None and not has_null_class:
+        raise ConfigError(NO_NULL_CLASS)
+    if force_drop_ids is None:
+        if drop_prob <= 0:
+            return labels
+        drop = torch.rand(labels.shape[0], device=labels.device) < drop_prob
+    else:
+        drop = force_drop_ids == 1
+    return torch.where(drop, torch.full_like(labels, null_class), labels)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -284,8 +305,7 @@ class DiT(nn.Module):
         """``[B, T, p*p*C_out]`` tokens -> ``[B, C_out, H, W]`` image."""
         B = x.shape[0]
         (h, w), p, c = self.grid_size, self.patch_size, self.out_channels
-        if x.shape[1] != h * w:
-            raise ValueError(f"unpatchify expected {h * w} tokens, got {x.shape[1]}")
+        check_token_count(x, h * w)
         x = x.reshape(B, h, w, p, p, c)
         return torch.einsum("nhwpqc->nchpwq", x).reshape(B, c, h * p, w * p)
 
@@ -325,8 +345,7 @@ class DiT(nn.Module):
     def forward(self, x: Tensor, t: Tensor, y: Tensor, force_drop_ids: Optional[Tensor] = None) -> Tensor:
         """``x``: [B, C, H, W] noisy input; ``t``: [B] (or scalar) timesteps; ``y``: [B] labels
         (``num_classes`` = null class). Returns [B, C_out, H, W]."""
-        if t.ndim == 0:
-            t = t.expand(x.shape[0])
+        t = t.expand(x.shape[0])  # a scalar timestep for the whole batch (unconditional: torch.fx traces it)
         tokens = self.x_embedder(x) + self.pos_embed
         c = self.t_embedder(t) + self.y_embedder(y, self.training, force_drop_ids)
         for block in self.blocks:

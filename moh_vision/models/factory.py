@@ -37,9 +37,10 @@ ROUTING_KEYS = ("shared_heads", "topk")
 # What timm.create_model hands every entry point besides the model's own arguments.
 TIMM_CFG_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
 
-# torch.fx (timm's feature extraction, ``test_model_forward_fx``): an attention layer is one leaf node.
-# Routed layers choose their execution path from the input (device, tokens) and record routing for the
-# caller, which symbolic tracing cannot follow; as a leaf the module runs as it is, inside the graph.
+# torch.fx: timm's tracer (its feature extraction, ``test_model_forward_fx``) keeps an attention layer as one
+# leaf node, which runs eagerly inside the graph (its execution path chosen per call, as without fx). Any other
+# fx tracer (torchvision's create_feature_extractor) traces through the layer: under fx a routed layer runs its
+# reference path (moh_vision.attention.tracing), whose code is traceable.
 register_notrace_module(HeadAttention)
 
 

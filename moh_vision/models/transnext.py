@@ -156,6 +156,21 @@ class AggregatedKeys(NamedTuple):
     bias: Tensor     # [h, N, P] position bias to the pooled tokens
 
 
+# Input checks on shapes: module-level and wrapped for torch.fx, so that any fx tracer (torchvision's
+# create_feature_extractor as well as timm's) records them as one call, run on the real input.
+@torch.fx.wrap
+def check_token_count(x: Tensor, num_tokens: int, resolution: Size2, kernel: str) -> None:
+    if x.shape[1] != num_tokens:
+        raise ConfigError(f"{kernel} was built for a {resolution[0]}x{resolution[1]} token grid ({num_tokens} tokens) "
+                          f"but got {x.shape[1]} tokens; build the model with the img_size of its inputs")
+
+
+@torch.fx.wrap
+def check_key_heads(q: Tensor, k: Tensor) -> None:
+    if k.shape[1] not in (1, q.shape[1]):
+        raise ValueError(f"keys have {k.shape[1]} heads; expected 1 (shared) or {q.shape[1]}")
+
+
 class _TransNeXtAttention(HeadAttention):
     """What both TransNeXt kernels share: length-scaled cosine queries and the position-bias MLP.
 
@@ -217,16 +232,11 @@ class _TransNeXtAttention(HeadAttention):
         return scaled.to(q_norm.dtype)
 
     def check_tokens(self, x: Tensor) -> None:
-        if x.shape[1] != self.num_tokens:
-            H, W = self.input_resolution
-            raise ConfigError(
-                f"{type(self).__name__} was built for a {H}x{W} token grid ({self.num_tokens} tokens) but got "
-                f"{x.shape[1]} tokens; build the model with the img_size of its inputs")
+        check_token_count(x, self.num_tokens, self.input_resolution, type(self).__name__)
 
     @staticmethod
     def check_kv_heads(q: Tensor, k: Tensor) -> None:
-        if k.shape[1] not in (1, q.shape[1]):
-            raise ValueError(f"keys have {k.shape[1]} heads; expected 1 (shared) or {q.shape[1]}")
+        check_key_heads(q, k)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, input_resolution={self.input_resolution}, pretrain_size={self.pretrain_size}"
@@ -269,8 +279,9 @@ class TransNeXtFullAttention(_TransNeXtAttention):
         """``softmax(q k^T + bias) v`` (with attention dropout) for scaled queries ``q``."""
         dropout = self.attn_drop if self.training else 0.0
         if self.fused_attn:
-            if k.shape[1] != q.shape[1]:
-                k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
+            # a shared key/value head broadcast to the query heads (a no-op view where they match; unconditional,
+            # so that torch.fx traces it)
+            k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, scale=1.0)
         attn = (q @ k.transpose(-2, -1) + bias).softmax(dim=-1)
         attn = F.dropout(attn, dropout) if dropout else attn
@@ -564,7 +575,10 @@ def _image_size(value: Union[int, Sequence[int]], name: str) -> Size2:
     return int(size[0]), int(size[1])
 
 
-@register_notrace_function  # torch.fx records the call and runs it on the real input
+# torch.fx (any tracer: torchvision's create_feature_extractor, timm's) records the call as one node and runs it on
+# the real input; timm's registry alone would reach timm's own tracer only
+@torch.fx.wrap
+@register_notrace_function
 def check_input_size(x: Tensor, img_size: Size2) -> None:
     if tuple(x.shape[-2:]) != tuple(img_size):
         raise ConfigError(
