@@ -83,6 +83,9 @@ class EmaConfig:
     warmup: bool = option(False, help="decay min(decay, (1+n)/(10+n)) for short runs")
 
 
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 @dataclass
 class TrainerConfig:
     epochs: int = option(15, at_least=1)
@@ -93,6 +96,8 @@ class TrainerConfig:
     clip_grad: float = option(1.0, at_least=0.0, help="max global grad norm; 0 disables")
     amp: str = option("none", choices=AMP, help="fp16 uses a grad scaler")
     compile: bool = False
+    compile_mode: str = option("default", choices=COMPILE_MODES,
+                               help="torch.compile's mode with compile=true (reduce-overhead: CUDA graphs)")
     throughput_warmup_steps: int = option(1, at_least=0, help="optimizer steps per process left out of "
                                           "summary images_per_sec (with compile=true the first step compiles)")
     ema: EmaConfig = field(default_factory=EmaConfig)

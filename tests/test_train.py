@@ -245,8 +245,12 @@ def test_images_per_sec_leaves_out_compilation(tmp_path, monkeypatch):
 
     clock = Clock()
     monkeypatch.setattr(trainer_module, "time", SimpleNamespace(time=clock.time))
-    monkeypatch.setattr(torch, "compile", lambda model, **_: _SlowFirstCall(model, clock))
-    summary = train_here(tmp_path / "run", monkeypatch, "trainer.compile=true", "trainer.max_steps=4")
+    modes = []
+    monkeypatch.setattr(torch, "compile", lambda model, mode="default", **_: modes.append(mode) or
+                        _SlowFirstCall(model, clock))
+    summary = train_here(tmp_path / "run", monkeypatch, "trainer.compile=true", "trainer.max_steps=4",
+                         "trainer.compile_mode=reduce-overhead")
+    assert modes == ["reduce-overhead"]  # trainer.compile_mode reaches torch.compile (CUDA graphs on a GPU)
     assert summary["steps"] == 4 and summary["throughput_warmup_steps"] == 1
     assert summary["compile_time_s"] == pytest.approx(10.0, abs=0.5)
     assert summary["train_time_s"] >= 10.0

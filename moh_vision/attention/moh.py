@@ -318,7 +318,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
         calls without autograd (inference) on routed layers with plain routers, in eager mode (tracers, exporters,
         ``torch.compile`` and ``torch.func`` transforms see the formulas written out), outside autocast."""
         routers = self.routers() if routers is None else routers
-        return (x.device.type == "cpu" and not torch.is_grad_enabled() and active_tracer(x) is None
+        return (active_tracer(x) is None and x.device.type == "cpu" and not torch.is_grad_enabled()
                 and len(routers) > 0 and not self.learned_shared and not torch.is_autocast_enabled(x.device.type)
                 and x.dim() == 3 and x.dtype == routers[0][1].weight.dtype and self.plain_routers(routers))
 

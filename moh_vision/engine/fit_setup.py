@@ -115,11 +115,11 @@ def build_schedule(sched: Any, base_lr: float, total_steps: int, steps_per_epoch
     return Schedule(fields.pop("name"), base_lr, total_steps, **fields)
 
 
-def wrap_model(model: nn.Module, compile_model: bool, dist: DistInfo) -> nn.Module:
-    """The model that trains: ``torch.compile``d when asked, inside DDP under torchrun."""
+def wrap_model(model: nn.Module, compile_model: bool, dist: DistInfo, compile_mode: str = "default") -> nn.Module:
+    """The model that trains: ``torch.compile``d (with ``compile_mode``) when asked, inside DDP under torchrun."""
     if compile_model:
         from moh_vision.attention.recorder import compile_model as compiled
-        wrapped = compiled(model)
+        wrapped = compiled(model, compile_mode)
     else:
         wrapped = model
     if dist.enabled:
@@ -185,7 +185,7 @@ def build_parts(cfg: Any, optim: Any, sched: Any, dist: DistInfo, seed: int, tas
     schedule = build_schedule(sched, optim.lr, total_steps, loaders.steps_per_epoch)
     ema = EMA(model, cfg.ema.decay, cfg.ema.warmup) if cfg.ema.enabled else None
     return FitParts(
-        task=task, model_name=task.model_cfg["name"], model=model, train_model=wrap_model(model, cfg.compile, dist),
+        task=task, model_name=task.model_cfg["name"], model=model, train_model=wrap_model(model, cfg.compile, dist, cfg.compile_mode),
         params=sum(p.numel() for p in model.parameters()), flops=flops, loaders=loaders, total_steps=total_steps,
         optimizer=optimizer, schedule=schedule, amp=amp_context(cfg.amp, dist.device),
         scaler=torch.amp.GradScaler(dist.device.type) if cfg.amp == "fp16" else None, ema=ema,
