@@ -181,8 +181,9 @@ def aggregate(jobs: List[Dict[str, Any]], metrics: List[str]) -> List[Dict[str, 
 def add_convergence(jobs: List[Dict[str, Any]], root: Path, metric: str, tol: float = CONVERGE_TOL,
                     flat_tol: float = FLAT_TOL, window: int = CONVERGE_WINDOW) -> bool:
     """Set ``job["convergence"]`` (:func:`comparison.convergence` of the metric's per-evaluation values in
-    the job's ``metrics.csv``; None when the file has no history of it, e.g. diffusion's sample metrics,
-    which are computed once at the end). Returns whether any job had a history."""
+    the job's ``metrics.csv``; None when the file holds fewer than two values of it: one value has no
+    history to judge, e.g. diffusion's sample metrics, computed once at the end). Returns whether any job
+    had a history."""
     higher = comparison.higher_is_better(metric)
     found = False
     for job in jobs:
@@ -192,7 +193,7 @@ def add_convergence(jobs: List[Dict[str, Any]], root: Path, metric: str, tol: fl
             continue
         with open(path, newline="") as f:
             history = comparison.history_from_rows(list(csv.DictReader(f)), metric)
-        if history:
+        if len(history) >= 2:
             job["convergence"] = comparison.convergence(history, higher, tol, flat_tol, window)
             found = True
     return found
