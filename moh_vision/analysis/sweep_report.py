@@ -350,6 +350,7 @@ def make_figure(rows: List[Dict[str, Any]], metric: str, jobs: Sequence[Dict[str
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+    from matplotlib.transforms import ScaledTranslation
 
     def measured(key: str) -> bool:
         return any(_finite(r.get(f"{key} mean")) for r in rows)
@@ -380,9 +381,12 @@ def make_figure(rows: List[Dict[str, Any]], metric: str, jobs: Sequence[Dict[str
                             color=style["color"])
                 seeds = [_seed_point(j, key, metric) for j in jobs if j["arm"] == members[i]["arm"]]
                 seeds = [(sx if _finite(sx) else x[i], sy) for sx, sy in seeds if _finite(sy)]
-                if seeds:
-                    ax.scatter([p[0] for p in seeds], [p[1] for p in seeds], s=10, color=style["color"], alpha=0.55,
-                               marker=style["marker"], linewidths=0, zorder=3, label="_seeds")
+                if seeds:  # drawn 7 points left of the error bar, so that the bar does not hide them
+                    shift = ax.transData + ScaledTranslation(-7 / 72, 0, ax.figure.dpi_scale_trans)
+                    ax.scatter([p[0] for p in seeds], [p[1] for p in seeds], s=14, color=style["color"], alpha=0.6,
+                               marker=style["marker"], linewidths=0, zorder=3, label="_seeds", transform=shift)
+                    ax.update_datalim(seeds)  # a shifted artist does not widen the axes by itself
+                    ax.autoscale_view()
         # few ticks, plain numbers without an offset, slanted: long values (0.004012, 12345) never collide
         ax.xaxis.set_major_locator(MaxNLocator(nbins=4, min_n_ticks=2))
         ax.ticklabel_format(axis="x", style="plain", useOffset=False)
