@@ -437,7 +437,11 @@ def write_sweep_report(root: Path, metric: Optional[str] = None, extra: Sequence
     if not jobs:
         raise ConfigError(f"no summary.json under {root} (did the jobs finish?)")
     metric = metric or ("val/acc1" if "val/acc1" in jobs[0]["summary"] else "sample/class_acc")
-    metrics = [metric] + [m for m in extra if m != metric]
+    # the other sample metrics of a diffusion sweep (sample/fd_digits beside sample/class_acc) come along
+    group = metric.split("/", 1)[0] + "/" if metric.startswith("sample/") else None
+    siblings = sorted({k for j in jobs for k in j["summary"] if group and k.startswith(group) and k != metric})
+    metrics = [metric] + [m for m in [*siblings, *extra] if m != metric]
+    metrics = list(dict.fromkeys(metrics))
     rows = aggregate(jobs, metrics)
     add_convergence(jobs, root, metric)
     ref = add_verdicts(rows, jobs, metric, margin, reference)
