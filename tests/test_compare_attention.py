@@ -11,7 +11,7 @@ from helpers import REPO, load_tool, run_entry
 from moh_vision.analysis import sweep_report
 
 ARMS = ("mha", "moh_50", "moh_75", "moh_90", "moa_matched")
-DIGITS = dict(num_classes=10, in_chans=1, img_size=32)  # what the classification task passes for the digits
+DIGITS = dict(num_classes=10, in_chans=1)  # what the classification task passes for the digits (and img_size)
 
 
 def arm_config(arm):
@@ -23,33 +23,36 @@ def test_experiment_is_one_multirun_over_arms_and_seeds():
     text = yaml.safe_load((REPO / "configs" / "experiment" / "compare_attention.yaml").read_text())
     assert text["hydra"]["mode"] == "MULTIRUN"
     params = text["hydra"]["sweeper"]["params"]
-    assert params["+experiment/compare"].split(",") == list(ARMS) and params["seed"].split(",") == ["0", "1", "2", "3", "4"]
+    assert params["+experiment/compare"].split(",") == list(ARMS)
+    assert params["seed"].split(",") == [str(seed) for seed in range(6)]
     assert sorted(p.stem for p in (REPO / "configs" / "experiment" / "compare").glob("*.yaml")) == sorted(ARMS)
 
 
 def test_arms_share_backbone_data_and_recipe_and_differ_in_attention():
     cfgs = {arm: arm_config(arm) for arm in ARMS}
     for arm, cfg in cfgs.items():
-        assert cfg.model.name == "plain_vit_nano" and cfg.model.kwargs.num_heads == 8, arm
-        assert cfg.data.name == "digits" and cfg.trainer == cfgs["mha"].trainer, arm
+        assert cfg.model.name == "plain_vit_nano" and cfg.model.kwargs.num_heads == 8 and cfg.model.kwargs.depth == 4
+        assert cfg.data.name == "digits" and cfg.data.img_size == 16 and cfg.trainer == cfgs["mha"].trainer, arm
         assert cfg.optim == cfgs["mha"].optim and cfg.sched == cfgs["mha"].sched, arm
     assert [cfgs[a].attention.name for a in ARMS] == ["mha", "moh", "moh", "moh", "moa"]
     assert [cfgs[a].attention.get("activation_ratio") for a in ARMS[1:4]] == [0.5, 0.75, 0.9]
-    assert cfgs["moa_matched"].attention.topk == 4 and cfgs["moa_matched"].model.kwargs.head_dim == 32
+    assert cfgs["moa_matched"].attention.topk == 4 and cfgs["moa_matched"].model.kwargs.head_dim == 36
 
 
 def active_gflops(cfg):
     from moh_vision.analysis.flop_count import count_flops
     from moh_vision.models import build_model
 
-    model = build_model(cfg.model.name, attention=dict(cfg.attention), **dict(cfg.model.kwargs), **DIGITS)
-    return count_flops(model, (1, 32, 32))["active_gflops"]
+    size = cfg.data.img_size
+    model = build_model(cfg.model.name, attention=dict(cfg.attention), **dict(cfg.model.kwargs), **DIGITS,
+                        img_size=size)
+    return count_flops(model, (1, size, size))["active_gflops"]
 
 
 def test_moa_matches_the_active_compute_of_moh_50(caplog):
     caplog.set_level(logging.ERROR)
     flops = {arm: active_gflops(arm_config(arm)) for arm in ("mha", "moh_50", "moh_75", "moa_matched")}
-    assert flops["moa_matched"] == pytest.approx(flops["moh_50"], rel=2e-3)   # 0.074655 vs 0.074705
+    assert flops["moa_matched"] == pytest.approx(flops["moh_50"], rel=4e-3)   # 0.012581 vs 0.012622
     assert flops["moh_50"] < flops["moh_75"] < flops["mha"]
 
 
@@ -68,7 +71,7 @@ def test_shrunk_multirun_and_report(tmp_path, capsys):
     assert rows["moh_50"]["attention"] == "moh" and rows["moa_matched"]["attention"] == "moa"
     assert all(r["seeds"] == "1" and float(r["active_gflops mean"]) > 0 for r in rows.values())
     assert float(rows["moa_matched"]["active_gflops mean"]) == pytest.approx(
-        float(rows["moh_50"]["active_gflops mean"]), rel=2e-3)
+        float(rows["moh_50"]["active_gflops mean"]), rel=4e-3)
     assert all(float(r["images_per_sec mean"]) > 0 for r in rows.values())
     assert (tmp_path / "sweep_report.png").is_file() and "| moa_matched | plain_vit_nano | moa |" in printed
 

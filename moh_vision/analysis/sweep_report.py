@@ -8,10 +8,18 @@ that vary across the sweep, the seed excepted: ``+experiment/compare=moh_50`` gi
 so two MoH arms with the same ratio but other heads are never merged. Per arm: mean and standard
 deviation over seeds of the metric, active GFLOPs, GFLOPs, parameters and measured training images/s.
 
-:func:`write_sweep_report` writes ``sweep_report.md``, ``sweep_report.csv`` and ``sweep_report.png`` (the
-metric against the activation ratio, against active GFLOPs and against images/s, one labelled point per
-arm with error bars of one standard deviation over seeds in both directions). Each attention type has one
-colour in every panel (mha blue, moh green, moa orange, preset purple) and each model one marker.
+The verdict (:mod:`moh_vision.analysis.comparison`): each arm against the reference arm (the dense one,
+activation ratio 1.0, unless ``reference=`` names another), the difference of means with its 95% interval
+(Welch) and whether it lies within ``margin`` (default 0.5, in the metric's units: points of top-1).
+Convergence: per job, from its ``metrics.csv``, best against final value of the metric and the trend of its
+last five evaluations; a run that had not reached its plateau is flagged in the table and printed.
+
+:func:`write_sweep_report` writes ``sweep_report.md``, ``sweep_report.csv``, ``sweep_report.json`` (rows,
+verdicts, every job's value and convergence, the settings) and ``sweep_report.png`` (the metric against the
+activation ratio, against active GFLOPs and against images/s, one labelled point per arm with error bars of
+one standard deviation over seeds in both directions, and every seed's own value as a small dot). Each
+attention type has one colour in every panel (mha blue, moh green, moa orange, preset purple) and each
+model one marker.
 """
 from __future__ import annotations
 
@@ -25,10 +33,15 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
+from moh_vision.analysis import comparison
 from moh_vision.checkpoints import run_config
 from moh_vision.errors import ConfigError
 
 DEFAULT_EXTRA = ("active_gflops", "gflops", "params", "images_per_sec")
+DEFAULT_MARGIN = 0.5     # points of top-1: an arm within +-0.5 of dense "keeps dense accuracy"
+CONVERGE_TOL = 0.3       # best vs final value of a run
+FLAT_TOL = 0.5           # rise of the trend over the last CONVERGE_WINDOW evaluations
+CONVERGE_WINDOW = 5
 
 SEED_KEYS = ("seed", "+seed", "++seed")
 # a config group whose option names the arm (the comparison arms; "compare" in multiruns of earlier releases)
@@ -165,6 +178,55 @@ def aggregate(jobs: List[Dict[str, Any]], metrics: List[str]) -> List[Dict[str, 
     return rows
 
 
+def add_convergence(jobs: List[Dict[str, Any]], root: Path, metric: str, tol: float = CONVERGE_TOL,
+                    flat_tol: float = FLAT_TOL, window: int = CONVERGE_WINDOW) -> bool:
+    """Set ``job["convergence"]`` (:func:`comparison.convergence` of the metric's per-evaluation values in
+    the job's ``metrics.csv``; None when the file holds fewer than two values of it: one value has no
+    history to judge, e.g. diffusion's sample metrics, computed once at the end). Returns whether any job
+    had a history."""
+    higher = comparison.higher_is_better(metric)
+    found = False
+    for job in jobs:
+        job["convergence"] = None
+        path = root / job["dir"] / "metrics.csv"
+        if not path.is_file():
+            continue
+        with open(path, newline="") as f:
+            history = comparison.history_from_rows(list(csv.DictReader(f)), metric)
+        if len(history) >= 2:
+            job["convergence"] = comparison.convergence(history, higher, tol, flat_tol, window)
+            found = True
+    return found
+
+
+def add_verdicts(rows: List[Dict[str, Any]], jobs: List[Dict[str, Any]], metric: str,
+                 margin: float = DEFAULT_MARGIN, reference: Optional[str] = None) -> Optional[str]:
+    """Per row: the Welch difference of ``metric`` means against the reference arm (``vs_ref diff``,
+    ``vs_ref low``/``high`` of its 95% interval, ``vs_ref dof``), the ``verdict`` for ``margin``, and
+    ``converged`` ("k/n" runs at their plateau, or "" without histories). Returns the reference arm (None:
+    no dense arm found, no verdicts)."""
+    values: Dict[str, List[float]] = defaultdict(list)
+    for job in jobs:
+        values[job["arm"]].append(job["summary"].get(metric))
+    ref = comparison.reference_arm({r["arm"]: r["activation_ratio"] for r in rows}, reference)
+    if reference and ref is None:
+        arms = ", ".join(r["arm"] for r in rows)
+        raise ConfigError(f"reference={reference} is not an arm of this sweep; arms: {arms}")
+    higher = comparison.higher_is_better(metric)
+    for row in rows:
+        arm = row["arm"]
+        members = [j for j in jobs if j["arm"] == arm and j.get("convergence") is not None]
+        row["converged"] = f"{sum(j['convergence']['converged'] for j in members)}/{len(members)}" if members else ""
+        diff = comparison.welch_difference(values[arm], values[ref]) if ref and arm != ref else None
+        row["vs_ref diff"] = diff["diff"] if diff else float("nan")
+        row["vs_ref low"] = diff["low"] if diff else float("nan")
+        row["vs_ref high"] = diff["high"] if diff else float("nan")
+        row["vs_ref dof"] = diff["dof"] if diff else float("nan")
+        row["verdict"] = "reference" if arm == ref else \
+            comparison.verdict(diff["diff"], diff["low"], diff["high"], margin, higher) if diff else ""
+    return ref
+
+
 def _fmt(v: Any) -> str:
     if isinstance(v, float):
         return "nan" if math.isnan(v) else f"{v:.4g}"
@@ -174,25 +236,81 @@ def _fmt(v: Any) -> str:
 HEADERS = ["arm", "model", "attention", "activation_ratio", "seeds"]
 
 
-def write_markdown(rows: List[Dict[str, Any]], metrics: List[str], path: Path) -> str:
+def write_markdown(rows: List[Dict[str, Any]], metrics: List[str], path: Path, reference: Optional[str] = None,
+                   margin: float = DEFAULT_MARGIN, jobs: Sequence[Dict[str, Any]] = ()) -> str:
     """One row per arm: every metric as mean ± std over seeds; the first (reported) metric also with
-    its 95% confidence interval of the mean and its value per seed (in seed order)."""
+    its 95% confidence interval of the mean, its value per seed (in seed order), the difference of means
+    against the reference arm with its 95% interval (Welch) and the verdict for ``margin``, and how many
+    runs had converged. Below the table: the runs that had not."""
     main = metrics[0]
-    headers = HEADERS + [f"{main} mean ± std", "95% CI", "per seed"] + list(metrics[1:])
+    has_verdict = reference is not None
+    has_convergence = any(r.get("converged") for r in rows)
+    headers = HEADERS + [f"{main} mean ± std", "95% CI", "per seed"]
+    if has_verdict:
+        headers += [f"Δ vs {reference} [95% CI, Welch]", f"verdict (margin {margin:g})"]
+    if has_convergence:
+        headers += ["converged"]
+    headers += list(metrics[1:])
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     for r in rows:
         cells = [_fmt(r[h]) for h in HEADERS]
-        for m in metrics:
+        half = r[f"{main} ci95"]
+        mean, std = r[f"{main} mean"], r[f"{main} std"]
+        cells.append(f"{_fmt(mean)} ± {_fmt(std)}" if r["seeds"] > 1 else _fmt(mean))
+        cells.append(f"[{_fmt(mean - half)}, {_fmt(mean + half)}]" if r["seeds"] > 1 else "")
+        cells.append(r[f"{main} per_seed"])
+        if has_verdict:
+            diff = r["vs_ref diff"]
+            cells.append("" if r["arm"] == reference else
+                         f"{diff:+.3g} [{_fmt(r['vs_ref low'])}, {_fmt(r['vs_ref high'])}]" if _finite(diff) else "n/a")
+            cells.append(r["verdict"])
+        if has_convergence:
+            cells.append(r.get("converged", ""))
+        for m in metrics[1:]:
             mean, std = r[f"{m} mean"], r[f"{m} std"]
             cells.append(f"{_fmt(mean)} ± {_fmt(std)}" if r["seeds"] > 1 else _fmt(mean))
-            if m == main:
-                half = r[f"{m} ci95"]
-                cells.append(f"[{_fmt(mean - half)}, {_fmt(mean + half)}]" if r["seeds"] > 1 else "")
-                cells.append(r[f"{m} per_seed"])
         lines.append("| " + " | ".join(cells) + " |")
     text = "\n".join(lines) + "\n"
+    if has_verdict:
+        text += (f"\nΔ: mean of the arm minus mean of {reference}, 95% interval with Welch's degrees of freedom; "
+                 f"within margin: the whole interval inside ±{margin:g}; better/worse by |Δ|: the whole interval "
+                 f"beyond it; inconclusive: the interval straddles ±{margin:g}.\n")
+    stalled = not_converged(jobs)
+    if has_convergence:
+        text += (f"\nConverged: best and final {main} within {CONVERGE_TOL:g} and the trend of the last "
+                 f"{CONVERGE_WINDOW} evaluations within ±{FLAT_TOL:g}. ")
+        checked = sum(j.get("convergence") is not None for j in jobs)
+        text += ("Every run converged.\n" if not stalled else
+                 f"NOT CONVERGED: {len(stalled)} of {checked} runs\n" + "".join(f"- {line}\n" for line in stalled))
     path.write_text(text)
     return text
+
+
+def not_converged(jobs: Sequence[Dict[str, Any]]) -> List[str]:
+    """One line per run whose metric had not reached its plateau."""
+    out = []
+    for job in jobs:
+        c = job.get("convergence")
+        if c is not None and not c["converged"]:
+            out.append(f"{job['arm']} seed {job['seed']} ({job['dir']}): best {_fmt(c['best'])}, final "
+                       f"{_fmt(c['final'])}, trend of the last evaluations {_fmt(c['trend'])}")
+    return out
+
+
+def write_json(rows: List[Dict[str, Any]], jobs: List[Dict[str, Any]], metric: str, settings: Dict[str, Any],
+               path: Path) -> None:
+    """Everything the report computed, for scripts: the settings, one entry per arm, one per job."""
+    def plain(v: Any) -> Any:
+        return None if isinstance(v, float) and math.isnan(v) else v
+
+    data = {
+        "metric": metric, **settings,
+        "arms": [{k: plain(v) for k, v in r.items()} for r in rows],
+        "jobs": [{"arm": j["arm"], "seed": j["seed"], "dir": j["dir"], metric: plain(j["summary"].get(metric)),
+                  "convergence": {k: plain(v) for k, v in j["convergence"].items()} if j.get("convergence") else None}
+                 for j in jobs],
+    }
+    path.write_text(json.dumps(data, indent=2) + "\n")
 
 
 def write_csv(rows: List[Dict[str, Any]], path: Path) -> None:
@@ -225,12 +343,14 @@ def family_styles(rows: List[Dict[str, Any]]) -> Dict[str, Dict[str, str]]:
                                                  "marker": markers[str(r["model"])]} for r in rows}
 
 
-def make_figure(rows: List[Dict[str, Any]], metric: str):
-    """The report's figure: the metric against the activation ratio, active GFLOPs and images/s."""
+def make_figure(rows: List[Dict[str, Any]], metric: str, jobs: Sequence[Dict[str, Any]] = ()):
+    """The report's figure: the metric against the activation ratio, active GFLOPs and images/s; with
+    ``jobs``, every seed's own value as a small dot beside its arm's mean (a stalled seed shows)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.ticker import MaxNLocator
+    from matplotlib.transforms import ScaledTranslation
 
     def measured(key: str) -> bool:
         return any(_finite(r.get(f"{key} mean")) for r in rows)
@@ -259,6 +379,14 @@ def make_figure(rows: List[Dict[str, Any]], metric: str):
             for i in keep:  # every point names its arm, so arms of one family are told apart
                 ax.annotate(members[i]["arm"], (x[i], y[i]), textcoords="offset points", xytext=(4, 4), fontsize=7,
                             color=style["color"])
+                seeds = [_seed_point(j, key, metric) for j in jobs if j["arm"] == members[i]["arm"]]
+                seeds = [(sx if _finite(sx) else x[i], sy) for sx, sy in seeds if _finite(sy)]
+                if seeds:  # drawn 7 points left of the error bar, so that the bar does not hide them
+                    shift = ax.transData + ScaledTranslation(-7 / 72, 0, ax.figure.dpi_scale_trans)
+                    ax.scatter([p[0] for p in seeds], [p[1] for p in seeds], s=14, color=style["color"], alpha=0.6,
+                               marker=style["marker"], linewidths=0, zorder=3, label="_seeds", transform=shift)
+                    ax.update_datalim(seeds)  # a shifted artist does not widen the axes by itself
+                    ax.autoscale_view()
         # few ticks, plain numbers without an offset, slanted: long values (0.004012, 12345) never collide
         ax.xaxis.set_major_locator(MaxNLocator(nbins=4, min_n_ticks=2))
         ax.ticklabel_format(axis="x", style="plain", useOffset=False)
@@ -274,24 +402,34 @@ def make_figure(rows: List[Dict[str, Any]], metric: str):
             handles.setdefault(name, handle)
     if handles:
         axes[0][-1].legend(list(handles.values()), list(handles), fontsize=8)
-    fig.suptitle(f"{metric}: mean ± std over seeds, one point per arm", fontsize=10)
+    seeds = " (dots: each seed)" if jobs else ""
+    fig.suptitle(f"{metric}: mean ± std over seeds, one point per arm{seeds}", fontsize=10)
     fig.tight_layout()
     return fig
 
 
-def plot(rows: List[Dict[str, Any]], metric: str, path: Path) -> None:
+def _seed_point(job: Dict[str, Any], key: str, metric: str):
+    """One job's (x, y) in the panel of ``key``: its own active GFLOPs / images/s, its arm's ratio."""
+    x = job["ratio"] if key == "activation_ratio" else job["summary"].get(key)
+    y = job["summary"].get(metric)
+    return (float(x) if _finite(x) else float("nan")), (float(y) if _finite(y) else float("nan"))
+
+
+def plot(rows: List[Dict[str, Any]], metric: str, path: Path, jobs: Sequence[Dict[str, Any]] = ()) -> None:
     import matplotlib.pyplot as plt
 
-    fig = make_figure(rows, metric)
+    fig = make_figure(rows, metric, jobs)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def write_sweep_report(root: Path, metric: Optional[str] = None, extra: Sequence[str] = DEFAULT_EXTRA,
-                       out: Optional[Path] = None) -> List[Dict[str, Any]]:
+                       out: Optional[Path] = None, margin: float = DEFAULT_MARGIN,
+                       reference: Optional[str] = None) -> List[Dict[str, Any]]:
     """Report the jobs under ``root`` (searched recursively for ``summary.json``) into ``out`` (default
     ``root``): ``metric`` (default ``val/acc1``, or ``sample/class_acc`` for diffusion) and the ``extra``
-    summary keys, per arm. Prints the table and returns its rows."""
+    summary keys, per arm, each arm against ``reference`` (default: the dense arm) with ``margin``, and
+    every run's convergence. Prints the table and returns its rows."""
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"{root} is not a directory")
@@ -299,13 +437,22 @@ def write_sweep_report(root: Path, metric: Optional[str] = None, extra: Sequence
     if not jobs:
         raise ConfigError(f"no summary.json under {root} (did the jobs finish?)")
     metric = metric or ("val/acc1" if "val/acc1" in jobs[0]["summary"] else "sample/class_acc")
-    metrics = [metric] + [m for m in extra if m != metric]
+    # the other sample metrics of a diffusion sweep (sample/fd_digits beside sample/class_acc) come along
+    group = metric.split("/", 1)[0] + "/" if metric.startswith("sample/") else None
+    siblings = sorted({k for j in jobs for k in j["summary"] if group and k.startswith(group) and k != metric})
+    metrics = [metric] + [m for m in [*siblings, *extra] if m != metric]
+    metrics = list(dict.fromkeys(metrics))
     rows = aggregate(jobs, metrics)
+    add_convergence(jobs, root, metric)
+    ref = add_verdicts(rows, jobs, metric, margin, reference)
     out = Path(out) if out else root
     out.mkdir(parents=True, exist_ok=True)
-    text = write_markdown(rows, metrics, out / "sweep_report.md")
+    text = write_markdown(rows, metrics, out / "sweep_report.md", ref, margin, jobs)
     write_csv(rows, out / "sweep_report.csv")
-    plot(rows, metric, out / "sweep_report.png")
+    settings = {"reference": ref, "margin": margin, "higher_is_better": comparison.higher_is_better(metric),
+                "converge_tol": CONVERGE_TOL, "flat_tol": FLAT_TOL, "converge_window": CONVERGE_WINDOW}
+    write_json(rows, jobs, metric, settings, out / "sweep_report.json")
+    plot(rows, metric, out / "sweep_report.png", jobs)
     print(text)
-    print(f"{len(jobs)} jobs in {len(rows)} arms -> {out / 'sweep_report.md'}, .csv, .png")
+    print(f"{len(jobs)} jobs in {len(rows)} arms -> {out / 'sweep_report.md'}, .csv, .json, .png")
     return rows
