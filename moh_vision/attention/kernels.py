@@ -188,12 +188,19 @@ class HeadAttention(nn.Module):
         return f"dim={self.dim}, num_heads={self.num_heads}, head_dim={self.head_dim}"
 
 
+def broadcast_kv_heads(q: Tensor, k: Tensor, v: Tensor) -> Tuple[Tensor, Tensor]:
+    """``k``/``v`` with a single shared head broadcast to ``q``'s heads. Eagerly only where the head counts
+    differ (two operators fewer per dense layer call: a launch each on a GPU); under torch.fx always, as a
+    no-op view where they match (a comparison of traced shapes cannot steer Python)."""
+    if isinstance(q, torch.fx.Proxy) or k.shape[1] != q.shape[1]:
+        return k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
+    return k, v
+
+
 def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.0, fused: bool = True,
                           scale: Optional[float] = None) -> Tensor:
     """softmax(q k^T * scale) v over the last two dims; k/v may have a single shared head."""
-    # a shared key/value head broadcast to every query head (a no-op view where they match); unconditional, so
-    # that torch.fx traces it (a comparison of traced shapes cannot steer Python)
-    k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
+    k, v = broadcast_kv_heads(q, k, v)
     if fused:
         return F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, scale=scale)
     scale = q.shape[-1] ** -0.5 if scale is None else scale

@@ -37,6 +37,7 @@ from timm.models._features import feature_take_indices
 from torch.utils.checkpoint import checkpoint
 
 from moh_vision.attention import HeadAttention, attention_options, build_attention, layer_options, register_kernel
+from moh_vision.attention.kernels import broadcast_kv_heads
 from moh_vision.attention.sparse import PackedRows, SparseSupport, table_auto
 from moh_vision.errors import ConfigError
 from .factory import build_from_preset, instance_cfg
@@ -279,9 +280,7 @@ class TransNeXtFullAttention(_TransNeXtAttention):
         """``softmax(q k^T + bias) v`` (with attention dropout) for scaled queries ``q``."""
         dropout = self.attn_drop if self.training else 0.0
         if self.fused_attn:
-            # a shared key/value head broadcast to the query heads (a no-op view where they match; unconditional,
-            # so that torch.fx traces it)
-            k, v = k.expand(-1, q.shape[1], -1, -1), v.expand(-1, q.shape[1], -1, -1)
+            k, v = broadcast_kv_heads(q, k, v)  # a shared key/value head to every query head
             return F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=dropout, scale=1.0)
         attn = (q @ k.transpose(-2, -1) + bias).softmax(dim=-1)
         attn = F.dropout(attn, dropout) if dropout else attn
