@@ -9,7 +9,6 @@
 """
 import json
 
-import pytest
 import torch
 import torch._dynamo as dynamo
 from torch._dynamo.utils import counters
@@ -17,7 +16,6 @@ from torch._dynamo.utils import counters
 import moh_vision  # noqa: F401  (registers the models)
 from moh_vision.analysis.op_count import count_ops
 from moh_vision.attention import build_attention, record_routing, routed_modules
-from moh_vision.attention.gates import TokenMajorGates
 
 from helpers import load_tool
 from test_module_state import inputs, make
@@ -98,48 +96,3 @@ def test_bench_models_counts_operators_dense_against_moh(tmp_path, monkeypatch):
     assert "| MoH / dense |" in out.read_text()
     assert json.loads(out.with_suffix(".json").read_text())["rows"] == rows
 
-
-@pytest.mark.parametrize("dim,heads,ratio", [(48, 6, 0.5), (64, 8, 0.5), (32, 4, 0.25), (64, 8, 0.9)])
-def test_written_out_training_gates_equal_the_formulas(dim, heads, ratio, monkeypatch):
-    """Training routes through ``TokenMajorGates`` (one autograd node): output, aux loss, statistics and every
-    gradient (input, qkv, proj, each router) equal the formulas' (h_s = 1, h_s = 0 and h_s > 1 layers)."""
-    from moh_vision.attention.moh import MoH
-
-    torch.manual_seed(0)
-    layer = build_attention("moh", dim, heads, activation_ratio=ratio, impl="masked").train().double()
-    for name, p in layer.named_parameters():
-        if name.startswith("wg"):
-            p.data.normal_(0, 0.5)
-    x = torch.randn(2, 10, dim, dtype=torch.double)
-    results = []
-    for fused in (True, False):
-        if not fused:
-            monkeypatch.setattr(MoH, "uses_token_major_gates", lambda self, x, routers: False)
-        calls = []
-        monkeypatch.setattr(TokenMajorGates, "apply", _counting(TokenMajorGates.apply, calls))
-        xi = x.clone().requires_grad_()
-        with record_routing(layer) as routing:
-            y = layer(xi)
-        (y.square().mean() + routing.aux_loss(coef=0.37)).backward()
-        assert len(calls) == int(fused)
-        grads = {n: p.grad.clone() for n, p in layer.named_parameters()}
-        layer.zero_grad(set_to_none=True)
-        (stats,) = routing.stats().values()
-        results.append((y.detach(), xi.grad, routing.aux_loss().detach(), stats, grads))
-    (y, gx, aux, stats, grads), (y_ref, gx_ref, aux_ref, stats_ref, grads_ref) = results
-    torch.testing.assert_close(y, y_ref)
-    torch.testing.assert_close(gx, gx_ref)
-    torch.testing.assert_close(aux, aux_ref)
-    assert aux > 0
-    torch.testing.assert_close(stats["load"], stats_ref["load"])
-    torch.testing.assert_close(stats["entropy"], stats_ref["entropy"])
-    assert grads.keys() == grads_ref.keys() and any(n.startswith("wg") for n in grads)
-    for name, grad in grads_ref.items():
-        torch.testing.assert_close(grads[name], grad, msg=lambda m: f"{name}: {m}")
-
-
-def _counting(fn, calls):
-    def wrapped(*args):
-        calls.append(1)
-        return fn(*args)
-    return wrapped

@@ -63,7 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moh_vision.errors import ConfigError
-from .gates import TokenMajorGates, head_major_gates
+from .gates import head_major_gates
 from .tracing import active_tracer, freezes_dispatch, refuse_data_dependent, traces_by_module
 from .registry import register_attention
 from .routing import (RoutedMixin, SharedPlusTopK, load_balance_loss, renormalised_topk_gates, resolve_moh_heads, topk_mask)
@@ -314,22 +314,12 @@ class MoH(SharedPlusTopK, RoutedMixin):
 
     def uses_head_major_gates(self, x: Tensor, routers: Optional[Tuple[Tuple[str, nn.Linear], ...]] = None) -> bool:
         """Whether :meth:`route` runs :func:`~moh_vision.attention.gates.head_major_gates` (the same gates,
-        head-major, faster on a CPU) over ``routers`` (default :meth:`routers`; none: one head, always on): CPU
-        calls without autograd (inference) on routed layers with plain routers, in eager mode (tracers, exporters,
+        head-major, faster) over ``routers`` (default :meth:`routers`; none: one head, always on): calls without
+        autograd (inference) on routed layers with plain routers, in eager mode (tracers, exporters,
         ``torch.compile`` and ``torch.func`` transforms see the formulas written out), outside autocast."""
         routers = self.routers() if routers is None else routers
-        return (active_tracer(x) is None and x.device.type == "cpu" and not torch.is_grad_enabled()
-                and len(routers) > 0 and not self.learned_shared and not torch.is_autocast_enabled(x.device.type)
+        return (active_tracer(x) is None and not torch.is_grad_enabled() and len(routers) > 0 and not self.learned_shared and not torch.is_autocast_enabled(x.device.type)
                 and x.dim() == 3 and x.dtype == routers[0][1].weight.dtype and self.plain_routers(routers))
-
-    def uses_token_major_gates(self, x: Tensor, routers: Tuple[Tuple[str, nn.Linear], ...]) -> bool:
-        """Whether :meth:`route` runs :class:`~moh_vision.attention.gates.TokenMajorGates` (the formulas as one
-        autograd node with a written-out backward, in fewer operators): calls that do not run
-        :meth:`uses_head_major_gates` (training; inference off the CPU or under autocast) over plain routers, in
-        eager mode: tracers, exporters, ``torch.compile`` and ``torch.func`` transforms see the formulas written
-        out (the written-out backward is autograd's, not functorch's)."""
-        return (active_tracer(x) is None and not self.learned_shared and len(routers) > 0
-                and self.plain_routers(routers))
 
     def route(self, x: Tensor) -> Route:
         """Per-token head gates ``[B, N, h]`` and the selected routed head indices ``[B, N, k]``
@@ -349,13 +339,6 @@ class MoH(SharedPlusTopK, RoutedMixin):
             if self.recording():
                 self.record_routing(mask, probs, None, gates=gates, heads_dim=1, shared_prefix=h_s)
             return Route(gates, index.transpose(1, 2).contiguous())
-        if k > 0 and self.uses_token_major_gates(x, routers):
-            loss_wanted = self.wants_aux_loss()
-            gates, index, probs, loss, *_ = TokenMajorGates.apply(
-                F.linear(x, self.stacked_router_weight(routers)), h_s, k, loss_wanted)
-            if self.recording():
-                self.record_routing(index, probs, loss, gates=gates, shared_prefix=h_s, index_of=probs.shape[-1])
-            return Route(gates, index)
         logits = self.router_logits(x)
         if h_s > 1:
             shared = logits["wg_1"].softmax(dim=-1) * h_s

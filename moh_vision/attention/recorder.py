@@ -53,7 +53,6 @@ class LayerRecord:
     gates: Optional[Tensor] = None       # [B, N, h], only with keep_selection=True
     keep_selection: bool = False
     shared_prefix: int = 0               # heads 0..shared_prefix-1 always on and not in ``active``
-    index_of: int = 0                    # > 0: ``active`` holds the indices [..., k] of the heads used among these
     _stats: Optional[Dict[str, Any]] = field(default=None, repr=False)
 
     @property
@@ -79,8 +78,6 @@ class LayerRecord:
 
     def _active_last(self) -> Tensor:
         active = self.active.movedim(self.heads_dim, -1)
-        if self.index_of:
-            active = active.new_zeros(*active.shape[:-1], self.index_of, dtype=torch.float32).scatter_(-1, active, 1.0)
         if self.shared_prefix:
             active = torch.cat([active.new_ones(*active.shape[:-1], self.shared_prefix), active], dim=-1)
         return active

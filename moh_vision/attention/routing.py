@@ -120,12 +120,10 @@ class RoutedMixin(AttentionVariant):
         return self.training and torch.is_grad_enabled()
 
     def record_routing(self, active: Tensor, probs: Optional[Tensor], loss: Optional[Tensor],
-                       gates: Optional[Tensor] = None, heads_dim: int = -1, shared_prefix: int = 0,
-                       index_of: int = 0, **extra) -> None:
+                       gates: Optional[Tensor] = None, heads_dim: int = -1, shared_prefix: int = 0, **extra) -> None:
         """Hand what this forward decided to the open recorder: the active mask (heads along ``heads_dim``,
         ``1`` for head-major ``[B, h, N]``; without the first ``shared_prefix`` heads, which every token
-        uses; with ``index_of=R``: the indices [..., k] of the selected heads among R), router probabilities,
-        aux loss (training only), gates [..., h], and ``extra`` statistics.
+        uses), router probabilities, aux loss (training only), gates [..., h], and ``extra`` statistics.
         Only references to tensors the forward made: the recorder computes the statistics when asked
         (:attr:`LayerRecord.stats`)."""
         recorder = active_recorder()
@@ -134,8 +132,7 @@ class RoutedMixin(AttentionVariant):
         keep = recorder.keep_selection
         recorder.add(LayerRecord(self, loss if self.training else None, active.detach(),
                                  None if probs is None else probs.detach(), heads_dim, extra,
-                                 gates.detach() if keep and gates is not None else None, keep, shared_prefix,
-                                 index_of))
+                                 gates.detach() if keep and gates is not None else None, keep, shared_prefix))
 
 
 class SharedPlusTopK:
