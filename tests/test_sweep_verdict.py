@@ -148,6 +148,7 @@ def test_report_states_verdicts_and_flags_runs_that_had_not_converged(tmp_path, 
     assert "NOT CONVERGED: 1 of 9 runs" in table and "moh_50 seed 2" in table and "moh_50 seed 2" in printed
     report = json.loads((root / "sweep_report.json").read_text())
     assert report["reference"] == "mha" and report["margin"] == 0.5 and report["higher_is_better"]
+    assert report["by_arm"]["moh_50"]["verdict"] == "worse by 8" and " " not in "".join(report["by_arm"]["mha"])
     stalled = [j for j in report["jobs"] if not j["convergence"]["converged"]]
     assert [(j["arm"], j["seed"], j["convergence"]["trend"]) for j in stalled] == [("moh_50", 2, pytest.approx(4.0))]
 

@@ -306,6 +306,8 @@ def write_json(rows: List[Dict[str, Any]], jobs: List[Dict[str, Any]], metric: s
     data = {
         "metric": metric, **settings,
         "arms": [{k: plain(v) for k, v in r.items()} for r in rows],
+        # the same by arm name, keys without spaces: what a doc's figure marker addresses (docs/bench/README.md)
+        "by_arm": {r["arm"]: {k.replace(" ", "_"): plain(v) for k, v in r.items()} for r in rows},
         "jobs": [{"arm": j["arm"], "seed": j["seed"], "dir": j["dir"], metric: plain(j["summary"].get(metric)),
                   "convergence": {k: plain(v) for k, v in j["convergence"].items()} if j.get("convergence") else None}
                  for j in jobs],
