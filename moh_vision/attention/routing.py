@@ -4,7 +4,6 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 
 from moh_vision.errors import ConfigError
 from .recorder import LayerRecord, active_recorder
