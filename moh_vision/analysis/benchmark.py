@@ -660,16 +660,20 @@ def build_for_bench(name: str, img_size: int, impl: str, device: torch.device,
     return build_model(name, **kwargs).to(device)
 
 
+def model_inputs(model: torch.nn.Module, batch: int, device: Optional[torch.device] = None) -> Tuple:
+    """Random inputs for one call of ``model``: ``(x, t, y)`` for DiT, ``(images,)`` otherwise."""
+    if hasattr(model, "t_embedder"):  # DiT: (x, t, y)
+        s = model.x_embedder.img_size
+        return (torch.randn(batch, model.in_channels, *s, device=device),
+                torch.randint(0, 1000, (batch,), device=device),
+                torch.randint(0, model.y_embedder.num_classes, (batch,), device=device))
+    return (torch.randn(batch, *model.pretrained_cfg["input_size"], device=device),)
+
+
 def make_step(model: torch.nn.Module, batch: int, device: torch.device, train: bool,
               dtype: torch.dtype) -> Callable[[], None]:
     """One inference call, or one training step (forward, backward, AdamW), on random inputs."""
-    if hasattr(model, "t_embedder"):  # DiT: (x, t, y)
-        s = model.x_embedder.img_size
-        inputs = (torch.randn(batch, model.in_channels, *s, device=device),
-                  torch.randint(0, 1000, (batch,), device=device),
-                  torch.randint(0, model.y_embedder.num_classes, (batch,), device=device))
-    else:
-        inputs = (torch.randn(batch, *model.pretrained_cfg["input_size"], device=device),)
+    inputs = model_inputs(model, batch, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6) if train else None
 
     def step() -> None:

@@ -96,13 +96,6 @@ def host_us(model: torch.nn.Module, x: Tensor, train: bool, calls: int = 200, re
     return statistics.median(times)
 
 
-def model_inputs(model: torch.nn.Module, batch: int) -> Tuple:
-    if hasattr(model, "t_embedder"):  # DiT: (x, t, y)
-        return (torch.randn(batch, model.in_channels, *model.x_embedder.img_size), torch.randint(0, 1000, (batch,)),
-                torch.randint(0, model.y_embedder.num_classes, (batch,)))
-    return (torch.randn(batch, *model.pretrained_cfg["input_size"]),)
-
-
 def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
     """``torch._dynamo.explain`` in eval (no grad) and in training (recorder open): graphs and breaks; and
     the graphs compiled over three training steps with a fresh recorder each (1 when nothing recompiles)."""
@@ -160,6 +153,8 @@ def layer_rows(attention: Dict) -> List[Dict]:
 def model_rows(moh: torch.nn.Module, dense: torch.nn.Module, label: str, batch: int = 2,
                graphs: bool = True) -> List[Dict]:
     """Whole-model operator counts (inference, training) and, with ``graphs``, :func:`graph_counts`."""
+    from .benchmark import model_inputs
+
     inputs = model_inputs(dense, batch)
     rows = []
     for mode in ("infer", "train"):

@@ -25,7 +25,6 @@ forward) are not recorded a second time: their loss and statistics were recorded
 from __future__ import annotations
 
 import contextvars
-import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -33,7 +32,6 @@ import torch
 from torch import nn
 
 Tensor = torch.Tensor
-log = logging.getLogger(__name__)
 
 _ACTIVE: contextvars.ContextVar[Optional["RoutingRecorder"]] = contextvars.ContextVar(
     "moh_vision_routing_recorder", default=None)
