@@ -318,8 +318,9 @@ class MoH(SharedPlusTopK, RoutedMixin):
         autograd (inference) on routed layers with plain routers, in eager mode (tracers, exporters,
         ``torch.compile`` and ``torch.func`` transforms see the formulas written out), outside autocast."""
         routers = self.routers() if routers is None else routers
-        return (active_tracer(x) is None and not torch.is_grad_enabled() and len(routers) > 0 and not self.learned_shared and not torch.is_autocast_enabled(x.device.type)
-                and x.dim() == 3 and x.dtype == routers[0][1].weight.dtype and self.plain_routers(routers))
+        return (active_tracer(x) is None and not torch.is_grad_enabled() and len(routers) > 0
+                and not self.learned_shared and not torch.is_autocast_enabled(x.device.type) and x.dim() == 3
+                and x.dtype == routers[0][1].weight.dtype and self.plain_routers(routers))
 
     def route(self, x: Tensor) -> Route:
         """Per-token head gates ``[B, N, h]`` and the selected routed head indices ``[B, N, k]``
