@@ -80,7 +80,11 @@ def test_bench_models_counts_operators_dense_against_moh(tmp_path, monkeypatch):
 
     monkeypatch.setattr(op_count, "LAYER_SHAPES", ((64, 4),))
     monkeypatch.setattr(op_count, "LAYER_TOKENS", (2, 16))
-    monkeypatch.setattr(op_count, "host_us", lambda model, x, train, **kw: 1.0 if train else 2.0)
+    real_host_us = op_count.host_us
+    timed = real_host_us({"dense": build_attention("mha", 32, 4), "moh": build_attention("moh", 32, 4)},
+                         torch.randn(1, 4, 32), True, calls=2, rounds=3)  # interleaved rounds, both layers
+    assert sorted(timed) == ["dense", "moh", "ratio"] and min(timed.values()) > 0
+    monkeypatch.setattr(op_count, "host_us", lambda layers, x, train, **kw: {"dense": 1.0, "moh": 3.0, "ratio": 2.5})
     out = tmp_path / "ops.md"
     rows = load_tool("bench_models").main(["ops=true", "pairs=dit_tiny_2:dit_tiny_2", "attention=moh",
                                            "attention.activation_ratio=0.5", f"out={out}"])
@@ -93,6 +97,6 @@ def test_bench_models_counts_operators_dense_against_moh(tmp_path, monkeypatch):
         assert by[f"dit_tiny_2 vs dit_tiny_2, torch.compile {mode} graphs"]["moh"] == 1
         assert by[f"dit_tiny_2 vs dit_tiny_2, torch.compile {mode} breaks"]["moh"] == 0
     assert by["dit_tiny_2 vs dit_tiny_2, torch.compile train graphs 3 steps"]["moh"] == 1
-    assert "| MoH / dense |" in out.read_text()
+    assert "| MoH / dense |" in out.read_text() and "| 1.0 | 3.0 | 2.50x |" in out.read_text()  # a timing: its ratio
     assert json.loads(out.with_suffix(".json").read_text())["rows"] == rows
 

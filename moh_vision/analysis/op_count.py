@@ -80,20 +80,29 @@ def steady_count(model: torch.nn.Module, inputs: Tuple, train: bool) -> int:
     return count_ops(call)
 
 
-def host_us(model: torch.nn.Module, x: Tensor, train: bool, calls: int = 200, repeats: int = 5) -> float:
-    """Median over ``repeats`` of the mean wall time (microseconds) of one call on ``x``."""
-    model.train(train)
+def host_us(layers: Dict[str, torch.nn.Module], x: Tensor, train: bool, calls: int = 100,
+            rounds: int = 15) -> Dict[str, float]:
+    """Mean wall time (microseconds) of one call on ``x`` per layer, measured in ``rounds`` that alternate the
+    layers (load on the machine hits both alike): each layer's median over rounds, and ``ratio``, the median
+    over rounds of the second layer's time over the first's."""
     xi = x.clone().requires_grad_() if train else x
-    call = training_call(model, (xi,)) if train else inference_call(model, (xi,))
-    for _ in range(10):
-        call()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(calls):
-            call()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
+    calls_of = {}
+    for name, model in layers.items():
+        model.train(train)
+        calls_of[name] = training_call(model, (xi,)) if train else inference_call(model, (xi,))
+        for _ in range(10):
+            calls_of[name]()
+    times: Dict[str, List[float]] = {name: [] for name in layers}
+    for _ in range(rounds):
+        for name, call in calls_of.items():
+            start = time.perf_counter()
+            for _ in range(calls):
+                call()
+            times[name].append((time.perf_counter() - start) / calls * 1e6)
+    first, second = list(layers)
+    out = {name: round(statistics.median(t), 1) for name, t in times.items()}
+    out["ratio"] = round(statistics.median(b / a for a, b in zip(times[first], times[second])), 3)
+    return out
 
 
 def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
@@ -146,7 +155,7 @@ def layer_rows(attention: Dict) -> List[Dict]:
                                                                                   **options)}
     for mode in ("infer", "train"):
         rows.append({"figure": f"host time per layer call [{batch}, {tokens}, {dim}], {heads} heads, {mode} (us)",
-                     **{k: round(host_us(m, x, mode == "train"), 1) for k, m in layers.items()}})
+                     **host_us(layers, x, mode == "train")})
     return rows
 
 
@@ -171,7 +180,8 @@ def model_rows(moh: torch.nn.Module, dense: torch.nn.Module, label: str, batch: 
 def ops_table(rows: Sequence[Dict], header: str) -> str:
     lines = [header, "", "| figure | dense | MoH | MoH / dense |", "|---|---|---|---|"]
     for r in rows:
-        ratio = f"{r['moh'] / r['dense']:.2f}x" if r["dense"] else "-"
+        ratio = r.get("ratio", r["moh"] / r["dense"] if r["dense"] else None)  # timings: median of round ratios
+        ratio = "-" if ratio is None else f"{ratio:.2f}x"
         lines.append(f"| {r['figure']} | {r['dense']} | {r['moh']} | {ratio} |")
     return "\n".join(lines) + "\n"
 

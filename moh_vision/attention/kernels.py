@@ -171,7 +171,8 @@ class HeadAttention(nn.Module):
         B, h, N, d = o.shape
         if gates is None:
             return o.transpose(1, 2).reshape(B, N, h * d)
-        if custom_functions_opaque() or o.transpose(1, 2).is_contiguous():
+        if isinstance(o, torch.fx.Proxy) or (o.stride(1) == d and o.stride(2) == h * d and o.stride(3) == 1) \
+                or custom_functions_opaque():
             # heads already laid out [B, N, h, d] (SDPA's output): the plain multiply writes the merged layout
             # itself, and autograd's nodes cost less than a Function's (1-1.5% of a 196-token MoH layer's
             # fwd+bwd, docs/performance.md); the same products, so the same values and gradients as GatedMerge

@@ -13,7 +13,10 @@ Gates, as in the official code (parameter names ``wg``, ``wg_0``, ``wg_1`` match
 
 The gates multiply each head's output before the output projection. Training adds the
 load-balance loss ``E * sum_i me_i ce_i`` per routed layer, handed to the caller's recorder
-(:func:`~moh_vision.attention.recorder.record_routing`).
+(:func:`~moh_vision.attention.recorder.record_routing`). Eager calls on the CPU compute gates, loss and
+their gradients in one compiled kernel each way (:mod:`~moh_vision.attention.fused_routing`); everything
+else (CUDA, tracers, exporters, ``torch.compile``, ``torch.func``) runs :func:`formula_route`, the same
+formulas written out with ATen operators.
 
 Learned shared heads (``shared_heads="learned"``, not in the paper; its reviewers asked for it)
 ---------------------------------------------------------------------------------------------
@@ -63,7 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moh_vision.errors import ConfigError
-from .gates import head_major_gates
+from .fused_routing import Routing, fused_route, fused_routing_available
 from .tracing import active_tracer, freezes_dispatch, refuse_data_dependent, traces_by_module
 from .registry import register_attention
 from .routing import (RoutedMixin, SharedPlusTopK, load_balance_loss, renormalised_topk_gates, resolve_moh_heads, topk_mask)
@@ -312,15 +315,15 @@ class MoH(SharedPlusTopK, RoutedMixin):
         fused = F.linear(x, self.stacked_router_weight(routers))
         return dict(zip((name for name, _ in routers), fused.split([r.out_features for _, r in routers], dim=-1)))
 
-    def uses_head_major_gates(self, x: Tensor, routers: Optional[Tuple[Tuple[str, nn.Linear], ...]] = None) -> bool:
-        """Whether :meth:`route` runs :func:`~moh_vision.attention.gates.head_major_gates` (the same gates,
-        head-major, faster) over ``routers`` (default :meth:`routers`; none: one head, always on): calls without
-        autograd (inference) on routed layers with plain routers, in eager mode (tracers, exporters,
-        ``torch.compile`` and ``torch.func`` transforms see the formulas written out), outside autocast."""
+    def uses_fused_routing(self, x: Tensor, routers: Optional[Tuple[Tuple[str, nn.Linear], ...]] = None) -> bool:
+        """Whether :meth:`route` runs the compiled kernel (:mod:`~moh_vision.attention.fused_routing`: the same
+        gates, loss and gradients in one operator each way) over ``routers`` (default :meth:`routers`; none: one
+        head, always on): eager calls on CPU tensors, plain routers, outside autocast; tracers, exporters,
+        ``torch.compile`` and ``torch.func`` transforms see the formulas written out, and so does CUDA."""
         routers = self.routers() if routers is None else routers
-        return (active_tracer(x) is None and not torch.is_grad_enabled() and len(routers) > 0
-                and not self.learned_shared and not torch.is_autocast_enabled(x.device.type) and x.dim() == 3
-                and x.dtype == routers[0][1].weight.dtype and self.plain_routers(routers))
+        return (len(routers) > 0 and not isinstance(x, torch.fx.Proxy) and x.device.type == "cpu" and not self.learned_shared
+                and x.dtype == routers[0][1].weight.dtype and not torch.is_autocast_enabled("cpu")
+                and self.plain_routers(routers) and active_tracer(x) is None and fused_routing_available())
 
     def route(self, x: Tensor) -> Route:
         """Per-token head gates ``[B, N, h]`` and the selected routed head indices ``[B, N, k]``
@@ -328,40 +331,16 @@ class MoH(SharedPlusTopK, RoutedMixin):
         statistics to the open recorder, if any."""
         if self.learned_shared:
             return self.route_learned(x)
-        h_s, k = self.shared_heads, self.topk
         routers = self.routers()  # walked once per call: this runs in every forward
-        if self.uses_head_major_gates(x, routers):
-            gates, index, probs, mask = head_major_gates(x, self.stacked_router_weight(routers), h_s, k)
-            gates = gates.transpose(1, 2).contiguous()  # [B, N, h] as the formulas give them (a few numbers a token)
-            if k == 0:
-                if self.recording():  # every head active: an empty routed selection after h_s always-on heads
-                    self.record_routing(gates[..., :0], None, None, gates=gates, shared_prefix=h_s)
-                return Route(gates, None)
-            if self.recording():
-                self.record_routing(mask, probs, None, gates=gates, heads_dim=1, shared_prefix=h_s)
-            return Route(gates, index.transpose(1, 2).contiguous())
-        logits = self.router_logits(x)
-        if h_s > 1:
-            shared = logits["wg_1"].softmax(dim=-1) * h_s
+        args = (self.num_heads - self.shared_heads, self.shared_heads, self.topk, self.wants_aux_loss())
+        if self.uses_fused_routing(x, routers):
+            routing = fused_route(F.linear(x, self.stacked_router_weight(routers)), *args)
         else:
-            shared = x.new_ones(x.shape[:-1] + (h_s,))  # a size, not *args: torch.fx traces it
-        if k == 0:
-            if self.recording():
-                self.record_routing(shared[..., :0], None, None, gates=shared, shared_prefix=h_s)
-            return Route(shared, None)
-
-        probs = logits["wg"].softmax(dim=-1)
-        index, mask = topk_mask(probs.detach(), k)
-        routed = renormalised_topk_gates(probs, mask, k)
-        if h_s > 0:
-            mix = logits["wg_0"].softmax(dim=-1) * 2
-            gates = torch.cat([shared * mix[..., :1], routed * mix[..., 1:]], dim=-1)
-        else:
-            gates = routed
-        loss = load_balance_loss(probs, mask) if self.wants_aux_loss() else None
+            routing = formula_route(self.router_logits(x), x, *args)
         if self.recording():
-            self.record_routing(mask, probs, loss, gates=gates, shared_prefix=h_s)
-        return Route(gates, index)
+            self.record_routing(routing.mask, routing.probs if self.topk > 0 else None, routing.loss,
+                                gates=routing.gates, shared_prefix=self.shared_heads)
+        return Route(routing.gates, routing.index if self.topk > 0 else None)
 
     def forward(self, x: Tensor) -> Tensor:
         route = self.route(x)
@@ -411,6 +390,28 @@ class MoH(SharedPlusTopK, RoutedMixin):
                    if self.learned_shared else "")
         return (f"{super().extra_repr()}, shared_heads={self.shared_heads}{learned}, topk={self.topk}, "
                 f"active={self.active_heads()}/{self.num_heads}, impl={self.impl}")
+
+
+def formula_route(logits: Dict[str, Tensor], x: Tensor, routed: int, shared: int, topk: int,
+                  with_loss: bool) -> Routing:
+    """MoH's gates written out with ATen operators, from each router's logits (:meth:`MoH.router_logits`):
+    what tracers, exporters, ``torch.compile``, ``torch.func`` and CUDA run, and the reference the fused
+    kernel is tested against. ``probs``/``mask`` are empty when nothing is routed (``topk == 0``)."""
+    if shared > 1:
+        shared_gates = logits["wg_1"].softmax(dim=-1) * shared
+    else:
+        shared_gates = x.new_ones(x.shape[:-1] + (shared,))  # a size, not *args: torch.fx traces it
+    if topk == 0:
+        return Routing(shared_gates, None, shared_gates[..., :0], None, None)
+    probs = logits["wg"].softmax(dim=-1)
+    index, mask = topk_mask(probs.detach(), topk)
+    routed_gates = renormalised_topk_gates(probs, mask, topk)
+    if shared > 0:
+        mix = logits["wg_0"].softmax(dim=-1) * 2
+        gates = torch.cat([shared_gates * mix[..., :1], routed_gates * mix[..., 1:]], dim=-1)
+    else:
+        gates = routed_gates
+    return Routing(gates, probs, mask, index, load_balance_loss(probs, mask) if with_loss else None)
 
 
 def top_mask(scores: Tensor, count: int) -> Tensor:

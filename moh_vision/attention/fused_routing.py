@@ -1,0 +1,113 @@
+"""MoH's routing as one compiled CPU kernel forward and one backward.
+
+Written out with ATen operators (:meth:`MoH.route <moh_vision.attention.moh.MoH.route>`), a layer's gates
+take three softmaxes, a top-k, a scatter, the renormalisation, the mix, the load-balance loss and the
+backward of each: about 30 operators forward and 70 backward on a few numbers per token, where the host's
+per-operator cost is most of the time. ``csrc/moh_routing.cpp`` does all of it per token in one kernel each
+way (``torch.ops.moh_routing.route`` / ``route_backward``, registered with ``torch.library``): from the
+stacked routers' logits ``[..., L]`` it returns the gates ``[..., h]``, the routed softmax ``[..., R]``, the
+0/1 selection ``[..., R]``, the selected heads ``[..., k]`` and (training) the load-balance loss; its backward
+is the formulas' derivative written out. Equal to the formulas up to rounding (``tests/test_fused_routing.py``:
+values, selections, the loss and every gradient).
+
+Where it runs: eager calls on CPU tensors (:meth:`MoH.uses_fused_routing`); tracers, exporters,
+``torch.compile`` (whose own code generation fuses the formulas) and ``torch.func`` see the formulas, and so
+does CUDA. The kernel is compiled on first use with the C++ compiler torch's extensions use
+(``torch.utils.cpp_extension``: g++ and ninja, about 30 s, once per machine: the build is cached under
+``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without a compiler, or with
+``MOH_VISION_FUSED_ROUTING=0`` in the environment, MoH runs the formulas (same values) and says so once.
+
+Ties: the kernel takes the lower head among equal probabilities; ``torch.topk`` leaves the order of ties
+unspecified, so on exactly tied router outputs (a zero router) the two may select different heads.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import NamedTuple, Optional
+
+import torch
+
+Tensor = torch.Tensor
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("csrc") / "moh_routing.cpp"
+ENV_SWITCH = "MOH_VISION_FUSED_ROUTING"
+
+_lock = threading.Lock()
+_loaded: Optional[bool] = None  # None: not tried yet; the build is per process, not per model
+
+
+def fused_routing_available() -> bool:
+    """Whether ``torch.ops.moh_routing`` is loaded (built on the first call; False, said once, if it cannot be)."""
+    global _loaded
+    if _loaded is None:
+        with _lock:
+            if _loaded is None:
+                _loaded = _build()
+    return _loaded
+
+
+def _build() -> bool:
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        log.info("%s=0: MoH's routing runs as ATen operators", ENV_SWITCH)
+        return False
+    if hasattr(torch.ops, "moh_routing") and hasattr(torch.ops.moh_routing, "route"):
+        return True
+    try:
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "no CUDA runtime" on CPU hosts
+        from torch.utils import cpp_extension
+        log.info("loading MoH's fused routing kernel (compiled on first use: ~30 s once per machine)")
+        version = "".join(c if c.isalnum() else "_" for c in torch.__version__)  # a build per torch (its ABI)
+        cpp_extension.load(name=f"moh_vision_routing_{version}", sources=[str(SOURCE)], extra_cflags=["-O3"],
+                           is_python_module=False, verbose=False)
+        return True
+    except Exception as error:  # no compiler, no ninja, a read-only cache: the formulas are exact too
+        log.warning("MoH's fused routing kernel could not be built (%s); the routing runs as ATen operators "
+                    "(the same values; set %s=0 to skip the attempt)", str(error).splitlines()[0][:200], ENV_SWITCH)
+        return False
+
+
+class Routing(NamedTuple):
+    """MoH's routing of one forward: what :func:`fused_route` and the formulas
+    (:func:`~moh_vision.attention.moh.formula_route`) return."""
+
+    gates: Tensor                # [..., h]
+    probs: Optional[Tensor]      # [..., R] routed softmax (topk == 0: empty or None)
+    mask: Tensor                 # [..., R] 0/1 selection (topk == 0: empty)
+    index: Optional[Tensor]      # [..., k] selected routed heads, by decreasing probability
+    loss: Optional[Tensor]       # load-balance loss (float32 scalar) when asked for
+
+
+class _FusedRoute(torch.autograd.Function):
+    # forward(ctx, ...) rather than setup_context: Function.apply binds a setup_context Function's arguments
+    # with inspect.signature, ~50 us a call (more than the kernel); this Function never runs under torch.func
+    @staticmethod
+    def forward(ctx, logits: Tensor, routed: int, shared: int, topk: int, with_loss: bool):
+        out = torch.ops.moh_routing.route(logits, routed, shared, topk, with_loss)
+        ctx.save_for_backward(logits, out[1], out[2])
+        ctx.layout = (routed, shared, topk)
+        ctx.mark_non_differentiable(out[1], out[2], out[3])
+        ctx.set_materialize_grads(False)  # no zero tensors for the outputs without a gradient
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_gates, _probs, _mask, _index, grad_loss):
+        logits, probs, mask = ctx.saved_tensors
+        if grad_gates is None:  # only the loss was used
+            grad_gates = logits.new_zeros(*logits.shape[:-1], sum(ctx.layout[:2]))
+        grad = torch.ops.moh_routing.route_backward(grad_gates, grad_loss, logits, probs, mask, *ctx.layout)
+        return grad, None, None, None, None
+
+
+def fused_route(logits: Tensor, routed: int, shared: int, topk: int, with_loss: bool) -> Routing:
+    """MoH's gates from the stacked router logits ``[..., L]`` (rows ``wg``, ``wg_0``, ``wg_1`` as
+    :meth:`MoH.stacked_router_weight` stacks them), with ``routed = h - h_s`` routed heads; the load-balance
+    loss when ``with_loss``. Needs :func:`fused_routing_available`."""
+    if torch.is_grad_enabled() and logits.requires_grad:
+        gates, probs, mask, index, loss = _FusedRoute.apply(logits, routed, shared, topk, with_loss)
+    else:  # nothing to differentiate: the operator alone
+        gates, probs, mask, index, loss = torch.ops.moh_routing.route(logits, routed, shared, topk, with_loss)
+    return Routing(gates, probs, mask, index, loss if loss.dim() == 0 else None)

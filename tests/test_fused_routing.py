@@ -1,0 +1,166 @@
+"""MoH's fused routing kernel (moh_vision/attention/fused_routing.py, csrc/moh_routing.cpp) against the formulas
+written out with ATen operators (moh.formula_route): gates, probabilities, selections, the load-balance loss
+and every gradient, alone and inside the layer (masked and sparse), in training and inference."""
+import pytest
+import torch
+
+from moh_vision.attention import build_attention, record_routing
+from moh_vision.attention import fused_routing
+from moh_vision.attention.fused_routing import fused_route, fused_routing_available
+from moh_vision.attention.moh import formula_route
+
+pytestmark = pytest.mark.skipif(not fused_routing_available(), reason="no C++ compiler for torch extensions")
+
+# (heads, shared, topk): mix + shared softmax, one shared head, no shared head, every head shared, wider pools
+LAYOUTS = [(6, 2, 2), (8, 1, 3), (4, 0, 2), (6, 6, 0), (8, 4, 3), (16, 4, 7)]
+
+
+def routers(heads, shared, topk):
+    """(name, rows) of the routers a layer has, in the order MoH stacks them."""
+    rows = [("wg", heads - shared)] if topk > 0 else []
+    rows += [("wg_0", 2)] if topk > 0 and shared > 0 else []
+    return rows + ([("wg_1", shared)] if shared > 1 else [])
+
+
+def split(logits, heads, shared, topk):
+    """The stacked logits [..., L] as formula_route takes them: one entry per router."""
+    names, sizes = zip(*routers(heads, shared, topk))
+    return dict(zip(names, logits.split(list(sizes), dim=-1)))
+
+
+def width(heads, shared, topk):
+    return sum(rows for _, rows in routers(heads, shared, topk))
+
+
+def both(logits, heads, shared, topk, with_loss):
+    args = (heads - shared, shared, topk, with_loss)
+    x = logits.new_zeros(logits.shape[:-1] + (1,))
+    return fused_route(logits, *args), formula_route(split(logits, heads, shared, topk), x, *args)
+
+
+def gradients(route, logits, grad_gates, loss_weight):
+    leaf = logits.detach().clone().requires_grad_()
+    out = route(leaf)
+    total = (out.gates * grad_gates).sum() + (loss_weight * out.loss if out.loss is not None else 0)
+    total.backward()
+    return leaf.grad
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("with_loss", [True, False])
+def test_fused_route_equals_the_formulas_in_values_and_gradients(layout, with_loss):
+    heads, shared, topk = layout
+    torch.manual_seed(sum(layout))
+    logits = torch.randn(3, 7, width(*layout), dtype=torch.float64) * 2
+    fused, ref = both(logits, *layout, with_loss)
+    torch.testing.assert_close(fused.gates, ref.gates, rtol=1e-13, atol=1e-14)
+    if topk > 0:
+        torch.testing.assert_close(fused.probs, ref.probs, rtol=1e-13, atol=1e-14)
+        assert torch.equal(fused.mask, ref.mask) and torch.equal(fused.index, ref.index)
+        assert fused.index.dtype == torch.long and fused.index.shape == (3, 7, topk)
+    if with_loss and topk > 0:
+        assert fused.loss.dtype == torch.float32
+        torch.testing.assert_close(fused.loss, ref.loss, rtol=1e-6, atol=0)
+    else:
+        assert fused.loss is None and ref.loss is None
+
+    grad_gates = torch.randn_like(fused.gates)
+    g_fused = gradients(lambda t: fused_route(t, heads - shared, shared, topk, with_loss), logits, grad_gates, 0.7)
+    g_ref = gradients(lambda t: formula_route(split(t, *layout), t[..., :1], heads - shared, shared, topk, with_loss),
+                      logits, grad_gates, 0.7)
+    torch.testing.assert_close(g_fused, g_ref, rtol=1e-6, atol=1e-9)  # the loss's float32 path sets the tolerance
+
+
+def test_fused_route_passes_gradcheck_and_takes_the_loss_alone():
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 5, width(8, 2, 3), dtype=torch.float64) * 2).requires_grad_()
+    assert torch.autograd.gradcheck(lambda t: fused_route(t, 6, 2, 3, False).gates, (logits,))
+    loss_only = fused_route(logits, 6, 2, 3, True).loss  # the gates take no part: a gradient from the loss only
+    (g,) = torch.autograd.grad(loss_only, logits)
+    ref = formula_route(split(logits, 8, 2, 3), logits[..., :1], 6, 2, 3, True).loss
+    (g_ref,) = torch.autograd.grad(ref, logits)
+    torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-9)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
+def test_fused_route_in_single_and_half_precision(dtype, tol):
+    torch.manual_seed(1)
+    logits = torch.randn(4, 9, width(8, 2, 3)).to(dtype)
+    fused, ref = both(logits, 8, 2, 3, True)
+    assert fused.gates.dtype == dtype
+    torch.testing.assert_close(fused.gates, ref.gates, rtol=tol, atol=tol)
+    assert (fused.mask.sum(-1) == 3).all()
+    torch.testing.assert_close(fused.loss, ref.loss, rtol=tol, atol=tol)
+
+
+def test_ties_go_to_the_lower_head():
+    """A zero router ties every routed head: the kernel takes the first k (torch.topk leaves tie order open)."""
+    out = fused_route(torch.zeros(2, 3, width(8, 2, 3)), 6, 2, 3, False)
+    assert out.index.tolist() == [[[0, 1, 2]] * 3] * 2
+    torch.testing.assert_close(out.gates[..., 2:5], torch.ones(2, 3, 3))  # mix 1, renormalised uniform x k
+
+
+@pytest.mark.parametrize("options", [dict(activation_ratio=0.5, impl="masked"), dict(activation_ratio=0.75, impl="sparse"),
+                                     dict(shared_heads=0, topk=2, impl="masked"), dict(shared_heads=1, topk=3, impl="masked"),
+                                     dict(activation_ratio=1.0, impl="masked")])
+@pytest.mark.parametrize("training", [True, False])
+def test_layer_with_the_kernel_equals_the_layer_with_the_formulas(options, training, monkeypatch):
+    """Output, every parameter's and the input's gradient, the recorded aux loss and statistics."""
+    torch.manual_seed(3)
+    m = build_attention("moh", 48, 6, **options).double().train(training)
+    with torch.no_grad():
+        for name in ("wg", "wg_0", "wg_1"):
+            if hasattr(m, name):
+                getattr(m, name).weight.normal_(0, 0.5)
+    x = torch.randn(3, 9, 48, dtype=torch.float64)
+    assert m.uses_fused_routing(x)
+
+    def run():
+        xi = x.clone().requires_grad_()
+        with record_routing(m, keep_selection=True) as routing:
+            y = m(xi)
+        (y.square().mean() + routing.aux_loss()).backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        m.zero_grad(set_to_none=True)
+        return y.detach(), xi.grad, grads, routing
+
+    y, gx, grads, routing = run()
+    with monkeypatch.context() as patch:
+        patch.setattr(m, "uses_fused_routing", lambda *args: False)
+        y_ref, gx_ref, grads_ref, routing_ref = run()
+    torch.testing.assert_close(y, y_ref, rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(gx, gx_ref, rtol=1e-6, atol=1e-10)
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], rtol=1e-6, atol=1e-10, msg=name)
+    assert len(routing.records) == len(routing_ref.records) == 1
+    (rec,), (rec_ref,) = routing.records, routing_ref.records
+    if training and m.topk > 0:
+        torch.testing.assert_close(rec.aux_loss, rec_ref.aux_loss, rtol=1e-6, atol=0)
+    else:
+        assert rec.aux_loss is None and rec_ref.aux_loss is None
+    torch.testing.assert_close(rec.stats["load"], rec_ref.stats["load"], rtol=0, atol=0)
+    if m.topk == 0:
+        assert rec.stats["entropy"] is None and rec_ref.stats["entropy"] is None
+    else:
+        torch.testing.assert_close(rec.stats["entropy"], rec_ref.stats["entropy"], rtol=1e-6, atol=1e-7)
+    assert torch.equal(rec.selection, rec_ref.selection)
+
+
+def test_the_formulas_run_wherever_the_kernel_must_not(monkeypatch):
+    """Under jit.trace, autocast, with a hook on a router, on learned shared heads, or switched off."""
+    m = build_attention("moh", 32, 8, shared_heads=2, topk=3, impl="masked")
+    x = torch.randn(2, 5, 32)
+    assert m.uses_fused_routing(x)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not m.uses_fused_routing(x)
+    hook = m.wg.register_forward_hook(lambda *_: None)
+    assert not m.uses_fused_routing(x)
+    hook.remove()
+    seen = []
+    m.uses_fused_routing = (lambda f: lambda t, *r: seen.append(f(t, *r)) or seen[-1])(m.uses_fused_routing)
+    torch.jit.trace(m.eval(), (x,), check_trace=False)
+    assert seen == [False]
+    learned = build_attention("moh", 32, 8, shared_heads="learned", activation_ratio=0.5, impl="masked")
+    assert not learned.uses_fused_routing(x)
+    monkeypatch.setenv(fused_routing.ENV_SWITCH, "0")
+    assert fused_routing._build() is False
