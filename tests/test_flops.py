@@ -1,5 +1,6 @@
 """FLOP counting: fvcore counts equal hand-written formulas, active FLOPs follow the routing
 configuration, and no op of any registered model family escapes the count."""
+import json
 import math
 
 import pytest
@@ -216,6 +217,8 @@ def test_tool_table(capsys, tmp_path):
     printed = capsys.readouterr().out
     assert "| dit_tiny_2 | moh @0.5 | 16px |" in printed and "| plain_vit_nano | moh @0.5 | 32px |" in printed
     assert (tmp_path / "t.md").read_text() == printed
+    record = json.loads((tmp_path / "t.json").read_text())  # the record docs/bench quotes from
+    assert record["rows"] == rows and record["attention"]["activation_ratio"] == 0.5
     for row in rows:
         assert 0 < row["active_ratio"] < 1 and row["active_gflops"] < row["gflops"]
     csv_text = format_table(rows, "csv")

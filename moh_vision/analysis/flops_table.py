@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import csv
 import io
+import json
 import logging
 import time
 from pathlib import Path
@@ -181,6 +182,7 @@ def flops_table(models: Sequence[str] = (), attention: Optional[Dict[str, Any]] 
         for key in ("in_chans", "in_channels"):
             build_kwargs.pop(key, None)
     rows = []
+    begin = time.time()
     with torch.no_grad():
         for name in models:
             start = time.time()
@@ -188,6 +190,11 @@ def flops_table(models: Sequence[str] = (), attention: Optional[Dict[str, Any]] 
             log.info("counted %s in %.1fs", name, time.time() - start)
     table = format_table(rows, fmt)
     print(table, end="")
-    if out:
+    if out:  # the table, and beside it the rows as a JSON record (what docs quote: docs/bench/README.md)
         Path(out).write_text(table)
+        record = {"what": "parameters, dense-equivalent, active and pointwise GFLOPs (fvcore convention: one fused "
+                          "multiply-add = one flop, forward, one image)", "models": models, "attention": attention,
+                  "img_size": img_size, "in_chans": in_chans, "run": run, "torch": torch.__version__,
+                  "date": time.strftime("%Y-%m-%d"), "wall_s": round(time.time() - begin, 1), "rows": rows}
+        Path(out).with_suffix(".json").write_text(json.dumps(record, indent=1, default=str))
     return rows
