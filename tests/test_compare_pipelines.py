@@ -30,7 +30,7 @@ def test_classification_comparison_through_the_report(train_in_process, tmp_path
         sorted(f"compare={arm},seed={seed}" for arm in arms for seed in (0, 1))
     rows, data, table = report(tmp_path)
     assert sorted(rows) == sorted(arms) and all(r["seeds"] == "2" for r in rows.values())
-    assert data["metric"] == "val/acc1" and data["reference"] == "mha" and rows["mha"]["verdict"] == "reference"
+    assert data["metric"] == "val_ema/acc1" and data["reference"] == "mha" and rows["mha"]["verdict"] == "reference"
     for arm in arms[1:]:  # one step from a random init: chance-level arms, differences wide of a 0.5 margin
         assert rows[arm]["verdict"] in ("inconclusive", "within margin") or \
             rows[arm]["verdict"].startswith(("worse by", "better by")), rows[arm]

@@ -16,7 +16,7 @@ from moh_vision.cli import Option, list_of, number, run_tool, text
 
 OPTIONS = (
     Option("dir", required=True, help="a multirun directory (searched recursively for summary.json)"),
-    Option("metric", help="metric to report (default: val/acc1, or sample/class_acc for diffusion)"),
+    Option("metric", help="metric to report (default: val_ema/acc1 when the runs kept an EMA, else val/acc1; sample/class_acc for diffusion)"),
     Option("extra", list(DEFAULT_EXTRA), type=list_of(text), help="further summary keys to aggregate"),
     Option("margin", DEFAULT_MARGIN, type=number, minimum=0.0,
            help="equivalence margin of the verdict, in the metric's units (points of top-1)"),

@@ -425,11 +425,21 @@ def plot(rows: List[Dict[str, Any]], metric: str, path: Path, jobs: Sequence[Dic
     plt.close(fig)
 
 
+def default_metric(jobs: Sequence[Dict[str, Any]]) -> str:
+    """``val_ema/acc1`` when every job evaluated an EMA of its weights (``trainer.ema.enabled``: the smoother
+    of the two curves, what a recipe with an EMA is judged by), else ``val/acc1``; ``sample/class_acc`` for
+    diffusion sweeps."""
+    for metric in ("val_ema/acc1", "val/acc1"):
+        if all(metric in job["summary"] for job in jobs):
+            return metric
+    return "sample/class_acc"
+
+
 def write_sweep_report(root: Path, metric: Optional[str] = None, extra: Sequence[str] = DEFAULT_EXTRA,
                        out: Optional[Path] = None, margin: float = DEFAULT_MARGIN,
                        reference: Optional[str] = None) -> List[Dict[str, Any]]:
     """Report the jobs under ``root`` (searched recursively for ``summary.json``) into ``out`` (default
-    ``root``): ``metric`` (default ``val/acc1``, or ``sample/class_acc`` for diffusion) and the ``extra``
+    ``root``): ``metric`` (default: :func:`default_metric`) and the ``extra``
     summary keys, per arm, each arm against ``reference`` (default: the dense arm) with ``margin``, and
     every run's convergence. Prints the table and returns its rows."""
     root = Path(root)
@@ -438,7 +448,7 @@ def write_sweep_report(root: Path, metric: Optional[str] = None, extra: Sequence
     jobs = load_jobs(root)
     if not jobs:
         raise ConfigError(f"no summary.json under {root} (did the jobs finish?)")
-    metric = metric or ("val/acc1" if "val/acc1" in jobs[0]["summary"] else "sample/class_acc")
+    metric = metric or default_metric(jobs)
     # the other sample metrics of a diffusion sweep (sample/fd_digits beside sample/class_acc) come along
     group = metric.split("/", 1)[0] + "/" if metric.startswith("sample/") else None
     siblings = sorted({k for j in jobs for k in j["summary"] if group and k.startswith(group) and k != metric})
