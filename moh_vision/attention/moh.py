@@ -281,9 +281,12 @@ class MoH(SharedPlusTopK, RoutedMixin):
     # --- routing ---------------------------------------------------------------------------------
     def routers(self) -> Tuple[Tuple[str, nn.Linear], ...]:
         """The layer's router projections that exist (``wg``, ``wg_0``, ``wg_1``), in that order."""
+        # eagerly the submodule dict itself (Module.__getattr__ is a Python call per name, in every forward);
+        # compiled, getattr, which every torch traces
+        modules = None if torch.compiler.is_compiling() else self._modules
         found = []
         for name in ("wg", "wg_0", "wg_1"):  # a loop, not a generator with ":=": torch 2.11's compile cannot trace that
-            router = getattr(self, name, None)
+            router = getattr(self, name, None) if modules is None else modules.get(name)
             if isinstance(router, nn.Linear):
                 found.append((name, router))
         return tuple(found)
@@ -292,8 +295,12 @@ class MoH(SharedPlusTopK, RoutedMixin):
     def plain_routers(routers: Tuple[Tuple[str, nn.Linear], ...]) -> bool:
         """Whether ``routers`` (:meth:`routers`) are bias-free ``nn.Linear`` without hooks (a hook must still
         fire), so that their weights can be stacked and run as one GEMM."""
-        return all(type(r) is nn.Linear and r.bias is None and not (r._forward_hooks or r._forward_pre_hooks)
-                   for _, r in routers)
+        eager = not torch.compiler.is_compiling()  # eagerly the parameter dict itself, as in routers()
+        for _, r in routers:  # a loop, not all(<generator>): no generator object per call
+            bias = r._parameters.get("bias") if eager else r.bias
+            if type(r) is not nn.Linear or bias is not None or r._forward_hooks or r._forward_pre_hooks:
+                return False
+        return True
 
     @staticmethod
     def stacked_router_weight(routers: Tuple[Tuple[str, nn.Linear], ...]) -> Tensor:
