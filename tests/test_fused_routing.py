@@ -1,6 +1,11 @@
 """MoH's fused routing kernel (moh_vision/attention/fused_routing.py, csrc/moh_routing.cpp) against the formulas
 written out with ATen operators (moh.formula_route): gates, probabilities, selections, the load-balance loss
 and every gradient, alone and inside the layer (masked and sparse), in training and inference."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -9,7 +14,8 @@ from moh_vision.attention import fused_routing
 from moh_vision.attention.fused_routing import fused_route, fused_routing_available
 from moh_vision.attention.moh import formula_route
 
-pytestmark = pytest.mark.skipif(not fused_routing_available(), reason="no C++ compiler for torch extensions")
+REPO = Path(__file__).resolve().parents[1]
+needs_kernel = pytest.mark.skipif(not fused_routing_available(), reason="no C++ compiler for torch extensions")
 
 # (heads, shared, topk): mix + shared softmax, one shared head, no shared head, every head shared, wider pools
 LAYOUTS = [(6, 2, 2), (8, 1, 3), (4, 0, 2), (6, 6, 0), (8, 4, 3), (16, 4, 7)]
@@ -46,6 +52,7 @@ def gradients(route, logits, grad_gates, loss_weight):
     return leaf.grad
 
 
+@needs_kernel
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("with_loss", [True, False])
 def test_fused_route_equals_the_formulas_in_values_and_gradients(layout, with_loss):
@@ -71,6 +78,7 @@ def test_fused_route_equals_the_formulas_in_values_and_gradients(layout, with_lo
     torch.testing.assert_close(g_fused, g_ref, rtol=1e-6, atol=1e-9)  # the loss's float32 path sets the tolerance
 
 
+@needs_kernel
 def test_fused_route_passes_gradcheck_and_takes_the_loss_alone():
     torch.manual_seed(0)
     logits = (torch.randn(2, 5, width(8, 2, 3), dtype=torch.float64) * 2).requires_grad_()
@@ -82,6 +90,7 @@ def test_fused_route_passes_gradcheck_and_takes_the_loss_alone():
     torch.testing.assert_close(g, g_ref, rtol=1e-6, atol=1e-9)
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 2e-2)])
 def test_fused_route_in_single_and_half_precision(dtype, tol):
     torch.manual_seed(1)
@@ -93,6 +102,7 @@ def test_fused_route_in_single_and_half_precision(dtype, tol):
     torch.testing.assert_close(fused.loss, ref.loss, rtol=tol, atol=tol)
 
 
+@needs_kernel
 def test_ties_go_to_the_lower_head():
     """A zero router ties every routed head: the kernel takes the first k (torch.topk leaves tie order open)."""
     out = fused_route(torch.zeros(2, 3, width(8, 2, 3)), 6, 2, 3, False)
@@ -100,6 +110,7 @@ def test_ties_go_to_the_lower_head():
     torch.testing.assert_close(out.gates[..., 2:5], torch.ones(2, 3, 3))  # mix 1, renormalised uniform x k
 
 
+@needs_kernel
 @pytest.mark.parametrize("options", [dict(activation_ratio=0.5, impl="masked"), dict(activation_ratio=0.75, impl="sparse"),
                                      dict(shared_heads=0, topk=2, impl="masked"), dict(shared_heads=1, topk=3, impl="masked"),
                                      dict(activation_ratio=1.0, impl="masked")])
@@ -146,6 +157,7 @@ def test_layer_with_the_kernel_equals_the_layer_with_the_formulas(options, train
     assert torch.equal(rec.selection, rec_ref.selection)
 
 
+@needs_kernel
 def test_the_formulas_run_wherever_the_kernel_must_not(monkeypatch):
     """Under jit.trace, autocast, with a hook on a router, on learned shared heads, or switched off."""
     m = build_attention("moh", 32, 8, shared_heads=2, topk=3, impl="masked")
@@ -164,3 +176,76 @@ def test_the_formulas_run_wherever_the_kernel_must_not(monkeypatch):
     assert not learned.uses_fused_routing(x)
     monkeypatch.setenv(fused_routing.ENV_SWITCH, "0")
     assert fused_routing._build() is False
+
+
+# ---------------------------------------------------------------------------------------------
+# The Triton twin (triton_routing.py): Triton's CPU interpreter here, compiled on a GPU (-m gpu)
+# ---------------------------------------------------------------------------------------------
+# Triton decides at import whether its language is interpreted: a fresh process with TRITON_INTERPRET=1
+TRITON_SCRIPT = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_fused_routing import LAYOUTS, split, width
+from moh_vision.attention.moh import formula_route
+from moh_vision.attention.triton_routing import triton_route
+torch.manual_seed(0)
+for heads, shared, topk in [layout for layout in LAYOUTS if layout[2] > 0]:
+    for with_loss in (True, False):
+        logits = torch.randn(3, 37, width(heads, shared, topk), dtype=torch.float64) * 2  # 111 tokens: 2 blocks
+        a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        out = triton_route(a, heads - shared, shared, topk, with_loss)
+        ref = formula_route(split(b, heads, shared, topk), b[..., :1], heads - shared, shared, topk, with_loss)
+        torch.testing.assert_close(out[0], ref.gates, rtol=1e-6, atol=1e-7)  # float32 arithmetic inside
+        torch.testing.assert_close(out[1], ref.probs, rtol=1e-6, atol=1e-7)
+        assert torch.equal(out[2], ref.mask) and torch.equal(out[3], ref.index)
+        grad = torch.randn_like(out[0])
+        ((out[0] * grad).sum() + (0.7 * out[4] if with_loss else 0)).backward()
+        ((ref.gates * grad).sum() + (0.7 * ref.loss if with_loss else 0)).backward()
+        if with_loss:
+            torch.testing.assert_close(out[4], ref.loss, rtol=1e-6, atol=0)
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=2e-6)
+ties = triton_route(torch.zeros(2, 3, width(8, 2, 3)), 6, 2, 3, False)
+assert ties[3].tolist() == [[[0, 1, 2]] * 3] * 2
+print("triton routing: all equal")
+"""
+
+
+def test_triton_routing_in_the_interpreter_equals_the_formulas():
+    pytest.importorskip("triton.runtime.interpreter")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(Path(__file__).parent)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "all equal" in done.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("autocast", [False, True])
+def test_triton_routing_in_the_layer_on_cuda(autocast, monkeypatch):
+    """Compiled on a GPU, in a training step with the recorder: output, gradients, aux loss as the formulas."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.manual_seed(0)
+    m = build_attention("moh", 256, 8, activation_ratio=0.75, impl="masked").cuda().train()
+    x = torch.randn(4, 197, 256, device="cuda")
+
+    def run(switch):
+        monkeypatch.setenv(fused_routing.ENV_SWITCH, switch)
+        assert m.uses_fused_routing(x) == (switch == "triton")
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), record_routing(m) as routing:
+            y = m(xi)
+            loss = y.float().square().mean() + routing.aux_loss()
+        loss.backward()
+        grads = [p.grad.clone() for p in m.parameters()]
+        m.zero_grad(set_to_none=True)
+        return y.float(), xi.grad, grads, routing.aux_loss()
+
+    y, gx, grads, aux = run("triton")
+    y_ref, gx_ref, grads_ref, aux_ref = run("1")
+    tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(gx, gx_ref, **tol)
+    torch.testing.assert_close(aux, aux_ref, rtol=1e-4, atol=1e-6)
+    for g, g_ref in zip(grads, grads_ref):
+        torch.testing.assert_close(g, g_ref, **tol)

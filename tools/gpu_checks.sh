@@ -5,13 +5,17 @@
 #      a GPU trains with, each length on its own (their .json records are what `fit_from=` fits the CUDA
 #      `auto` table from);
 #   3. tools/bench_models.py on CUDA, bf16 autocast;
-#   4. (part `train`) the README's first command on the GPU with bf16 autocast, eval.py on its checkpoint,
+#   4. (part `routing`, issue 31) the three MoH/dense pairs at batch 32 in bf16: eager with MoH's routing as
+#      ATen operators and as the Triton kernels (MOH_VISION_FUSED_ROUTING=triton), compiled, and compiled with
+#      CUDA graphs (reduce-overhead); dense transnext_base compiled among them;
+#   5. (part `train`) the README's first command on the GPU with bf16 autocast, eval.py on its checkpoint,
 #      a short `experiment=diffusion` run and tools/sample.py on it: the trainer end to end on CUDA.
 #
 #   bash tools/gpu_checks.sh <out_dir> [parts] [quick]
 #   bash tools/gpu_checks.sh wheels <dir>     # here: the wheels part `train` needs on a GPU machine
 #
-# parts: a comma-separated choice of tests, attention, models, train (default: the first three). On one H100
+# parts: a comma-separated choice of tests, attention, models, routing, train (default: tests, attention,
+# models). On one H100
 # (2026-11-25) the tests took 30 s, the attention runs 6 min and part train about 2 min; the models did not
 # finish in the 80 s left of an 8-minute command, so give them a call of their own. Every log, table and
 # .json lands in <out_dir>, and <out_dir>/gpu_checks.tar.gz holds them all but checkpoints (refreshed after
@@ -32,7 +36,7 @@ if [[ ${1:-} == wheels ]]; then
     grep -iE '^(antlr4-python3-runtime|iopath|yacs|termcolor|portalocker|tabulate)==')
   exec python3 -m pip wheel -q --no-deps -w "$dir" $pins $deps
 fi
-out=${1:?usage: bash tools/gpu_checks.sh <out_dir> [tests,attention,models,train] [quick]}
+out=${1:?usage: bash tools/gpu_checks.sh <out_dir> [tests,attention,models,routing,train] [quick]}
 parts=",${2:-tests,attention,models},"
 quick=${3:-}
 mkdir -p "$out/runs"
@@ -53,6 +57,7 @@ step() { echo "== $*" >&2; }
 if [[ $parts == *,tests,* ]]; then
   step "gpu tests"
   python3 -m pytest -q -p no:cacheprovider --noconftest -o addopts="" -m gpu tests/test_sparse_moh.py \
+    tests/test_fused_routing.py \
     2>&1 | tee "$out/runs/gpu_tests.log"
   pack
 fi
@@ -87,6 +92,24 @@ if [[ $parts == *,models,* ]]; then
       out="$out/runs/models_bf16_b32.md" 2>"$out/runs/models_bf16_b32.err"
   fi
   pack
+fi
+
+if [[ $parts == *,routing,* ]]; then
+  pairs=moh_dit_s_2_75:dit_s_2,moh_dit_b_2_75:dit_b_2,moh_transnext_base_50:transnext_base
+  settings=(device=$device batch=32 dtype=bfloat16 impl=auto)
+  [[ -n "$quick" ]] && { pairs=moh_dit_s_2_75:dit_s_2; settings=(device=$device batch=2 img_size=64 rounds=2 warmup=1); }
+  for switch in aten triton; do  # the routing as ATen operators (the default on CUDA) and as the Triton kernels
+    step "routing $switch, eager"
+    MOH_VISION_FUSED_ROUTING=$([[ $switch == triton ]] && echo triton || echo 1) python3 tools/bench_models.py \
+      pairs=$pairs "${settings[@]}" out="$out/runs/models_routing_${switch}.md" 2>"$out/runs/models_routing_${switch}.err"
+    pack
+  done
+  for mode in default reduce-overhead; do
+    step "routing compiled, $mode"
+    python3 tools/bench_models.py pairs=$pairs "${settings[@]}" compile=true compile_mode=$mode \
+      out="$out/runs/models_routing_compiled_${mode}.md" 2>"$out/runs/models_routing_compiled_${mode}.err"
+    pack
+  done
 fi
 
 if [[ $parts == *,train,* ]]; then

@@ -40,8 +40,15 @@ _lock = threading.Lock()
 _loaded: Optional[bool] = None  # None: not tried yet; the build is per process, not per model
 
 
-def fused_routing_available() -> bool:
-    """Whether ``torch.ops.moh_routing`` is loaded (built on the first call; False, said once, if it cannot be)."""
+def fused_routing_available(device_type: str = "cpu", topk: int = 1) -> bool:
+    """Whether a layer routing ``topk`` heads per token on ``device_type`` runs the fused kernels: on the CPU,
+    whether ``torch.ops.moh_routing`` is loaded (built on the first call; False, said once, if it cannot be);
+    on CUDA, whether ``MOH_VISION_FUSED_ROUTING=triton`` asks for the Triton kernels
+    (:mod:`~moh_vision.attention.triton_routing`, not yet timed on a GPU) and the layer routes."""
+    if device_type == "cuda":
+        return topk > 0 and os.environ.get(ENV_SWITCH) == "triton" and _triton_present()
+    if device_type != "cpu":
+        return False
     global _loaded
     if _loaded is None:
         with _lock:
@@ -50,8 +57,13 @@ def fused_routing_available() -> bool:
     return _loaded
 
 
+def _triton_present() -> bool:
+    from .triton_moh import triton_available
+    return triton_available()
+
+
 def _build() -> bool:
-    if os.environ.get(ENV_SWITCH, "1") == "0":
+    if os.environ.get(ENV_SWITCH, "1") == "0":  # "triton" (CUDA's switch) leaves the CPU kernel on
         log.info("%s=0: MoH's routing runs as ATen operators", ENV_SWITCH)
         return False
     if hasattr(torch.ops, "moh_routing") and hasattr(torch.ops.moh_routing, "route"):
@@ -106,7 +118,10 @@ def fused_route(logits: Tensor, routed: int, shared: int, topk: int, with_loss: 
     """MoH's gates from the stacked router logits ``[..., L]`` (rows ``wg``, ``wg_0``, ``wg_1`` as
     :meth:`MoH.stacked_router_weight` stacks them), with ``routed = h - h_s`` routed heads; the load-balance
     loss when ``with_loss``. Needs :func:`fused_routing_available`."""
-    if torch.is_grad_enabled() and logits.requires_grad:
+    if logits.is_cuda:
+        from .triton_routing import triton_route
+        gates, probs, mask, index, loss = triton_route(logits, routed, shared, topk, with_loss)
+    elif torch.is_grad_enabled() and logits.requires_grad:
         gates, probs, mask, index, loss = _FusedRoute.apply(logits, routed, shared, topk, with_loss)
     else:  # nothing to differentiate: the operator alone
         gates, probs, mask, index, loss = torch.ops.moh_routing.route(logits, routed, shared, topk, with_loss)

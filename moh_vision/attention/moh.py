@@ -323,14 +323,19 @@ class MoH(SharedPlusTopK, RoutedMixin):
         return dict(zip((name for name, _ in routers), fused.split([r.out_features for _, r in routers], dim=-1)))
 
     def uses_fused_routing(self, x: Tensor, routers: Optional[Tuple[Tuple[str, nn.Linear], ...]] = None) -> bool:
-        """Whether :meth:`route` runs the compiled kernel (:mod:`~moh_vision.attention.fused_routing`: the same
+        """Whether :meth:`route` runs the compiled kernels (:mod:`~moh_vision.attention.fused_routing`: the same
         gates, loss and gradients in one operator each way) over ``routers`` (default :meth:`routers`; none: one
-        head, always on): eager calls on CPU tensors, plain routers, outside autocast; tracers, exporters,
-        ``torch.compile`` and ``torch.func`` transforms see the formulas written out, and so does CUDA."""
+        head, always on): eager calls with plain routers, on CPU tensors outside autocast, on CUDA tensors when
+        ``MOH_VISION_FUSED_ROUTING=triton`` (routed layers); tracers, exporters, ``torch.compile`` and
+        ``torch.func`` transforms see the formulas written out, and so does CUDA by default."""
         routers = self.routers() if routers is None else routers
-        return (len(routers) > 0 and not isinstance(x, torch.fx.Proxy) and x.device.type == "cpu" and not self.learned_shared
-                and x.dtype == routers[0][1].weight.dtype and not torch.is_autocast_enabled("cpu")
-                and self.plain_routers(routers) and active_tracer(x) is None and fused_routing_available())
+        if len(routers) == 0 or isinstance(x, torch.fx.Proxy) or self.learned_shared or not self.plain_routers(routers):
+            return False
+        device = x.device.type
+        if device == "cpu":  # the C++ kernel: the input's dtype, no autocast
+            return (x.dtype == routers[0][1].weight.dtype and not torch.is_autocast_enabled("cpu")
+                    and active_tracer(x) is None and fused_routing_available())
+        return active_tracer(x) is None and fused_routing_available(device, self.topk)  # CUDA, Triton: opt-in
 
     def route(self, x: Tensor) -> Route:
         """Per-token head gates ``[B, N, h]`` and the selected routed head indices ``[B, N, k]``
