@@ -87,9 +87,9 @@ class Routing(NamedTuple):
     (:func:`~moh_vision.attention.moh.formula_route`) return."""
 
     gates: Tensor                # [..., h]
-    probs: Optional[Tensor]      # [..., R] routed softmax (topk == 0: empty or None)
+    probs: Optional[Tensor]      # [..., R] routed softmax (topk == 0: None)
     mask: Tensor                 # [..., R] 0/1 selection (topk == 0: empty)
-    index: Optional[Tensor]      # [..., k] selected routed heads, by decreasing probability
+    index: Optional[Tensor]      # [..., k] selected routed heads, by decreasing probability (topk == 0: None)
     loss: Optional[Tensor]       # load-balance loss (float32 scalar) when asked for
 
 
@@ -125,4 +125,6 @@ def fused_route(logits: Tensor, routed: int, shared: int, topk: int, with_loss: 
         gates, probs, mask, index, loss = _FusedRoute.apply(logits, routed, shared, topk, with_loss)
     else:  # nothing to differentiate: the operator alone
         gates, probs, mask, index, loss = torch.ops.moh_routing.route(logits, routed, shared, topk, with_loss)
+    if topk == 0:  # nothing routed: no probabilities, no selected heads (as the formulas give it)
+        probs = index = None
     return Routing(gates, probs, mask, index, loss if loss.dim() == 0 else None)

@@ -350,9 +350,9 @@ class MoH(SharedPlusTopK, RoutedMixin):
         else:
             routing = formula_route(self.router_logits(x), x, *args)
         if self.recording():
-            self.record_routing(routing.mask, routing.probs if self.topk > 0 else None, routing.loss,
-                                gates=routing.gates, shared_prefix=self.shared_heads)
-        return Route(routing.gates, routing.index if self.topk > 0 else None)
+            self.record_routing(routing.mask, routing.probs, routing.loss, gates=routing.gates,
+                                shared_prefix=self.shared_heads)
+        return Route(routing.gates, routing.index)
 
     def forward(self, x: Tensor) -> Tensor:
         route = self.route(x)
@@ -408,7 +408,7 @@ def formula_route(logits: Dict[str, Tensor], x: Tensor, routed: int, shared: int
                   with_loss: bool) -> Routing:
     """MoH's gates written out with ATen operators, from each router's logits (:meth:`MoH.router_logits`):
     what tracers, exporters, ``torch.compile``, ``torch.func`` and CUDA run, and the reference the fused
-    kernel is tested against. ``probs``/``mask`` are empty when nothing is routed (``topk == 0``)."""
+    kernel is tested against. Nothing routed (``topk == 0``): ``mask`` empty, ``probs`` and ``index`` None."""
     if shared > 1:
         shared_gates = logits["wg_1"].softmax(dim=-1) * shared
     else:
