@@ -176,7 +176,10 @@ class HeadAttention(nn.Module):
             # heads already laid out [B, N, h, d] (SDPA's output): the plain multiply writes the merged layout
             # itself, and autograd's nodes cost less than a Function's (1-1.5% of a 196-token MoH layer's
             # fwd+bwd, docs/performance.md); the same products, so the same values and gradients as GatedMerge
-            return (o.transpose(1, 2) * gates.unsqueeze(-1).to(o.dtype)).reshape(B, N, h * d)
+            gates = gates.unsqueeze(-1)
+            if isinstance(o, torch.fx.Proxy) or gates.dtype != o.dtype:  # eagerly, a cast only where one is due
+                gates = gates.to(o.dtype)
+            return (o.transpose(1, 2) * gates).reshape(B, N, h * d)
         return GatedMerge.apply(o, gates)
 
     def output(self, o: Tensor, gates: Optional[Tensor] = None) -> Tensor:

@@ -59,7 +59,7 @@ token would gain from a head it did not select), which only the masked path comp
 """
 from __future__ import annotations
 
-from typing import Dict, NamedTuple, Optional, Tuple, Union
+from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -322,20 +322,38 @@ class MoH(SharedPlusTopK, RoutedMixin):
         fused = F.linear(x, self.stacked_router_weight(routers))
         return dict(zip((name for name, _ in routers), fused.split([r.out_features for _, r in routers], dim=-1)))
 
-    def uses_fused_routing(self, x: Tensor, routers: Optional[Tuple[Tuple[str, nn.Linear], ...]] = None) -> bool:
-        """Whether :meth:`route` runs the compiled kernels (:mod:`~moh_vision.attention.fused_routing`: the same
-        gates, loss and gradients in one operator each way) over ``routers`` (default :meth:`routers`; none: one
-        head, always on): eager calls with plain routers, on CPU tensors outside autocast, on CUDA tensors when
-        ``MOH_VISION_FUSED_ROUTING=triton`` (routed layers); tracers, exporters, ``torch.compile`` and
+    def fused_router_weights(self, x: Tensor) -> Optional[List[Tensor]]:
+        """The weights of the routers that exist (``wg``, ``wg_0``, ``wg_1``, in that order) when :meth:`route`
+        runs the compiled kernels on ``x`` (:mod:`~moh_vision.attention.fused_routing`: the same gates, loss and
+        gradients in one operator each way), else None: eager calls with plain routers (bias-free
+        ``nn.Linear`` without hooks), on CPU tensors of the routers' dtype outside autocast, on CUDA tensors
+        when ``MOH_VISION_FUSED_ROUTING=triton`` (routed layers). Tracers, exporters, ``torch.compile`` and
         ``torch.func`` transforms see the formulas written out, and so does CUDA by default."""
-        routers = self.routers() if routers is None else routers
-        if len(routers) == 0 or isinstance(x, torch.fx.Proxy) or self.learned_shared or not self.plain_routers(routers):
-            return False
-        device = x.device.type
-        if device == "cpu":  # the C++ kernel: the input's dtype, no autocast
-            return (x.dtype == routers[0][1].weight.dtype and not torch.is_autocast_enabled("cpu")
-                    and active_tracer(x) is None and fused_routing_available())
-        return active_tracer(x) is None and fused_routing_available(device, self.topk)  # CUDA, Triton: opt-in
+        # every forward asks this, and on a small input its host time is a visible part of the layer's call
+        # (docs/performance.md): the cheap questions first, the module's own dicts read directly
+        if torch.compiler.is_compiling() or isinstance(x, torch.fx.Proxy) or self.learned_shared:
+            return None
+        modules, weights = self._modules, []
+        for name in ("wg", "wg_0", "wg_1"):
+            router = modules.get(name)
+            if router is None:
+                continue
+            if (type(router) is not nn.Linear or router._forward_hooks or router._forward_pre_hooks
+                    or router._parameters.get("bias") is not None):
+                return None  # a hook must fire, a bias or another module computes something else
+            weights.append(router._parameters["weight"])
+        if not weights:  # one head: nothing to route
+            return None
+        if x.is_cpu:  # the C++ kernel: the input's dtype, no autocast
+            usable = (fused_routing_available() and x.dtype == weights[0].dtype
+                      and not torch.is_autocast_enabled("cpu"))
+        else:  # the Triton kernels: opt-in
+            usable = x.is_cuda and fused_routing_available("cuda", self.topk)
+        return weights if usable and active_tracer(x) is None else None
+
+    def uses_fused_routing(self, x: Tensor) -> bool:
+        """Whether :meth:`route` runs the compiled kernels on ``x`` (:meth:`fused_router_weights`)."""
+        return self.fused_router_weights(x) is not None
 
     def route(self, x: Tensor) -> Route:
         """Per-token head gates ``[B, N, h]`` and the selected routed head indices ``[B, N, k]``
@@ -343,10 +361,10 @@ class MoH(SharedPlusTopK, RoutedMixin):
         statistics to the open recorder, if any."""
         if self.learned_shared:
             return self.route_learned(x)
-        routers = self.routers()  # walked once per call: this runs in every forward
         args = (self.num_heads - self.shared_heads, self.shared_heads, self.topk, self.wants_aux_loss())
-        if self.uses_fused_routing(x, routers):
-            routing = fused_route(F.linear(x, self.stacked_router_weight(routers)), *args)
+        weights = self.fused_router_weights(x)
+        if weights is not None:
+            routing = fused_route(F.linear(x, weights[0] if len(weights) == 1 else torch.cat(weights)), *args)
         else:
             routing = formula_route(self.router_logits(x), x, *args)
         if self.recording():

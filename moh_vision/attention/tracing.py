@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator, Optional
+import functools
+from typing import Callable, Iterator, Optional
 
 import torch
 
@@ -37,12 +38,39 @@ COMPILE = "torch.compile"
 FUNC_PREFIX = "torch.func."
 
 
-def _fx_symbolic_tracing() -> bool:
-    # is_fx_tracing() is also true under torch.export (and warns about it); the newer query is not. Only reached
-    # outside torch.compile / torch.export (active_tracer asks is_compiling first)
+@functools.lru_cache(maxsize=None)
+def _fx_symbolic_query() -> Callable[[], bool]:
+    # is_fx_tracing() is also true under torch.export (and warns about it); the newer query is not. Resolved
+    # once: active_tracer runs in every routed forward, where a getattr chain per call is measurable host time
     fx = torch.fx._symbolic_trace
-    query = getattr(fx, "is_fx_symbolic_tracing", None) or getattr(fx, "is_fx_tracing_symbolic_tracing", None)
-    return query() if query is not None else fx.is_fx_tracing()
+    return getattr(fx, "is_fx_symbolic_tracing", None) or getattr(fx, "is_fx_tracing_symbolic_tracing", None) \
+        or fx.is_fx_tracing
+
+
+def _fx_symbolic_tracing() -> bool:
+    # only reached outside torch.compile / torch.export (active_tracer asks is_compiling first)
+    return _fx_symbolic_query()()
+
+
+@functools.lru_cache(maxsize=None)
+def _onnx_export_flags() -> Optional[tuple]:
+    """The two flags ``torch.onnx.is_in_onnx_export`` reads, found once: that function imports its two modules
+    on every call, which in a routed layer's eager forward cost more host time than the routing kernel (torch
+    2.11-2.14 keep them here). None where this torch keeps them elsewhere: then the public query runs."""
+    try:
+        from torch.onnx._internal.exporter import _flags
+        from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
+        bool(GLOBALS.in_onnx_export or _flags._is_onnx_exporting)
+        return _flags, GLOBALS
+    except (ImportError, AttributeError):
+        return None
+
+
+def _in_onnx_export() -> bool:
+    flags = _onnx_export_flags()
+    if flags is None:
+        return torch.onnx.is_in_onnx_export()
+    return bool(flags[1].in_onnx_export or flags[0]._is_onnx_exporting)
 
 
 def _functorch_transforms() -> tuple:
@@ -63,7 +91,7 @@ def active_tracer(x: Optional[Tensor] = None) -> Optional[str]:
         if is_exporting is not None and is_exporting():
             return ONNX_EXPORT if torch.onnx.is_in_onnx_export() else EXPORT
         return COMPILE
-    if torch.onnx.is_in_onnx_export():
+    if _in_onnx_export():
         return ONNX_EXPORT
     if torch.jit.is_tracing():
         return JIT_TRACE
