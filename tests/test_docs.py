@@ -1,6 +1,6 @@
 """The docs are executed, so they cannot drift from the code (issue 35).
 
-What runs, for README.md and every page of docs/ (the measurement log docs/performance-log.md included):
+What runs, for README.md and every page of docs/:
 
 - **Python snippets.** Every ```` ```python ```` block runs, in order, one namespace per page, in a
   temporary working directory, through Sybil's Markdown parsers. A block the reader cannot run here
