@@ -175,7 +175,8 @@ class HeadAttention(nn.Module):
                 or custom_functions_opaque():
             # heads already laid out [B, N, h, d] (SDPA's output): the plain multiply writes the merged layout
             # itself, and autograd's nodes cost less than a Function's (1-1.5% of a 196-token MoH layer's
-            # fwd+bwd, docs/performance.md); the same products, so the same values and gradients as GatedMerge
+            # fwd+bwd, `git show 57504dd:docs/performance-log.md`); the same products, so the same values and
+            # gradients as GatedMerge
             gates = gates.unsqueeze(-1)
             if isinstance(o, torch.fx.Proxy) or gates.dtype != o.dtype:  # eagerly, a cast only where one is due
                 gates = gates.to(o.dtype)

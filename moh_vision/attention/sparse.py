@@ -179,7 +179,7 @@ def padded_layout(dispatch: Dispatch, lengths: Optional[Tuple[int, ...]] = None)
 # routed heads). Chunks must not be much smaller than a head's rows: each costs a GEMM, a gather and an
 # ``index_add_`` of its own. With 1 MiB chunks (341 rows at dim 768) the scatter's forward and backward
 # took 36% and 33% longer than with whole head segments (~700 rows at 2 x 1024 tokens, dim 768, top-3 of
-# 9 routed heads; 2 CPU threads), and whole sparse layers up to 8% longer (docs/performance.md).
+# 9 routed heads; 2 CPU threads), and whole sparse layers up to 8% longer (`git show 57504dd:docs/performance-log.md`).
 # ----------------------------------------------------------------------------------------------
 SCRATCH_ELEMENTS = 1 << 20
 
@@ -427,7 +427,7 @@ class KeyValueHeads(torch.autograd.Function):
     of the GEMM's result one row of a head is ``2 h d`` elements from the next, and SDPA over a routed
     head's few hundred queries ran ~17% slower on them (fwd+bwd, 345 of 1,024 queries, d = 64, 2 CPU
     threads); with the copy, the sparse layer at 1,024 tokens x 2, dim 768, ratio 0.5 went from 0.832 to
-    0.790x dense forward and from 0.803 to 0.775x fwd+bwd (docs/performance.md). The GEMM's result is freed,
+    0.790x dense forward and from 0.803 to 0.775x fwd+bwd (`git show 57504dd:docs/performance-log.md`). The GEMM's result is freed,
     so memory stays as it was.
 
     Backward writes the groups' gradients straight into one ``[B, N, 2, h, d]`` buffer (one pass) and
