@@ -24,7 +24,7 @@ def test_experiment_is_one_multirun_over_arms_and_seeds():
     assert text["hydra"]["mode"] == "MULTIRUN"
     params = text["hydra"]["sweeper"]["params"]
     assert params["+experiment/compare"].split(",") == list(ARMS)
-    assert params["seed"].split(",") == [str(seed) for seed in range(6)]
+    assert params["seed"].split(",") == [str(seed) for seed in range(10)]
     assert sorted(p.stem for p in (REPO / "configs" / "experiment" / "compare").glob("*.yaml")) == sorted(ARMS)
 
 
