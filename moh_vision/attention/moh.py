@@ -315,7 +315,8 @@ class MoH(SharedPlusTopK, RoutedMixin):
         ~4.4 ms fwd+bwd at 1,960 tokens (1 CPU thread). Fusing them into the ``qkv`` GEMM as well was
         measured and gained nothing more: through autograd the split's backward copies the whole qkv gradient
         once more, and with a backward that writes every gradient into one buffer the layer measured within
-        its run-to-run spread (measured at d61f0a4: `git show 57504dd:docs/performance-log.md`, "Where the masked path's tax goes")."""
+        its run-to-run spread (measured at d61f0a4: `git show 57504dd:docs/performance-log.md`, "Where the
+        masked path's tax goes")."""
         routers = self.routers()
         if len(routers) < 2 or not self.plain_routers(routers) or traces_by_module(x):
             return {name: r(x) for name, r in routers}
