@@ -126,7 +126,8 @@ class MoH(SharedPlusTopK, RoutedMixin):
                      "impl": " | ".join(MOH_IMPLS), "learn_shared_steps": ">= 0",
                      "shared_estimator": " | ".join(SHARED_ESTIMATORS)}
     aux_reduction = "mean"  # official: 0.01 x mean of the load-balance losses over routed layers
-    variant_parameters = ("wg", "wg_0", "wg_1", "shared_score")
+    router_names = ("wg", "wg_0", "wg_1")  # the routed softmax, the shared/routed mix, the shared heads' softmax
+    variant_parameters = (*router_names, "shared_score")
     flops_roles = {"wg": "fixed", "wg_0": "fixed", "wg_1": "fixed"}
     reference_impl = "masked"
 
@@ -183,7 +184,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
         router would give every token the same heads by tie-breaking, and the unchosen heads would get
         identical updates and stay tied). Learned shared heads start from the official partition."""
         start = {}
-        for router in ("wg", "wg_0", "wg_1"):
+        for router in self.router_names:
             linear = getattr(self, router, None)
             if not isinstance(linear, nn.Linear):
                 continue
@@ -285,27 +286,34 @@ class MoH(SharedPlusTopK, RoutedMixin):
         # compiled, getattr, which every torch traces
         modules = None if torch.compiler.is_compiling() else self._modules
         found = []
-        for name in ("wg", "wg_0", "wg_1"):  # a loop, not a generator with ":=": torch 2.11's compile cannot trace that
+        for name in self.router_names:  # a loop, not a generator with ":=": torch 2.11's compile cannot trace that
             router = getattr(self, name, None) if modules is None else modules.get(name)
             if isinstance(router, nn.Linear):
                 found.append((name, router))
         return tuple(found)
 
     @staticmethod
-    def plain_routers(routers: Tuple[Tuple[str, nn.Linear], ...]) -> bool:
-        """Whether ``routers`` (:meth:`routers`) are bias-free ``nn.Linear`` without hooks (a hook must still
-        fire), so that their weights can be stacked and run as one GEMM."""
-        eager = not torch.compiler.is_compiling()  # eagerly the parameter dict itself, as in routers()
+    def plain_router(router: nn.Module, eager: bool = True) -> bool:
+        """Whether ``router`` is a bias-free ``nn.Linear`` without hooks (a hook must still fire), so that its
+        weight can be stacked with the others and run as one GEMM. ``eager``: read the parameter dict itself
+        (``Module.__getattr__`` is a Python call per name, in every forward); compiled code uses the attribute."""
+        bias = router._parameters.get("bias") if eager else router.bias
+        return (type(router) is nn.Linear and bias is None and not router._forward_hooks
+                and not router._forward_pre_hooks)
+
+    @classmethod
+    def plain_routers(cls, routers: Tuple[Tuple[str, nn.Linear], ...]) -> bool:
+        """Whether every one of ``routers`` (:meth:`routers`) is :meth:`plain_router`."""
+        eager = not torch.compiler.is_compiling()
         for _, r in routers:  # a loop, not all(<generator>): no generator object per call
-            bias = r._parameters.get("bias") if eager else r.bias
-            if type(r) is not nn.Linear or bias is not None or r._forward_hooks or r._forward_pre_hooks:
+            if not cls.plain_router(r, eager):
                 return False
         return True
 
     @staticmethod
-    def stacked_router_weight(routers: Tuple[Tuple[str, nn.Linear], ...]) -> Tensor:
-        """The weights of ``routers`` (:meth:`routers`) stacked in that order, ``[L, C]``."""
-        return routers[0][1].weight if len(routers) == 1 else torch.cat([r.weight for _, r in routers])
+    def stacked_router_weight(weights: List[Tensor]) -> Tensor:
+        """The router weights ``weights`` (in the order of :meth:`routers`) stacked, ``[L, C]``."""
+        return weights[0] if len(weights) == 1 else torch.cat(weights)
 
     def router_logits(self, x: Tensor) -> Dict[str, Tensor]:
         """Every router's logits, from ONE matmul over ``x`` where the routers are plain (see
@@ -320,7 +328,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
         routers = self.routers()
         if len(routers) < 2 or not self.plain_routers(routers) or traces_by_module(x):
             return {name: r(x) for name, r in routers}
-        fused = F.linear(x, self.stacked_router_weight(routers))
+        fused = F.linear(x, self.stacked_router_weight([r.weight for _, r in routers]))
         return dict(zip((name for name, _ in routers), fused.split([r.out_features for _, r in routers], dim=-1)))
 
     def fused_router_weights(self, x: Tensor) -> Optional[List[Tensor]]:
@@ -335,12 +343,11 @@ class MoH(SharedPlusTopK, RoutedMixin):
         if torch.compiler.is_compiling() or isinstance(x, torch.fx.Proxy) or self.learned_shared:
             return None
         modules, weights = self._modules, []
-        for name in ("wg", "wg_0", "wg_1"):
+        for name in self.router_names:
             router = modules.get(name)
             if router is None:
                 continue
-            if (type(router) is not nn.Linear or router._forward_hooks or router._forward_pre_hooks
-                    or router._parameters.get("bias") is not None):
+            if not self.plain_router(router):
                 return None  # a hook must fire, a bias or another module computes something else
             weights.append(router._parameters["weight"])
         if not weights:  # one head: nothing to route
@@ -365,7 +372,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
         args = (self.num_heads - self.shared_heads, self.shared_heads, self.topk, self.wants_aux_loss())
         weights = self.fused_router_weights(x)
         if weights is not None:
-            routing = fused_route(F.linear(x, weights[0] if len(weights) == 1 else torch.cat(weights)), *args)
+            routing = fused_route(F.linear(x, self.stacked_router_weight(weights)), *args)
         else:
             routing = formula_route(self.router_logits(x), x, *args)
         if self.recording():

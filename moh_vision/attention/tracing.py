@@ -55,8 +55,8 @@ def _fx_symbolic_tracing() -> bool:
 @functools.lru_cache(maxsize=None)
 def _onnx_export_flags() -> Optional[tuple]:
     """The two flags ``torch.onnx.is_in_onnx_export`` reads, found once: that function imports its two modules
-    on every call, which in a routed layer's eager forward cost more host time than the routing kernel (torch
-    2.11-2.14 keep them here). None where this torch keeps them elsewhere: then the public query runs."""
+    on every call, and a routed layer asks in every eager forward (torch 2.11-2.14 keep them here). None where
+    this torch keeps them elsewhere: then the public query runs."""
     try:
         from torch.onnx._internal.exporter import _flags
         from torch.onnx._internal.torchscript_exporter._globals import GLOBALS
