@@ -178,6 +178,21 @@ def test_the_formulas_run_wherever_the_kernel_must_not(monkeypatch):
     assert fused_routing._build() is False
 
 
+def test_cuda_routes_with_triton_unless_switched_off(monkeypatch):
+    """On CUDA the Triton kernels are the default (timed on an H100: docs/performance.md); ``=0`` turns them off,
+    and so does a layer that routes nothing or a machine without Triton."""
+    monkeypatch.setattr(fused_routing, "_triton_present", lambda: True)
+    monkeypatch.delenv(fused_routing.ENV_SWITCH, raising=False)
+    assert fused_routing_available("cuda", 2) and not fused_routing_available("cuda", 0)
+    for switch, expected in (("1", True), ("triton", True), ("0", False)):
+        monkeypatch.setenv(fused_routing.ENV_SWITCH, switch)
+        assert fused_routing_available("cuda", 2) is expected
+    monkeypatch.setattr(fused_routing, "_triton_present", lambda: False)
+    monkeypatch.delenv(fused_routing.ENV_SWITCH)
+    assert not fused_routing_available("cuda", 2)
+    assert not fused_routing_available("mps", 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # The Triton twin (triton_routing.py): Triton's CPU interpreter here, compiled on a GPU (-m gpu)
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +246,7 @@ def test_triton_routing_in_the_layer_on_cuda(autocast, monkeypatch):
 
     def run(switch):
         monkeypatch.setenv(fused_routing.ENV_SWITCH, switch)
-        assert m.uses_fused_routing(x) == (switch == "triton")
+        assert m.uses_fused_routing(x) == (switch == "1")  # the default: Triton on CUDA
         xi = x.clone().requires_grad_()
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast), record_routing(m) as routing:
             y = m(xi)
@@ -241,8 +256,8 @@ def test_triton_routing_in_the_layer_on_cuda(autocast, monkeypatch):
         m.zero_grad(set_to_none=True)
         return y.float(), xi.grad, grads, routing.aux_loss()
 
-    y, gx, grads, aux = run("triton")
-    y_ref, gx_ref, grads_ref, aux_ref = run("1")
+    y, gx, grads, aux = run("1")
+    y_ref, gx_ref, grads_ref, aux_ref = run("0")
     tol = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(y, y_ref, **tol)
     torch.testing.assert_close(gx, gx_ref, **tol)

@@ -6,8 +6,10 @@
 #      `auto` table from);
 #   3. tools/bench_models.py on CUDA, bf16 autocast;
 #   4. (part `routing`, issue 31) the three MoH/dense pairs at batch 32 in bf16: eager with MoH's routing as
-#      ATen operators and as the Triton kernels (MOH_VISION_FUSED_ROUTING=triton), compiled, and compiled with
-#      CUDA graphs (reduce-overhead); dense transnext_base compiled among them;
+#      ATen operators (MOH_VISION_FUSED_ROUTING=0) and as the Triton kernels (the default), compiled, and
+#      compiled with CUDA graphs (reduce-overhead); dense transnext_base compiled among them. On one H100
+#      (2026-11-26) the tests and the two eager runs took 3 min; compiling the six models did not finish in
+#      the 5 min left, so give the compiled runs a call of their own;
 #   5. (part `train`) the README's first command on the GPU with bf16 autocast, eval.py on its checkpoint,
 #      a short `experiment=diffusion` run and tools/sample.py on it: the trainer end to end on CUDA.
 #
@@ -98,9 +100,9 @@ if [[ $parts == *,routing,* ]]; then
   pairs=moh_dit_s_2_75:dit_s_2,moh_dit_b_2_75:dit_b_2,moh_transnext_base_50:transnext_base
   settings=(device=$device batch=32 dtype=bfloat16 impl=auto)
   [[ -n "$quick" ]] && { pairs=moh_dit_s_2_75:dit_s_2; settings=(device=$device batch=2 img_size=64 rounds=2 warmup=1); }
-  for switch in aten triton; do  # the routing as ATen operators (the default on CUDA) and as the Triton kernels
+  for switch in aten triton; do  # the routing as ATen operators and as the Triton kernels (the default on CUDA)
     step "routing $switch, eager"
-    MOH_VISION_FUSED_ROUTING=$([[ $switch == triton ]] && echo triton || echo 1) python3 tools/bench_models.py \
+    MOH_VISION_FUSED_ROUTING=$([[ $switch == triton ]] && echo 1 || echo 0) python3 tools/bench_models.py \
       pairs=$pairs "${settings[@]}" out="$out/runs/models_routing_${switch}.md" 2>"$out/runs/models_routing_${switch}.err"
     pack
   done

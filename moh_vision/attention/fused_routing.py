@@ -10,12 +10,13 @@ stacked routers' logits ``[..., L]`` it returns the gates ``[..., h]``, the rout
 is the formulas' derivative written out. Equal to the formulas up to rounding (``tests/test_fused_routing.py``:
 values, selections, the loss and every gradient).
 
-Where it runs: eager calls on CPU tensors (:meth:`MoH.uses_fused_routing`); tracers, exporters,
-``torch.compile`` (whose own code generation fuses the formulas) and ``torch.func`` see the formulas, and so
-does CUDA. The kernel is compiled on first use with the C++ compiler torch's extensions use
+Where it runs: eager calls on CPU tensors (:meth:`MoH.uses_fused_routing`), and on CUDA tensors its Triton
+twin (:mod:`~moh_vision.attention.triton_routing`); tracers, exporters, ``torch.compile`` (whose own code
+generation fuses the formulas) and ``torch.func`` see the formulas. The kernel is compiled on first use with the C++ compiler torch's extensions use
 (``torch.utils.cpp_extension``: g++ and ninja, about 30 s, once per machine: the build is cached under
 ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without a compiler, or with
-``MOH_VISION_FUSED_ROUTING=0`` in the environment, MoH runs the formulas (same values) and says so once.
+``MOH_VISION_FUSED_ROUTING=0`` in the environment (which turns the Triton kernels off too), MoH runs the
+formulas (same values) and says so once.
 
 Ties: the kernel takes the lower head among equal probabilities; ``torch.topk`` leaves the order of ties
 unspecified, so on exactly tied router outputs (a zero router) the two may select different heads.
@@ -43,10 +44,10 @@ _loaded: Optional[bool] = None  # None: not tried yet; the build is per process,
 def fused_routing_available(device_type: str = "cpu", topk: int = 1) -> bool:
     """Whether a layer routing ``topk`` heads per token on ``device_type`` runs the fused kernels: on the CPU,
     whether ``torch.ops.moh_routing`` is loaded (built on the first call; False, said once, if it cannot be);
-    on CUDA, whether ``MOH_VISION_FUSED_ROUTING=triton`` asks for the Triton kernels
-    (:mod:`~moh_vision.attention.triton_routing`, not yet timed on a GPU) and the layer routes."""
+    on CUDA, whether Triton is installed (:mod:`~moh_vision.attention.triton_routing`), the layer routes and
+    ``MOH_VISION_FUSED_ROUTING=0`` does not turn the kernels off."""
     if device_type == "cuda":
-        return topk > 0 and os.environ.get(ENV_SWITCH) == "triton" and _triton_present()
+        return topk > 0 and os.environ.get(ENV_SWITCH, "1") != "0" and _triton_present()
     if device_type != "cpu":
         return False
     global _loaded

@@ -336,8 +336,8 @@ class MoH(SharedPlusTopK, RoutedMixin):
         runs the compiled kernels on ``x`` (:mod:`~moh_vision.attention.fused_routing`: the same gates, loss and
         gradients in one operator each way), else None: eager calls with plain routers (bias-free
         ``nn.Linear`` without hooks), on CPU tensors of the routers' dtype outside autocast, on CUDA tensors
-        when ``MOH_VISION_FUSED_ROUTING=triton`` (routed layers). Tracers, exporters, ``torch.compile`` and
-        ``torch.func`` transforms see the formulas written out, and so does CUDA by default."""
+        when Triton is installed (routed layers); ``MOH_VISION_FUSED_ROUTING=0`` turns both off. Tracers,
+        exporters, ``torch.compile`` and ``torch.func`` transforms see the formulas written out."""
         # every forward asks this, and on a small input its host time is a visible part of the layer's call
         # (docs/performance.md): the cheap questions first, the module's own dicts read directly
         if torch.compiler.is_compiling() or isinstance(x, torch.fx.Proxy) or self.learned_shared:
@@ -355,7 +355,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
         if x.is_cpu:  # the C++ kernel: the input's dtype, no autocast
             usable = (fused_routing_available() and x.dtype == weights[0].dtype
                       and not torch.is_autocast_enabled("cpu"))
-        else:  # the Triton kernels: opt-in
+        else:  # the Triton kernels
             usable = x.is_cuda and fused_routing_available("cuda", self.topk)
         return weights if usable and active_tracer(x) is None else None
 
