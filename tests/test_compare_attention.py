@@ -32,11 +32,12 @@ def test_arms_share_backbone_data_and_recipe_and_differ_in_attention():
     cfgs = {arm: arm_config(arm) for arm in ARMS}
     for arm, cfg in cfgs.items():
         assert cfg.model.name == "plain_vit_nano" and cfg.model.kwargs.num_heads == 8 and cfg.model.kwargs.depth == 4
+        assert cfg.model.kwargs.embed_dim == 64, arm
         assert cfg.data.name == "digits" and cfg.data.img_size == 16 and cfg.trainer == cfgs["mha"].trainer, arm
         assert cfg.optim == cfgs["mha"].optim and cfg.sched == cfgs["mha"].sched, arm
     assert [cfgs[a].attention.name for a in ARMS] == ["mha", "moh", "moh", "moh", "moa"]
     assert [cfgs[a].attention.get("activation_ratio") for a in ARMS[1:4]] == [0.5, 0.75, 0.9]
-    assert cfgs["moa_matched"].attention.topk == 4 and cfgs["moa_matched"].model.kwargs.head_dim == 36
+    assert cfgs["moa_matched"].attention.topk == 4 and cfgs["moa_matched"].model.kwargs.head_dim == 17
 
 
 def active_gflops(cfg):
@@ -52,7 +53,7 @@ def active_gflops(cfg):
 def test_moa_matches_the_active_compute_of_moh_50(caplog):
     caplog.set_level(logging.ERROR)
     flops = {arm: active_gflops(arm_config(arm)) for arm in ("mha", "moh_50", "moh_75", "moa_matched")}
-    assert flops["moa_matched"] == pytest.approx(flops["moh_50"], rel=4e-3)   # 0.012581 vs 0.012622
+    assert flops["moa_matched"] == pytest.approx(flops["moh_50"], rel=7e-3)   # 0.003226 vs 0.003247
     assert flops["moh_50"] < flops["moh_75"] < flops["mha"]
 
 
@@ -71,7 +72,7 @@ def test_shrunk_multirun_and_report(tmp_path, capsys):
     assert rows["moh_50"]["attention"] == "moh" and rows["moa_matched"]["attention"] == "moa"
     assert all(r["seeds"] == "1" and float(r["active_gflops mean"]) > 0 for r in rows.values())
     assert float(rows["moa_matched"]["active_gflops mean"]) == pytest.approx(
-        float(rows["moh_50"]["active_gflops mean"]), rel=4e-3)
+        float(rows["moh_50"]["active_gflops mean"]), rel=7e-3)
     assert all(float(r["images_per_sec mean"]) > 0 for r in rows.values())
     assert (tmp_path / "sweep_report.png").is_file() and "| moa_matched | plain_vit_nano | moa |" in printed
 

@@ -39,7 +39,7 @@ def test_classification_comparison_through_the_report(train_in_process, tmp_path
     assert all(r["converged"] == "" for r in rows.values()) and "NOT CONVERGED" not in table
     assert all(j["convergence"] is None for j in data["jobs"])
     assert float(rows["moa_matched"]["active_gflops mean"]) == pytest.approx(
-        float(rows["moh_50"]["active_gflops mean"]), rel=4e-3)
+        float(rows["moh_50"]["active_gflops mean"]), rel=7e-3)
     assert (tmp_path / "sweep_report.png").is_file()
 
 

@@ -12,6 +12,7 @@ import torch
 from helpers import ATTENTION_PRESET, model_config, read_summary, trainer_config
 from moh_vision.config import ConstantSched, OptimConfig
 from moh_vision.data.digits import DigitsData
+from moh_vision.data.sampler import SeededItems
 from moh_vision.engine import bookkeeping, fit_setup, preemption, trainer as trainer_module
 from moh_vision.engine.distributed import DistInfo
 from moh_vision.engine.loggers import Loggers
@@ -70,6 +71,22 @@ def test_tasks_and_data_conform_to_the_protocols():
     for task in (ClassificationTask(model_config("plain_vit_nano"), ATTENTION_PRESET),
                  DiffusionTask(model_config("dit_tiny_2"), ATTENTION_PRESET)):
         assert isinstance(task, Task), type(task).__name__
+
+
+def test_seeded_batches_equal_seeded_items():
+    """The DataLoader's batched fetch gives each digit the augmentation it gets alone (seeded by seed, epoch and
+    index), so batching changes the time of an epoch and not one value; datasets without a batched draw are
+    fetched item by item."""
+    items = SeededItems(DigitsData(img_size=16, in_chans=3).train, seed=3)
+    items.epoch = 5
+    indices = [0, 7, 7, 1000, 42]
+    batch = items.__getitems__(indices)
+    for index, (img, label) in zip(indices, batch):
+        alone_img, alone_label = items[index]
+        assert torch.equal(img, alone_img) and label == alone_label
+    assert not torch.equal(batch[0][0], items.dataset[0][0])  # the augmentation ran
+    plain = SeededItems(torch.utils.data.TensorDataset(torch.arange(6.0)), seed=0)
+    assert [x for (x,) in plain.__getitems__([4, 1])] == [4.0, 1.0]
 
 
 def test_digit_metrics_is_a_declared_capability():

@@ -5,7 +5,7 @@ sweeps compare on the same validation images.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import List, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -49,21 +49,33 @@ class DigitsImages(Dataset):
     def __len__(self) -> int:
         return len(self.labels)
 
-    def _random_affine(self, img: torch.Tensor) -> torch.Tensor:
-        r = torch.rand(4) * 2 - 1
-        angle = float(r[0]) * self.max_rotate * torch.pi / 180
-        scale = 1.0 + float(r[1]) * self.max_scale
-        cos, sin = torch.cos(torch.tensor(angle)) / scale, torch.sin(torch.tensor(angle)) / scale
-        theta = torch.tensor([[cos, -sin, float(r[2]) * self.max_shift * 2],
-                              [sin, cos, float(r[3]) * self.max_shift * 2]], dtype=img.dtype).unsqueeze(0)
-        grid = F.affine_grid(theta, [1, *img.shape], align_corners=False)
-        return F.grid_sample(img.unsqueeze(0), grid, align_corners=False, padding_mode="zeros").squeeze(0)
+    def _affine(self, imgs: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+        """``imgs`` [B, C, H, W] shifted, rotated and scaled by the draws ``r`` [B, 4] in [-1, 1), one image per row,
+        in the arithmetic of one image at a time (the same values whatever the batch)."""
+        angle = (r[:, 0].double() * self.max_rotate * torch.pi / 180).float()
+        scale = (1.0 + r[:, 1].double() * self.max_scale).float()
+        cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
+        shift = (r[:, 2:].double() * self.max_shift * 2).float()
+        theta = torch.stack([torch.stack([cos, -sin, shift[:, 0]], -1), torch.stack([sin, cos, shift[:, 1]], -1)], 1)
+        grid = F.affine_grid(theta.to(imgs.dtype), list(imgs.shape), align_corners=False)
+        return F.grid_sample(imgs, grid, align_corners=False, padding_mode="zeros")
 
     def __getitem__(self, index: int):
         img = self.images[index]
-        if self.augment:
-            img = self._random_affine(img)
+        if self.augment:  # torch's RNG, which SeededItems seeds per item
+            img = self._affine(img.unsqueeze(0), (torch.rand(4) * 2 - 1).unsqueeze(0)).squeeze(0)
         return (img - self.mean) / self.std, int(self.labels[index])
+
+    def seeded_items(self, indices: Sequence[int], seeds: Sequence[int]) -> List[Tuple[torch.Tensor, int]]:
+        """``[self[i] for i in indices]`` with torch's CPU generator seeded with ``seeds[j]`` before item ``j``
+        (what :class:`~moh_vision.data.sampler.SeededItems` does item by item), in one batched resampling:
+        the same values, a fraction of the time."""
+        imgs = self.images[list(indices)]
+        if self.augment:
+            draws = [torch.rand(4, generator=torch.Generator().manual_seed(int(seed))) for seed in seeds]
+            imgs = self._affine(imgs, torch.stack(draws) * 2 - 1)
+        imgs = (imgs - self.mean) / self.std
+        return list(zip(imgs.unbind(0), self.labels[list(indices)].tolist()))
 
 
 class DigitsData:

@@ -68,8 +68,20 @@ class SeededItems(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
+    def item_seed(self, index: int) -> int:
+        return (self.seed * 1_000_003 + self.epoch * 9_973 + int(index) * 7) % (2**31 - 1)
+
+    def __getitems__(self, indices: List[int]) -> List[Any]:
+        """A batch (the DataLoader asks for one at a time): in one call where the dataset can draw each item's
+        augmentation from its own seed (``seeded_items(indices, seeds)``, torch's CPU generator only), else
+        item by item."""
+        batched = getattr(self.dataset, "seeded_items", None)
+        if batched is None:
+            return [self[index] for index in indices]
+        return batched(indices, [self.item_seed(index) for index in indices])
+
     def __getitem__(self, index: int) -> Any:
-        item_seed = (self.seed * 1_000_003 + self.epoch * 9_973 + int(index) * 7) % (2**31 - 1)
+        item_seed = self.item_seed(index)
         in_main_process = torch.utils.data.get_worker_info() is None
         if in_main_process:  # leave the training loop's RNG streams untouched
             saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
