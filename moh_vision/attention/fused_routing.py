@@ -12,9 +12,9 @@ values, selections, the loss and every gradient).
 
 Where it runs: eager calls on CPU tensors (:meth:`MoH.uses_fused_routing`), and on CUDA tensors its Triton
 twin (:mod:`~moh_vision.attention.triton_routing`); tracers, exporters, ``torch.compile`` (whose own code
-generation fuses the formulas) and ``torch.func`` see the formulas. The kernel is compiled on first use with the C++ compiler torch's extensions use
-(``torch.utils.cpp_extension``: g++ and ninja, about 30 s, once per machine: the build is cached under
-``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without a compiler, or with
+generation fuses the formulas) and ``torch.func`` see the formulas. The kernel is compiled on first use with
+the C++ compiler torch's extensions use (``torch.utils.cpp_extension``: g++ and ninja, about 30 s, once per
+machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without a compiler, or with
 ``MOH_VISION_FUSED_ROUTING=0`` in the environment (which turns the Triton kernels off too), MoH runs the
 formulas (same values) and says so once.
 
