@@ -14,9 +14,9 @@ Where it runs: eager calls on CPU tensors (:meth:`MoH.uses_fused_routing`), and 
 twin (:mod:`~moh_vision.attention.triton_routing`); tracers, exporters, ``torch.compile`` (whose own code
 generation fuses the formulas) and ``torch.func`` see the formulas. The kernel is compiled on first use with
 the C++ compiler torch's extensions use (``torch.utils.cpp_extension``: g++ and ninja, about 30 s, once per
-machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without a compiler, or with
-``MOH_VISION_FUSED_ROUTING=0`` in the environment (which turns the Triton kernels off too), MoH runs the
-formulas (same values) and says so once.
+machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without
+a compiler, or with ``MOH_VISION_FUSED_ROUTING=0`` in the environment (which turns the Triton kernels off
+too), MoH runs the formulas (same values) and says so once.
 
 Ties: the kernel takes the lower head among equal probabilities; ``torch.topk`` leaves the order of ties
 unspecified, so on exactly tied router outputs (a zero router) the two may select different heads.

@@ -427,8 +427,8 @@ class KeyValueHeads(torch.autograd.Function):
     of the GEMM's result one row of a head is ``2 h d`` elements from the next, and SDPA over a routed
     head's few hundred queries ran ~17% slower on them (fwd+bwd, 345 of 1,024 queries, d = 64, 2 CPU
     threads); with the copy, the sparse layer at 1,024 tokens x 2, dim 768, ratio 0.5 went from 0.832 to
-    0.790x dense forward and from 0.803 to 0.775x fwd+bwd (`git show 57504dd:docs/performance-log.md`). The GEMM's result is freed,
-    so memory stays as it was.
+    0.790x dense forward and from 0.803 to 0.775x fwd+bwd (`git show 57504dd:docs/performance-log.md`). The
+    GEMM's result is freed, so memory stays as it was.
 
     Backward writes the groups' gradients straight into one ``[B, N, 2, h, d]`` buffer (one pass) and
     runs the input and weight GEMMs on it. Through autograd the same gradient would be assembled by a

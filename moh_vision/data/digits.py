@@ -70,12 +70,13 @@ class DigitsImages(Dataset):
         """``[self[i] for i in indices]`` with torch's CPU generator seeded with ``seeds[j]`` before item ``j``
         (what :class:`~moh_vision.data.sampler.SeededItems` does item by item), in one batched resampling:
         the same values, a fraction of the time."""
-        imgs = self.images[list(indices)]
+        indices = list(indices)
+        imgs = self.images[indices]
         if self.augment:
             draws = [torch.rand(4, generator=torch.Generator().manual_seed(int(seed))) for seed in seeds]
             imgs = self._affine(imgs, torch.stack(draws) * 2 - 1)
         imgs = (imgs - self.mean) / self.std
-        return list(zip(imgs.unbind(0), self.labels[list(indices)].tolist()))
+        return list(zip(imgs.unbind(0), self.labels[indices].tolist()))
 
 
 class DigitsData:
