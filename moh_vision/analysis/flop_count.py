@@ -136,6 +136,16 @@ def routed_flash_attention_flops(inputs, outputs) -> Counter:
     return Counter({"scaled_dot_product_attention": 2 * rows * N * d, POINTWISE_PREFIX + "attention_softmax": 4 * rows * N})
 
 
+def aggregated_attention_flops(inputs, outputs) -> Counter:
+    """TransNeXt's ``moh_vision::aggregated_attention(q [B, h, N, d], k, v, k_pool [B, h, P, d], ..., local_weight
+    [B, h, N, L], ...)``: ``QK^T`` and ``AV`` over each query's ``L`` window keys and ``P`` pooled keys (what the
+    window copies' matmuls counted); biases, mask, softmax and the local weight's add point-wise."""
+    q, k_pool, local_weight = _shape(inputs[0]), _shape(inputs[3]), _shape(inputs[7])
+    scores = math.prod(q[:-1]) * (local_weight[-1] + k_pool[-2])
+    return Counter({"aggregated_attention": 2 * scores * q[-1],
+                    POINTWISE_PREFIX + "attention_softmax": scores * (2 + 3) + math.prod(local_weight)})
+
+
 def einsum_flops(inputs, outputs) -> Counter:
     """``einsum``: one operand is a permutation (free) or a reduction (point-wise); two or more
     operands are counted by fvcore (optimal contraction path, multiply-adds)."""
@@ -270,6 +280,7 @@ def op_handles() -> Dict[str, Handle]:
         "aten::baddbmm": baddbmm_flops,
         "aten::einsum": einsum_flops,
         "aten::scaled_dot_product_attention": sdpa_flops,
+        "moh_vision::aggregated_attention": aggregated_attention_flops,
         # the exact sparse MoH path (moh_vision.attention.sparse / triton_moh)
         "prim::PythonOp.GatheredHeadProjection": gathered_projection_flops,
         "prim::PythonOp.ScatteredHeadProjection": scattered_projection_flops,
@@ -299,7 +310,7 @@ def _analysis_class():
 # ----------------------------------------------------------------------------------------------
 # Which parts of a routed attention layer scale with its active fraction
 # ----------------------------------------------------------------------------------------------
-QUERY_WISE_OPS = ("scaled_dot_product_attention", "matmul", "bmm", "einsum", "mm")  # the layer's own attention core
+QUERY_WISE_OPS = ("scaled_dot_product_attention", "aggregated_attention", "matmul", "bmm", "einsum", "mm")  # the layer's own attention core
 
 
 def active_heads(module: nn.Module) -> Tuple[int, int]:

@@ -40,6 +40,7 @@ from moh_vision.attention import HeadAttention, attention_options, build_attenti
 from moh_vision.attention.kernels import broadcast_kv_heads
 from moh_vision.attention.sparse import PackedRows, SparseSupport, table_auto
 from moh_vision.errors import ConfigError
+from .aggregated_attention import aggregated_attention, local_window_index, local_window_mask
 from .factory import build_from_preset, instance_cfg
 from .families import register_family
 
@@ -93,30 +94,6 @@ def relative_coordinate_table(query_size: Size2, key_size: Size2,
     """
     key = (tuple(query_size), tuple(key_size), tuple(pretrain_size))
     return tuple(t.clone() for t in _cached_coordinate_table(*key))
-
-
-@functools.lru_cache(maxsize=64)
-@torch.no_grad()
-def _cached_window_mask(resolution: Size2, window_size: int) -> Tuple[Tensor, Tensor]:
-    ones = torch.ones(1, 1, *resolution, device="cpu")
-    inside = F.unfold(ones, window_size, padding=window_size // 2)[0].transpose(0, 1)  # [N, ws^2]
-    return inside.sum(dim=-1, keepdim=True), inside == 0
-
-
-def local_window_mask(resolution: Size2, window_size: int) -> Tuple[Tensor, Tensor]:
-    """For a ``window_size`` neighbourhood with zero padding: the number of in-image neighbours of
-    each position ``[N, 1]`` and the mask of out-of-image slots ``[N, window_size ** 2]``."""
-    return tuple(t.clone() for t in _cached_window_mask(tuple(resolution), window_size))
-
-
-@functools.lru_cache(maxsize=64)
-@torch.no_grad()
-def local_window_index(resolution: Size2, window_size: int, device: torch.device) -> Tensor:
-    """``[N, window_size ** 2]``: the token index of every slot of each position's zero-padded
-    neighbourhood, in ``F.unfold``'s slot order; ``-1`` for slots outside the image. Shared, read-only."""
-    positions = torch.arange(1, resolution[0] * resolution[1] + 1, dtype=torch.float64, device="cpu")
-    windows = F.unfold(positions.view(1, 1, *resolution), window_size, padding=window_size // 2)[0]  # [ws^2, N]
-    return (windows.transpose(0, 1).round().long() - 1).to(device)
 
 
 def _inverse_softplus(value: float, shape: Sequence[int]) -> Tensor:
@@ -390,13 +367,6 @@ class TransNeXtAggregatedAttention(_TransNeXtAttention):
         pooled = F.adaptive_avg_pool2d(self.act(self.sr(image)), self.pool_size)
         return self.norm(pooled.flatten(2).transpose(1, 2))
 
-    def unfold_heads(self, t: Tensor) -> Tensor:
-        """``[B, h, N, d]`` -> ``[B, h, N, d, window ** 2]``: each position's zero-padded neighbourhood."""
-        B, h, N, d = t.shape
-        image = t.transpose(-2, -1).reshape(B, h * d, *self.input_resolution)
-        windows = F.unfold(image, self.window_size, padding=self.window_size // 2)  # [B, h*d*ws^2, N]
-        return windows.reshape(B, h, d, self.local_len, N).permute(0, 1, 4, 2, 3)
-
     # MoH may run this kernel sparse (moh_vision.attention.sparse): queries, attention and output
     # projection only for the selected (token, head) pairs, through the three methods below.
     sparse_moh = SparseSupport(auto=table_auto("transnext_aggregated"))
@@ -421,23 +391,12 @@ class TransNeXtAggregatedAttention(_TransNeXtAttention):
         if heads is None:
             self.check_kv_heads(q, keys.k_local)
         q_norm = F.normalize(q, dim=-1)
-        q = self.scale_queries(q_norm, heads)  # [B, n, N, d]
-
-        k_local = self.unfold_heads(_take_heads(keys.k_local, heads))  # [B, n, N, d, L]
-        v_local = self.unfold_heads(_take_heads(keys.v_local, heads))
-        logits_local = (q.unsqueeze(-2) @ k_local).squeeze(-2) + _take(self.relative_pos_bias_local, heads).unsqueeze(1)
-        logits_local = logits_local.masked_fill(self.padding_mask, float("-inf"))  # [B, n, N, L]
-        logits_pool = q @ _take_heads(keys.k_pool, heads).transpose(-2, -1) + _take(keys.bias, heads)
-
-        attn = torch.cat([logits_local, logits_pool], dim=-1).softmax(dim=-1)
-        if self.training and self.attn_drop:
-            attn = F.dropout(attn, self.attn_drop)
-        attn_local, attn_pool = attn.split([self.local_len, self.pool_len], dim=-1)
-        # Padded slots hold zero values, so the unmasked dynamic weight adds nothing there.
-        weight_local = (q_norm @ _take(self.learnable_tokens, heads) + _take(self.learnable_bias, heads)
-                        + attn_local)  # [B, n, N, L]
-        out_local = (weight_local.unsqueeze(-2) @ v_local.transpose(-2, -1)).squeeze(-2)
-        return out_local + attn_pool @ _take_heads(keys.v_pool, heads)
+        local_weight = q_norm @ _take(self.learnable_tokens, heads) + _take(self.learnable_bias, heads)  # [B, n, N, L]
+        return aggregated_attention(
+            self.scale_queries(q_norm, heads), _take_heads(keys.k_local, heads), _take_heads(keys.v_local, heads),
+            _take_heads(keys.k_pool, heads), _take_heads(keys.v_pool, heads), _take(keys.bias, heads),
+            _take(self.relative_pos_bias_local, heads), local_weight, self.input_resolution, self.window_size,
+            self.attn_drop if self.training else 0.0)
 
     # --- sparse MoH (see moh_vision.attention.sparse) --------------------------------------------
     def sparse_context(self, x: Tensor) -> Tuple[Tensor, Optional[Tensor], "AggregatedKeys"]:

@@ -1,0 +1,288 @@
+"""TransNeXt's aggregated attention as one operator each way, with no window copies.
+
+Each query of an ``H x W`` token map attends, under one softmax, to the keys of its ``window x window``
+neighbourhood (zero-padded at the border, the padded slots masked, a learned per-head bias per slot) and to
+``P`` pooled keys (with a position bias per query and pooled key); its local value sum gets a further,
+non-softmax weight per slot (TransNeXt's learnable tokens, computed by the caller as ``local_weight``)::
+
+    s_l   = q . k[n + o_l] + local_bias[l]      (-inf where n + o_l is outside the map)
+    s_p   = q . k_pool[p] + pool_bias[n, p]
+    a     = softmax([s_l, s_p])
+    out   = sum_l (a_l + local_weight_l) v[n + o_l] + sum_p a_p v_pool[p]
+
+The official code (and this codebase until 2026-11) ran it through ``F.unfold``, which copies every key and
+value nine times (``[B, h, N, d, 9]``) and keeps the copies for backward: 2.4-3.3x a timm Swin/PVTv2 step of
+similar FLOPs and ~3x their activation memory. Here:
+
+* :func:`aggregated_attention_reference` is the formula in plain differentiable operators over nine shifted
+  views of one padded tensor (no copies of the windows): the reference twin, and what tracers and exporters
+  record (``torch.jit.trace``'s FLOP counter sees the custom op instead, with its own count).
+* ``torch.ops.moh_vision.aggregated_attention`` (a ``torch.library`` custom op, so ``torch.compile`` keeps
+  one graph around it) returns the output and each query's log-sum-exp; its backward op recomputes the
+  attention from the inputs and the log-sum-exp, as flash attention does, so a training step keeps only the
+  inputs and ``[B, h, N]`` floats. On CUDA both run as Triton kernels
+  (:mod:`~moh_vision.models.triton_aggregated`); elsewhere (or without Triton) as the shifted-view
+  formulas below, in float32.
+
+Slot ``l`` of the window is the offset ``(l // window - window // 2, l % window - window // 2)``, the order
+of ``F.unfold`` that the checkpoints' ``relative_pos_bias_local`` and ``learnable_tokens`` follow.
+"""
+from __future__ import annotations
+
+import functools
+from typing import List, Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from moh_vision.attention.tracing import COMPILE, JIT_TRACE, active_tracer
+
+Tensor = torch.Tensor
+Size2 = Tuple[int, int]
+
+__all__ = ["aggregated_attention", "aggregated_attention_reference", "local_window_mask", "local_window_index"]
+
+
+# ----------------------------------------------------------------------------------------------
+# Window geometry (computed once per resolution, on the CPU)
+# ----------------------------------------------------------------------------------------------
+def window_slots(window: int) -> List[Tuple[int, int]]:
+    """``(row, column)`` start of each slot's view in the padded map, in ``F.unfold``'s slot order."""
+    return [(i, j) for i in range(window) for j in range(window)]
+
+
+@functools.lru_cache(maxsize=64)
+@torch.no_grad()
+def _cached_window_mask(resolution: Size2, window: int) -> Tuple[Tensor, Tensor]:
+    H, W = resolution
+    r = window // 2
+    inside = F.pad(torch.ones(H, W, device="cpu"), (r, r, r, r))  # not a default device's (meta)
+    slots = torch.stack([inside[i:i + H, j:j + W].reshape(-1) for i, j in window_slots(window)], dim=-1)  # [N, L]
+    return slots.sum(dim=-1, keepdim=True), slots == 0
+
+
+def local_window_mask(resolution: Size2, window: int) -> Tuple[Tensor, Tensor]:
+    """For a ``window`` neighbourhood with zero padding: the number of in-image neighbours of each position
+    ``[N, 1]`` and the mask of out-of-image slots ``[N, window ** 2]``."""
+    return tuple(t.clone() for t in _cached_window_mask(tuple(resolution), window))
+
+
+@functools.lru_cache(maxsize=64)
+@torch.no_grad()
+def _window_mask_on(resolution: Size2, window: int, device: torch.device) -> Tensor:
+    return _cached_window_mask(resolution, window)[1].to(device)  # shared, read-only
+
+
+@functools.lru_cache(maxsize=64)
+@torch.no_grad()
+def local_window_index(resolution: Size2, window: int, device: torch.device) -> Tensor:
+    """``[N, window ** 2]``: the token index of every slot of each position's zero-padded neighbourhood;
+    ``-1`` for slots outside the image. Shared, read-only."""
+    H, W = resolution
+    r = window // 2
+    index = F.pad(torch.arange(H * W, device="cpu").view(H, W) + 1, (r, r, r, r))
+    slots = torch.stack([index[i:i + H, j:j + W].reshape(-1) for i, j in window_slots(window)], dim=-1)
+    return (slots - 1).to(device)
+
+
+# ----------------------------------------------------------------------------------------------
+# The formula over shifted views
+# ----------------------------------------------------------------------------------------------
+def _padded(t: Tensor, size: Size2, window: int) -> Tensor:
+    """``[B, h, N, d]`` -> ``[B, h, H + 2r, W + 2r, d]``, zero border (one copy, whatever the window)."""
+    r = window // 2
+    return F.pad(t.reshape(*t.shape[:2], *size, t.shape[-1]), (0, 0, r, r, r, r))
+
+
+def _views(padded: Tensor, size: Size2, window: int):
+    """The ``window ** 2`` shifted ``[B, h, H, W, d]`` views of a padded map (views, not copies)."""
+    H, W = size
+    return [padded[:, :, i:i + H, j:j + W] for i, j in window_slots(window)]
+
+
+def local_logits(q: Tensor, k_padded: Tensor, size: Size2, window: int) -> Tensor:
+    """``q . k`` of every query ``[B, h, N, d]`` with each of its window's keys: ``[B, h, N, window ** 2]``."""
+    grid = q.reshape(*q.shape[:2], *size, q.shape[-1])
+    logits = torch.stack([(grid * k).sum(-1) for k in _views(k_padded, size, window)], dim=-1)
+    return logits.reshape(*q.shape[:3], window * window)
+
+
+def local_sum(weight: Tensor, v_padded: Tensor, size: Size2, window: int) -> Tensor:
+    """``sum_l weight[..., l] v[n + o_l]``: ``[B, h, N, L]`` weights over each window's values -> ``[B, h, N, d]``."""
+    grid = weight.reshape(*weight.shape[:2], *size, weight.shape[-1]).unsqueeze(-1)
+    out = None
+    for slot, v in enumerate(_views(v_padded, size, window)):
+        term = grid[..., slot, :] * v
+        out = term if out is None else out + term
+    return out.reshape(*weight.shape[:3], -1)
+
+
+def _scatter_windows(terms, shape, size: Size2, window: int) -> Tensor:
+    """The adjoint of :func:`_views`: ``terms[l]`` ``[B, h, H, W, d]`` added at each slot's offset, cropped
+    back to ``[B, h, N, d]``."""
+    H, W = size
+    r = window // 2
+    padded = terms[0].new_zeros(*shape[:2], H + 2 * r, W + 2 * r, shape[-1])
+    for (i, j), term in zip(window_slots(window), terms):
+        padded[:, :, i:i + H, j:j + W] += term
+    return padded[:, :, r:r + H, r:r + W].reshape(shape)
+
+
+def aggregated_attention_reference(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, pool_bias: Tensor,
+                                   local_bias: Tensor, local_weight: Tensor, size: Size2, window: int,
+                                   dropout: float = 0.0) -> Tensor:
+    """The aggregated attention in plain operators (autograd through every one).
+
+    ``q`` ``[B, h, N, d]`` scaled queries; ``k`` (normalised), ``v`` ``[B, hk, N, d]`` and ``k_pool``,
+    ``v_pool`` ``[B, hk, P, d]`` with ``hk`` in ``(1, h)``; ``pool_bias`` ``[h, N, P]``; ``local_bias``
+    ``[h, L]``; ``local_weight`` ``[B, h, N, L]``; ``size = (H, W)`` with ``H * W = N``; ``dropout`` on the
+    attention probabilities. Returns ``[B, h, N, d]``.
+    """
+    logits_local = local_logits(q, _padded(k, size, window), size, window) + local_bias.unsqueeze(1)
+    logits_local = logits_local.masked_fill(_window_mask_on(tuple(size), window, q.device), float("-inf"))
+    logits_pool = q @ k_pool.transpose(-2, -1) + pool_bias
+    attn = torch.cat([logits_local, logits_pool], dim=-1).softmax(dim=-1)
+    if dropout:
+        attn = F.dropout(attn, dropout)
+    attn_local, attn_pool = attn.split([window * window, k_pool.shape[-2]], dim=-1)
+    # Padded slots hold zero values, so the unmasked local weight adds nothing there.
+    out = local_sum(attn_local + local_weight, _padded(v, size, window), size, window)
+    return out + attn_pool @ v_pool
+
+
+# ----------------------------------------------------------------------------------------------
+# The operator, forward and backward, on any device (float32 arithmetic)
+# ----------------------------------------------------------------------------------------------
+def _probabilities(q, k_padded, k_pool, pool_bias, local_bias, lse, size, window) -> Tuple[Tensor, Tensor]:
+    """The attention ``(local [B, h, N, L], pooled [B, h, N, P])``: ``exp(logits - lse)`` when ``lse`` is
+    given, else the softmax; masked slots 0."""
+    logits_local = local_logits(q, k_padded, size, window) + local_bias.unsqueeze(1)
+    logits_local = logits_local.masked_fill(_window_mask_on(tuple(size), window, q.device), float("-inf"))
+    logits_pool = q @ k_pool.transpose(-2, -1) + pool_bias
+    logits = torch.cat([logits_local, logits_pool], dim=-1)
+    if lse is None:
+        lse = logits.logsumexp(dim=-1)
+    attn = (logits - lse.unsqueeze(-1)).exp_()
+    return attn.split([window * window, k_pool.shape[-2]], dim=-1), lse
+
+
+def _float(*tensors: Tensor) -> List[Tensor]:
+    """Half-precision tensors in float32 (float32 and float64 as they are)."""
+    return [t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors]
+
+
+def _forward_plain(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, size, window) -> Tuple[Tensor, Tensor]:
+    dtype = q.dtype
+    q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight = _float(
+        q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight)
+    (attn_local, attn_pool), lse = _probabilities(q, _padded(k, size, window), k_pool, pool_bias, local_bias, None,
+                                                  size, window)
+    out = local_sum(attn_local + local_weight, _padded(v, size, window), size, window) + attn_pool @ v_pool
+    return out.to(dtype), lse
+
+
+def _backward_plain(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, size, window):
+    inputs = (q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight)
+    grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight = _float(grad, *inputs)
+    k_padded, v_padded = _padded(k, size, window), _padded(v, size, window)
+    (attn_local, attn_pool), _ = _probabilities(q, k_padded, k_pool, pool_bias, local_bias, lse, size, window)
+    # d out / d (local weight) = d out / d (local attention) = grad . v[n + o_l]
+    grad_local = local_logits(grad, v_padded, size, window)          # [B, h, N, L]
+    grad_pool = grad @ v_pool.transpose(-2, -1)                      # [B, h, N, P]
+    delta = (attn_local * grad_local).sum(-1, keepdim=True) + (attn_pool * grad_pool).sum(-1, keepdim=True)
+    ds_local, ds_pool = attn_local * (grad_local - delta), attn_pool * (grad_pool - delta)
+
+    dq = local_sum(ds_local, k_padded, size, window) + ds_pool @ k_pool
+    grid_q, grid_grad = (t.reshape(*t.shape[:2], *size, t.shape[-1]) for t in (q, grad))
+    weights = [w.reshape(*w.shape[:2], *size, w.shape[-1]) for w in (ds_local, attn_local + local_weight)]
+    slots = range(window * window)
+    dk = _scatter_windows([weights[0][..., s, None] * grid_q for s in slots], k.shape, size, window)
+    dv = _scatter_windows([weights[1][..., s, None] * grid_grad for s in slots], v.shape, size, window)
+    grads = (dq, dk, dv, ds_pool.transpose(-2, -1) @ q, attn_pool.transpose(-2, -1) @ grad, ds_pool.sum(0),
+             ds_local.sum((0, 2)), grad_local)
+    return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
+
+
+@torch.library.custom_op("moh_vision::aggregated_attention", mutates_args=())
+def _aggregated_op(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, pool_bias: Tensor,
+                   local_bias: Tensor, local_weight: Tensor, height: int, width: int,
+                   window: int) -> Tuple[Tensor, Tensor]:
+    return _forward_plain(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
+
+
+@torch.library.custom_op("moh_vision::aggregated_attention_backward", mutates_args=())
+def _aggregated_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor,
+                            pool_bias: Tensor, local_bias: Tensor, local_weight: Tensor, lse: Tensor, height: int,
+                            width: int, window: int) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor,
+                                                              Tensor, Tensor]:
+    return _backward_plain(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, (height, width),
+                           window)
+
+
+@_aggregated_op.register_kernel("cuda")
+def _aggregated_cuda(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
+    from . import triton_aggregated as kernels
+    if not kernels.supports(k_pool.shape[-2], q.shape[-1]):
+        return _forward_plain(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
+    return kernels.forward(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
+
+
+@_aggregated_backward_op.register_kernel("cuda")
+def _aggregated_backward_cuda(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width,
+                              window):
+    from . import triton_aggregated as kernels
+    args = (q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, (height, width), window)
+    if not kernels.supports(k_pool.shape[-2], q.shape[-1]):
+        return _backward_plain(grad, *args)
+    return kernels.backward(grad, *args)
+
+
+@_aggregated_op.register_fake
+def _aggregated_fake(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=_float(q)[0].dtype)
+
+
+@_aggregated_backward_op.register_fake
+def _aggregated_backward_fake(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width,
+                              window):
+    return tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                 for t in (q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    *tensors, height, width, window = inputs
+    ctx.save_for_backward(*tensors, output[1])
+    ctx.geometry = (height, width, window)
+
+
+def _backward(ctx, grad, _grad_lse):
+    grads = torch.ops.moh_vision.aggregated_attention_backward(grad.contiguous(), *ctx.saved_tensors, *ctx.geometry)
+    return (*grads, None, None, None)
+
+
+_aggregated_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _op_runs(tracer: Optional[str]) -> bool:
+    """The operator in eager mode, under ``torch.compile`` (one opaque node) and ``torch.jit.trace`` (the FLOP
+    counter gives it a handle); exporters, ``fx`` and ``torch.func`` see the reference formula."""
+    return tracer in (None, COMPILE, JIT_TRACE)
+
+
+def aggregated_attention(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, pool_bias: Tensor,
+                         local_bias: Tensor, local_weight: Tensor, size: Size2, window: int,
+                         dropout: float = 0.0) -> Tensor:
+    """The aggregated attention ``[B, h, N, d]`` (arguments as :func:`aggregated_attention_reference`): the
+    fused operator, or the reference formula under exporters and ``torch.func`` and with attention dropout
+    (which the operator does not draw)."""
+    if dropout or not _op_runs(active_tracer(q)):
+        return aggregated_attention_reference(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, size,
+                                              window, dropout)
+    shape = q.shape
+    k, v = k.expand(shape), v.expand(shape)  # a shared key/value head is read by every query head, not copied
+    k_pool, v_pool = k_pool.expand(*shape[:2], *k_pool.shape[2:]), v_pool.expand(*shape[:2], *v_pool.shape[2:])
+    dtype = q.dtype
+    out, _ = torch.ops.moh_vision.aggregated_attention(
+        q, k.to(dtype), v.to(dtype), k_pool.to(dtype), v_pool.to(dtype), pool_bias, local_bias, local_weight,
+        int(size[0]), int(size[1]), int(window))
+    return out
