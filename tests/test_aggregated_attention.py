@@ -1,0 +1,204 @@
+"""TransNeXt's aggregated attention without window copies (moh_vision.models.aggregated_attention) equals the
+official ``F.unfold`` form in its output and every gradient: the plain-op reference, the ``torch.library``
+operator on the CPU, its Triton kernels under Triton's interpreter, and (``gpu``) on CUDA."""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from moh_vision.models.aggregated_attention import (aggregated_attention, aggregated_attention_reference,
+                                                    local_window_mask)
+
+REPO = Path(__file__).resolve().parents[1]
+
+# (B, h, hk, H, W, d, P, window): TransNeXt's stage-1 head size, a non-square map, a 5x5 window, one token,
+# a shared key/value head (MoA), one pooled token
+SHAPES = [(2, 2, 2, 5, 7, 24, 9, 3), (1, 3, 3, 4, 6, 8, 4, 5), (2, 2, 2, 1, 1, 4, 1, 3), (2, 3, 1, 4, 4, 6, 4, 3),
+          (1, 2, 2, 8, 3, 5, 1, 3)]
+
+
+def unfold_form(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, size, window):
+    """The official TransNeXt formula: every key and value copied ``window ** 2`` times by ``F.unfold``."""
+    B, h, N, d = q.shape
+    L = window * window
+
+    def windows(t):
+        image = t.transpose(-2, -1).reshape(B, t.shape[1] * d, *size)
+        return F.unfold(image, window, padding=window // 2).reshape(B, t.shape[1], d, L, N).permute(0, 1, 4, 2, 3)
+
+    logits_local = (q.unsqueeze(-2) @ windows(k)).squeeze(-2) + local_bias.unsqueeze(1)
+    logits_local = logits_local.masked_fill(local_window_mask(size, window)[1], float("-inf"))
+    logits_pool = q @ k_pool.transpose(-2, -1) + pool_bias
+    attn = torch.cat([logits_local, logits_pool], dim=-1).softmax(dim=-1)
+    attn_local, attn_pool = attn.split([L, k_pool.shape[-2]], dim=-1)
+    out_local = ((attn_local + local_weight).unsqueeze(-2) @ windows(v).transpose(-2, -1)).squeeze(-2)
+    return out_local + attn_pool @ v_pool
+
+
+def make_inputs(B, h, hk, H, W, d, P, window, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    N, L = H * W, window * window
+    shapes = [(B, h, N, d), (B, hk, N, d), (B, hk, N, d), (B, hk, P, d), (B, hk, P, d), (h, N, P), (h, L), (B, h, N, L)]
+    tensors = [torch.randn(*s, generator=g, dtype=torch.float64).to(dtype) for s in shapes]
+    tensors[1] = F.normalize(tensors[1], dim=-1)  # normalised keys, as the layer gives them
+    return [t.requires_grad_() for t in tensors], torch.randn(B, h, N, d, generator=g, dtype=torch.float64).to(dtype)
+
+
+def values_and_grads(fn, inputs, grad, size, window):
+    for t in inputs:
+        t.grad = None
+    out = fn(*inputs, size, window)
+    (out * grad).sum().backward()
+    return [out.detach()] + [t.grad.clone() for t in inputs]
+
+
+def relative_errors(got, want):
+    return [((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1e-30)).item()
+            for a, b in zip(got, want)]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("fn", [aggregated_attention_reference, aggregated_attention], ids=["reference", "operator"])
+def test_equals_the_unfold_form_in_float64(shape, fn):
+    inputs, grad = make_inputs(*shape)
+    size, window = shape[3:5], shape[-1]
+    want = values_and_grads(unfold_form, inputs, grad, size, window)
+    got = values_and_grads(fn, inputs, grad, size, window)
+    assert max(relative_errors(got, want)) < 1e-12
+
+
+@pytest.mark.parametrize("shape", SHAPES[:2])
+def test_operator_in_float32_within_1e5_of_the_unfold_form(shape):
+    inputs, grad = make_inputs(*shape)
+    size, window = shape[3:5], shape[-1]
+    want = values_and_grads(unfold_form, inputs, grad, size, window)
+    single = [t.detach().float().requires_grad_() for t in inputs]
+    got = values_and_grads(aggregated_attention, single, grad.float(), size, window)
+    assert max(relative_errors(got, want)) < 1e-5
+
+
+def test_operator_in_bfloat16_within_stated_tolerance():
+    shape = SHAPES[0]
+    inputs, grad = make_inputs(*shape, dtype=torch.bfloat16)
+    size, window = shape[3:5], shape[-1]
+    got = values_and_grads(aggregated_attention, inputs, grad, size, window)
+    exact = [t.detach().double().requires_grad_() for t in inputs]  # the same (rounded) inputs, exactly
+    want = values_and_grads(unfold_form, exact, grad.double(), size, window)
+    assert all(g.dtype == torch.bfloat16 for g in got)
+    assert max(relative_errors(got, want)) < 1e-2  # float32 arithmetic inside, results rounded to bf16 (8 bits)
+
+
+def test_operator_passes_gradcheck_and_opcheck():
+    inputs, _ = make_inputs(1, 2, 2, 3, 4, 3, 2, 3)
+    size = (3, 4)
+    assert torch.autograd.gradcheck(lambda *t: aggregated_attention(*t, size, 3), inputs)
+    torch.library.opcheck(torch.ops.moh_vision.aggregated_attention.default, (*[t.detach().float() for t in inputs],
+                                                                               3, 4, 3))
+
+
+def test_operator_keeps_only_its_inputs_and_the_logsumexp_for_backward():
+    """No window copies saved: besides the inputs (which the layer holds anyway), one float per query."""
+    B, h, H, W, d, P = 2, 3, 6, 6, 8, 4
+    inputs, _ = make_inputs(B, h, h, H, W, d, P, 3, dtype=torch.float32)
+    held = {t.untyped_storage().data_ptr() for t in inputs}
+    extra = []
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in held:
+            extra.append(t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        aggregated_attention(*inputs, (H, W), 3)
+    assert sum(extra) == B * h * H * W * 4  # the float32 log-sum-exp
+
+
+def test_model_traces_to_one_graph_around_the_operator():
+    import timm
+    import moh_vision  # noqa: F401 (registers the models)
+
+    torch.manual_seed(0)
+    model = timm.create_model("transnext_nano", img_size=64, num_classes=5).train()
+    x = torch.randn(2, 3, 64, 64)
+    explained = torch._dynamo.explain(model)(x)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0
+    ops = {str(n.target) for g in explained.graphs for n in g.graph.nodes if n.op == "call_function"}
+    assert any("aggregated_attention" in op for op in ops)
+
+
+# Triton decides at import whether its language is interpreted: a fresh process with TRITON_INTERPRET=1.
+TRITON_SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_aggregated_attention import SHAPES, make_inputs, relative_errors
+from moh_vision.models import triton_aggregated as kernels
+from moh_vision.models.aggregated_attention import _forward_plain, _backward_plain
+worst = {}
+for dtype, shapes in ((torch.float32, SHAPES), (torch.float16, SHAPES[:2])):
+    for B, h, hk, H, W, d, P, window in shapes:
+        inputs, grad = make_inputs(B, h, hk, H, W, d, P, window, dtype=dtype)
+        inputs = [t.detach() for t in inputs]
+        inputs[1], inputs[2] = inputs[1].expand(B, h, -1, -1), inputs[2].expand(B, h, -1, -1)  # as the op gets them
+        inputs[3], inputs[4] = inputs[3].expand(B, h, -1, -1), inputs[4].expand(B, h, -1, -1)
+        inputs[0] = inputs[0].transpose(1, 2).contiguous().transpose(1, 2)  # strided, as split heads give it
+        out, lse = kernels.forward(*inputs, (H, W), window)
+        want_out, want_lse = _forward_plain(*[t.double() for t in inputs], (H, W), window)
+        grads = kernels.backward(grad, *inputs, lse, (H, W), window)
+        want = _backward_plain(grad.double(), *[t.double() for t in inputs], want_lse, (H, W), window)
+        errors = relative_errors([out, lse, *grads], [want_out, want_lse, *want])
+        worst[str(dtype)] = max(worst.get(str(dtype), 0.0), max(errors))
+print(worst)
+assert worst["torch.float32"] < 1e-5, worst
+assert worst["torch.float16"] < 2e-3, worst
+"""
+
+
+def test_triton_kernels_in_the_interpreter_equal_the_formula():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(Path(__file__).parent)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+@pytest.mark.parametrize("shape", SHAPES + [(4, 4, 4, 56, 56, 24, 49, 3), (2, 16, 16, 14, 14, 24, 49, 3),
+                                            (2, 2, 2, 24, 20, 24, 144, 3)])
+def test_operator_on_cuda_equals_the_unfold_form(shape, dtype, tol):
+    inputs, grad = make_inputs(*shape, dtype=dtype)
+    size, window = shape[3:5], shape[-1]
+    exact = [t.detach().double().requires_grad_() for t in inputs]  # the same (rounded) inputs, exactly
+    want = values_and_grads(unfold_form, exact, grad.double(), size, window)
+    cuda = [t.detach().cuda().requires_grad_() for t in inputs]
+    got = values_and_grads(aggregated_attention, cuda, grad.cuda(), size, window)
+    assert max(relative_errors([g.cpu() for g in got], want)) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("compiled", [False, True])
+def test_model_on_cuda_trains_as_the_reference(compiled, monkeypatch):
+    """A TransNeXt step on CUDA (eager and compiled): the Triton kernels' gradients equal the reference
+    formula's (the operator switched for it) on the same weights."""
+    import timm
+    from moh_vision.models import aggregated_attention as module
+
+    torch.manual_seed(0)
+    model = timm.create_model("transnext_micro", img_size=64, num_classes=10).cuda().train()
+    x = torch.randn(4, 3, 64, 64, device="cuda")
+
+    def grads(run):
+        model.zero_grad()
+        run(x).square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    got = grads(torch.compile(model) if compiled else model)
+    monkeypatch.setattr(module, "_op_runs", lambda tracer: False)
+    want = grads(model)
+    assert max(relative_errors(got, want)) < 1e-3  # TF32-free kernels; cuBLAS/cuDNN elsewhere may use TF32
