@@ -333,3 +333,34 @@ def test_position_bias_equals_direct_mlp_over_all_pairs():
     coords = torch.sign(coords) * torch.log2(coords.abs() + 1) / math.log2(8)
     direct = attn.cpb_fc2(torch.relu(attn.cpb_fc1(coords))).permute(2, 0, 1)
     torch.testing.assert_close(attn.position_bias(), direct)
+
+
+def test_convolutional_glu_keeps_less_and_equals_the_plain_form(monkeypatch):
+    """The ConvGLU's gated projection recomputes GELU and the product in backward (fewer tensors kept) with the
+    plain operators' values and gradients; gradcheck on the recomputing Function."""
+    from moh_vision.models import transnext as module
+
+    a, gate = (torch.randn(2, 6, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    fc = torch.nn.Linear(5, 3).double()
+    assert torch.autograd.gradcheck(module._GatedProjection.apply, (a, gate, fc.weight, fc.bias))
+
+    torch.manual_seed(0)
+    mlp = module.ConvolutionalGLU(8, 24)
+    x = torch.randn(2, 12, 8, requires_grad=True)
+
+    def run():
+        mlp.zero_grad()
+        x.grad = None
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.untyped_storage().data_ptr()) or t,
+                                                      lambda t: t):
+            y = mlp(x, 3, 4)
+        y.square().sum().backward()
+        return [y.detach(), x.grad] + [p.grad for p in mlp.parameters()], len(set(saved))
+
+    fused, kept_fused = run()
+    monkeypatch.setattr(module, "active_tracer", lambda x=None: "plain")  # the plain operators
+    plain, kept_plain = run()
+    assert kept_fused < kept_plain
+    for got, want in zip(fused, plain):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -88,10 +88,15 @@ def local_window_index(resolution: Size2, window: int, device: torch.device) -> 
 # ----------------------------------------------------------------------------------------------
 # The formula over shifted views
 # ----------------------------------------------------------------------------------------------
+def _grid(t: Tensor, size: Size2) -> Tensor:
+    """``[B, h, N, c]`` -> ``[B, h, H, W, c]`` (a view; sizes by index, so that ``torch.fx`` can trace it)."""
+    return t.reshape(t.shape[0], t.shape[1], size[0], size[1], t.shape[-1])
+
+
 def _padded(t: Tensor, size: Size2, window: int) -> Tensor:
     """``[B, h, N, d]`` -> ``[B, h, H + 2r, W + 2r, d]``, zero border (one copy, whatever the window)."""
     r = window // 2
-    return F.pad(t.reshape(*t.shape[:2], *size, t.shape[-1]), (0, 0, r, r, r, r))
+    return F.pad(_grid(t, size), (0, 0, r, r, r, r))
 
 
 def _views(padded: Tensor, size: Size2, window: int):
@@ -102,19 +107,19 @@ def _views(padded: Tensor, size: Size2, window: int):
 
 def local_logits(q: Tensor, k_padded: Tensor, size: Size2, window: int) -> Tensor:
     """``q . k`` of every query ``[B, h, N, d]`` with each of its window's keys: ``[B, h, N, window ** 2]``."""
-    grid = q.reshape(*q.shape[:2], *size, q.shape[-1])
+    grid = _grid(q, size)
     logits = torch.stack([(grid * k).sum(-1) for k in _views(k_padded, size, window)], dim=-1)
-    return logits.reshape(*q.shape[:3], window * window)
+    return logits.flatten(2, 3)
 
 
 def local_sum(weight: Tensor, v_padded: Tensor, size: Size2, window: int) -> Tensor:
     """``sum_l weight[..., l] v[n + o_l]``: ``[B, h, N, L]`` weights over each window's values -> ``[B, h, N, d]``."""
-    grid = weight.reshape(*weight.shape[:2], *size, weight.shape[-1]).unsqueeze(-1)
+    grid = _grid(weight, size).unsqueeze(-1)
     out = None
     for slot, v in enumerate(_views(v_padded, size, window)):
         term = grid[..., slot, :] * v
         out = term if out is None else out + term
-    return out.reshape(*weight.shape[:3], -1)
+    return out.flatten(2, 3)
 
 
 def _scatter_windows(terms, shape, size: Size2, window: int) -> Tensor:
@@ -130,16 +135,19 @@ def _scatter_windows(terms, shape, size: Size2, window: int) -> Tensor:
 
 def aggregated_attention_reference(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, pool_bias: Tensor,
                                    local_bias: Tensor, local_weight: Tensor, size: Size2, window: int,
-                                   dropout: float = 0.0) -> Tensor:
+                                   dropout: float = 0.0, padding_mask: Optional[Tensor] = None) -> Tensor:
     """The aggregated attention in plain operators (autograd through every one).
 
     ``q`` ``[B, h, N, d]`` scaled queries; ``k`` (normalised), ``v`` ``[B, hk, N, d]`` and ``k_pool``,
     ``v_pool`` ``[B, hk, P, d]`` with ``hk`` in ``(1, h)``; ``pool_bias`` ``[h, N, P]``; ``local_bias``
     ``[h, L]``; ``local_weight`` ``[B, h, N, L]``; ``size = (H, W)`` with ``H * W = N``; ``dropout`` on the
-    attention probabilities. Returns ``[B, h, N, d]``.
+    attention probabilities; ``padding_mask`` ``[N, L]`` (True outside the map) if the caller holds it (a
+    module buffer, which ``torch.fx`` can trace). Returns ``[B, h, N, d]``.
     """
+    if padding_mask is None:
+        padding_mask = _window_mask_on(tuple(size), window, q.device)
     logits_local = local_logits(q, _padded(k, size, window), size, window) + local_bias.unsqueeze(1)
-    logits_local = logits_local.masked_fill(_window_mask_on(tuple(size), window, q.device), float("-inf"))
+    logits_local = logits_local.masked_fill(padding_mask, float("-inf"))
     logits_pool = q @ k_pool.transpose(-2, -1) + pool_bias
     attn = torch.cat([logits_local, logits_pool], dim=-1).softmax(dim=-1)
     if dropout:
@@ -193,8 +201,8 @@ def _backward_plain(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_
     ds_local, ds_pool = attn_local * (grad_local - delta), attn_pool * (grad_pool - delta)
 
     dq = local_sum(ds_local, k_padded, size, window) + ds_pool @ k_pool
-    grid_q, grid_grad = (t.reshape(*t.shape[:2], *size, t.shape[-1]) for t in (q, grad))
-    weights = [w.reshape(*w.shape[:2], *size, w.shape[-1]) for w in (ds_local, attn_local + local_weight)]
+    grid_q, grid_grad = _grid(q, size), _grid(grad, size)
+    weights = [_grid(w, size) for w in (ds_local, attn_local + local_weight)]
     slots = range(window * window)
     dk = _scatter_windows([weights[0][..., s, None] * grid_q for s in slots], k.shape, size, window)
     dv = _scatter_windows([weights[1][..., s, None] * grid_grad for s in slots], v.shape, size, window)
@@ -271,13 +279,13 @@ def _op_runs(tracer: Optional[str]) -> bool:
 
 def aggregated_attention(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, pool_bias: Tensor,
                          local_bias: Tensor, local_weight: Tensor, size: Size2, window: int,
-                         dropout: float = 0.0) -> Tensor:
+                         dropout: float = 0.0, padding_mask: Optional[Tensor] = None) -> Tensor:
     """The aggregated attention ``[B, h, N, d]`` (arguments as :func:`aggregated_attention_reference`): the
     fused operator, or the reference formula under exporters and ``torch.func`` and with attention dropout
     (which the operator does not draw)."""
     if dropout or not _op_runs(active_tracer(q)):
         return aggregated_attention_reference(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, size,
-                                              window, dropout)
+                                              window, dropout, padding_mask)
     shape = q.shape
     k, v = k.expand(shape), v.expand(shape)  # a shared key/value head is read by every query head, not copied
     k_pool, v_pool = k_pool.expand(*shape[:2], *k_pool.shape[2:]), v_pool.expand(*shape[:2], *v_pool.shape[2:])

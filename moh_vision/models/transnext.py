@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from moh_vision.attention import HeadAttention, attention_options, build_attention, layer_options, register_kernel
 from moh_vision.attention.kernels import broadcast_kv_heads
 from moh_vision.attention.sparse import PackedRows, SparseSupport, table_auto
+from moh_vision.attention.tracing import active_tracer
 from moh_vision.errors import ConfigError
 from .aggregated_attention import aggregated_attention, local_window_index, local_window_mask
 from .factory import build_from_preset, instance_cfg
@@ -53,6 +54,7 @@ NUM_STAGES = 4
 STAGE_STRIDES = (4, 8, 16, 32)
 INIT_TEMPERATURE = 1.0 / 0.24  # softplus(temperature) starts here
 CPB_HIDDEN = 512
+M_SQRT1_2, M_1_SQRT2PI = 1.0 / math.sqrt(2.0), 1.0 / math.sqrt(2.0 * math.pi)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -396,7 +398,7 @@ class TransNeXtAggregatedAttention(_TransNeXtAttention):
             self.scale_queries(q_norm, heads), _take_heads(keys.k_local, heads), _take_heads(keys.v_local, heads),
             _take_heads(keys.k_pool, heads), _take_heads(keys.v_pool, heads), _take(keys.bias, heads),
             _take(self.relative_pos_bias_local, heads), local_weight, self.input_resolution, self.window_size,
-            self.attn_drop if self.training else 0.0)
+            self.attn_drop if self.training else 0.0, self.padding_mask)
 
     # --- sparse MoH (see moh_vision.attention.sparse) --------------------------------------------
     def sparse_context(self, x: Tensor) -> Tuple[Tensor, Optional[Tensor], "AggregatedKeys"]:
@@ -452,8 +454,47 @@ class DWConv(nn.Module):
 
     def forward(self, x: Tensor, H: int, W: int) -> Tensor:
         B, N, C = x.shape
-        x = self.dwconv(x.transpose(1, 2).reshape(B, C, H, W))
-        return x.flatten(2).transpose(1, 2)
+        # Channels-last: the tokens viewed as an image without a copy (the convolution keeps its input for
+        # backward, and a copy would be one more [B, N, C] tensor held per block), and back as a view.
+        image = x.unflatten(1, (H, W)).permute(0, 3, 1, 2)
+        return self.dwconv(image).permute(0, 2, 3, 1).reshape(B, N, C)
+
+
+class _GatedProjection(torch.autograd.Function):
+    """``linear(GELU(a) * gate, weight, bias)`` keeping only ``a`` and ``gate`` for backward (the GELU and
+    the product are recomputed there): two ``[B, N, hidden]`` tensors fewer held per ConvGLU than autograd
+    keeps, where the hidden width is 2.7-5.3x the block's."""
+
+    @staticmethod
+    def forward(ctx, a: Tensor, gate: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
+        ctx.save_for_backward(a, gate, weight)
+        ctx.has_bias = bias is not None
+        return F.linear(F.gelu(a) * gate, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        a, gate, weight = ctx.saved_tensors
+        cdf = 0.5 * (1.0 + torch.erf(a * M_SQRT1_2))  # GELU(a) = a * cdf(a); its derivative cdf + a * pdf
+        activated = a * cdf
+        grad_hidden = grad @ weight
+        hidden = (activated * gate).flatten(0, -2)
+        grad_activated = grad_hidden * gate
+        grad_a = grad_activated * (cdf + a * torch.exp(-0.5 * a * a) * M_1_SQRT2PI)
+        grad_weight = grad.flatten(0, -2).t() @ hidden
+        grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
+        return grad_a, grad_hidden * activated, grad_weight, grad_bias
+
+
+def gated_projection(a: Tensor, gate: Tensor, fc: nn.Linear) -> Tensor:
+    """``fc(GELU(a) * gate)``: :class:`_GatedProjection` in eager training, the plain operators elsewhere:
+    ``torch.compile`` (whose partitioner chooses what to recompute itself), tracers (the FLOP counter counts
+    those), ``torch.func``, and where no gradient is needed."""
+    if torch.is_grad_enabled() and active_tracer(a) is None:
+        dtype = torch.get_autocast_dtype(a.device.type) if torch.is_autocast_enabled(a.device.type) else a.dtype
+        weight = fc.weight.to(dtype)
+        bias = None if fc.bias is None else fc.bias.to(dtype)
+        return _GatedProjection.apply(a.to(dtype), gate.to(dtype), weight, bias)
+    return fc(F.gelu(a) * gate)
 
 
 class ConvolutionalGLU(nn.Module):
@@ -472,8 +513,10 @@ class ConvolutionalGLU(nn.Module):
 
     def forward(self, x: Tensor, H: int, W: int) -> Tensor:
         x, gate = self.fc1(x).chunk(2, dim=-1)
-        x = self.drop(self.act(self.dwconv(x, H, W)) * gate)
-        return self.drop(self.fc2(x))
+        x = self.dwconv(x, H, W)
+        if self.drop.p and self.training:
+            return self.drop(self.fc2(self.drop(self.act(x) * gate)))
+        return gated_projection(x, gate, self.fc2)
 
 
 class OverlapPatchEmbed(nn.Module):
