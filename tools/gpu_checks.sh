@@ -16,12 +16,15 @@
 #   bash tools/gpu_checks.sh <out_dir> [parts] [quick]
 #   bash tools/gpu_checks.sh wheels <dir>     # here: the wheels part `train` needs on a GPU machine
 #
-# parts: a comma-separated choice of tests, attention, models, routing, train (default: tests, attention,
-# models). On one H100
+# parts: a comma-separated choice of tests, attention, models, routing, train, backbones (default: tests,
+# attention, models). Part `backbones` (issue 42): the aggregated-attention kernels' gpu tests, then
+# tools/bench_backbones.py in bf16: TransNeXt-B beside Swin-B at batch 32 (peak memory), TransNeXt-T/-B beside
+# Swin-T/-B at batch 64 and 128 eager, and TransNeXt-T/Swin-T compiled at 64, each step under a time limit
+# (TIMEOUT_TESTS, TIMEOUT_BENCH seconds) so that the whole part fits one call of about 6 minutes. On one H100
 # (2026-11-25) the tests took 30 s, the attention runs 6 min and part train about 2 min; the models did not
 # finish in the 80 s left of an 8-minute command, so give them a call of their own. Every log, table and
 # .json lands in <out_dir>, and <out_dir>/gpu_checks.tar.gz holds them all but checkpoints (refreshed after
-# each step, so a run cut short still returns what it finished). `quick` runs tiny settings, on the CPU
+# each step, so a run cut short still returns what it finished; PACK_TO=<dir> writes it there instead). `quick` runs tiny settings, on the CPU
 # when there is no GPU: a dry run of this script.
 #
 # The lent GPU machines have torch, Triton, timm (another version), tqdm, PyYAML, scikit-learn and
@@ -38,7 +41,7 @@ if [[ ${1:-} == wheels ]]; then
     grep -iE '^(antlr4-python3-runtime|iopath|yacs|termcolor|portalocker|tabulate)==')
   exec python3 -m pip wheel -q --no-deps -w "$dir" $pins $deps
 fi
-out=${1:?usage: bash tools/gpu_checks.sh <out_dir> [tests,attention,models,routing,train] [quick]}
+out=${1:?usage: bash tools/gpu_checks.sh <out_dir> [tests,attention,models,routing,train,backbones] [quick]}
 parts=",${2:-tests,attention,models},"
 quick=${3:-}
 mkdir -p "$out/runs"
@@ -46,7 +49,7 @@ export PYTHONUNBUFFERED=1 WANDB_MODE=disabled MPLBACKEND=Agg PYTHONPATH="$PWD${P
 device=cuda
 python3 -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || device=cpu
 
-pack() { tar -czf "$out/gpu_checks.tar.gz" --exclude='*.pt' -C "$out" runs; }
+pack() { tar -czf "${PACK_TO:-$out}/gpu_checks.tar.gz" --exclude='*.pt' -C "$out" runs; }
 step() { echo "== $*" >&2; }
 
 {
@@ -110,6 +113,26 @@ if [[ $parts == *,routing,* ]]; then
     step "routing compiled, $mode"
     python3 tools/bench_models.py pairs=$pairs "${settings[@]}" compile=true compile_mode=$mode \
       out="$out/runs/models_routing_compiled_${mode}.md" 2>"$out/runs/models_routing_compiled_${mode}.err"
+    pack
+  done
+fi
+
+if [[ $parts == *,backbones,* ]]; then  # issue 42: the aggregated-attention kernels and the backbones beside timm peers
+  step "aggregated attention: gpu tests"
+  timeout "${TIMEOUT_TESTS:-110}" python3 -m pytest -v -p no:cacheprovider --noconftest -o addopts="" -m gpu \
+    tests/test_aggregated_attention.py 2>&1 | tail -40 | tee "$out/runs/aggregated_gpu_tests.log"
+  pack
+  peers=transnext_tiny:swin_tiny_patch4_window7_224,transnext_base:swin_base_patch4_window7_224
+  runs=("32 transnext_base:swin_base_patch4_window7_224 false" "64 $peers false" "128 $peers false"
+        "64 transnext_tiny:swin_tiny_patch4_window7_224 true")
+  settings=(device=$device dtype=bfloat16 rounds=5 warmup=2)
+  [[ -n "$quick" ]] && { runs=("1 quick false" "1 quick true"); settings=(device=$device quick=true); }
+  for run in "${runs[@]}"; do
+    read -r batch pairs compiled <<<"$run"
+    name="backbones_b${batch}$([[ $compiled == true ]] && echo _compiled)"
+    step "$name"
+    timeout "${TIMEOUT_BENCH:-80}" python3 tools/bench_backbones.py pairs=$pairs batch=$batch compile=$compiled \
+      "${settings[@]}" out="$out/runs/$name.md" 2>"$out/runs/$name.err"
     pack
   done
 fi

@@ -1,0 +1,302 @@
+"""This codebase's backbones against timm peers of similar FLOPs, in one interleaved run
+(``tools/bench_backbones.py``).
+
+The architecture's promise is that a backbone costs what its peers of the same FLOPs cost (timm's Swin and
+PVTv2, measured in the same run). For each ``ours:peer`` pair both models are built at the same image
+size (ours through :func:`~moh_vision.analysis.benchmark.build_for_bench`, the peer through
+``timm.create_model``), and their steps run interleaved round by round
+(:func:`~moh_vision.analysis.benchmark.interleave`), so that "x peer" is a per-round ratio
+(:func:`~moh_vision.analysis.benchmark.paired_ratio`), reported as median [quartiles]:
+
+* training: forward, loss, backward and an AdamW step (:func:`~moh_vision.analysis.benchmark.make_step`);
+  inference: eval mode, no gradients; images/s from the median step;
+* GFLOPs per image of both models with the project's one counter
+  (:func:`~moh_vision.analysis.flop_count.count_flops`: fvcore, one multiply-add = one flop, forward, one
+  image, dense-equivalent), and "per GFLOP": the time ratio over the GFLOPs ratio (1.0: ours costs what
+  its FLOPs predict from the peer's; above: ours is slower per flop);
+* saved MiB per image (:func:`saved_tensor_bytes`): the bytes autograd keeps for backward during one
+  eager training forward, each distinct storage counted once, parameters (their views and autocast's copies
+  of them) left out.
+  It does not depend on the machine and is what sets training memory on a GPU;
+* on CUDA, the training step's peak memory (:func:`~moh_vision.analysis.benchmark.peak_memory`).
+
+``compile=[False, True]`` times each pair eager and ``torch.compile``d in one invocation (the compiled
+rows use the same weights; compilation is left out of the timings, as in ``tools/bench_models.py``).
+"""
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+
+import torch
+from torch import nn
+
+from moh_vision.errors import ConfigError
+from .benchmark import (DTYPES, Spread, build_for_bench, interleave, machine_description, make_step, model_inputs,
+                        paired_ratio, peak_memory, resolve_device, rounds_bar, where_measured)
+
+# Peers of about the same FLOPs (fvcore GFLOPs at 224 px: TransNeXt-Micro 2.7 vs PVTv2-b1 2.1,
+# TransNeXt-Tiny 5.7 vs Swin-T 4.5, TransNeXt-Small 10.3 vs Swin-S 8.7, TransNeXt-Base 18.4 vs Swin-B 15.4).
+PAIR_SETS: Dict[str, Tuple[str, ...]] = {
+    "default": ("transnext_micro:pvt_v2_b1", "transnext_tiny:swin_tiny_patch4_window7_224"),
+    "quick": ("transnext_nano:pvt_v2_b0",),  # tiny models for a smoke test (64 px)
+}
+PAIR_SETS["big"] = PAIR_SETS["default"] + ("transnext_small:swin_small_patch4_window7_224",
+                                           "transnext_base:swin_base_patch4_window7_224")
+# What an option left unset (None) is, in a normal run and with quick=true.
+SETTINGS = {"img_size": 224, "batch": 2, "rounds": 15, "warmup": 2}
+QUICK_SETTINGS = {"img_size": 64, "batch": 1, "rounds": 2, "warmup": 1}
+MODES = ("train", "infer")
+MIB = 2 ** 20
+
+
+# ----------------------------------------------------------------------------------------------
+# Pairs and models
+# ----------------------------------------------------------------------------------------------
+def parse_pairs(specs: Iterable[str]) -> List[Tuple[str, str]]:
+    """``["ours:peer", "big", ...]`` -> ``[(ours, peer), ...]``; a set name (:data:`PAIR_SETS`) stands for its
+    pairs. Ours must be one of this package's models, the peer any timm model (a one-line ConfigError else)."""
+    from moh_vision.models.families import check_model_name, model_class
+
+    pairs = []
+    for spec in specs:
+        if spec in PAIR_SETS:
+            pairs += parse_pairs(PAIR_SETS[spec])
+            continue
+        parts = spec.split(":")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"pairs wants ours:peer (e.g. {PAIR_SETS['default'][0]}) or one of "
+                              f"{', '.join(PAIR_SETS)}; got '{spec}'")
+        ours, peer = parts
+        check_model_name(ours)
+        check_model_name(peer)
+        model_class(ours)  # ours must be a moh-vision model (a one-line error names them)
+        pairs.append((ours, peer))
+    return pairs
+
+
+def _at_size(model: nn.Module, img_size: int) -> nn.Module:
+    """``model`` with its ``pretrained_cfg`` input size set to ``img_size`` (what :func:`model_inputs` reads:
+    timm keeps the registered size there when a model is built at another one)."""
+    channels = model.pretrained_cfg["input_size"][0]
+    model.pretrained_cfg = {**model.pretrained_cfg, "input_size": (channels, img_size, img_size)}
+    return model
+
+
+def build_peer(name: str, img_size: int, device: torch.device) -> nn.Module:
+    """timm's ``name`` at ``img_size`` (passed where the model takes it: PVTv2 runs at any size without it)."""
+    import timm
+
+    try:
+        model = timm.create_model(name, img_size=img_size)
+    except TypeError as err:
+        if "img_size" not in str(err):
+            raise
+        model = timm.create_model(name)
+    return _at_size(model, img_size).to(device)
+
+
+def build_pair(ours: str, peer: str, img_size: int, device: torch.device) -> Dict[str, nn.Module]:
+    """``{"ours": ..., "peer": ...}`` at ``img_size``; ours as training runs it (``impl="auto"``)."""
+    models = {"ours": _at_size(build_for_bench(ours, img_size, "auto", device), img_size),
+              "peer": build_peer(peer, img_size, device)}
+    for side, model in models.items():
+        if len(model_inputs(model, 1, torch.device("meta"))) != 1:
+            raise ConfigError(f"{ours if side == 'ours' else peer} takes more than images (a diffusion model?): "
+                              f"pairs compares image backbones")
+    return models
+
+
+# ----------------------------------------------------------------------------------------------
+# What a model is: FLOPs, parameters, bytes saved for backward
+# ----------------------------------------------------------------------------------------------
+def _parameter_copy(tensor: torch.Tensor, held: Set[int]) -> bool:
+    """Whether ``tensor`` is (a view of) a cast of one parameter alone, as autocast makes of weights: a per-step
+    cost that does not grow with the batch."""
+    base = tensor._base if tensor._is_view() else tensor
+    node = base.grad_fn
+    if node is None or node.name() != "ToCopyBackward0":
+        return False
+    sources = [source for source, _ in node.next_functions if source is not None]
+    leaf = getattr(sources[0], "variable", None) if len(sources) == 1 else None  # AccumulateGrad holds its leaf
+    return leaf is not None and leaf.untyped_storage().data_ptr() in held
+
+
+def saved_tensor_bytes(call: Callable[[], object], parameters: Iterable[torch.Tensor] = ()) -> int:
+    """Bytes of the tensors autograd saves for backward while ``call()`` runs: each distinct storage once
+    (a tensor saved by several operators, or views of one storage, count once), at the storage's full
+    size; ``parameters``, tensors sharing their storage (``weight.t()``) and autocast's copies of them are
+    left out: the model holds the first anyway, and the copies are per step, not per image. Only a forward
+    saves; a backward without ``create_graph`` and an optimizer step add nothing, so ``call`` may be a
+    whole training step."""
+    held = {p.untyped_storage().data_ptr() for p in parameters}
+    saved: Dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        # the graph keeps what it saved alive: no other storage reuses the address while ``call`` runs
+        if not (isinstance(tensor, nn.Parameter) or storage.data_ptr() in held or _parameter_copy(tensor, held)):
+            saved.setdefault(storage.data_ptr(), storage.nbytes())
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        call()
+    return sum(saved.values())
+
+
+def describe(model: nn.Module, batch: int, device: torch.device, dtype: torch.dtype, saved: bool) -> Dict[str, object]:
+    """``gflops`` (and ``active_gflops``) per image, ``params_m`` and, with ``saved``, ``saved_mib_per_image``
+    of one eager training step of ``batch`` images (:func:`saved_tensor_bytes`)."""
+    from .flop_count import count_flops
+
+    counted = count_flops(model, model.pretrained_cfg["input_size"])
+    info: Dict[str, object] = {"gflops": counted["gflops"], "active_gflops": counted["active_gflops"],
+                               "params_m": counted["params"] / 1e6}
+    if counted.get("uncounted_ops"):
+        info["uncounted_ops"] = counted["uncounted_ops"]
+    if saved:
+        step = make_step(model, batch, device, True, dtype)
+        info["saved_mib_per_image"] = saved_tensor_bytes(step, model.parameters()) / batch / MIB
+    return info
+
+
+# ----------------------------------------------------------------------------------------------
+# Timing
+# ----------------------------------------------------------------------------------------------
+def _per_gflop(ratio: Spread, gflops_ratio: float) -> Spread:
+    return Spread(ratio.median / gflops_ratio, ratio.q1 / gflops_ratio, ratio.q3 / gflops_ratio, ratio.n)
+
+
+def time_pair(label: str, models: Dict[str, nn.Module], gflops_ratio: float, batch: int, rounds: int, warmup: int,
+              min_seconds: float, device: torch.device, dtype: torch.dtype) -> Dict[str, object]:
+    """Training and inference of ``models`` (ours, peer) interleaved round by round: per side its ms per step
+    and images/s, per mode the ratio ours/peer and that ratio per GFLOP; on CUDA the training peak memory."""
+    row: Dict[str, object] = {"ours": {}, "peer": {}}
+    for mode in MODES:
+        steps = {side: make_step(m, batch, device, mode == "train", dtype) for side, m in models.items()}
+        with rounds_bar(rounds, f"{label}, {'training' if mode == 'train' else 'inference'}") as progress:
+            times = interleave(steps, rounds=rounds, warmup=warmup, min_seconds=min_seconds, device=device,
+                               progress=progress)
+        for side, t in times.items():
+            row[side][f"{mode}_ms"] = Spread.of([1e3 * v for v in t]).as_dict()
+            row[side][f"{mode}_img_s"] = batch / statistics.median(t)
+        ratio = paired_ratio(times["ours"], times["peer"])
+        row[f"{mode}_ratio"] = ratio.as_dict()
+        row[f"{mode}_ratio_per_gflop"] = _per_gflop(ratio, gflops_ratio).as_dict()
+        if mode == "train" and device.type == "cuda":
+            for side, step in steps.items():
+                row[side]["train_peak_mb"] = peak_memory(step, device) / MIB
+    return row
+
+
+def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, warmup: int, min_seconds: float,
+               device: torch.device, dtype: torch.dtype, compile_modes: Sequence[bool], compile_mode: str,
+               saved: bool) -> List[Dict[str, object]]:
+    """One row per entry of ``compile_modes`` (False: eager, True: ``torch.compile``d with ``compile_mode``)."""
+    from moh_vision.attention.recorder import compile_model
+
+    models = build_pair(ours, peer, img_size, device)
+    info = {side: describe(m, batch, device, dtype, saved) for side, m in models.items()}
+    gflops_ratio = info["ours"]["gflops"] / info["peer"]["gflops"]
+    rows = []
+    for compiled in compile_modes:
+        timed = {side: compile_model(m, compile_mode) for side, m in models.items()} if compiled else models
+        label = f"{ours} vs {peer}{' (compiled)' if compiled else ''}"
+        timings = time_pair(label, timed, gflops_ratio, batch, rounds, max(warmup, 1) if compiled else warmup,
+                            min_seconds, device, dtype)
+        row = {"pair": f"{ours}:{peer}", "compiled": compiled, "img_size": img_size, "batch": batch,
+               "gflops_ratio": gflops_ratio, **timings}
+        for side, name in (("ours", ours), ("peer", peer)):
+            row[side] = {"model": name, **info[side], **timings[side]}
+        if saved:
+            row["saved_ratio"] = info["ours"]["saved_mib_per_image"] / info["peer"]["saved_mib_per_image"]
+        rows.append(row)
+    return rows
+
+
+# ----------------------------------------------------------------------------------------------
+# The table and the record
+# ----------------------------------------------------------------------------------------------
+def _spread(d: Dict[str, float], digits: int) -> str:
+    return Spread(**d).text(digits)
+
+
+def backbones_table(rows: Sequence[Dict], header: str) -> str:
+    """One line per pair and compile mode; "a / b" cells give ours / peer."""
+    saved = "saved_ratio" in rows[0]
+    peak = "train_peak_mb" in rows[0]["ours"]
+    columns = ["ours / peer", "compiled", "GFLOPs", "params M", "train ms", "train x peer", "per GFLOP",
+               "infer ms", "infer x peer", "per GFLOP", "train img/s", "infer img/s"]
+    columns += ["saved MiB/img", "saved x peer"] if saved else []
+    columns += ["train peak MB"] if peak else []
+    lines = [header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    for r in rows:
+        ours, peer = r["ours"], r["peer"]
+
+        def both(key: str, fmt: str) -> str:
+            return f"{ours[key]:{fmt}} / {peer[key]:{fmt}}"
+
+        cells = [f"{ours['model']} / {peer['model']}", "yes" if r["compiled"] else "no", both("gflops", ".3g"),
+                 both("params_m", ".1f")]
+        for mode in MODES:
+            cells += [f"{_spread(ours[f'{mode}_ms'], 1)} / {_spread(peer[f'{mode}_ms'], 1)}",
+                      _spread(r[f"{mode}_ratio"], 2), _spread(r[f"{mode}_ratio_per_gflop"], 2)]
+        cells += [both("train_img_s", ".1f"), both("infer_img_s", ".1f")]
+        cells += [both("saved_mib_per_image", ".1f"), f"{r['saved_ratio']:.2f}"] if saved else []
+        cells += [both("train_peak_mb", ".0f")] if peak else []
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] = None,
+                    img_size: Optional[int] = None, rounds: Optional[int] = None, warmup: Optional[int] = None,
+                    min_seconds: float = 0.0, device: str = "auto", dtype: str = "float32",
+                    threads: Optional[int] = None, compile_modes: Sequence[bool] = (False,),
+                    compile_mode: str = "default", saved: Optional[bool] = None, quick: bool = False,
+                    out: Optional[str] = None) -> List[Dict]:
+    """Time every ``ours:peer`` pair (default :data:`PAIR_SETS` ``default``; ``quick``: ``quick`` at
+    :data:`QUICK_SETTINGS`), print the table and return its rows; ``out`` also gets the table, and
+    ``<out>.json`` every number with the torch and timm versions, the machine and these settings. ``saved``
+    (default: on the CPU only) measures the bytes saved for backward per image."""
+    import timm
+
+    settings = {"pairs": list(pairs) if pairs else None, "batch": batch, "img_size": img_size, "rounds": rounds,
+                "warmup": warmup, "min_seconds": min_seconds, "device": device, "dtype": dtype, "threads": threads,
+                "compile": list(compile_modes), "compile_mode": compile_mode, "saved": saved, "quick": quick}
+    defaults = QUICK_SETTINGS if quick else SETTINGS
+    batch, img_size, rounds, warmup = (defaults[k] if settings[k] is None else settings[k]
+                                       for k in ("batch", "img_size", "rounds", "warmup"))
+    chosen = parse_pairs(pairs or PAIR_SETS["quick" if quick else "default"])
+    if not compile_modes:
+        raise ConfigError("compile wants true, false or false,true")
+    if threads:
+        torch.set_num_threads(threads)
+    where, torch_dtype = resolve_device(device), DTYPES[dtype]
+    saved = where.type == "cpu" if saved is None else saved
+    rows = []
+    for ours, peer in chosen:
+        rows += bench_pair(ours, peer, img_size, batch, rounds, warmup, min_seconds, where, torch_dtype,
+                           compile_modes, compile_mode, saved)
+        print(f"done {ours}:{peer}", file=sys.stderr, flush=True)
+    compiled = {(False,): "eager", (True,): "torch.compile'd"}.get(tuple(sorted(set(compile_modes))),
+                                                                   "eager and torch.compile'd")
+    mode = "" if compile_mode == "default" or compiled == "eager" else f" (mode {compile_mode})"
+    header = (f"Backbones against timm peers: {where_measured(where)}, {dtype}, batch {batch}, {img_size} px, "
+              f"{compiled}{mode}; each pair interleaved, {rounds}+ rounds after {warmup} warm-up: ms per step and "
+              f"x peer (ours/peer per round) as median [quartiles]; per GFLOP = x peer / GFLOPs ratio (fvcore "
+              f"multiply-adds, one image)" + ("; saved = bytes kept for backward per image (eager; parameters "
+                                              "and their autocast copies excluded)" if saved else ""))
+    table = backbones_table(rows, header)
+    print(table)
+    if out:
+        machine = torch.cuda.get_device_name(where) if where.type == "cuda" else machine_description()
+        record = {"header": header, "torch": torch.__version__, "timm": timm.__version__, "device": where.type,
+                  "machine": machine, "threads": torch.get_num_threads(), "options": settings,
+                  "resolved": {"pairs": [f"{a}:{b}" for a, b in chosen], "batch": batch, "img_size": img_size,
+                               "rounds": rounds, "warmup": warmup, "saved": saved}, "rows": rows}
+        Path(out).write_text(table)
+        Path(out).with_suffix(".json").write_text(json.dumps(record, indent=1))
+    return rows
