@@ -454,10 +454,8 @@ class DWConv(nn.Module):
 
     def forward(self, x: Tensor, H: int, W: int) -> Tensor:
         B, N, C = x.shape
-        # Channels-last: the tokens viewed as an image without a copy (the convolution keeps its input for
-        # backward, and a copy would be one more [B, N, C] tensor held per block), and back as a view.
-        image = x.unflatten(1, (H, W)).permute(0, 3, 1, 2)
-        return self.dwconv(image).permute(0, 2, 3, 1).reshape(B, N, C)
+        x = self.dwconv(x.transpose(1, 2).reshape(B, C, H, W))
+        return x.flatten(2).transpose(1, 2)
 
 
 class _GatedProjection(torch.autograd.Function):
