@@ -122,3 +122,13 @@ def test_a_bad_pair_is_one_config_error_line(spec, message, capsys):
         load_tool("bench_backbones").main([f"pairs={spec}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
+
+
+def test_profile_lists_where_a_step_goes(tmp_path):
+    from moh_vision.analysis.backbone_bench import bench_backbones
+
+    rows = bench_backbones(quick=True, rounds=1, warmup=0, saved=False, profile=True, out=str(tmp_path / "b.md"))
+    ops = rows[0]["ours"]["top_ops"]
+    assert ops and all(op["ms"] >= 0 and op["calls"] >= 1 for op in ops)
+    assert [op["ms"] for op in ops] == sorted((op["ms"] for op in ops), reverse=True)
+    assert "self time by operator" in (tmp_path / "b.md").read_text()

@@ -11,7 +11,8 @@ project's fvcore count), ms per step, "x peer" (ours/peer in the same round) as 
 ratio per GFLOP (x peer over the GFLOPs ratio: 1.0 means ours costs what its FLOPs predict), images/s, the
 MiB per image that autograd saves for backward (``saved``; parameters excluded, machine-independent) and,
 on CUDA, the training peak memory. ``pairs=big`` adds TransNeXt-S/Swin-S and TransNeXt-B/Swin-B to the
-default two. ``compile=false,true`` times each pair eager and compiled. ``out=t.md`` also writes ``t.json``
+default two. ``compile=false,true`` times each pair eager and compiled. ``profile=true`` adds where a
+training step's time goes: each model's operators (CUDA: kernels) by self time. ``out=t.md`` also writes ``t.json``
 (every number, torch and timm versions, the machine, the options).
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ OPTIONS = (
            choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
     Option("saved", type=boolean, help="measure the bytes saved for backward per image (default: on the CPU)"),
     Option("quick", False, boolean, "tiny models at 64 px, batch 1, 2 rounds (smoke test)"),
+    Option("profile", False, boolean, "also each model's top operators (CUDA: kernels) by self time in one step"),
     Option("out", help="also write the markdown table here, and every number as JSON beside it (.json)"),
 )
 
@@ -46,7 +48,7 @@ OPTIONS = (
 def bench(opts) -> List[Dict]:
     return bench_backbones(opts.pairs, opts.batch, opts.img_size, opts.rounds, opts.warmup, opts.min_seconds,
                            opts.device, opts.dtype, opts.threads, opts.compile, opts.compile_mode, opts.saved,
-                           opts.quick, opts.out)
+                           opts.quick, opts.out, opts.profile)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[Dict]:

@@ -18,9 +18,11 @@
 #
 # parts: a comma-separated choice of tests, attention, models, routing, train, backbones (default: tests,
 # attention, models). Part `backbones` (issue 42): the aggregated-attention kernels' gpu tests, then
-# tools/bench_backbones.py in bf16: TransNeXt-B beside Swin-B at batch 32 (peak memory), TransNeXt-T/-B beside
-# Swin-T/-B at batch 64 and 128 eager, and TransNeXt-T/Swin-T compiled at 64, each step under a time limit
-# (TIMEOUT_TESTS, TIMEOUT_BENCH seconds) so that the whole part fits one call of about 6 minutes. On one H100
+# tools/bench_backbones.py in bf16 with each model's top kernels (profile=true): TransNeXt-T/-B beside Swin-T/-B
+# at batch 128 and 64 eager, TransNeXt-B beside Swin-B at batch 32 (peak memory) and TransNeXt-T/Swin-T compiled
+# at 64, each step under a time limit (TIMEOUT_TESTS, TIMEOUT_BENCH seconds). On one H200 (2026-11-27) the
+# first steps compiled the Triton kernels (~40 s) and the FLOP counts took ~20 s, so at 100 s / 70 s only the
+# batch-128 table finished in a 400 s call (docs/bench/h200-2026-11-27/): give it 120 s a step. On one H100
 # (2026-11-25) the tests took 30 s, the attention runs 6 min and part train about 2 min; the models did not
 # finish in the 80 s left of an 8-minute command, so give them a call of their own. Every log, table and
 # .json lands in <out_dir>, and <out_dir>/gpu_checks.tar.gz holds them all but checkpoints (refreshed after
@@ -123,15 +125,15 @@ if [[ $parts == *,backbones,* ]]; then  # issue 42: the aggregated-attention ker
     tests/test_aggregated_attention.py 2>&1 | tail -40 | tee "$out/runs/aggregated_gpu_tests.log"
   pack
   peers=transnext_tiny:swin_tiny_patch4_window7_224,transnext_base:swin_base_patch4_window7_224
-  runs=("32 transnext_base:swin_base_patch4_window7_224 false" "64 $peers false" "128 $peers false"
+  runs=("128 $peers false" "64 $peers false" "32 transnext_base:swin_base_patch4_window7_224 false"
         "64 transnext_tiny:swin_tiny_patch4_window7_224 true")
-  settings=(device=$device dtype=bfloat16 rounds=5 warmup=2)
+  settings=(device=$device dtype=bfloat16 rounds=5 warmup=2 profile=true)
   [[ -n "$quick" ]] && { runs=("1 quick false" "1 quick true"); settings=(device=$device quick=true); }
   for run in "${runs[@]}"; do
     read -r batch pairs compiled <<<"$run"
     name="backbones_b${batch}$([[ $compiled == true ]] && echo _compiled)"
     step "$name"
-    timeout "${TIMEOUT_BENCH:-80}" python3 tools/bench_backbones.py pairs=$pairs batch=$batch compile=$compiled \
+    timeout "${TIMEOUT_BENCH:-120}" python3 tools/bench_backbones.py pairs=$pairs batch=$batch compile=$compiled \
       "${settings[@]}" out="$out/runs/$name.md" 2>"$out/runs/$name.err"
     pack
   done

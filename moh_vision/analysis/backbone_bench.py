@@ -36,7 +36,7 @@ from torch import nn
 
 from moh_vision.errors import ConfigError
 from .benchmark import (DTYPES, Spread, build_for_bench, interleave, machine_description, make_step, model_inputs,
-                        paired_ratio, peak_memory, resolve_device, rounds_bar, where_measured)
+                        paired_ratio, peak_memory, resolve_device, rounds_bar, synchronizer, where_measured)
 
 # Peers of about the same FLOPs (fvcore GFLOPs at 224 px: TransNeXt-Micro 2.7 vs PVTv2-b1 2.1,
 # TransNeXt-Tiny 5.7 vs Swin-T 4.5, TransNeXt-Small 10.3 vs Swin-S 8.7, TransNeXt-Base 18.4 vs Swin-B 15.4).
@@ -192,9 +192,35 @@ def time_pair(label: str, models: Dict[str, nn.Module], gflops_ratio: float, bat
     return row
 
 
+def top_ops(step: Callable[[], None], device: torch.device, count: int = 15) -> List[Dict[str, object]]:
+    """The ``count`` operators (CUDA: kernels) that take most of one profiled ``step``'s time, by self time:
+    where a step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    step()
+    with profile(activities=activities) as prof:
+        step()
+        synchronizer(device)()
+    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:count]
+    return [{"name": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in events]
+
+
+def top_ops_table(rows: Sequence[Dict]) -> str:
+    lines = []
+    for r in rows:
+        for side in ("ours", "peer"):
+            if "top_ops" in r[side]:
+                lines += [f"\nTraining step of {r[side]['model']} (compiled: {r['compiled']}): self time by operator",
+                          "", "| operator | ms | calls |", "|---|---|---|"]
+                lines += [f"| {e['name'][:90]} | {e['ms']:.2f} | {e['calls']} |" for e in r[side]["top_ops"]]
+    return "\n".join(lines) + ("\n" if lines else "")
+
+
 def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, warmup: int, min_seconds: float,
                device: torch.device, dtype: torch.dtype, compile_modes: Sequence[bool], compile_mode: str,
-               saved: bool) -> List[Dict[str, object]]:
+               saved: bool, profile: bool = False) -> List[Dict[str, object]]:
     """One row per entry of ``compile_modes`` (False: eager, True: ``torch.compile``d with ``compile_mode``)."""
     from moh_vision.attention.recorder import compile_model
 
@@ -211,6 +237,8 @@ def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, war
                "gflops_ratio": gflops_ratio, **timings}
         for side, name in (("ours", ours), ("peer", peer)):
             row[side] = {"model": name, **info[side], **timings[side]}
+            if profile:
+                row[side]["top_ops"] = top_ops(make_step(timed[side], batch, device, True, dtype), device)
         if saved:
             row["saved_ratio"] = info["ours"]["saved_mib_per_image"] / info["peer"]["saved_mib_per_image"]
         rows.append(row)
@@ -256,16 +284,18 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
                     min_seconds: float = 0.0, device: str = "auto", dtype: str = "float32",
                     threads: Optional[int] = None, compile_modes: Sequence[bool] = (False,),
                     compile_mode: str = "default", saved: Optional[bool] = None, quick: bool = False,
-                    out: Optional[str] = None) -> List[Dict]:
+                    out: Optional[str] = None, profile: bool = False) -> List[Dict]:
     """Time every ``ours:peer`` pair (default :data:`PAIR_SETS` ``default``; ``quick``: ``quick`` at
     :data:`QUICK_SETTINGS`), print the table and return its rows; ``out`` also gets the table, and
     ``<out>.json`` every number with the torch and timm versions, the machine and these settings. ``saved``
-    (default: on the CPU only) measures the bytes saved for backward per image."""
+    (default: on the CPU only) measures the bytes saved for backward per image; ``profile`` adds each model's
+    operators (CUDA: kernels) by self time in one training step (:func:`top_ops`)."""
     import timm
 
     settings = {"pairs": list(pairs) if pairs else None, "batch": batch, "img_size": img_size, "rounds": rounds,
                 "warmup": warmup, "min_seconds": min_seconds, "device": device, "dtype": dtype, "threads": threads,
-                "compile": list(compile_modes), "compile_mode": compile_mode, "saved": saved, "quick": quick}
+                "compile": list(compile_modes), "compile_mode": compile_mode, "saved": saved, "quick": quick,
+                "profile": profile}
     defaults = QUICK_SETTINGS if quick else SETTINGS
     batch, img_size, rounds, warmup = (defaults[k] if settings[k] is None else settings[k]
                                        for k in ("batch", "img_size", "rounds", "warmup"))
@@ -279,7 +309,7 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
     rows = []
     for ours, peer in chosen:
         rows += bench_pair(ours, peer, img_size, batch, rounds, warmup, min_seconds, where, torch_dtype,
-                           compile_modes, compile_mode, saved)
+                           compile_modes, compile_mode, saved, profile)
         print(f"done {ours}:{peer}", file=sys.stderr, flush=True)
     compiled = {(False,): "eager", (True,): "torch.compile'd"}.get(tuple(sorted(set(compile_modes))),
                                                                    "eager and torch.compile'd")
@@ -289,7 +319,7 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
               f"x peer (ours/peer per round) as median [quartiles]; per GFLOP = x peer / GFLOPs ratio (fvcore "
               f"multiply-adds, one image)" + ("; saved = bytes kept for backward per image (eager; parameters "
                                               "and their autocast copies excluded)" if saved else ""))
-    table = backbones_table(rows, header)
+    table = backbones_table(rows, header) + top_ops_table(rows)
     print(table)
     if out:
         machine = torch.cuda.get_device_name(where) if where.type == "cuda" else machine_description()
