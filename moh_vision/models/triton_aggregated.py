@@ -56,24 +56,40 @@ def _column(tile, cols, slot):
 
 
 @_jit
-def _attention(Q, K, KP, PB, LB, q_base, k_base, kp_base, pb_base, h, rows, live, y, x, cd, in_d, cp, in_p, cl,
-               s_qn, s_kn, s_kpn, N, P, L, HEIGHT, WIDTH, WS: tl.constexpr, LP: tl.constexpr, BLOCK: tl.constexpr,
+def _program(HEADS, N, WIDTH, BLOCK: tl.constexpr):
+    """This program's (image x head) ``bh``, its image ``b`` and head ``h``, and its block of tokens: indices
+    ``rows``, which are in the map (``live``), their row ``y`` and column ``x``."""
+    bh = tl.program_id(1)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    return bh, (bh // HEADS).to(tl.int64), (bh % HEADS).to(tl.int64), rows, rows < N, rows // WIDTH, rows % WIDTH
+
+
+@_jit
+def _attention(Q, K, KP, PB, LB, s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_kpb, s_kph, s_kpn, HEADS, N, P, L, D, HEIGHT,
+               WIDTH, WS: tl.constexpr, LP: tl.constexpr, BLOCK: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
                PRECISION: tl.constexpr):
-    """The queries ``[BLOCK, BD]`` (their dtype), the window logits ``[BLOCK, LP]`` and the pooled logits
-    ``[BLOCK, BP]`` of a block of tokens (masked slots and columns: -inf)."""
-    q = tl.load(Q + q_base + rows[:, None] * s_qn + cd[None, :], mask=live[:, None] & in_d[None, :], other=0.0)
+    """This program's block of tokens (:func:`_program`) and its column indices (head dim ``cd``, pooled keys
+    ``cp``, window slots ``cl``), with the queries ``[BLOCK, BD]`` (their dtype), the window logits ``[BLOCK,
+    LP]`` and the pooled logits ``[BLOCK, BP]`` (masked slots and columns: -inf) and the pooled keys."""
+    bh, b, h, rows, live, y, x = _program(HEADS, N, WIDTH, BLOCK)
+    cd, cp, cl = tl.arange(0, BD), tl.arange(0, BP), tl.arange(0, LP)
+    in_d, in_p = cd < D, cp < P
+    q = tl.load(Q + b * s_qb + h * s_qh + rows[:, None] * s_qn + cd[None, :], mask=live[:, None] & in_d[None, :],
+                other=0.0)
     qf = q.to(tl.float32)
     s_local = tl.full([BLOCK, LP], float("-inf"), tl.float32)
     for slot in tl.static_range(WS * WS):
         nb, ok = _neighbour(rows, live, y, x, slot, HEIGHT, WIDTH, WS, 1)
-        k = tl.load(K + k_base + nb[:, None] * s_kn + cd[None, :], mask=ok[:, None] & in_d[None, :], other=0.0)
+        k = tl.load(K + b * s_kb + h * s_kh + nb[:, None] * s_kn + cd[None, :], mask=ok[:, None] & in_d[None, :],
+                    other=0.0)
         s = tl.sum(qf * k.to(tl.float32), 1) + tl.load(LB + h * L + slot).to(tl.float32)
         s_local = tl.where(cl[None, :] == slot, tl.where(ok, s, float("-inf"))[:, None], s_local)
-    kp = tl.load(KP + kp_base + cp[:, None] * s_kpn + cd[None, :], mask=in_p[:, None] & in_d[None, :], other=0.0)
+    kp = tl.load(KP + b * s_kpb + h * s_kph + cp[:, None] * s_kpn + cd[None, :], mask=in_p[:, None] & in_d[None, :],
+                 other=0.0)
     s_pool = tl.dot(q, tl.trans(kp), input_precision=PRECISION)
-    bias = tl.load(PB + pb_base + rows[:, None] * P + cp[None, :], mask=live[:, None] & in_p[None, :], other=0.0)
+    bias = tl.load(PB + h * N * P + rows[:, None] * P + cp[None, :], mask=live[:, None] & in_p[None, :], other=0.0)
     s_pool = tl.where(in_p[None, :], s_pool + bias.to(tl.float32), float("-inf"))
-    return q, s_local, s_pool, kp
+    return bh, b, h, rows, live, y, x, cd, in_d, cp, in_p, cl, q, s_local, s_pool, kp
 
 
 @_jit
@@ -82,16 +98,9 @@ def _forward(Q, K, V, KP, VP, PB, LB, LW, O, LSE,
              HEADS, N, P, L, D, HEIGHT, WIDTH,
              WS: tl.constexpr, LP: tl.constexpr, BLOCK: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
              PRECISION: tl.constexpr):
-    bh = tl.program_id(1)
-    b, h = (bh // HEADS).to(tl.int64), (bh % HEADS).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = rows < N
-    y, x = rows // WIDTH, rows % WIDTH
-    cd, cp, cl = tl.arange(0, BD), tl.arange(0, BP), tl.arange(0, LP)
-    in_d, in_p = cd < D, cp < P
-    q, s_local, s_pool, kp = _attention(Q, K, KP, PB, LB, b * s_qb + h * s_qh, b * s_kb + h * s_kh,
-                                        b * s_kpb + h * s_kph, h * N * P, h, rows, live, y, x, cd, in_d, cp, in_p,
-                                        cl, s_qn, s_kn, s_kpn, N, P, L, HEIGHT, WIDTH, WS, LP, BLOCK, PRECISION)
+    bh, b, h, rows, live, y, x, cd, in_d, cp, in_p, cl, q, s_local, s_pool, kp = _attention(
+        Q, K, KP, PB, LB, s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_kpb, s_kph, s_kpn, HEADS, N, P, L, D, HEIGHT, WIDTH,
+        WS, LP, BLOCK, BD, BP, PRECISION)
     top = tl.maximum(tl.max(s_local, 1), tl.max(s_pool, 1))
     e_local, e_pool = tl.exp(s_local - top[:, None]), tl.exp(s_pool - top[:, None])
     total = tl.sum(e_local, 1) + tl.sum(e_pool, 1)
@@ -117,16 +126,10 @@ def _backward_queries(Q, K, V, KP, VP, PB, LB, LW, LSE, DO, DQ, DLW, DSL, AL, DK
                       HEADS, N, P, L, D, HEIGHT, WIDTH,
                       WS: tl.constexpr, LP: tl.constexpr, BLOCK: tl.constexpr, BD: tl.constexpr, BP: tl.constexpr,
                       PRECISION: tl.constexpr):
-    bh = tl.program_id(1)
-    b, h = (bh // HEADS).to(tl.int64), (bh % HEADS).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = rows < N
-    y, x = rows // WIDTH, rows % WIDTH
-    cd, cp, cl = tl.arange(0, BD), tl.arange(0, BP), tl.arange(0, LP)
-    in_d, in_p, in_l = cd < D, cp < P, cl < L
-    q, s_local, s_pool, kp = _attention(Q, K, KP, PB, LB, b * s_qb + h * s_qh, b * s_kb + h * s_kh,
-                                        b * s_kpb + h * s_kph, h * N * P, h, rows, live, y, x, cd, in_d, cp, in_p,
-                                        cl, s_qn, s_kn, s_kpn, N, P, L, HEIGHT, WIDTH, WS, LP, BLOCK, PRECISION)
+    bh, b, h, rows, live, y, x, cd, in_d, cp, in_p, cl, q, s_local, s_pool, kp = _attention(
+        Q, K, KP, PB, LB, s_qb, s_qh, s_qn, s_kb, s_kh, s_kn, s_kpb, s_kph, s_kpn, HEADS, N, P, L, D, HEIGHT, WIDTH,
+        WS, LP, BLOCK, BD, BP, PRECISION)
+    in_l = cl < L
     o_rows = bh.to(tl.int64) * N + rows
     lse = tl.load(LSE + o_rows, mask=live, other=0.0)
     p_local, p_pool = tl.exp(s_local - lse[:, None]), tl.exp(s_pool - lse[:, None])
@@ -171,11 +174,7 @@ def _backward_queries(Q, K, V, KP, VP, PB, LB, LW, LSE, DO, DQ, DLW, DSL, AL, DK
 def _backward_keys(Q, DO, DSL, AL, DK, DV, s_qb, s_qh, s_qn,
                    HEADS, N, L, D, HEIGHT, WIDTH,
                    WS: tl.constexpr, BLOCK: tl.constexpr, BD: tl.constexpr):
-    bh = tl.program_id(1)
-    b, h = (bh // HEADS).to(tl.int64), (bh % HEADS).to(tl.int64)
-    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    live = rows < N
-    y, x = rows // WIDTH, rows % WIDTH
+    bh, b, h, rows, live, y, x = _program(HEADS, N, WIDTH, BLOCK)
     cd = tl.arange(0, BD)
     in_d = cd < D
     first = bh.to(tl.int64) * N
