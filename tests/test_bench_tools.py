@@ -109,6 +109,6 @@ def test_gpu_checks_script_parses_and_names_its_parts():
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode != 0
-    assert "usage: bash tools/gpu_checks.sh <out_dir> [tests,attention,models,routing,train]" in usage.stderr
+    assert "usage: bash tools/gpu_checks.sh <out_dir> [tests,attention,models,routing,train,backbones]" in usage.stderr
     text = script.read_text()
-    assert all(f"*,{part},*" in text for part in ("tests", "attention", "models", "routing", "train"))
+    assert all(f"*,{part},*" in text for part in ("tests", "attention", "models", "routing", "train", "backbones"))
