@@ -336,13 +336,13 @@ def test_position_bias_equals_direct_mlp_over_all_pairs():
 
 
 def test_convolutional_glu_keeps_less_and_equals_the_plain_form(monkeypatch):
-    """The ConvGLU's gated projection recomputes GELU and the product in backward (fewer tensors kept) with the
-    plain operators' values and gradients; gradcheck on the recomputing Function."""
+    """The ConvGLU after fc1 recomputes the depthwise convolution, GELU and the product in backward (fewer tensors
+    kept) with the plain operators' values and gradients; gradcheck on the recomputing Function."""
     from moh_vision.models import transnext as module
 
-    a, gate = (torch.randn(2, 6, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    fc = torch.nn.Linear(5, 3).double()
-    assert torch.autograd.gradcheck(module._GatedProjection.apply, (a, gate, fc.weight, fc.bias))
+    x, gate = (torch.randn(2, 6, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    conv, fc = torch.nn.Conv2d(5, 5, 3, padding=1, groups=5).double(), torch.nn.Linear(5, 3).double()
+    assert torch.autograd.gradcheck(module._GatedTail.apply, (x, gate, conv.weight, conv.bias, fc.weight, fc.bias, 2, 3))
 
     torch.manual_seed(0)
     mlp = module.ConvolutionalGLU(8, 24)
@@ -359,8 +359,15 @@ def test_convolutional_glu_keeps_less_and_equals_the_plain_form(monkeypatch):
         return [y.detach(), x.grad] + [p.grad for p in mlp.parameters()], len(set(saved))
 
     fused, kept_fused = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused_bf16, _ = run()
     monkeypatch.setattr(module, "active_tracer", lambda x=None: "plain")  # the plain operators
     plain, kept_plain = run()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        plain_bf16, _ = run()
     assert kept_fused < kept_plain
     for got, want in zip(fused, plain):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    for got, want in zip(fused_bf16, plain_bf16):  # both in bf16 arithmetic, rounded differently
+        assert got.dtype == want.dtype
+        torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)

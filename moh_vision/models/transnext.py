@@ -453,46 +453,60 @@ class DWConv(nn.Module):
         self.dwconv = nn.Conv2d(dim, dim, kernel_size=3, padding=1, groups=dim)
 
     def forward(self, x: Tensor, H: int, W: int) -> Tensor:
-        B, N, C = x.shape
-        x = self.dwconv(x.transpose(1, 2).reshape(B, C, H, W))
-        return x.flatten(2).transpose(1, 2)
+        return _depthwise(x, self.dwconv.weight, self.dwconv.bias, H, W)
 
 
-class _GatedProjection(torch.autograd.Function):
-    """``linear(GELU(a) * gate, weight, bias)`` keeping only ``a`` and ``gate`` for backward (the GELU and
-    the product are recomputed there): two ``[B, N, hidden]`` tensors fewer held per ConvGLU than autograd
-    keeps, where the hidden width is 2.7-5.3x the block's."""
+def _depthwise(x: Tensor, weight: Tensor, bias: Optional[Tensor], H: int, W: int) -> Tensor:
+    """3x3 depthwise convolution of tokens ``[B, N, C]`` laid out as an ``H x W`` image (zero padding)."""
+    B, N, C = x.shape
+    return F.conv2d(x.transpose(1, 2).reshape(B, C, H, W), weight, bias, padding=1, groups=C).flatten(2).transpose(1, 2)
+
+
+class _GatedTail(torch.autograd.Function):
+    """The ConvGLU after ``fc1``: ``linear(GELU(dwconv(x)) * gate, weight, bias)``, keeping only ``x`` and
+    ``gate`` (halves of ``fc1``'s output, which stays whole anyway) for backward. The depthwise convolution,
+    the GELU and the product are recomputed there (the convolution is a few operations per element): three
+    ``[B, N, hidden]`` tensors fewer held per block than autograd keeps, where the hidden width is 2.7-5.3x the
+    block's."""
 
     @staticmethod
-    def forward(ctx, a: Tensor, gate: Tensor, weight: Tensor, bias: Optional[Tensor]) -> Tensor:
-        ctx.save_for_backward(a, gate, weight)
-        ctx.has_bias = bias is not None
-        return F.linear(F.gelu(a) * gate, weight, bias)
+    def forward(ctx, x: Tensor, gate: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], weight: Tensor,
+                bias: Optional[Tensor], H: int, W: int) -> Tensor:
+        ctx.save_for_backward(x, gate, conv_weight, conv_bias, weight)
+        ctx.size, ctx.has_bias = (H, W), bias is not None
+        return F.linear(F.gelu(_depthwise(x, conv_weight, conv_bias, H, W)) * gate, weight, bias)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        a, gate, weight = ctx.saved_tensors
+        x, gate, conv_weight, conv_bias, weight = ctx.saved_tensors
+        with torch.enable_grad():  # the convolution's own backward, on its recomputed output
+            conv_inputs = [t.detach().requires_grad_() if t is not None else None for t in (x, conv_weight, conv_bias)]
+            a_ = _depthwise(*conv_inputs, *ctx.size)
+        a = a_.detach()
         cdf = 0.5 * (1.0 + torch.erf(a * M_SQRT1_2))  # GELU(a) = a * cdf(a); its derivative cdf + a * pdf
         activated = a * cdf
         grad_hidden = grad @ weight
-        hidden = (activated * gate).flatten(0, -2)
-        grad_activated = grad_hidden * gate
-        grad_a = grad_activated * (cdf + a * torch.exp(-0.5 * a * a) * M_1_SQRT2PI)
-        grad_weight = grad.flatten(0, -2).t() @ hidden
+        grad_a = grad_hidden * gate * (cdf + a * torch.exp(-0.5 * a * a) * M_1_SQRT2PI)
+        wanted = [t for t in conv_inputs if t is not None]
+        grad_x, grad_conv_weight, *grad_conv_bias = torch.autograd.grad(a_, wanted, grad_a)
+        grad_weight = grad.flatten(0, -2).t() @ (activated * gate).flatten(0, -2)
         grad_bias = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
-        return grad_a, grad_hidden * activated, grad_weight, grad_bias
+        return (grad_x, grad_hidden * activated, grad_conv_weight, grad_conv_bias[0] if grad_conv_bias else None,
+                grad_weight, grad_bias, None, None)
 
 
-def gated_projection(a: Tensor, gate: Tensor, fc: nn.Linear) -> Tensor:
-    """``fc(GELU(a) * gate)``: :class:`_GatedProjection` in eager training, the plain operators elsewhere:
+def gated_tail(x: Tensor, gate: Tensor, dwconv: nn.Conv2d, fc: nn.Linear, H: int, W: int) -> Tensor:
+    """``fc(GELU(dwconv(x)) * gate)``: :class:`_GatedTail` in eager training, the plain operators elsewhere:
     ``torch.compile`` (whose partitioner chooses what to recompute itself), tracers (the FLOP counter counts
-    those), ``torch.func``, and where no gradient is needed."""
-    if torch.is_grad_enabled() and active_tracer(a) is None:
-        dtype = torch.get_autocast_dtype(a.device.type) if torch.is_autocast_enabled(a.device.type) else a.dtype
-        weight = fc.weight.to(dtype)
-        bias = None if fc.bias is None else fc.bias.to(dtype)
-        return _GatedProjection.apply(a.to(dtype), gate.to(dtype), weight, bias)
-    return fc(F.gelu(a) * gate)
+    those), ``torch.func``, and where no gradient is needed. Under autocast the Function runs in the autocast
+    dtype (its backward runs outside autocast)."""
+    if not (torch.is_grad_enabled() and active_tracer(x) is None):
+        return fc(F.gelu(_depthwise(x, dwconv.weight, dwconv.bias, H, W)) * gate)
+    device = x.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+    tensors = [None if t is None else t.to(dtype) for t in (x, gate, dwconv.weight, dwconv.bias, fc.weight, fc.bias)]
+    with torch.autocast(device, enabled=False):
+        return _GatedTail.apply(*tensors, H, W)
 
 
 class ConvolutionalGLU(nn.Module):
@@ -511,10 +525,9 @@ class ConvolutionalGLU(nn.Module):
 
     def forward(self, x: Tensor, H: int, W: int) -> Tensor:
         x, gate = self.fc1(x).chunk(2, dim=-1)
-        x = self.dwconv(x, H, W)
         if self.drop.p and self.training:
-            return self.drop(self.fc2(self.drop(self.act(x) * gate)))
-        return gated_projection(x, gate, self.fc2)
+            return self.drop(self.fc2(self.drop(self.act(self.dwconv(x, H, W)) * gate)))
+        return gated_tail(x, gate, self.dwconv.dwconv, self.fc2, H, W)
 
 
 class OverlapPatchEmbed(nn.Module):
