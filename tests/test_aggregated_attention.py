@@ -202,3 +202,32 @@ def test_model_on_cuda_trains_as_the_reference(compiled, monkeypatch):
     monkeypatch.setattr(module, "_op_runs", lambda tracer: False)
     want = grads(model)
     assert max(relative_errors(got, want)) < 1e-3  # TF32-free kernels; cuBLAS/cuDNN elsewhere may use TF32
+
+
+def test_queries_function_equals_the_plain_form_and_keeps_only_q():
+    from moh_vision.models.aggregated_attention import (_AggregatedQueries, aggregated_queries,
+                                                        aggregated_queries_reference)
+
+    g = torch.Generator().manual_seed(3)
+    B, h, N, d, L = 2, 3, 5, 4, 9
+    shapes = [(B, h, N, d), (h, 1, d), (h, N, 1), (h, d, L), (h, 1, L)]
+    inputs = [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in shapes]
+    assert torch.autograd.gradcheck(_AggregatedQueries.apply, inputs)
+    grads = [torch.randn(B, h, N, d, generator=g, dtype=torch.float64), torch.randn(B, h, N, L, generator=g,
+                                                                                     dtype=torch.float64)]
+
+    def run(fn):
+        for t in inputs:
+            t.grad = None
+        kept = set()
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.add(t.untyped_storage().data_ptr()) or t,
+                                                      lambda t: t):
+            outs = fn(*inputs)
+        sum((o * gr).sum() for o, gr in zip(outs, grads)).backward()
+        return [o.detach() for o in outs] + [t.grad for t in inputs], kept
+
+    got, kept = run(aggregated_queries)
+    want, kept_plain = run(aggregated_queries_reference)
+    assert max(relative_errors(got, want)) < 1e-12
+    large = {t.untyped_storage().data_ptr() for t in inputs[:1]}
+    assert kept & large == large and len(kept) < len(kept_plain)

@@ -40,7 +40,8 @@ from moh_vision.attention.tracing import COMPILE, JIT_TRACE, active_tracer
 Tensor = torch.Tensor
 Size2 = Tuple[int, int]
 
-__all__ = ["aggregated_attention", "aggregated_attention_reference", "local_window_mask", "local_window_index"]
+__all__ = ["aggregated_attention", "aggregated_attention_reference", "aggregated_queries", "local_window_mask",
+           "local_window_index"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,6 +270,63 @@ def _backward(ctx, grad, _grad_lse):
 
 
 _aggregated_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------
+# The queries: normalised, shifted, scaled, and the learnable tokens' local weight, in one step
+# ----------------------------------------------------------------------------------------------
+NORM_EPS = 1e-12  # F.normalize's
+
+
+def aggregated_queries_reference(q: Tensor, embedding: Tensor, scale: Tensor, tokens: Tensor,
+                                 token_bias: Tensor) -> Tuple[Tensor, Tensor]:
+    """``((n + embedding) * scale, n @ tokens + token_bias)`` with ``n = q / |q|``: the scaled queries
+    (``q``'s dtype) and the local weight ``[B, h, N, L]``. ``q`` ``[B, h, N, d]``, ``embedding`` ``[h, 1, d]``,
+    ``scale`` ``[h, N, 1]`` (temperature times length scale), ``tokens`` ``[h, d, L]``, ``token_bias``
+    ``[h, 1, L]``."""
+    q_norm = F.normalize(q, dim=-1)
+    return ((q_norm + embedding) * scale).to(q.dtype), q_norm @ tokens + token_bias
+
+
+class _AggregatedQueries(torch.autograd.Function):
+    """:func:`aggregated_queries_reference` keeping only ``q`` (and the small parameters) for backward, where
+    the normalised queries are recomputed: autograd would keep ``q``, ``n``, ``n + embedding`` and its scaled
+    copy, three ``[B, h, N, d]`` tensors more per layer."""
+
+    @staticmethod
+    def forward(ctx, q, embedding, scale, tokens, token_bias):
+        ctx.save_for_backward(q, embedding, scale, tokens)
+        ctx.dtypes = (q.dtype, token_bias.dtype)
+        q32, tokens32 = _float(q, tokens)
+        q_norm = F.normalize(q32, dim=-1)
+        return ((q_norm + embedding) * scale).to(q.dtype), (q_norm @ tokens32 + token_bias).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_q, grad_weight):
+        q, embedding, scale, tokens = ctx.saved_tensors
+        q32, tokens32, grad_q, grad_weight = _float(q, tokens, grad_q, grad_weight)
+        norm = q32.norm(dim=-1, keepdim=True)
+        q_norm = q32 / norm.clamp_min(NORM_EPS)
+        grad_shifted = grad_q * scale
+        grad_norm = grad_shifted + grad_weight @ tokens32.transpose(-2, -1)
+        # d (q / |q|): the component of the gradient across q, over |q| (below eps the norm is a constant)
+        radial = (q_norm * grad_norm).sum(-1, keepdim=True)
+        grad_input = torch.where(norm > NORM_EPS, grad_norm - q_norm * radial, grad_norm) / norm.clamp_min(NORM_EPS)
+        grads = (grad_input, grad_shifted.sum((0, 2), keepdim=True).squeeze(0),
+                 (grad_q * (q_norm + embedding)).sum(-1, keepdim=True).sum(0),
+                 (q_norm.transpose(-2, -1) @ grad_weight).sum(0), grad_weight.sum((0, 2), keepdim=True).squeeze(0))
+        dtypes = (ctx.dtypes[0], embedding.dtype, scale.dtype, tokens.dtype, ctx.dtypes[1])
+        return tuple(g.to(dtype) for g, dtype in zip(grads, dtypes))
+
+
+def aggregated_queries(q: Tensor, embedding: Tensor, scale: Tensor, tokens: Tensor,
+                       token_bias: Tensor) -> Tuple[Tensor, Tensor]:
+    """:func:`aggregated_queries_reference`: one Function keeping only ``q`` in eager training; the plain
+    operators under ``torch.compile`` (its partitioner recomputes by itself), tracers and ``torch.func``, and
+    where nothing is differentiated."""
+    if torch.is_grad_enabled() and active_tracer(q) is None:
+        return _AggregatedQueries.apply(q, embedding, scale, tokens, token_bias)
+    return aggregated_queries_reference(q, embedding, scale, tokens, token_bias)
 
 
 def _op_runs(tracer: Optional[str]) -> bool:

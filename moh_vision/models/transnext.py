@@ -41,7 +41,7 @@ from moh_vision.attention.kernels import broadcast_kv_heads
 from moh_vision.attention.sparse import PackedRows, SparseSupport, table_auto
 from moh_vision.attention.tracing import active_tracer
 from moh_vision.errors import ConfigError
-from .aggregated_attention import aggregated_attention, local_window_index, local_window_mask
+from .aggregated_attention import aggregated_attention, aggregated_queries, local_window_index, local_window_mask
 from .factory import build_from_preset, instance_cfg
 from .families import register_family
 
@@ -392,10 +392,11 @@ class TransNeXtAggregatedAttention(_TransNeXtAttention):
         queries ``q`` ``[B, n, N, d]``."""
         if heads is None:
             self.check_kv_heads(q, keys.k_local)
-        q_norm = F.normalize(q, dim=-1)
-        local_weight = q_norm @ _take(self.learnable_tokens, heads) + _take(self.learnable_bias, heads)  # [B, n, N, L]
+        scale = F.softplus(_take(self.temperature, heads)) * self.seq_length_scale  # [n, N, 1]
+        q, local_weight = aggregated_queries(q, _take(self.query_embedding, heads), scale,  # [B, n, N, d | L]
+                                             _take(self.learnable_tokens, heads), _take(self.learnable_bias, heads))
         return aggregated_attention(
-            self.scale_queries(q_norm, heads), _take_heads(keys.k_local, heads), _take_heads(keys.v_local, heads),
+            q, _take_heads(keys.k_local, heads), _take_heads(keys.v_local, heads),
             _take_heads(keys.k_pool, heads), _take_heads(keys.v_pool, heads), _take(keys.bias, heads),
             _take(self.relative_pos_bias_local, heads), local_weight, self.input_resolution, self.window_size,
             self.attn_drop if self.training else 0.0, self.padding_mask)
