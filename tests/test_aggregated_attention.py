@@ -231,3 +231,25 @@ def test_queries_function_equals_the_plain_form_and_keeps_only_q():
     assert max(relative_errors(got, want)) < 1e-12
     large = {t.untyped_storage().data_ptr() for t in inputs[:1]}
     assert kept & large == large and len(kept) < len(kept_plain)
+
+
+def test_model_trains_under_bf16_autocast_close_to_float32():
+    """The operator, the queries' and the ConvGLU's Functions under CPU bf16 autocast: a TransNeXt step's
+    gradients follow the float32 step's (bf16 rounding apart)."""
+    import timm
+    import moh_vision  # noqa: F401 (registers the models)
+
+    torch.manual_seed(0)
+    model = timm.create_model("transnext_nano", img_size=64, num_classes=5).train()
+    x = torch.randn(2, 3, 64, 64)
+
+    def grads(autocast: bool):
+        model.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = model(x).float().square().mean()
+        loss.backward()
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    full, half = grads(False), grads(True)
+    assert torch.isfinite(half).all()
+    assert torch.nn.functional.cosine_similarity(full, half, dim=0) > 0.99
