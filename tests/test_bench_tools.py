@@ -38,11 +38,21 @@ def test_bench_models_counts_what_each_step_launches(tmp_path):
     assert launches(lambda: (x @ x).relu().sum(), torch.device("cpu")) == {"aten_ops": 3}  # nested ops not counted
 
 
-def test_bench_models_skips_an_impl_the_model_cannot_run(capsys):
-    rows = load_tool("bench_models").main(["pairs=moh_transnext_small_75:transnext_small", "img_size=32", "rounds=1",
-                                           "warmup=0", "impl=triton,masked"])
+def test_bench_models_skips_an_impl_the_model_cannot_run(capsys, monkeypatch):
+    from moh_vision.analysis import benchmark
+    from moh_vision.errors import ConfigError
+
+    build = benchmark.build_for_bench
+
+    def refusing_sparse(name, img_size, impl, *args, **kwargs):  # as a kernel without a sparse path refuses
+        if impl == "sparse":
+            raise ConfigError(f"MoH impl 'sparse' supports kernel(s) sdpa, not '{name}'")
+        return build(name, img_size, impl, *args, **kwargs)
+
+    monkeypatch.setattr(benchmark, "build_for_bench", refusing_sparse)
+    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "impl=sparse,masked"])
     assert [r["impl"] for r in rows] == ["-", "masked"]
-    assert "skip moh_transnext_small_75 impl=triton" in capsys.readouterr().err  # Triton: sdpa kernels only
+    assert "skip moh_dit_s_2_75 impl=sparse" in capsys.readouterr().err
 
 
 def test_cpu_peak_memory_replays_allocations_and_frees_in_order():
@@ -112,3 +122,4 @@ def test_gpu_checks_script_parses_and_names_its_parts():
     assert "usage: bash tools/gpu_checks.sh <out_dir> [tests,attention,models,routing,train,backbones]" in usage.stderr
     text = script.read_text()
     assert all(f"*,{part},*" in text for part in ("tests", "attention", "models", "routing", "train", "backbones"))
+

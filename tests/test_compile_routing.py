@@ -100,3 +100,25 @@ def test_bench_models_counts_operators_dense_against_moh(tmp_path, monkeypatch):
     assert "| MoH / dense |" in out.read_text() and "| 1.0 | 3.0 | 2.50x |" in out.read_text()  # a timing: its ratio
     assert json.loads(out.with_suffix(".json").read_text())["rows"] == rows
 
+
+
+def test_bench_models_counts_operators_under_cpu_autocast(tmp_path, monkeypatch):
+    """``ops=true dtype=bfloat16``: every call under CPU autocast, as GPU runs train; "kernels" rows leave out
+    the views. Issue 43's target: MoH's routing runs its kernel there too, so a layer costs at most 1.6x
+    dense's operators in inference and training."""
+    from moh_vision.analysis import op_count
+
+    monkeypatch.setattr(op_count, "LAYER_SHAPES", ((64, 4),))
+    monkeypatch.setattr(op_count, "LAYER_TOKENS", (2, 16))
+    monkeypatch.setattr(op_count, "host_us", lambda layers, x, train, **kw: {"dense": 1.0, "moh": 1.5, "ratio": 1.5})
+    out = tmp_path / "ops.md"
+    rows = load_tool("bench_models").main(["ops=true", "dtype=bfloat16", "graphs=false", "pairs=dit_tiny_2:dit_tiny_2",
+                                           "attention=moh", "attention.activation_ratio=0.75", f"out={out}"])
+    by = {r["figure"]: r for r in rows}
+    for mode in ("infer", "train"):
+        ops, kernels = (by[f"one attention layer, dim 64 / 4 heads, {mode} {what}"] for what in ("ops", "kernels"))
+        assert 0 < kernels["dense"] < ops["dense"] and 0 < kernels["moh"] < ops["moh"]
+        assert ops["moh"] <= 1.6 * ops["dense"], (mode, ops)
+        assert by[f"dit_tiny_2 vs dit_tiny_2, {mode} kernels"]["moh"] < by[f"dit_tiny_2 vs dit_tiny_2, {mode} ops"]["moh"]
+    assert "bfloat16 autocast" in out.read_text()
+    assert json.loads(out.with_suffix(".json").read_text())["dtype"] == "bfloat16"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from moh_vision.attention import build_attention, record_routing
 from moh_vision.attention import fused_routing
@@ -159,12 +160,10 @@ def test_layer_with_the_kernel_equals_the_layer_with_the_formulas(options, train
 
 @needs_kernel
 def test_the_formulas_run_wherever_the_kernel_must_not(monkeypatch):
-    """Under jit.trace, autocast, with a hook on a router, on learned shared heads, or switched off."""
+    """Under jit.trace, with a hook on a router, on learned shared heads, or switched off."""
     m = build_attention("moh", 32, 8, shared_heads=2, topk=3, impl="masked")
     x = torch.randn(2, 5, 32)
     assert m.uses_fused_routing(x)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert not m.uses_fused_routing(x)
     hook = m.wg.register_forward_hook(lambda *_: None)
     assert not m.uses_fused_routing(x)
     hook.remove()
@@ -176,6 +175,84 @@ def test_the_formulas_run_wherever_the_kernel_must_not(monkeypatch):
     assert not learned.uses_fused_routing(x)
     monkeypatch.setenv(fused_routing.ENV_SWITCH, "0")
     assert fused_routing._build() is False
+
+
+@needs_kernel
+@pytest.mark.parametrize("layout", [layout for layout in LAYOUTS if layout[2] > 0])
+def test_fused_route_under_autocast_reads_low_precision_logits_as_the_formulas_do(layout):
+    """Under autocast the router GEMM gives bf16 logits. The kernel reads them as they are and stores float32
+    gates, probabilities and selection: the formulas on the logits in float32, which is what CUDA's autocast
+    computes (its softmax runs in float32; the Triton kernels give the same); the logits' gradient is bf16."""
+    heads, shared, topk = layout
+    torch.manual_seed(sum(layout))
+    logits = (torch.randn(3, 7, width(*layout)) * 2).bfloat16()
+    grad_gates = torch.randn(3, 7, heads)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        fused = fused_route(logits, heads - shared, shared, topk, True)
+        g_fused = gradients(lambda t: fused_route(t, heads - shared, shared, topk, True), logits, grad_gates, 0.7)
+    ref = formula_route(split(logits.float(), *layout), logits[..., :1], heads - shared, shared, topk, True)
+    g_ref = gradients(lambda t: formula_route(split(t.float(), *layout), t[..., :1], heads - shared, shared, topk,
+                                              True), logits, grad_gates, 0.7)
+    assert fused.gates.dtype == fused.probs.dtype == torch.float32
+    torch.testing.assert_close(fused.gates, ref.gates, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(fused.probs, ref.probs, rtol=1e-6, atol=1e-6)
+    assert torch.equal(fused.mask, ref.mask.to(fused.mask.dtype)) and torch.equal(fused.index, ref.index)
+    torch.testing.assert_close(fused.loss, ref.loss, rtol=1e-6, atol=0)
+    assert g_fused.dtype == g_ref.dtype == torch.bfloat16
+    torch.testing.assert_close(g_fused, g_ref, rtol=1e-2, atol=1e-3)  # float32 inside, rounded to bf16 once
+
+
+@needs_kernel
+@pytest.mark.parametrize("options", [dict(activation_ratio=0.75, impl="masked"), dict(activation_ratio=0.75, impl="sparse"),
+                                     dict(shared_heads=1, topk=3, impl="masked")])
+def test_layer_under_cpu_autocast_takes_the_kernel_and_gives_the_formulas_values(options, monkeypatch):
+    """bf16 autocast, a training step with the recorder open: the kernel is taken (one operator forward, one
+    backward, no softmax), and output, gradients, aux loss and statistics are the formulas' within bf16's
+    rounding (CPU autocast runs the formulas' softmax in bf16, the kernel keeps float32 as CUDA's autocast does);
+    the selection is the same (no near-tie in these inputs)."""
+    torch.manual_seed(3)
+    m = build_attention("moh", 48, 6, **options).train()
+    with torch.no_grad():
+        for name in ("wg", "wg_0", "wg_1"):
+            if hasattr(m, name):
+                getattr(m, name).weight.normal_(0, 0.5)
+    x = torch.randn(3, 9, 48)
+
+    def run():
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16), record_routing(m, keep_selection=True) as routing:
+            y = m(xi)
+            (y.float().square().mean() + routing.aux_loss()).backward()
+        grads = {n: p.grad.clone() for n, p in m.named_parameters()}
+        m.zero_grad(set_to_none=True)
+        return y.detach().float(), xi.grad, grads, routing
+
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert m.uses_fused_routing(x)
+    seen = []
+
+    class Spy(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Spy():
+        y, gx, grads, routing = run()
+    assert "moh_routing.route" in seen and "moh_routing.route_backward" in seen and "aten._softmax" not in seen
+    with monkeypatch.context() as patch:
+        patch.setattr(m, "fused_router_weights", lambda *args: None)
+        y_ref, gx_ref, grads_ref, routing_ref = run()
+    tol = dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(y, y_ref, **tol)
+    torch.testing.assert_close(gx, gx_ref, **tol)
+    for name in grads_ref:
+        torch.testing.assert_close(grads[name], grads_ref[name], **tol, msg=name)
+    (rec,), (rec_ref,) = routing.records, routing_ref.records
+    # CPU autocast's softmax rounds the formulas' probabilities to bf16; the kernel's stay float32 (as on CUDA)
+    torch.testing.assert_close(rec.aux_loss, rec_ref.aux_loss, rtol=4e-3, atol=0)
+    torch.testing.assert_close(rec.stats["load"], rec_ref.stats["load"], rtol=0, atol=0)
+    torch.testing.assert_close(rec.stats["entropy"], rec_ref.stats["entropy"], rtol=4e-3, atol=1e-4)
+    assert torch.equal(rec.selection, rec_ref.selection)
 
 
 def test_cuda_routes_with_triton_unless_switched_off(monkeypatch):

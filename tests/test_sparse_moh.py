@@ -1,15 +1,10 @@
-"""MoH execution paths (sparse gather/scatter, Triton) against the masked reference.
+"""MoH execution paths (sparse gather/scatter) against the masked reference.
 
 Every path must give the masked path's outputs AND gradients (input, every parameter, the router
-weights included), and leave the same aux loss and routing statistics. Triton runs here in its
-CPU interpreter (small shapes) and, on a GPU machine, compiled (``-m gpu``).
+weights included), and leave the same aux loss and routing statistics; on a GPU machine too (``-m gpu``).
 """
 import json
 import math
-import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -190,10 +185,9 @@ def foreign_kernel():
 
 
 def test_sparse_on_another_kernel_is_a_one_line_config_error(foreign_kernel):
-    for impl in ("sparse", "triton"):
-        with pytest.raises(ConfigError) as err:
-            build_attention("moh", 32, 4, kernel=foreign_kernel, shared_heads=1, topk=2, impl=impl)
-        assert "supports kernel(s) sdpa" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ConfigError) as err:
+        build_attention("moh", 32, 4, kernel=foreign_kernel, shared_heads=1, topk=2, impl="sparse")
+    assert "supports kernel(s) sdpa" in str(err.value) and "\n" not in str(err.value)
 
 
 def test_auto_uses_masked_on_another_kernel(foreign_kernel):
@@ -201,11 +195,11 @@ def test_auto_uses_masked_on_another_kernel(foreign_kernel):
     assert m.impl == "auto" and m.execution_path(torch.zeros(1, 1024, 768)) == "masked"
 
 
-def test_unknown_impl_and_triton_with_attention_dropout_are_rejected():
-    with pytest.raises(ConfigError, match="allowed: auto, masked, sparse, triton"):
-        build_attention("moh", 32, 4, shared_heads=1, topk=2, impl="gather")
-    with pytest.raises(ConfigError, match="no attention dropout"):
-        build_attention("moh", 32, 4, shared_heads=1, topk=2, impl="triton", attn_drop=0.1)
+def test_unknown_impl_is_rejected():
+    """Issue 43: ``impl="triton"`` lost to masked at every shape measured on an H100 and is gone."""
+    for impl in ("gather", "triton"):
+        with pytest.raises(ConfigError, match="allowed: auto, masked, sparse$"):
+            build_attention("moh", 32, 4, shared_heads=1, topk=2, impl=impl)
 
 
 def test_auto_choice_follows_measured_thresholds():
@@ -232,85 +226,19 @@ def test_auto_module_runs_the_chosen_path():
 
 
 # ---------------------------------------------------------------------------------------------
-# Triton kernel: interpreter on CPU (always tried) and compiled on a GPU (-m gpu)
+# On a GPU (-m gpu)
 # ---------------------------------------------------------------------------------------------
-def triton_interpreter_usable() -> bool:
-    try:
-        from moh_vision.attention.triton_moh import triton_available
-        if not triton_available():
-            return False
-        from triton.runtime.interpreter import InterpretedFunction  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
-needs_interpreter = pytest.mark.skipif(not triton_interpreter_usable(), reason="Triton CPU interpreter not available")
-
-# Triton decides when it is imported whether its standard library (tl.sum, tl.max, ...) is
-# interpreted, so the interpreter runs in a fresh process with TRITON_INTERPRET=1 from the start.
-INTERPRETER_SCRIPT = """
-import importlib.util, os, sys
-sys.path.insert(0, os.path.dirname(sys.argv[1]))  # the tests' helpers module
-spec = importlib.util.spec_from_file_location("sparse_tests", sys.argv[1])
-tests = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(tests)
-for batch, tokens, dim, heads, opts in tests.INTERPRETER_CASES:
-    tests.check_equal("triton", batch, tokens, dim, heads, opts, True)
-print("triton interpreter: all equal")
-"""
-INTERPRETER_CASES = [
-    (2, 21, 32, 4, dict(shared_heads=1, topk=2)),  # head_dim 8: padded to a 16-wide tile
-    (1, 37, 48, 6, dict(shared_heads=0, topk=2)),  # lists longer than one 16-row block
-]
-
-
-@needs_interpreter
-def test_triton_interpreter_equals_masked():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    root = Path(__file__).resolve().parents[1]
-    done = subprocess.run([sys.executable, "-c", INTERPRETER_SCRIPT, __file__], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "all equal" in done.stdout
-
-
-@needs_interpreter
-def test_triton_on_cpu_without_interpreter_is_a_config_error(monkeypatch):
-    _, m = make_pair(32, 4, impl="triton", shared_heads=1, topk=2)
-    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ConfigError, match="needs CUDA tensors"):
-        m(torch.randn(1, 5, 32))
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # too late: triton is already imported uninterpreted
-    from moh_vision.attention.triton_moh import tl
-    if not isinstance(tl.sum, type(tl.full)):
-        with pytest.raises(ConfigError, match="before Python starts"):
-            m(torch.randn(1, 5, 32))
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("impl", ["sparse", "triton"])
 @pytest.mark.parametrize("opts", [dict(activation_ratio=0.5), dict(shared_heads=0, topk=3), dict(shared_heads=1, topk=4)])
-def test_gpu_paths_equal_masked(impl, opts):
+def test_gpu_paths_equal_masked(opts):
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    ref, other = make_pair(256, 8, impl=impl, **opts)
+    ref, other = make_pair(256, 8, impl="sparse", **opts)
     ref, other = ref.cuda(), other.cuda()
     x = torch.randn(2, 301, 256, device="cuda")
     grad_out = torch.randn_like(x)
     assert_same(run(ref, x, grad_out, True), run(other, x, grad_out, True), rtol=1e-3, atol=1e-4)
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_gpu_triton_bfloat16_autocast_close_to_masked():
-    ref, other = make_pair(256, 8, impl="triton", activation_ratio=0.5)
-    ref, other = ref.cuda(), other.cuda()
-    x = torch.randn(2, 1024, 256, device="cuda")
-    with torch.autocast("cuda", dtype=torch.bfloat16):
-        y_ref, y = ref(x), other(x)
-    torch.testing.assert_close(y.float(), y_ref.float(), rtol=0.05, atol=0.05)
 
 
 # ---------------------------------------------------------------------------------------------

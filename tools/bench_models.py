@@ -7,6 +7,7 @@
     python tools/bench_models.py pairs=moh_dit_s_2_75:dit_s_2 compile=true      # both models torch.compile'd
     python tools/bench_models.py device=cuda batch=32 compile=true compile_mode=reduce-overhead launches=true
     python tools/bench_models.py ops=true pairs=moh_dit_s_2_75:dit_s_2  # operators per call and compiled graphs
+    python tools/bench_models.py ops=true dtype=bfloat16 graphs=false  # the same counts under CPU autocast
 
 Each MoH model runs with every ``impl`` given (how its MoH layers execute: ``auto`` is what training
 uses); its dense twin runs once. Inference: eval mode, no gradients. Training: forward, backward and an
@@ -19,7 +20,8 @@ or on the CPU the ATen operators it calls. ``out=t.md`` also writes ``t.json``. 
 composes it), so a dense model can be timed as MoH against itself. ``ops=true`` times nothing: it counts the
 ATen operators each call dispatches (one attention layer and each pair, inference and training with the
 routing recorder open), the host time of a layer call on a negligible input, and the graphs and breaks of
-``torch.compile`` (:mod:`moh_vision.analysis.op_count`).
+``torch.compile`` (:mod:`moh_vision.analysis.op_count`); with ``dtype=bfloat16`` every call runs under CPU
+autocast, as GPU runs do.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ OPTIONS = (
     Option("batch", 2, integer, "images per step", minimum=1),
     Option("img_size", type=integer, minimum=8, help="image side (default 224; DiT: 256px; quick: 64)"),
     Option("impl", ["auto", "masked"], list_of(text), "MoH execution paths",
-           choices=("auto", "masked", "sparse", "triton")),
+           choices=("auto", "masked", "sparse")),
     Option("rounds", 15, integer, "timed rounds (each runs every candidate once)", minimum=1),
     Option("min_seconds", 0.0, number, "keep adding rounds until this much time", minimum=0),
     Option("warmup", 2, integer, "untimed steps per candidate first", minimum=0),
@@ -48,7 +50,7 @@ OPTIONS = (
     Option("compile_mode", "default", help="torch.compile's mode (reduce-overhead: CUDA graphs)",
            choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
     Option("launches", False, boolean, "also count each step's kernel launches and GPU-busy time (CPU: ATen ops)"),
-    Option("ops", False, boolean, "count operators per call and compiled graphs instead of timing (CPU)"),
+    Option("ops", False, boolean, "count operators per call and compiled graphs instead of timing (CPU; dtype: autocast)"),
     Option("graphs", True, boolean, "with ops=true: also torch._dynamo.explain each model (slow: minutes)"),
     Option("out", help="also write the markdown table here, and every number as JSON beside it (.json)"),
     Option("attention", help="the MoH side's attention in every layer: mha | moh | moa | ... (default: as registered)"),
@@ -59,7 +61,7 @@ OPTIONS = (
 def bench(opts) -> List[Dict]:
     if opts.ops:
         return bench_ops(opts.pairs or OPS_PAIRS, opts.img_size or 64, attention_config(opts.attention,
-                         opts.attention_options), opts.graphs, opts.out)
+                         opts.attention_options), opts.graphs, opts.out, opts.dtype)
     return bench_models(opts.pairs, opts.impl, opts.batch, opts.img_size, opts.rounds, opts.warmup, opts.min_seconds,
                         opts.device, opts.dtype, opts.threads, opts.quick, opts.out,
                         attention_config(opts.attention, opts.attention_options), opts.compile, opts.compile_mode,

@@ -5,11 +5,12 @@
 #      a GPU trains with, each length on its own (their .json records are what `fit_from=` fits the CUDA
 #      `auto` table from);
 #   3. tools/bench_models.py on CUDA, bf16 autocast;
-#   4. (part `routing`, issue 31) the three MoH/dense pairs at batch 32 in bf16: eager with MoH's routing as
-#      ATen operators (MOH_VISION_FUSED_ROUTING=0) and as the Triton kernels (the default), compiled, and
-#      compiled with CUDA graphs (reduce-overhead); dense transnext_base compiled among them. On one H100
-#      (2026-11-26) the tests and the two eager runs took 3 min; compiling the six models did not finish in
-#      the 5 min left, so give the compiled runs a call of their own;
+#   4. (part `routing`, issue 43) the three MoH/dense pairs (DiT-S/2, DiT-B/2, TransNeXt-Base) in bf16 at batch
+#      32 and at the batch each family trains with (DiT 256, TransNeXt 128, or 64 where 128 does not fit):
+#      eager, compiled, and compiled with CUDA graphs (reduce-overhead), each step under a time limit
+#      (TIMEOUT_ROUTING, default 120 s) and all inside ROUTING_BUDGET (default 450 s), eager first: one call of
+#      8 minutes. (On one H100, 2026-11-26, compiling TransNeXt-Base took over 2 minutes a mode: its compiled
+#      steps come last and may be cut;) a .json record per step;
 #   5. (part `train`) the README's first command on the GPU with bf16 autocast, eval.py on its checkpoint,
 #      a short `experiment=diffusion` run and tools/sample.py on it: the trainer end to end on CUDA.
 #
@@ -101,20 +102,35 @@ if [[ $parts == *,models,* ]]; then
   pack
 fi
 
-if [[ $parts == *,routing,* ]]; then
-  pairs=moh_dit_s_2_75:dit_s_2,moh_dit_b_2_75:dit_b_2,moh_transnext_base_50:transnext_base
-  settings=(device=$device batch=32 dtype=bfloat16 impl=auto)
-  [[ -n "$quick" ]] && { pairs=moh_dit_s_2_75:dit_s_2; settings=(device=$device batch=2 img_size=64 rounds=2 warmup=1); }
-  for switch in aten triton; do  # the routing as ATen operators and as the Triton kernels (the default on CUDA)
-    step "routing $switch, eager"
-    MOH_VISION_FUSED_ROUTING=$([[ $switch == triton ]] && echo 1 || echo 0) python3 tools/bench_models.py \
-      pairs=$pairs "${settings[@]}" out="$out/runs/models_routing_${switch}.md" 2>"$out/runs/models_routing_${switch}.err"
-    pack
-  done
-  for mode in default reduce-overhead; do
-    step "routing compiled, $mode"
-    python3 tools/bench_models.py pairs=$pairs "${settings[@]}" compile=true compile_mode=$mode \
-      out="$out/runs/models_routing_compiled_${mode}.md" 2>"$out/runs/models_routing_compiled_${mode}.err"
+if [[ $parts == *,routing,* ]]; then  # issue 43: MoH/dense at batch 32 and at the batch each family trains with
+  # eager, compiled and compiled with CUDA graphs (reduce-overhead), bf16, impl=auto, MoH's routing on its Triton
+  # kernels (the default on CUDA); one bench_models call per (mode, family, batch), each under `timeout`, the
+  # eager ones first, all inside ROUTING_BUDGET seconds (default 450: one 8-minute call with room to pack).
+  # TransNeXt trains at 128 where it fits, else at 64 (a step that runs out of memory at 128 is rerun at 64).
+  dit=moh_dit_s_2_75:dit_s_2,moh_dit_b_2_75:dit_b_2
+  tnx=moh_transnext_base_50:transnext_base
+  runs=("eager dit 32" "eager tnx 32" "eager dit 256" "eager tnx 128" "default dit 32" "default dit 256"
+        "reduce-overhead dit 32" "reduce-overhead dit 256" "default tnx 32" "default tnx 128"
+        "reduce-overhead tnx 32" "reduce-overhead tnx 128")
+  settings=(device=$device dtype=bfloat16 impl=auto rounds=7 warmup=2)
+  limit=${TIMEOUT_ROUTING:-120}
+  [[ -n "$quick" ]] && { runs=("eager dit 2" "default dit 2" "reduce-overhead dit 2"); settings=(device=$device
+    quick=true impl=auto rounds=2 warmup=1); dit=moh_dit_s_2_75:dit_s_2; }
+  deadline=$((SECONDS + ${ROUTING_BUDGET:-450}))
+  for run in "${runs[@]}"; do
+    read -r mode family batch <<<"$run"
+    pairs=$dit; [[ $family == tnx ]] && pairs=$tnx
+    compiled=(compile=true compile_mode=$mode); [[ $mode == eager ]] && compiled=()
+    for try in "$batch" half; do
+      [[ $try == half ]] && { grep -qi "out of memory" "$out/runs/$name.err" 2>/dev/null && [[ $batch -gt 64 ]] ||
+        break; batch=$((batch / 2)); }
+      name="models_routing_${mode}_${family}_b${batch}"
+      left=$((deadline - SECONDS)); (( left > limit )) && left=$limit
+      (( left < 20 )) && { step "$name: skipped, out of time"; break 2; }
+      step "$name (at most ${left}s)"
+      timeout "$left" python3 tools/bench_models.py pairs=$pairs batch=$batch "${settings[@]}" "${compiled[@]}" \
+        out="$out/runs/$name.md" 2>"$out/runs/$name.err" && break
+    done
     pack
   done
 fi

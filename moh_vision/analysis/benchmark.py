@@ -273,14 +273,12 @@ def resolve_device(name: str) -> torch.device:
 
 def moh_paths(bench: AttentionBench, ratio: float, device, dtype,
               options: Optional[Dict] = None) -> Dict[str, torch.nn.Module]:
-    """Masked, sparse and auto (and Triton on CUDA, for ``sdpa``) MoH at ``ratio``, all with the same weights;
-    ``options``: the kernel's (:meth:`AttentionBench.kernel_options`)."""
+    """Masked, sparse and auto MoH at ``ratio``, all with the same weights; ``options``: the kernel's
+    (:meth:`AttentionBench.kernel_options`)."""
     from moh_vision.attention import build_attention
 
-    triton = torch.device(device).type == "cuda" and bench.kernel == "sdpa"
-    impls = ("masked", "sparse", "auto") + (("triton",) if triton else ())
     paths = {impl: build_attention("moh", bench.dim, bench.heads, activation_ratio=ratio, impl=impl, **(options or {}))
-             for impl in impls}
+             for impl in ("masked", "sparse", "auto")}
     for module in paths.values():
         module.load_state_dict(paths["masked"].state_dict())
     return {name: m.to(device=device, dtype=dtype) for name, m in paths.items()}
@@ -303,22 +301,14 @@ def forward_backward_fn(module, x, grad) -> Callable[[], None]:
 
 def check_against_masked(models: Dict[tuple, torch.nn.Module], x, grad) -> Dict[float, float]:
     """Per ratio, the largest relative difference from masked of any other path's output or input
-    gradient (exactness at the benchmark's own shapes; the unit tests use small ones). A Triton
-    path that fails to compile or run is reported on stderr and dropped."""
+    gradient (exactness at the benchmark's own shapes; the unit tests use small ones)."""
     results: Dict[tuple, tuple] = {}
     for key, m in list(models.items()):
         if key[0] == "dense":
             continue
         xi = x.detach().clone().requires_grad_(True)
-        try:
-            y = m.train()(xi)
-            y.backward(grad)
-        except Exception as err:  # noqa: BLE001 - an unverified kernel must not stop the benchmark
-            if key[0] != "triton":
-                raise
-            print(f"triton path dropped: {type(err).__name__}: {err}", file=sys.stderr)
-            models.pop(key)
-            continue
+        y = m.train()(xi)
+        y.backward(grad)
         results[key] = (y.detach().float(), xi.grad.float())
     errors: Dict[float, float] = {}
     for (name, ratio), (y, gx) in results.items():
@@ -392,12 +382,12 @@ def attention_columns(rows: List[dict]) -> List[str]:
         if f"dense_{mode}_ms" not in rows[0]:
             continue
         cols.append(f"dense_{mode}_ms")
-        for name in ("masked", "sparse", "triton"):
+        for name in ("masked", "sparse"):
             if f"{name}_{mode}" in rows[0]:
                 cols += [f"{name}_{mode}", f"{name}_{mode}_q"]
         cols += [f"auto_{mode}_pick", f"auto_{mode}", f"auto_{mode}_q"]
     if "masked_peak_mb" in rows[0]:
-        cols += [f"{name}_peak_mb" for name in ("masked", "sparse", "triton") if f"{name}_peak_mb" in rows[0]]
+        cols += [f"{name}_peak_mb" for name in ("masked", "sparse") if f"{name}_peak_mb" in rows[0]]
     return cols + ["max_rel_err"]
 
 

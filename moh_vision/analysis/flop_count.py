@@ -128,14 +128,6 @@ def scattered_projection_flops(inputs, outputs) -> Counter:
                     POINTWISE_PREFIX + "index_add": rows * y[-1]})
 
 
-def routed_flash_attention_flops(inputs, outputs) -> Counter:
-    """Triton ``RoutedFlashAttention(q [R, d], k [B, E, N, d], v)``: every packed query row against
-    the N keys of its head (at batch 1 there are no padded rows, so this is exact)."""
-    q, k = _shape(inputs[0]), _shape(inputs[1])
-    rows, d, N = q[0], q[-1], k[-2]
-    return Counter({"scaled_dot_product_attention": 2 * rows * N * d, POINTWISE_PREFIX + "attention_softmax": 4 * rows * N})
-
-
 def aggregated_attention_flops(inputs, outputs) -> Counter:
     """TransNeXt's ``moh_vision::aggregated_attention(q [B, h, N, d], k, v, k_pool [B, h, P, d], ..., local_weight
     [B, h, N, L], ...)``: ``QK^T`` and ``AV`` over each query's ``L`` window keys and ``P`` pooled keys (what the
@@ -281,10 +273,9 @@ def op_handles() -> Dict[str, Handle]:
         "aten::einsum": einsum_flops,
         "aten::scaled_dot_product_attention": sdpa_flops,
         "moh_vision::aggregated_attention": aggregated_attention_flops,
-        # the exact sparse MoH path (moh_vision.attention.sparse / triton_moh)
+        # the exact sparse MoH path (moh_vision.attention.sparse)
         "prim::PythonOp.GatheredHeadProjection": gathered_projection_flops,
         "prim::PythonOp.ScatteredHeadProjection": scattered_projection_flops,
-        "prim::PythonOp.RoutedFlashAttention": routed_flash_attention_flops,
     })
     handles.update(_EXTRA_HANDLES)
     return handles

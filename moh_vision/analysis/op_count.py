@@ -3,8 +3,10 @@
 On a GPU a small layer's time is set by how many kernels the host launches, not by the arithmetic; each
 ATen operator dispatched is (at most) one launch. :func:`count_ops` counts every operator dispatched below
 autograd (forward and backward, views included) with a ``TorchDispatchMode``, the same way for dense and
-MoH, so the counts measured on a CPU are the launches a GPU would see before any fusion. :func:`ops_report`
-puts dense and MoH side by side, the figures of ``tools/bench_models.py ops=true``:
+MoH, so the counts measured on a CPU are the launches a GPU would see before any fusion; the "kernels" rows
+leave out the views (operators that alias their input, and ``_unsafe_view``), which launch nothing.
+With ``dtype=bfloat16`` (or ``float16``) every call runs under CPU autocast, as GPU training does.
+:func:`ops_report` puts dense and MoH side by side, the figures of ``tools/bench_models.py ops=true``:
 
 * one attention layer (dims 384 / 6 heads and 768 / 12, batch 8, 196 tokens), inference, and a training
   forward+backward with the routing recorder open and the aux loss added, as the trainer runs it;
@@ -32,10 +34,11 @@ HOST_SHAPE = (1, 4, 192, 12)  # batch, tokens, dim, heads: an input whose arithm
 class _Counter(TorchDispatchMode):
     def __init__(self):
         super().__init__()
-        self.count = 0
+        self.count = self.views = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.count += 1
+        self.views += func.is_view or func is torch.ops.aten._unsafe_view.default  # a reshape autograd sees as new
         return func(*args, **(kwargs or {}))
 
 
@@ -44,6 +47,18 @@ def count_ops(call: Callable[[], object]) -> int:
     with _Counter() as counter:
         call()
     return counter.count
+
+
+def under_autocast(call: Callable[[], None], dtype: Optional[torch.dtype]) -> Callable[[], None]:
+    """``call`` run under CPU autocast to ``dtype`` (None or float32: as it is)."""
+    if dtype in (None, torch.float32):
+        return call
+
+    def autocast_call() -> None:
+        with torch.autocast("cpu", dtype=dtype):
+            call()
+
+    return autocast_call
 
 
 def _loss(out) -> Tensor:
@@ -71,17 +86,33 @@ def inference_call(model: torch.nn.Module, inputs: Tuple) -> Callable[[], None]:
     return call
 
 
-def steady_count(model: torch.nn.Module, inputs: Tuple, train: bool) -> int:
-    """Operators of one call after a first, uncounted one (lazy initialisations, caches)."""
+def steady_count(model: torch.nn.Module, inputs: Tuple, train: bool,
+                 dtype: Optional[torch.dtype] = None) -> Tuple[int, int]:
+    """Operators, and operators less views, of one call (under autocast to ``dtype``) after a first, uncounted
+    one (lazy initialisations, caches)."""
     model.train(train)
     inputs = tuple(t.clone().requires_grad_() if train and t.is_floating_point() else t for t in inputs)
-    call = training_call(model, inputs) if train else inference_call(model, inputs)
+    call = under_autocast(training_call(model, inputs) if train else inference_call(model, inputs), dtype)
     call()
-    return count_ops(call)
+    with _Counter() as counter:
+        call()
+    return counter.count, counter.count - counter.views
+
+
+def count_rows(label: str, models: Dict[str, torch.nn.Module], inputs: Tuple,
+               dtype: Optional[torch.dtype]) -> List[Dict]:
+    """``{label}, {mode} ops`` and ``{label}, {mode} kernels`` (operators less views), inference and training, for
+    each of ``models`` (``dense``, ``moh``)."""
+    rows = []
+    for mode in ("infer", "train"):
+        counts = {name: steady_count(m, inputs, mode == "train", dtype) for name, m in models.items()}
+        rows.append({"figure": f"{label}, {mode} ops", **{name: c[0] for name, c in counts.items()}})
+        rows.append({"figure": f"{label}, {mode} kernels", **{name: c[1] for name, c in counts.items()}})
+    return rows
 
 
 def host_us(layers: Dict[str, torch.nn.Module], x: Tensor, train: bool, calls: int = 100,
-            rounds: int = 15) -> Dict[str, float]:
+            rounds: int = 15, dtype: Optional[torch.dtype] = None) -> Dict[str, float]:
     """Mean wall time (microseconds) of one call on ``x`` per layer, measured in ``rounds`` that alternate the
     layers (load on the machine hits both alike): each layer's median over rounds, and ``ratio``, the median
     over rounds of the second layer's time over the first's."""
@@ -89,7 +120,7 @@ def host_us(layers: Dict[str, torch.nn.Module], x: Tensor, train: bool, calls: i
     calls_of = {}
     for name, model in layers.items():
         model.train(train)
-        calls_of[name] = training_call(model, (xi,)) if train else inference_call(model, (xi,))
+        calls_of[name] = under_autocast(training_call(model, (xi,)) if train else inference_call(model, (xi,)), dtype)
         for _ in range(10):
             calls_of[name]()
     times: Dict[str, List[float]] = {name: [] for name in layers}
@@ -132,9 +163,9 @@ def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
     return out
 
 
-def layer_rows(attention: Dict) -> List[Dict]:
+def layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dict]:
     """Per-layer figures, dense ``mha`` against ``attention`` (e.g. ``{"name": "moh", "activation_ratio": 0.75,
-    "impl": "masked"}``), at :data:`LAYER_SHAPES` and on :data:`HOST_SHAPE`."""
+    "impl": "masked"}``), at :data:`LAYER_SHAPES` and on :data:`HOST_SHAPE`, under autocast to ``dtype``."""
     from moh_vision.attention import build_attention
     from moh_vision.models.build import NON_MODULE_KEYS
 
@@ -146,29 +177,25 @@ def layer_rows(attention: Dict) -> List[Dict]:
         x = torch.randn(batch, tokens, dim)
         layers = {"dense": build_attention("mha", dim, heads), "moh": build_attention(attention["name"], dim, heads,
                                                                                       **options)}
-        for mode in ("infer", "train"):
-            counts = {k: steady_count(m, (x,), mode == "train") for k, m in layers.items()}
-            rows.append({"figure": f"one attention layer, dim {dim} / {heads} heads, {mode} ops", **counts})
+        rows += count_rows(f"one attention layer, dim {dim} / {heads} heads", layers, (x,), dtype)
     batch, tokens, dim, heads = HOST_SHAPE
     x = torch.randn(batch, tokens, dim)
     layers = {"dense": build_attention("mha", dim, heads), "moh": build_attention(attention["name"], dim, heads,
                                                                                   **options)}
     for mode in ("infer", "train"):
         rows.append({"figure": f"host time per layer call [{batch}, {tokens}, {dim}], {heads} heads, {mode} (us)",
-                     **host_us(layers, x, mode == "train")})
+                     **host_us(layers, x, mode == "train", dtype=dtype)})
     return rows
 
 
 def model_rows(moh: torch.nn.Module, dense: torch.nn.Module, label: str, batch: int = 2,
-               graphs: bool = True) -> List[Dict]:
-    """Whole-model operator counts (inference, training) and, with ``graphs``, :func:`graph_counts`."""
+               graphs: bool = True, dtype: Optional[torch.dtype] = None) -> List[Dict]:
+    """Whole-model operator counts (inference, training; under autocast to ``dtype``) and, with ``graphs``,
+    :func:`graph_counts`."""
     from .benchmark import model_inputs
 
     inputs = model_inputs(dense, batch)
-    rows = []
-    for mode in ("infer", "train"):
-        rows.append({"figure": f"{label}, {mode} ops", "dense": steady_count(dense, inputs, mode == "train"),
-                     "moh": steady_count(moh, inputs, mode == "train")})
+    rows = count_rows(label, {"dense": dense, "moh": moh}, inputs, dtype)
     if graphs:
         counts = {k: graph_counts(m, inputs) for k, m in (("dense", dense), ("moh", moh))}
         for key in counts["dense"]:
@@ -187,27 +214,30 @@ def ops_table(rows: Sequence[Dict], header: str) -> str:
 
 
 def ops_report(pairs: Sequence[Tuple[torch.nn.Module, torch.nn.Module, str]], attention: Optional[Dict] = None,
-               graphs: bool = True) -> Tuple[List[Dict], str]:
+               graphs: bool = True, dtype: Optional[torch.dtype] = None) -> Tuple[List[Dict], str]:
     """Every figure of the module docstring: per layer (``attention``, default MoH 0.75 masked, the path
-    ``impl=auto`` runs on CUDA) and per model pair ``(moh, dense, label)``."""
+    ``impl=auto`` runs on CUDA) and per model pair ``(moh, dense, label)``; every call under CPU autocast to
+    ``dtype`` (None or float32: none)."""
     attention = attention or {"name": "moh", "activation_ratio": 0.75, "impl": "masked"}
-    rows = layer_rows(attention)
+    rows = layer_rows(attention, dtype)
     for moh, dense, label in pairs:
-        rows += model_rows(moh, dense, label, graphs=graphs)
-    header = (f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads; ATen operators dispatched per call "
-              f"(forward and backward, below autograd); layer: {attention}")
+        rows += model_rows(moh, dense, label, graphs=graphs, dtype=dtype)
+    precision = "float32" if dtype in (None, torch.float32) else f"{str(dtype).split('.')[-1]} autocast"
+    header = (f"torch {torch.__version__}, CPU, {torch.get_num_threads()} threads, {precision}; ATen operators "
+              f"dispatched per call (forward and backward, below autograd; kernels: less views); layer: {attention}")
     return rows, ops_table(rows, header)
 
 
 def bench_ops(pairs: Sequence[str], img_size: int = 64, attention: Optional[Dict] = None, graphs: bool = True,
-              out: Optional[str] = None) -> List[Dict]:
+              out: Optional[str] = None, dtype: str = "float32") -> List[Dict]:
     """``tools/bench_models.py ops=true``: :func:`ops_report` for ``moh:dense`` model pairs built at ``img_size``
-    (operator counts do not depend on it), MoH layers on the masked path (``impl=auto`` on CUDA); prints the
-    table, and with ``out`` writes it and ``<out>.json``."""
+    (operator counts do not depend on it), MoH layers on the masked path (``impl=auto`` on CUDA), every call
+    under CPU autocast to ``dtype`` (``bfloat16``: as GPU runs train); prints the table, and with ``out`` writes
+    it and ``<out>.json``."""
     import json
     from pathlib import Path
 
-    from .benchmark import build_for_bench
+    from .benchmark import DTYPES, build_for_bench
 
     built = []
     for pair in pairs:
@@ -215,10 +245,10 @@ def bench_ops(pairs: Sequence[str], img_size: int = 64, attention: Optional[Dict
         built.append((build_for_bench(moh, img_size, "masked", torch.device("cpu"), attention),
                       build_for_bench(dense, img_size, "masked", torch.device("cpu")), f"{moh} vs {dense}"))
     layer_attention = {"name": "moh", "activation_ratio": 0.75, **(attention or {}), "impl": "masked"}
-    rows, table = ops_report(built, layer_attention, graphs=graphs)
+    rows, table = ops_report(built, layer_attention, graphs=graphs, dtype=DTYPES[dtype])
     print(table)
     if out:
         Path(out).write_text(table)
         Path(out).with_suffix(".json").write_text(json.dumps({"torch": torch.__version__, "img_size": img_size,
-                                                              "rows": rows}, indent=1))
+                                                              "dtype": dtype, "rows": rows}, indent=1))
     return rows

@@ -7,11 +7,13 @@ per-operator cost is most of the time. ``csrc/moh_routing.cpp`` does all of it p
 way (``torch.ops.moh_routing.route`` / ``route_backward``, registered with ``torch.library``): from the
 stacked routers' logits ``[..., L]`` it returns the gates ``[..., h]``, the routed softmax ``[..., R]``, the
 0/1 selection ``[..., R]``, the selected heads ``[..., k]`` and (training) the load-balance loss; its backward
-is the formulas' derivative written out. Equal to the formulas up to rounding (``tests/test_fused_routing.py``:
-values, selections, the loss and every gradient).
+is the formulas' derivative written out. Under autocast it reads the router GEMM's low-precision logits as they
+are and stores float32 gates, probabilities and selection (``float_out``), as autocast's float32 softmax gives
+them to the formulas on CUDA and as the Triton kernels do. Equal to the formulas up to rounding
+(``tests/test_fused_routing.py``: values, selections, the loss and every gradient).
 
-Where it runs: eager calls on CPU tensors (:meth:`MoH.uses_fused_routing`), and on CUDA tensors its Triton
-twin (:mod:`~moh_vision.attention.triton_routing`); tracers, exporters, ``torch.compile`` (whose own code
+Where it runs: eager calls on CPU tensors, in and out of autocast (:meth:`MoH.uses_fused_routing`), and on CUDA
+tensors its Triton twin (:mod:`~moh_vision.attention.triton_routing`); tracers, exporters, ``torch.compile`` (whose own code
 generation fuses the formulas) and ``torch.func`` see the formulas. The kernel is compiled on first use with
 the C++ compiler torch's extensions use (``torch.utils.cpp_extension``: g++ and ninja, about 30 s, once per
 machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without
@@ -36,6 +38,7 @@ log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "moh_routing.cpp"
 ENV_SWITCH = "MOH_VISION_FUSED_ROUTING"
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 _lock = threading.Lock()
 _loaded: Optional[bool] = None  # None: not tried yet; the build is per process, not per model
@@ -98,8 +101,8 @@ class _FusedRoute(torch.autograd.Function):
     # forward(ctx, ...) rather than setup_context: Function.apply binds a setup_context Function's arguments
     # with inspect.signature, ~50 us a call (more than the kernel); this Function never runs under torch.func
     @staticmethod
-    def forward(ctx, logits: Tensor, routed: int, shared: int, topk: int, with_loss: bool):
-        out = torch.ops.moh_routing.route(logits, routed, shared, topk, with_loss)
+    def forward(ctx, logits: Tensor, routed: int, shared: int, topk: int, with_loss: bool, float_out: bool):
+        out = torch.ops.moh_routing.route(logits, routed, shared, topk, with_loss, float_out)
         ctx.save_for_backward(logits, out[1], out[2])
         ctx.layout = (routed, shared, topk)
         ctx.mark_non_differentiable(out[1], out[2], out[3])
@@ -110,9 +113,9 @@ class _FusedRoute(torch.autograd.Function):
     def backward(ctx, grad_gates, _probs, _mask, _index, grad_loss):
         logits, probs, mask = ctx.saved_tensors
         if grad_gates is None:  # only the loss was used
-            grad_gates = logits.new_zeros(*logits.shape[:-1], sum(ctx.layout[:2]))
+            grad_gates = probs.new_zeros(*logits.shape[:-1], sum(ctx.layout[:2]))  # the gates' dtype
         grad = torch.ops.moh_routing.route_backward(grad_gates, grad_loss, logits, probs, mask, *ctx.layout)
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 def fused_route(logits: Tensor, routed: int, shared: int, topk: int, with_loss: bool) -> Routing:
@@ -121,11 +124,16 @@ def fused_route(logits: Tensor, routed: int, shared: int, topk: int, with_loss: 
     loss when ``with_loss``. Needs :func:`fused_routing_available`."""
     if logits.is_cuda:
         from .triton_routing import triton_route
-        gates, probs, mask, index, loss = triton_route(logits, routed, shared, topk, with_loss)
-    elif torch.is_grad_enabled() and logits.requires_grad:
-        gates, probs, mask, index, loss = _FusedRoute.apply(logits, routed, shared, topk, with_loss)
-    else:  # nothing to differentiate: the operator alone
-        gates, probs, mask, index, loss = torch.ops.moh_routing.route(logits, routed, shared, topk, with_loss)
+        out = triton_route(logits, routed, shared, topk, with_loss)
+    else:
+        # autocast's GEMM gives low-precision logits and its softmax (the formulas') float32 probabilities: the
+        # kernel reads the logits as they are and stores float32 gates, probabilities and selection, as the Triton
+        # kernels do (the same gates, selection and loss as the formulas, no cast of the logits)
+        float_out = logits.dtype in LOW_PRECISION and torch.is_autocast_enabled("cpu")
+        # the operator alone where there is nothing to differentiate
+        route = _FusedRoute.apply if torch.is_grad_enabled() and logits.requires_grad else torch.ops.moh_routing.route
+        out = route(logits, routed, shared, topk, with_loss, float_out)
+    gates, probs, mask, index, loss = out
     if topk == 0:  # nothing routed: no probabilities, no selected heads (as the formulas give it)
         probs = index = None
     return Routing(gates, probs, mask, index, loss if loss.dim() == 0 else None)

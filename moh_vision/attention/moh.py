@@ -77,7 +77,7 @@ Tensor = torch.Tensor
 # a traced proxy does not carry
 torch.fx.wrap("renormalised_topk_gates")
 
-MOH_IMPLS = ("auto", "masked", "sparse", "triton")
+MOH_IMPLS = ("auto", "masked", "sparse")
 SHARED_ESTIMATORS = ("ste", "gumbel")  # straight-through top-h_s; the same on Gumbel-perturbed scores
 LEARNED = "learned"
 
@@ -107,13 +107,11 @@ class MoH(SharedPlusTopK, RoutedMixin):
             ``"masked"`` computes every head and zeroes unselected ones (the official reference,
             any kernel); ``"sparse"`` computes queries, attention and output projection only for
             the selected (token, head) pairs (pure PyTorch, for kernels that declare a sparse
-            path: ``sdpa`` and TransNeXt's two, see :mod:`~moh_vision.attention.sparse`);
-            ``"triton"`` is ``sparse`` with a Triton attention kernel for the routed heads (``sdpa``;
-            CUDA, on CPU only under ``TRITON_INTERPRET=1``); ``"auto"`` picks per call from the
-            kernel's measured rule (``sdpa``: :func:`choose_impl`; TransNeXt: its own table), and runs
+            path: ``sdpa`` and TransNeXt's two, see :mod:`~moh_vision.attention.sparse`); ``"auto"`` picks
+            per call from the kernel's measured rule (``sdpa``: :func:`choose_impl`; TransNeXt: its own table), and runs
             masked under ``torch.compile``, ``torch.jit.trace``, the ONNX exporters, ``torch.export``,
             ``torch.fx`` and ``torch.func`` transforms (:mod:`~moh_vision.attention.tracing`); an explicit
-            ``sparse``/``triton`` refuses under those that would freeze its dispatch.
+            ``sparse`` refuses under those that would freeze its dispatch.
         learn_shared_steps: with ``shared_heads="learned"``: optimizer steps of warm-up before the
             shared heads are frozen (0: frozen at once, on the initial partition = the first ``h_s``
             heads). Ignored otherwise.
@@ -152,13 +150,10 @@ class MoH(SharedPlusTopK, RoutedMixin):
         if shared_estimator not in SHARED_ESTIMATORS:
             raise ConfigError(f"shared_estimator '{shared_estimator}' is unknown; allowed: {', '.join(SHARED_ESTIMATORS)}")
         self.impl = impl
-        if impl in ("sparse", "triton") and impl not in getattr(sparse_support(self), "impls", ()):
+        if impl == "sparse" and impl not in getattr(sparse_support(self), "impls", ()):
             supported = ", ".join(kernels_supporting(impl))
             raise ConfigError(f"MoH impl '{impl}' supports kernel(s) {supported}, not "
                               f"'{self.kernel_name}'; use impl=auto or impl=masked")
-        if impl == "triton" and self.attn_drop > 0:
-            raise ConfigError(f"MoH impl 'triton' has no attention dropout (attn_drop={self.attn_drop}); "
-                              "use impl=sparse or impl=auto")
         if topk is not None:  # explicit counts win over the ratio policy
             activation_ratio = None
         self.shared_heads, self.topk = resolve_moh_heads(self.num_heads, shared_heads, topk, activation_ratio)
@@ -335,9 +330,10 @@ class MoH(SharedPlusTopK, RoutedMixin):
         """The weights of the routers that exist (``wg``, ``wg_0``, ``wg_1``, in that order) when :meth:`route`
         runs the compiled kernels on ``x`` (:mod:`~moh_vision.attention.fused_routing`: the same gates, loss and
         gradients in one operator each way), else None: eager calls with plain routers (bias-free
-        ``nn.Linear`` without hooks), on CPU tensors of the routers' dtype outside autocast, on CUDA tensors
-        when Triton is installed (routed layers); ``MOH_VISION_FUSED_ROUTING=0`` turns both off. Tracers,
-        exporters, ``torch.compile`` and ``torch.func`` transforms see the formulas written out."""
+        ``nn.Linear`` without hooks), on CPU tensors of the routers' dtype, on CUDA tensors when Triton is
+        installed (routed layers), in and out of autocast alike (:func:`fused_route` reads autocast's
+        low-precision logits and gives float32 gates, as autocast's float32 softmax does on CUDA);
+        ``MOH_VISION_FUSED_ROUTING=0`` turns both off. Tracers, exporters, ``torch.compile`` and ``torch.func`` transforms see the formulas written out."""
         # every forward asks this, and on a small input its host time is a visible part of the layer's call
         # (docs/performance.md): the cheap questions first, the module's own dicts read directly
         if torch.compiler.is_compiling() or isinstance(x, torch.fx.Proxy) or self.learned_shared:
@@ -352,9 +348,8 @@ class MoH(SharedPlusTopK, RoutedMixin):
             weights.append(router._parameters["weight"])
         if not weights:  # one head: nothing to route
             return None
-        if x.is_cpu:  # the C++ kernel: the input's dtype, no autocast
-            usable = (fused_routing_available() and x.dtype == weights[0].dtype
-                      and not torch.is_autocast_enabled("cpu"))
+        if x.is_cpu:  # the C++ kernel: the routers' dtype (under autocast it reads the GEMM's bf16 logits)
+            usable = fused_routing_available() and x.dtype == weights[0].dtype
         else:  # the Triton kernels
             usable = x.is_cuda and fused_routing_available("cuda", self.topk)
         return weights if usable and active_tracer(x) is None else None
@@ -385,16 +380,12 @@ class MoH(SharedPlusTopK, RoutedMixin):
         impl = self.execution_path(x, route)
         if impl == "masked":
             return self.output(self.heads(x), route.gates)
-        routed_attention = None
-        if impl == "triton":
-            from .triton_moh import triton_routed_attention  # imports triton only when asked for
-            routed_attention = triton_routed_attention()
         # learned shared heads: the sparse drivers take the head order "shared heads first"
         order = route.order if self.learned_shared else None
-        return sparse_forward(self, x, route.gates, route.index, order, routed_attention)
+        return sparse_forward(self, x, route.gates, route.index, order)
 
     def execution_path(self, x: Tensor, route: Optional[Route] = None) -> str:
-        """The path this call runs: ``masked``, ``sparse`` or ``triton`` (resolves ``auto``)."""
+        """The path this call runs: ``masked`` or ``sparse`` (resolves ``auto``)."""
         path = self._requested_path(x)
         if path != "masked" and self.learned_shared and self.training:
             frozen = bool(self.shared_frozen) if route is None or route.frozen is None else route.frozen
@@ -409,8 +400,8 @@ class MoH(SharedPlusTopK, RoutedMixin):
             return "masked"
         tracer = active_tracer(x)
         if self.impl != "auto":
-            # triton's attention Function has no torch.func support; sparse's Functions have
-            if freezes_dispatch(tracer, func_grad=self.impl == "sparse"):
+            # sparse's Functions support torch.func's grad
+            if freezes_dispatch(tracer, func_grad=True):
                 refuse_data_dependent("MoH", self.impl, tracer)
             return self.impl
         if tracer is not None:

@@ -25,8 +25,7 @@ Packing (:func:`build_dispatch`): every selected (token, routed head) pair is on
 work on these rows exactly. Only the routed SDPA needs a rectangular batch: it pads each head's
 rows to ``[B, L_e]`` (``L_e``: the longest list of that head over the batch; or, in one call
 for all heads, to the longest list of any head, see :func:`one_call_for_all_heads`) with a cheap
-``d``-wide gather and drops the padding again afterwards (:func:`padded_layout`). The Triton
-kernel needs no padding at all.
+``d``-wide gather and drops the padding again afterwards (:func:`padded_layout`).
 
 Gradients are ordinary autograd except for two small ``autograd.Function``\\ s that gather
 inputs / scatter outputs head by head, a chunk of rows at a time, through one reused scratch buffer
@@ -37,15 +36,15 @@ kept for backward) and adds into the shared heads' output in place.
 Outputs and gradients (router weights and input included) are those of the masked path up to
 float summation order.
 
-``routed_attention`` is the one step a faster kernel can replace (``triton_moh`` does, on CUDA):
-it receives the packed queries, the routed heads' keys/values and the :class:`Dispatch`.
+``routed_attention`` is the one step a faster kernel can replace: it receives the packed queries, the
+routed heads' keys/values and the :class:`Dispatch` (a Triton kernel did, on CUDA, until it measured slower
+than the masked path everywhere on an H100 and was removed: ``moh_vision/attention/triton_moh.py``).
 
 Which kernels can run sparse (:func:`sparse_support`)
 -----------------------------------------------------
 A kernel declares it with a class attribute ``sparse_moh = SparseSupport(...)`` in its own class
 body; it is not inherited by a subclass registered as another kernel (whose math may differ).
-``sdpa`` runs the driver above (:func:`sparse_moh_forward`, over its ``qkv``/``proj`` layout, with a
-Triton option). Any other kernel that declares support runs the generic driver
+``sdpa`` runs the driver above (:func:`sparse_moh_forward`, over its ``qkv``/``proj`` layout). Any other kernel that declares support runs the generic driver
 :func:`sparse_kernel_forward` and owns its math through three methods:
 
 * ``sparse_context(x) -> (query_weight [h*d, C], query_bias, keys)``: its query projection (rows
@@ -855,8 +854,7 @@ def _sdpa_auto(m, x: Tensor) -> str:
 
 
 # ``sdpa``'s declaration lives here because this module is its driver (kernels.py cannot import it)
-BUILTIN_SPARSE_SUPPORT = {DotProductAttention: SparseSupport(impls=("sparse", "triton"), forward=_sdpa_forward,
-                                                             auto=_sdpa_auto)}
+BUILTIN_SPARSE_SUPPORT = {DotProductAttention: SparseSupport(forward=_sdpa_forward, auto=_sdpa_auto)}
 
 
 def sparse_forward(m, x: Tensor, gates: Tensor, index: Tensor, order: Optional[Tensor] = None,

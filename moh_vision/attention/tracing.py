@@ -7,7 +7,7 @@ into its graph and give another input a wrong result, and ``torch.func.vmap`` ca
 any of them:
 
 * ``impl="auto"`` runs the reference (masked) path, as it does under ``torch.compile``;
-* an explicit ``impl="sparse"`` / ``"triton"`` refuses with one line (:func:`refuse_data_dependent`), except
+* an explicit ``impl="sparse"`` refuses with one line (:func:`refuse_data_dependent`), except
   under ``torch.compile`` (which graph-breaks around the dispatch instead of freezing it) and
   ``torch.func.grad`` / ``vjp`` / ``jacrev`` (autograd transforms evaluate the real input: the custom
   autograd Functions support them);
