@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from helpers import FAST_TRAIN, REPO, load_tool, read_summary, run_entry
+from moh_vision.engine.costs import MEASURED
 
 COPY = "zz_test_moh_copy"  # discovered like any module of the package
 RATIO = 0.5
@@ -83,8 +84,8 @@ def sweep(project_copy, copied_variant, tmp_path_factory):
     return root, jobs
 
 
-VARIANT_FREE = ("attention", "activation_ratio", "checkpoint", "wall_time_s", "train_time_s", "images_per_sec",
-                "compile_time_s")
+VARIANT_FREE = ("attention", "activation_ratio", "checkpoint", "wall_time_s", "train_time_s", "compile_time_s",
+                *MEASURED)
 
 
 def test_copy_trains_exactly_like_moh(sweep, copied_variant):

@@ -2,6 +2,7 @@
 import json
 import subprocess
 
+import pytest
 import torch
 
 from helpers import REPO, load_tool
@@ -123,3 +124,21 @@ def test_gpu_checks_script_parses_and_names_its_parts():
     text = script.read_text()
     assert all(f"*,{part},*" in text for part in ("tests", "attention", "models", "routing", "train", "backbones"))
 
+
+def test_bench_data_quick_times_both_loaders_on_a_generated_tree(tmp_path, capsys):
+    """``tools/bench_data.py quick=true``: a tiny JPEG tree, this project's loaders and timm's, one interleaved
+    round; the table and its JSON record. A tree that exists is read, not written to."""
+    record = load_tool("bench_data").main(["quick=true", f"root={tmp_path / 'tree'}", f"out={tmp_path / 'd.md'}"])
+    assert [(r["split"], r["workers"]) for r in record["rows"]] == [("train", 0), ("val", 0)]
+    assert record["tree"] == {"classes": 2, "train_images": 16, "val_images": 8,
+                              "mean_jpeg_bytes": record["tree"]["mean_jpeg_bytes"]}
+    for row in record["rows"]:
+        assert row["images"] == (16 if row["split"] == "train" else 8)
+        assert row["moh_vision"]["median"] > 0 and row["timm"]["median"] > 0
+        assert row["moh_vision_over_timm"]["median"] == pytest.approx(row["moh_vision"]["median"] / row["timm"]["median"])
+    assert "| train | 0 (in-process) | 16 |" in (tmp_path / "d.md").read_text()
+    assert json.loads((tmp_path / "d.json").read_text())["rows"] == record["rows"]
+    assert "timm" in capsys.readouterr().out
+    files = sorted((tmp_path / "tree").rglob("*.JPEG"))
+    load_tool("bench_data").main(["quick=true", f"root={tmp_path / 'tree'}", "splits=val"])
+    assert sorted((tmp_path / "tree").rglob("*.JPEG")) == files

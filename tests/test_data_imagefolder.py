@@ -136,6 +136,33 @@ def test_posterize_at_top_magnitude_gives_a_black_image_with_any_pillow():
 
 
 @pytest.mark.parametrize("in_chans,mode", [(3, "RGB"), (1, "L")])
+def test_tensor_conversion_gives_timms_values_bit_for_bit(in_chans, mode):
+    """The recipe's transforms convert and normalise in one step (ToNormalizedTensor) with exactly the values
+    of timm's MaybeToTensor + Normalize, for the same random draws."""
+    import random
+
+    from timm.data import create_transform
+
+    from moh_vision.data.transforms import normalization_for, use_safe_posterize
+    mean, std = normalization_for(in_chans)
+    timms = {"train": create_transform(input_size=32, is_training=True, auto_augment="rand-m9-mstd0.5-inc1",
+                                       interpolation="bicubic", mean=mean, std=std, re_prob=0.25, re_mode="pixel"),
+             "eval": create_transform(input_size=32, interpolation="bicubic", crop_pct=0.875, mean=mean, std=std)}
+    use_safe_posterize(timms["train"])
+    ours = {"train": build_train_transform(32, in_chans=in_chans), "eval": build_eval_transform(32, in_chans=in_chans)}
+    assert "ToNormalizedTensor" in [type(t).__name__ for t in ours["train"].transforms]
+    rng = np.random.default_rng(0)
+    for i in range(40):
+        img = Image.fromarray(rng.integers(0, 256, (45, 61, 3), dtype=np.uint8)).convert(mode)
+        for split in ("train", "eval"):
+            outs = []
+            for transform in (ours[split], timms[split]):
+                random.seed(i), np.random.seed(i), torch.manual_seed(i)
+                outs.append(transform(img))
+            assert outs[0].dtype == torch.float32 and torch.equal(*outs), (split, i)
+
+
+@pytest.mark.parametrize("in_chans,mode", [(3, "RGB"), (1, "L")])
 def test_recipe_train_transform_survives_thousands_of_images(in_chans, mode):
     """rand-m9-mstd0.5-inc1 reaches posterize-to-0-bits about once in 700 images: push 3000 through."""
     import random

@@ -21,6 +21,7 @@ from PIL import Image
 from helpers import ATTENTION_PRESET, model_config, trainer_config
 from moh_vision import checkpoints as ckpt_io
 from moh_vision.config import ConstantSched, OptimConfig
+from moh_vision.engine.costs import MEASURED
 from moh_vision.engine.distributed import DistInfo
 from moh_vision.engine.loggers import Loggers
 from moh_vision.engine.trainer import Preempted, Trainer
@@ -38,7 +39,7 @@ LOCK_NAME = ".run.lock"
 def epoch_rows(out_dir: Path):
     """metrics.csv's epoch rows (those with validation), without the wall-clock columns."""
     rows = [r for r in csv.DictReader(open(out_dir / "metrics.csv")) if r.get("val/acc1")]
-    return [{k: v for k, v in r.items() if "per_sec" not in k} for r in rows]
+    return [{k: v for k, v in r.items() if k.rpartition("/")[2] not in MEASURED} for r in rows]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -103,6 +103,10 @@ def test_ddp_two_process_gloo(tmp_path):
     assert summary["steps"] == 2
     assert summary["val/count"] == 359, "validation metrics are all-reduced over both ranks"
     assert (tmp_path / "checkpoints" / "last.pt").is_file()
+    # the slowest rank's times (one all-reduce per window, per epoch and for the summary)
+    assert 0 <= summary["data_wait_ms"] <= summary["step_ms"] and summary["peak_memory_mb"] > 0
+    windows = [r for r in csv.DictReader(open(tmp_path / "metrics.csv")) if r.get("train/loss")]
+    assert len(windows) == 2 and all(0 <= float(r["train/data_wait_ms"]) <= float(r["train/step_ms"]) for r in windows)
 
 
 def _image_tree(root, classes=3, per_class=6, size=(40, 36)):
@@ -234,7 +238,7 @@ class _SlowFirstCall(torch.nn.Module):
 def test_images_per_sec_leaves_out_compilation(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from moh_vision.engine import trainer as trainer_module
+    from moh_vision.engine import costs
 
     class Clock:  # every reading advances 1 ms: the result does not depend on how busy the machine is
         now = 1000.0
@@ -244,7 +248,7 @@ def test_images_per_sec_leaves_out_compilation(tmp_path, monkeypatch):
             return self.now
 
     clock = Clock()
-    monkeypatch.setattr(trainer_module, "time", SimpleNamespace(time=clock.time))
+    monkeypatch.setattr(costs, "time", SimpleNamespace(perf_counter=clock.time))
     modes = []
     monkeypatch.setattr(torch, "compile", lambda model, mode="default", **_: modes.append(mode) or
                         _SlowFirstCall(model, clock))

@@ -13,7 +13,7 @@ from helpers import ATTENTION_PRESET, model_config, read_summary, trainer_config
 from moh_vision.config import ConstantSched, OptimConfig
 from moh_vision.data.digits import DigitsData
 from moh_vision.data.sampler import SeededItems
-from moh_vision.engine import bookkeeping, fit_setup, preemption, trainer as trainer_module
+from moh_vision.engine import bookkeeping, costs, fit_setup, preemption, trainer as trainer_module
 from moh_vision.engine.distributed import DistInfo
 from moh_vision.engine.loggers import Loggers
 from moh_vision.tasks.protocols import DATA_CAPABILITIES, Data, EpochContext, Task, capability
@@ -21,7 +21,7 @@ from moh_vision.engine.trainer import Trainer
 from moh_vision.tasks.classification import ClassificationTask
 from moh_vision.tasks.diffusion import DiffusionTask
 
-ENGINE_MODULES = (trainer_module, bookkeeping, fit_setup, preemption)
+ENGINE_MODULES = (trainer_module, bookkeeping, costs, fit_setup, preemption)
 
 
 def _self_assignments(function: ast.AST):
@@ -45,7 +45,8 @@ def _self_assignments(function: ast.AST):
 
 
 def test_no_attribute_is_created_outside_init():
-    """Trainer and its collaborators: every attribute a method sets was set in ``__init__`` first."""
+    """Trainer and its collaborators: every attribute a method sets was set in ``__init__`` first (a
+    dataclass's ``__init__`` sets its fields)."""
     found = []
     for module in ENGINE_MODULES:
         for cls in ast.walk(ast.parse(inspect.getsource(module))):
@@ -53,6 +54,8 @@ def test_no_attribute_is_created_outside_init():
                 continue
             methods = [f for f in cls.body if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))]
             declared = {a for f in methods if f.name == "__init__" for a, _ in _self_assignments(f)}
+            if any("dataclass" in ast.unparse(d) for d in cls.decorator_list):
+                declared |= {f.target.id for f in cls.body if isinstance(f, ast.AnnAssign)}
             found += [f"{module.__name__}.{cls.name}.{f.name} sets self.{attr} (line {line})"
                       for f in methods if f.name != "__init__"
                       for attr, line in _self_assignments(f) if attr not in declared]
@@ -149,7 +152,8 @@ def test_fit_writes_summary_checkpoint_and_gives_tasks_an_epoch_context(tmp_path
                           "model_name", "wandb_run_id", "model_ema", "ema_updates"}
     assert state["step"] == summary["steps"] and state["epoch"] == 2 and state["batch_in_epoch"] == 0
     assert state["ema_updates"] == summary["steps"]
-    assert set(state["throughput"]) == {"time", "samples", "steps", "warmup_time", "warmup_samples", "warmup_steps"}
+    assert set(state["throughput"]) == {"time", "samples", "steps", "data_wait", "warmup_time", "warmup_samples",
+                                        "warmup_steps", "warmup_data_wait", "peak_memory_mb"}
     assert state["skipped_files"] == {"train": {}, "val": {}}
     assert (tmp_path / "checkpoints" / "best.pt").is_file() and (tmp_path / "config.yaml").is_file()
     assert (tmp_path / "metrics.csv").read_text().count("\n") > 2
@@ -160,3 +164,46 @@ def test_fit_writes_summary_checkpoint_and_gives_tasks_an_epoch_context(tmp_path
                         ema={"enabled": True, "warmup": True})
     assert rerun.steps_at_start == rerun.step == summary["steps"] and rerun_task.contexts == []
     assert again == read_summary(tmp_path)
+
+
+def test_a_fit_says_where_its_time_goes(tmp_path, caplog):
+    """Data wait, step time, TFLOP/s and peak memory in every window, epoch, summary.json and the console;
+    consistent (data wait <= step time, TFLOP/s = training FLOPs x images/s); utilisation absent on a CPU."""
+    import csv
+    import logging
+
+    torch.set_num_threads(1)
+    with caplog.at_level(logging.INFO, logger="moh_vision.engine.trainer"):
+        _, summary = _fit(tmp_path, ClassificationTask(model_config("plain_vit_nano"), ATTENTION_PRESET),
+                          DigitsData(img_size=16), max_steps=3, count_flops=True)
+    assert summary["train_gflops_per_image"] == pytest.approx(6 * summary["active_gflops"])
+    assert 0 <= summary["data_wait_ms"] <= summary["step_ms"]
+    assert summary["data_wait_share"] == pytest.approx(summary["data_wait_ms"] / summary["step_ms"])
+    assert summary["tflops"] == pytest.approx(summary["train_gflops_per_image"] * summary["images_per_sec"] / 1e3)
+    assert summary["peak_memory_mb"] > 0 and "ru_maxrss" in summary["peak_memory_source"]
+    assert summary["device"].startswith("cpu") and summary["precision"] == "fp32"
+    assert "utilisation" not in summary and "device_peak_tflops" not in summary, "no peak is known for a CPU"
+
+    rows = list(csv.DictReader(open(tmp_path / "metrics.csv")))
+    windows = [r for r in rows if r.get("train/loss")]
+    assert len(windows) == 3
+    for r in windows:
+        assert 0 <= float(r["train/data_wait_ms"]) <= float(r["train/step_ms"])
+        assert float(r["train/tflops"]) == pytest.approx(
+            summary["train_gflops_per_image"] * float(r["train/images_per_sec"]) / 1e3)
+    epoch = next(r for r in rows if r.get("val/acc1"))
+    assert float(epoch["epoch/peak_memory_mb"]) > 0 and float(epoch["epoch/step_ms"]) > 0
+    assert float(epoch["epoch/tflops"]) > 0
+
+    console = caplog.text
+    assert "epoch 0 time: step" in console and "where the time went: step" in console
+    for words in ("data wait", "TFLOP/s (no device peak: utilisation not reported)", "peak memory", "costs: "):
+        assert words in console, words
+
+
+def test_without_a_flop_count_the_rates_have_no_tflops(tmp_path):
+    torch.set_num_threads(1)
+    _, summary = _fit(tmp_path, ClassificationTask(model_config("plain_vit_nano"), ATTENTION_PRESET),
+                      DigitsData(img_size=16), max_steps=1)
+    assert summary["step_ms"] > 0 and "peak_memory_mb" in summary
+    assert not any("tflops" in key or "utilisation" in key or "gflops" in key for key in summary)

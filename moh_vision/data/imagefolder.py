@@ -19,7 +19,7 @@ step. ``skipped`` is an int (a :class:`SkippedImages`) that also names the dropp
 (``(path, reason)`` pairs); it pickles, so it survives DataLoader worker processes. The trainer counts
 distinct files from it (an unreadable file is met again every epoch) and names them in ``train.log``.
 Each unreadable file is also logged once per process (the main
-process with ``num_workers=0``, else each worker; non-persistent workers start afresh every epoch) with
+process with ``num_workers=0``, else each worker; the trainer's workers live for the whole run) with
 a warning on ``logging.getLogger("moh_vision.data.imagefolder")``. ``on_bad_image="raise"`` raises
 ``BadImageError`` naming the file instead.
 

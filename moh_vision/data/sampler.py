@@ -1,9 +1,15 @@
-"""Samplers whose order is a pure function of (seed, epoch), so a run can resume mid-epoch exactly."""
+"""Samplers whose order is a pure function of (seed, epoch), so a run can resume mid-epoch exactly, and the
+options of the loaders over them (:func:`loader_options`).
+
+Loader workers live for the whole run (``persistent_workers``): each item's augmentation seed comes from
+the ``(epoch, index)`` key the main process hands over with it (``EpochKeys``), not from state that the
+main process changes between epochs, which a worker started in an earlier epoch would not see.
+"""
 from __future__ import annotations
 
 import math
 import random
-from typing import Any, Iterator, List
+from typing import Any, Dict, Iterator, List, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -54,12 +60,45 @@ class EpochSampler(Sampler[int]):
         return max(0, self.per_rank - self.start)
 
 
+class EpochKeys(Sampler[Tuple[int, int]]):
+    """``sampler``'s indices as ``(epoch, index)`` keys for :class:`SeededItems`: the epoch travels with every
+    index to the loader's workers, so workers kept across epochs draw the new epoch's augmentation."""
+
+    def __init__(self, sampler: EpochSampler):
+        self.sampler = sampler
+
+    def __iter__(self) -> Iterator[Tuple[int, int]]:
+        epoch = self.sampler.epoch  # read when the epoch's iteration starts, in the main process
+        return ((epoch, index) for index in self.sampler)
+
+    def __len__(self) -> int:
+        return len(self.sampler)
+
+
+class HeldIndices(Sampler[int]):
+    """A fixed order of indices (validation) that ``held`` empties: a loader opened over it while held starts
+    its workers with nothing to fetch (``moh_vision.engine.fit_setup.Loaders.start_workers``)."""
+
+    def __init__(self, indices: Sequence[int]):
+        self.indices, self.held = list(indices), False
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(() if self.held else self.indices)
+
+    def __len__(self) -> int:
+        return 0 if self.held else len(self.indices)
+
+
+Key = Union[int, Tuple[int, int]]  # an index (of the current ``epoch``) or an (epoch, index) key
+
+
 class SeededItems(Dataset):
     """Wraps a dataset so each item's random augmentation depends only on (seed, epoch, index).
 
     DataLoader workers draw from their own RNG streams, which shift when a run resumes
     mid-epoch; seeding python/numpy/torch per item makes augmentation independent of which
-    worker loads an item and of where the run restarted.
+    worker loads an item and of where the run restarted. Items are asked for by index (in the
+    epoch set on ``epoch``) or by ``(epoch, index)`` key (:class:`EpochKeys`).
     """
 
     def __init__(self, dataset: Dataset, seed: int = 0):
@@ -68,20 +107,24 @@ class SeededItems(Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def item_seed(self, index: int) -> int:
-        return (self.seed * 1_000_003 + self.epoch * 9_973 + int(index) * 7) % (2**31 - 1)
+    def _epoch_and_index(self, key: Key) -> Tuple[int, int]:
+        return (int(key[0]), int(key[1])) if isinstance(key, (tuple, list)) else (self.epoch, int(key))
 
-    def __getitems__(self, indices: List[int]) -> List[Any]:
+    def item_seed(self, key: Key) -> int:
+        epoch, index = self._epoch_and_index(key)
+        return (self.seed * 1_000_003 + epoch * 9_973 + index * 7) % (2**31 - 1)
+
+    def __getitems__(self, keys: Sequence[Key]) -> List[Any]:
         """A batch (the DataLoader asks for one at a time): in one call where the dataset can draw each item's
         augmentation from its own seed (``seeded_items(indices, seeds)``, torch's CPU generator only), else
         item by item."""
         batched = getattr(self.dataset, "seeded_items", None)
         if batched is None:
-            return [self[index] for index in indices]
-        return batched(indices, [self.item_seed(index) for index in indices])
+            return [self[key] for key in keys]
+        return batched([self._epoch_and_index(key)[1] for key in keys], [self.item_seed(key) for key in keys])
 
-    def __getitem__(self, index: int) -> Any:
-        item_seed = self.item_seed(index)
+    def __getitem__(self, key: Key) -> Any:
+        item_seed, index = self.item_seed(key), self._epoch_and_index(key)[1]
         in_main_process = torch.utils.data.get_worker_info() is None
         if in_main_process:  # leave the training loop's RNG streams untouched
             saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
@@ -102,3 +145,12 @@ class SeededItems(Dataset):
         if name == "dataset":
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+
+def loader_options(num_workers: int, pin_memory: bool) -> Dict[str, Any]:
+    """The DataLoader options of the trainer's loaders (and of the loader benchmark's). Workers are forked
+    (the dataset is not pickled) and kept for the whole run: no start-up at every epoch and validation.
+    Each loader gets its own generator: making a loader iterator draws a base seed, which must not come
+    from the global RNG, or a run resumed mid-epoch would diverge from an uninterrupted one."""
+    return dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
+                multiprocessing_context="fork" if num_workers > 0 else None, generator=torch.Generator())

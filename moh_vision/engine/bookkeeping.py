@@ -1,19 +1,21 @@
 """The trainer's running records, each saved in checkpoints so a resumed run reports as an
 uninterrupted one: epoch meters (``EpochMeters``), throughput (``Throughput``) and unreadable
-images (``SkippedFiles``); and the routing files written at the end of an epoch.
+images (``SkippedFiles``); and the routing files written at the end of an epoch. Step times are
+``costs.StepTimes``.
 """
 from __future__ import annotations
 
 import json
 import logging
 import math
-import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
 import torch
 
 from moh_vision.analysis.routing_stats import RoutingMeter
+from .costs import StepTimes
 from .distributed import DistInfo, all_reduce_sum, reduce_sums
 from .loggers import Loggers
 
@@ -22,7 +24,8 @@ log = logging.getLogger(__name__)
 
 class EpochMeters:
     """Sample-weighted sums of this epoch's training outputs on this rank (``loss``, ``ce``, ``aux``,
-    every ``log/<name>``, and ``count``), and its routing statistics. A new epoch gets new meters."""
+    every ``log/<name>``, and ``count``), its routing statistics and its step times (``times``). A new
+    epoch gets new meters."""
 
     def __init__(self, state: Optional[Mapping[str, Any]] = None):
         """Empty meters, or those of a checkpoint's ``meters`` entry (a mid-epoch resume)."""
@@ -30,9 +33,10 @@ class EpochMeters:
         self.sums: Dict[str, float] = {"loss": 0.0, "count": 0.0, **(state.get("sums") or {})}
         self.routing = RoutingMeter()
         self.routing.load_state_dict(state.get("routing") or {})
+        self.times = StepTimes(**(state.get("times") or {}))
 
     def state_dict(self) -> Dict[str, Any]:
-        return {"sums": dict(self.sums), "routing": self.routing.state_dict()}
+        return {"sums": dict(self.sums), "routing": self.routing.state_dict(), "times": asdict(self.times)}
 
     def add(self, out: Mapping[str, Any]) -> None:
         """One training step's loss dict (see ``Task.training_step``)."""
@@ -58,9 +62,9 @@ class EpochMeters:
 class StepWindow:
     """What one per-step log row averages over the optimizer steps since the previous row:
     ``train/loss`` and its parts (``train/ce``, ``train/aux``), the gradient norm before clipping
-    (``train/grad_norm``), the routers' mean entropy over routed layers (``train/router_entropy``,
-    nats) and images/s. Routing trouble shows here within tens of steps, not at the end of an epoch.
-    A new row starts a new window."""
+    (``train/grad_norm``) and the routers' mean entropy over routed layers (``train/router_entropy``,
+    nats); ``times`` are the window's step times (the row's rates: ``RunCosts.rates``). Routing trouble
+    shows here within tens of steps, not at the end of an epoch. A new row starts a new window."""
 
     PARTS = ("ce", "aux")
 
@@ -68,16 +72,14 @@ class StepWindow:
         self.sums: Dict[str, float] = {}
         self.counts: Dict[str, int] = {}
         self.steps = 0
-        self.samples = 0
-        self.start = time.time()
+        self.times = StepTimes()
 
     def _add(self, key: str, value: float) -> None:
         self.sums[key] = self.sums.get(key, 0.0) + value
         self.counts[key] = self.counts.get(key, 0) + 1
 
-    def add(self, out: Mapping[str, Any], grad_norm: Optional[float], samples: int) -> None:
+    def add(self, out: Mapping[str, Any], grad_norm: Optional[float]) -> None:
         """One optimizer step: its last micro-batch's loss dict and the gradient norm (None: not stepped)."""
-        self.samples += samples
         if grad_norm is None:
             return
         self.steps += 1
@@ -93,20 +95,18 @@ class StepWindow:
             self._add("router_entropy", sum(entropies) / len(entropies))
 
     def row(self) -> Dict[str, float]:
-        elapsed = max(time.time() - self.start, 1e-9)
-        row = {f"train/{key}": self.sums[key] / self.counts[key] for key in self.sums}
-        row["train/images_per_sec"] = self.samples / elapsed
-        return row
+        return {f"train/{key}": self.sums[key] / self.counts[key] for key in self.sums}
 
 
 class Throughput:
-    """Training time and images over the whole run. The first ``warmup_steps`` optimizer steps of every
-    process (torch.compile, allocator and cudnn warm-up) are counted apart, out of ``images_per_sec``."""
+    """Training time, data wait and images over the whole run, and its peak memory. The first
+    ``warmup_steps`` optimizer steps of every process (torch.compile, allocator and cudnn warm-up) are
+    counted apart, out of ``images_per_sec`` and the summary's rates (:meth:`steady`)."""
 
     def __init__(self, warmup_steps: int):
         self.warmup_steps = warmup_steps
-        self.record = {"time": 0.0, "samples": 0, "steps": 0, "warmup_time": 0.0, "warmup_samples": 0,
-                       "warmup_steps": 0}
+        self.record = {"time": 0.0, "samples": 0, "steps": 0, "data_wait": 0.0, "warmup_time": 0.0,
+                       "warmup_samples": 0, "warmup_steps": 0, "warmup_data_wait": 0.0, "peak_memory_mb": None}
         self.steps_this_process = 0
 
     def state_dict(self) -> Dict[str, Any]:
@@ -115,22 +115,29 @@ class Throughput:
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         self.record.update(state)
 
-    def count(self, seconds: float, samples: int) -> None:
-        """One optimizer step's time and images (all ranks)."""
+    def count(self, seconds: float, samples: int, data_wait: float = 0.0) -> None:
+        """One optimizer step's time, images (all ranks) and time blocked on the loader."""
         prefix = "warmup_" if self.steps_this_process < self.warmup_steps else ""
         self.record[prefix + "time"] += seconds
         self.record[prefix + "samples"] += samples
         self.record[prefix + "steps"] += 1
+        self.record[prefix + "data_wait"] += data_wait
         self.steps_this_process += 1
 
-    def images_per_sec(self) -> float:
-        """After the warm-up; a run too short for any step after it counts the warm-up steps."""
+    def note_peak_memory(self, mb: float) -> None:
+        previous = self.record["peak_memory_mb"]
+        self.record["peak_memory_mb"] = mb if previous is None else max(previous, mb)
+
+    def steady(self) -> StepTimes:
+        """The steps after the warm-up; a run too short for any step after it: the warm-up steps."""
         tp = self.record
-        if tp["steps"]:
-            return tp["samples"] / max(tp["time"], 1e-9)
-        if tp["warmup_steps"]:
-            return tp["warmup_samples"] / max(tp["warmup_time"], 1e-9)
-        return float("nan")
+        prefix = "" if tp["steps"] or not tp["warmup_steps"] else "warmup_"
+        return StepTimes(tp[prefix + "time"], tp[prefix + "data_wait"], tp[prefix + "steps"], tp[prefix + "samples"])
+
+    def images_per_sec(self) -> float:
+        """After the warm-up (:meth:`steady`); NaN before any step."""
+        times = self.steady()
+        return times.samples / max(times.seconds, 1e-9) if times.steps else float("nan")
 
     def train_time(self) -> float:
         return self.record["time"] + self.record["warmup_time"]

@@ -71,11 +71,20 @@ def barrier(info: DistInfo) -> None:
         dist.barrier()
 
 
-def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, info: DistInfo, op: str) -> torch.Tensor:
     if info.enabled:
         t = t.clone()
-        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        dist.all_reduce(t, op=getattr(dist.ReduceOp, op))
     return t
+
+
+def all_reduce_sum(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    return _all_reduce(t, info, "SUM")
+
+
+def all_reduce_max(t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    """The largest value over ranks, element-wise (the slowest rank's times)."""
+    return _all_reduce(t, info, "MAX")
 
 
 def broadcast_object(obj: Any, info: DistInfo, src: int = 0) -> Any:

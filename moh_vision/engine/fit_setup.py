@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader
 
-from moh_vision.data.sampler import EpochSampler, SeededItems
+from moh_vision.data.sampler import EpochKeys, EpochSampler, HeldIndices, SeededItems, loader_options
 from moh_vision.errors import ConfigError
 from moh_vision.tasks.protocols import Data, Task
 from .distributed import DistInfo
@@ -58,14 +58,15 @@ class Loaders:
     """This rank's training and validation loaders, and the epoch arithmetic they fix.
 
     The training order is a pure function of (seed, epoch) (``EpochSampler``), and each item's
-    augmentation of (seed, epoch, index) (``SeededItems``): ``start_epoch`` positions both, so an
-    epoch can restart at any batch.
+    augmentation of (seed, epoch, index) (``SeededItems``, the epoch handed to the workers with each
+    index: ``EpochKeys``): ``start_epoch`` positions both, so an epoch can restart at any batch.
     """
 
     train: DataLoader
     val: DataLoader
     items: SeededItems
     sampler: EpochSampler
+    val_indices: HeldIndices
     per_rank_batch: int
     accum: int
     steps_per_epoch: int  # optimizer steps
@@ -73,6 +74,18 @@ class Loaders:
     def start_epoch(self, epoch: int, batch_in_epoch: int) -> None:
         self.items.epoch = epoch
         self.sampler.set_epoch(epoch, start=batch_in_epoch * self.per_rank_batch)
+
+    def start_workers(self) -> None:
+        """Fork the validation loader's workers now, before the first training step, with nothing to fetch.
+        A fork makes this process copy every memory page it writes next (copy-on-write): forked at the first
+        validation, they stalled the first training step after it (2-3 x a median step on the digits with 4
+        workers); forked with the training loader's, that copy happens once, in the run's first steps."""
+        if self.val.num_workers:
+            self.val_indices.held = True
+            try:
+                iter(self.val)  # persistent: the loader keeps this iterator and its workers
+            finally:
+                self.val_indices.held = False
 
 
 def build_loaders(cfg: Any, data: Data, dist: DistInfo, seed: int) -> Loaders:
@@ -88,22 +101,18 @@ def build_loaders(cfg: Any, data: Data, dist: DistInfo, seed: int) -> Loaders:
     if len(sampler) < per_rank_batch:
         raise ConfigError(f"trainer.batch_size={global_batch} is larger than the training set "
                           f"({len(data.train)} items) allows per rank")
-    workers = cfg.num_workers
-    # Own generators: making a loader iterator draws a base seed, which must not come from the global
-    # RNG, or a run resumed mid-epoch would diverge from an uninterrupted one.
-    common = dict(num_workers=workers, collate_fn=data.collate_fn, pin_memory=dist.device.type == "cuda",
-                  persistent_workers=False, multiprocessing_context="fork" if workers > 0 else None)
-    train = DataLoader(items, batch_size=per_rank_batch, sampler=sampler, drop_last=True,
-                       generator=torch.Generator(), **common)
-    val_indices = list(range(dist.rank, len(data.val), dist.world_size))
+    pin = dist.device.type == "cuda"
+    train = DataLoader(items, batch_size=per_rank_batch, sampler=EpochKeys(sampler), drop_last=True,
+                       collate_fn=data.collate_fn, **loader_options(cfg.num_workers, pin))
+    val_indices = HeldIndices(range(dist.rank, len(data.val), dist.world_size))
     val_batch = cfg.val_batch_size if cfg.val_batch_size is not None else per_rank_batch
-    val = DataLoader(data.val, batch_size=val_batch, sampler=val_indices, shuffle=False,
-                     generator=torch.Generator(), **common)
+    val = DataLoader(data.val, batch_size=val_batch, sampler=val_indices, collate_fn=data.collate_fn,
+                     **loader_options(cfg.num_workers, pin))
     steps_per_epoch = len(sampler) // per_rank_batch // accum
     if steps_per_epoch < 1:
         raise ConfigError("an epoch has no optimizer step; lower trainer.batch_size or trainer.grad_accum")
-    return Loaders(train=train, val=val, items=items, sampler=sampler, per_rank_batch=per_rank_batch,
-                   accum=accum, steps_per_epoch=steps_per_epoch)
+    return Loaders(train=train, val=val, items=items, sampler=sampler, val_indices=val_indices,
+                   per_rank_batch=per_rank_batch, accum=accum, steps_per_epoch=steps_per_epoch)
 
 
 def build_schedule(sched: Any, base_lr: float, total_steps: int, steps_per_epoch: int) -> Schedule:

@@ -5,7 +5,8 @@ evaluates, and does its end-of-epoch work given an ``EpochContext``; the data (`
 hand over the two splits. The trainer owns the loop and the run's progress: accumulation, AMP,
 clipping, EMA updates, non-finite steps, epochs, validation, the best checkpoint, checkpoints that
 resume mid-epoch, preemption, logging and summary.json. What it builds before the first step is in
-``fit_setup``; its running records (meters, throughput, unreadable images) are in ``bookkeeping``.
+``fit_setup``; its running records (meters, throughput, unreadable images) are in ``bookkeeping``;
+where its time goes (data wait, step time, TFLOP/s, utilisation, peak memory) in ``costs``.
 """
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from moh_vision.attention import after_optimizer_step
 from moh_vision.errors import ConfigError, RunError
 from moh_vision.tasks.protocols import Data, EpochContext, Task
 from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, all_finite, write_routing_artifacts
+from .costs import RunCosts, StepClock, reset_peak_memory
 from .distributed import DistInfo, broadcast_object, reduce_sums
 from .fit_setup import FitParts, build_parts, flops_text, seed_everything
 from .loggers import Loggers, write_json
@@ -92,6 +94,7 @@ class Trainer:
         self.last_good_checkpoint: Optional[str] = None
         # this process's fit
         self.parts: Optional[FitParts] = None  # built by fit()
+        self.costs: Optional[RunCosts] = None  # built by fit()
         self.signals = StopSignals()
         self.lr = 0.0
         self.start_row: Dict[str, Any] = {}  # trainer.val_at_start's validation, as start/<metric>
@@ -105,18 +108,22 @@ class Trainer:
         """Train (or resume training) ``task``'s model on ``data``; returns what summary.json holds."""
         seed_everything(self.seed + self.dist.rank, self.cfg.deterministic, self.device)
         parts = self.parts = build_parts(self.cfg, self.optim_cfg, self.sched_cfg, self.dist, self.seed, task, data)
+        self.costs = RunCosts(parts.flops, self.device, self.cfg.amp, self.dist.world_size)
         self._resume()
         if self.dist.is_main:  # only now: a run that fails to set up must not overwrite a good run's config
             record_config(self.out_dir, self.config, self.step)
             log.info("%s | %s | %.2fM params | %s", parts.model_name, data.describe(), parts.params / 1e6,
                      flops_text(parts.flops))
+            log.info("costs: %s", self.costs.describe())
         start = time.time()
         with self.signals:
+            parts.loaders.start_workers()
             self._validate_before_training()
             self._run()
         summary = self._summary(time.time() - start)
         if self.dist.is_main:
             write_json(self.out_dir / "summary.json", summary)
+            log.info("where the time went: %s", self.costs.text(summary, ""))
         return summary
 
     def _run(self) -> None:
@@ -134,6 +141,7 @@ class Trainer:
         parts, loaders = self.parts, self.parts.loaders
         parts.train_model.train()
         loaders.start_epoch(self.epoch, self.batch_in_epoch)
+        reset_peak_memory(self.device)
         bar = None
         if self.dist.is_main and self.cfg.progress:
             from tqdm.auto import tqdm
@@ -141,8 +149,8 @@ class Trainer:
                        desc=f"epoch {self.epoch}", dynamic_ncols=True, leave=False)
         window = StepWindow()
         micro = 0
-        tick = time.time()
-        for batch in loaders.train:
+        clock = StepClock(self.device)
+        for batch in clock.batches(loaders.train):
             last_micro = (micro + 1) % loaders.accum == 0
             sync = contextlib.nullcontext() if last_micro or not self.dist.enabled else parts.train_model.no_sync()
             with sync:
@@ -166,9 +174,11 @@ class Trainer:
                 continue
             grad_norm = self._optimizer_step(finite)
             samples = int(out["num_samples"]) * loaders.accum * self.dist.world_size
-            self.throughput.count(time.time() - tick, samples)
-            tick = time.time()
-            window.add(out, grad_norm, samples)
+            seconds, waited = clock.lap(sync=self.step % self.cfg.log_every == 0)  # a window ends: exact sums
+            self.throughput.count(seconds, samples, waited)
+            for times in (window.times, self.meters.times):
+                times.add(seconds, waited, samples)
+            window.add(out, grad_norm)
             if bar is not None:
                 bar.update(1)
             if self.step % self.cfg.log_every == 0 and window.steps:
@@ -228,10 +238,12 @@ class Trainer:
                 f"({where} = {float(loss.detach())}); last good checkpoint: {self.last_good_checkpoint or 'none yet'}")
 
     def _log_window(self, window: StepWindow, bar) -> None:
-        row = {**window.row(), "train/lr": self.lr, "epoch": self.epoch}
+        rates = self.costs.rates(window.times.slowest(self.dist), "train/")
+        row = {**window.row(), **rates, "train/lr": self.lr, "epoch": self.epoch}
         if bar is not None:
             bar.set_postfix(loss=f"{row['train/loss']:.4f}", lr=f"{self.lr:.2e}",
-                            img_s=f"{row['train/images_per_sec']:.0f}")
+                            img_s=f"{row['train/images_per_sec']:.0f}", wait=f"{row['train/data_wait_share']:.0%}",
+                            **({"tflops": f"{rates['train/tflops']:.3g}"} if "train/tflops" in rates else {}))
         if self.dist.is_main:
             self.loggers.log_step(row, step=self.step)
 
@@ -267,6 +279,9 @@ class Trainer:
         skipped images), routing files, ``last.pt`` and, when the primary metric improved, ``best.pt``."""
         parts = self.parts
         row: Dict[str, Any] = {"epoch": self.epoch, **self.meters.row(self.dist)}
+        costs = self.costs.epoch_row(self.meters.times, self.dist)
+        row.update(costs)
+        self.throughput.note_peak_memory(costs["epoch/peak_memory_mb"])
         self.routing_warnings = self.meters.routing.health_warnings()
         for warning in self.routing_warnings:
             log.warning("epoch %d routing: %s", self.epoch, warning)
@@ -281,8 +296,9 @@ class Trainer:
         if self.dist.is_main:
             self.loggers.log_epoch(row, step=self.step)
             write_routing_artifacts(self.meters.routing, self.out_dir, self.loggers, self.epoch, self.step, last_epoch)
-            log.info("epoch %d: %s", self.epoch, ", ".join(f"{k}={v:.4g}" for k, v in row.items()
-                                                         if isinstance(v, float) and not k.startswith("routing/")))
+            log.info("epoch %d: %s", self.epoch, ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)
+                                                         and not k.startswith("routing/") and k not in costs))
+            log.info("epoch %d time: %s", self.epoch, self.costs.text(costs, "epoch/"))
         improved = self._track_best(row)
         self.epoch += 1
         self.batch_in_epoch = 0
@@ -440,7 +456,7 @@ class Trainer:
         summary: Dict[str, Any] = {
             "model": parts.model_name, "params": parts.params, "steps": self.step, "epochs": self.epoch,
             "wall_time_s": wall, "train_time_s": self.throughput.train_time(),
-            "images_per_sec": self.throughput.images_per_sec(),
+            "images_per_sec": self.throughput.images_per_sec(),  # replaced by the slowest rank's below
             "compile_time_s": self.throughput.compile_time() if self.cfg.compile else 0.0,
             "throughput_warmup_steps": self.cfg.throughput_warmup_steps,
             "nonfinite_skipped": self.counters["nonfinite_skipped"],
@@ -448,6 +464,8 @@ class Trainer:
             "routing_warnings": list(self.routing_warnings),
         }
         summary.update({k: v for k, v in parts.flops.items() if k != "params"})
+        summary.update(self.costs.summary(self.throughput.steady().slowest(self.dist),
+                                          self.throughput.record["peak_memory_mb"]))
         for key, value in (self.last_row or {}).items():
             if key.startswith(("val", "sample", "train/epoch", "train/skipped")) \
                     and not isinstance(value, (list, dict)):

@@ -1,0 +1,224 @@
+"""Loader benchmark: this project's image pipelines against timm's, on one JPEG tree, in one interleaved run.
+
+``tools/bench_data.py`` generates an ImageNet-like class-folder tree (:func:`make_jpeg_tree`: 500 x 375
+JPEGs of smooth colour fields, shapes and noise, about ImageNet's size on disk and decode time) and times
+one pass over each split with
+
+* **moh_vision**: ``ImageFolderData`` (:mod:`moh_vision.data.imagefolder`, the TransNeXt recipe of
+  :mod:`moh_vision.data.transforms`) in the trainer's loaders: ``SeededItems`` over an ``EpochSampler``,
+  the unreadable-image collate, the trainer's loader options (:func:`~moh_vision.data.sampler.loader_options`);
+* **timm**: ``timm.data.ImageDataset`` in ``timm.data.create_loader`` (no prefetcher: a CPU loader), whose
+  transform ``timm.data.create_transform`` builds from the same recipe (RandAugment rand-m9-mstd0.5-inc1,
+  bicubic, random erasing 0.25 in pixel mode; eval: resize 256, crop 224). Its posterize gets the project's
+  fix (Pillow 13 refuses timm's 0-bit posterize, which the recipe draws: ``use_safe_posterize``), the one
+  change, so that it runs at all.
+
+Mixup is in neither: it mixes batches in the training step, not in the loader. Every pass is timed on
+its own and the candidates take turns (:func:`~moh_vision.analysis.benchmark.interleave`), each worker
+count's loaders kept (persistent workers) so that a pass times loading, not process start-up. With
+``workers=0`` the main process loads, on one thread: that is one worker's rate. The ratio moh_vision /
+timm is taken per round (median and quartiles).
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+
+from moh_vision.analysis.benchmark import Spread, interleave, machine_description
+from moh_vision.data.imagefolder import ImageFolderData
+from moh_vision.data.sampler import EpochKeys, EpochSampler, SeededItems, loader_options
+from moh_vision.data.transforms import RECIPE_RE_COUNT, RECIPE_RE_MODE, use_safe_posterize
+
+RECIPE = dict(auto_augment="rand-m9-mstd0.5-inc1", color_jitter=0.4, interpolation="bicubic", re_prob=0.25)
+EVAL_CROP_PCT = 0.875  # ImageFolderData's default: resize 256, crop 224
+LOADERS = ("moh_vision", "timm")
+
+
+@dataclass
+class DataBench:
+    """What one run measures (``tools/bench_data.py``'s options)."""
+
+    root: Optional[str] = None  # the tree: made here if it has no train/ (default: a temporary directory)
+    classes: int = 4
+    train_per_class: int = 48
+    val_per_class: int = 16
+    image_size: Tuple[int, int] = (500, 375)  # width, height of the generated JPEGs
+    img_size: int = 224  # the model's input side
+    batch: int = 32
+    workers: Sequence[int] = (0, 2)
+    splits: Sequence[str] = ("train", "val")
+    rounds: int = 3
+    seed: int = 0
+
+
+QUICK_DATA = dict(classes=2, train_per_class=8, val_per_class=4, image_size=(160, 120), img_size=64, batch=4,
+                  workers=(0,), rounds=1)
+
+
+# ----------------------------------------------------------------------------------------------
+# The tree
+# ----------------------------------------------------------------------------------------------
+def _jpeg_like(rng: np.random.Generator, size: Tuple[int, int]):
+    """A photo-like image: a smooth colour field, a dozen filled shapes (edges) and sensor-like noise."""
+    from PIL import Image, ImageDraw
+
+    width, height = size
+    img = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)).resize(size, Image.BICUBIC)
+    draw = ImageDraw.Draw(img)
+    for _ in range(12):
+        x0, y0 = int(rng.integers(0, width)), int(rng.integers(0, height))
+        box = [x0, y0, x0 + int(rng.integers(10, width // 2)), y0 + int(rng.integers(10, height // 2))]
+        fill = tuple(int(v) for v in rng.integers(0, 256, 3))
+        (draw.ellipse if rng.random() < 0.5 else draw.rectangle)(box, fill=fill)
+    noisy = np.asarray(img, dtype=np.int16) + rng.normal(0, 14, (height, width, 3)).astype(np.int16)
+    return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
+
+
+def make_jpeg_tree(root: Path, classes: int, train_per_class: int, val_per_class: int,
+                   size: Tuple[int, int] = (500, 375), seed: int = 0) -> None:
+    """``root/{train,val}/class<k>/<i>.JPEG`` (quality 90)."""
+    rng = np.random.default_rng(seed)
+    for split, per_class in (("train", train_per_class), ("val", val_per_class)):
+        for k in range(classes):
+            folder = root / split / f"class{k}"
+            folder.mkdir(parents=True, exist_ok=True)
+            for i in range(per_class):
+                _jpeg_like(rng, size).save(folder / f"{i:05d}.JPEG", "JPEG", quality=90)
+
+
+def describe_tree(root: Path) -> Dict[str, int]:
+    """Classes, images per split and their mean size on disk, of a class-folder tree."""
+    files = {split: [p for p in (root / split).rglob("*") if p.is_file()] for split in ("train", "val")}
+    sizes = [p.stat().st_size for paths in files.values() for p in paths]
+    return {"classes": sum(1 for p in (root / "train").iterdir() if p.is_dir()), "train_images": len(files["train"]),
+            "val_images": len(files["val"]), "mean_jpeg_bytes": int(np.mean(sizes)) if sizes else 0}
+
+
+# ----------------------------------------------------------------------------------------------
+# The loaders
+# ----------------------------------------------------------------------------------------------
+def ours(root: Path, split: str, bench: DataBench, workers: int) -> DataLoader:
+    """The trainer's loader of ``split`` over ``ImageFolderData`` with the recipe (no mixup: the step does it)."""
+    data = ImageFolderData(str(root), img_size=bench.img_size, repeated_aug=1, mixup=None, cutmix=None,
+                           eval_crop_pct=EVAL_CROP_PCT, **RECIPE)
+    options = loader_options(workers, pin_memory=False)
+    if split == "train":
+        sampler = EpochSampler(len(data.train), shuffle=True, seed=bench.seed, drop_last=True)
+        return DataLoader(SeededItems(data.train, bench.seed), batch_size=bench.batch, sampler=EpochKeys(sampler),
+                          drop_last=True, collate_fn=data.collate_fn, **options)
+    return DataLoader(data.val, batch_size=bench.batch, shuffle=False, collate_fn=data.collate_fn, **options)
+
+
+def timms(root: Path, split: str, bench: DataBench, workers: int) -> DataLoader:
+    """timm's loader and transform of ``split`` with the same recipe."""
+    from timm.data import ImageDataset, create_loader
+
+    training = split == "train"
+    if training:
+        recipe = dict(RECIPE, re_mode=RECIPE_RE_MODE, re_count=RECIPE_RE_COUNT)
+    else:
+        recipe = dict(interpolation=RECIPE["interpolation"], crop_pct=EVAL_CROP_PCT)
+    loader = create_loader(ImageDataset(str(root / split)), input_size=(3, bench.img_size, bench.img_size),
+                           batch_size=bench.batch, is_training=training, use_prefetcher=False, num_workers=workers,
+                           persistent_workers=workers > 0, **recipe)
+    use_safe_posterize(loader.dataset.transform)  # before the workers fork: they copy the fixed transform
+    return loader
+
+
+def one_pass(loader: DataLoader, images: Dict[str, int], name: str) -> Callable[[], None]:
+    """A call that loads every batch of one pass over ``loader`` and notes how many images it held. The
+    trainer's loader starts a new epoch each pass (new augmentations, as timm's loader draws), not the same
+    sample of augmentations again."""
+    epochs = getattr(loader.sampler, "sampler", None)  # EpochKeys over an EpochSampler
+
+    def call() -> None:
+        if epochs is not None:
+            epochs.set_epoch(epochs.epoch + 1)
+        images[name] = sum(len(batch[0]) for batch in loader)
+    return call
+
+
+# ----------------------------------------------------------------------------------------------
+# The run
+# ----------------------------------------------------------------------------------------------
+def _label(split: str, workers: int, loader: str) -> str:
+    return f"{split}/{workers}/{loader}"
+
+
+def measure(root: Path, bench: DataBench) -> List[dict]:
+    """One row per (split, workers): images/s of both loaders (median and quartiles over the rounds), per
+    worker, and the per-round ratio."""
+    builders = {"moh_vision": ours, "timm": timms}
+    loaders = {_label(s, w, name): builders[name](root, s, bench, w)
+               for s in bench.splits for w in bench.workers for name in LOADERS}
+    images: Dict[str, int] = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the main process as one worker (a worker process runs one thread)
+    try:
+        times = interleave({name: one_pass(loader, images, name) for name, loader in loaders.items()},
+                           rounds=bench.rounds, warmup=1)
+    finally:
+        torch.set_num_threads(threads)
+        loaders.clear()  # their workers stop
+    rows = []
+    for split in bench.splits:
+        for workers in bench.workers:
+            row: dict = {"split": split, "workers": workers}
+            for name in LOADERS:
+                label = _label(split, workers, name)
+                row["images"] = images[label]
+                row[name] = Spread.of([images[label] / t for t in times[label]]).as_dict()
+                row[f"{name}_per_worker"] = row[name]["median"] / max(1, workers)
+            mine, theirs = (_label(split, workers, name) for name in LOADERS)
+            row["moh_vision_over_timm"] = Spread.of([(images[mine] / a) / (images[theirs] / b)  # per round
+                                                     for a, b in zip(times[mine], times[theirs])]).as_dict()
+            rows.append(row)
+    return rows
+
+
+def data_table(rows: Sequence[dict], header: str) -> str:
+    """The markdown table of :func:`measure`'s rows."""
+    lines = [header, "", "| split | workers | images/pass | moh_vision images/s | timm images/s | "
+             "moh_vision per worker | timm per worker | moh_vision / timm |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        rates = [Spread(**r[name]).text(1) for name in LOADERS]
+        workers = "0 (in-process)" if r["workers"] == 0 else str(r["workers"])
+        lines.append(f"| {r['split']} | {workers} | {r['images']} | {rates[0]} | {rates[1]} | "
+                     f"{r['moh_vision_per_worker']:.1f} | {r['timm_per_worker']:.1f} | "
+                     f"{Spread(**r['moh_vision_over_timm']).text(2)} |")
+    return "\n".join(lines)
+
+
+def bench_data(bench: DataBench, out: Optional[str] = None) -> dict:
+    """Make (or reuse) the tree, measure, print the table; with ``out``, write it (markdown) and the record
+    (``.json`` beside it). Returns the record."""
+    import PIL
+    import timm
+
+    with tempfile.TemporaryDirectory(prefix="bench_data_") as scratch:
+        root = Path(bench.root) if bench.root else Path(scratch)
+        if not (root / "train").is_dir():  # an existing tree (a real one too) is read, never written to
+            make_jpeg_tree(root, bench.classes, bench.train_per_class, bench.val_per_class, bench.image_size,
+                           bench.seed)
+        tree = describe_tree(root)
+        rows = measure(root, bench)
+    header = (f"Loader images/s, {machine_description()}, torch {torch.__version__}, timm {timm.__version__}, "
+              f"Pillow {PIL.__version__}: {tree['train_images']} train / {tree['val_images']} val JPEGs of "
+              f"{bench.image_size[0]}x{bench.image_size[1]} ({tree['mean_jpeg_bytes'] // 1024} KiB on average), "
+              f"{bench.img_size}px, batch {bench.batch}; median [quartiles] over {bench.rounds} interleaved passes")
+    table = data_table(rows, header)
+    print(table)
+    settings = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(bench).items()}
+    record = {"header": header, "machine": machine_description(), "torch": torch.__version__,
+              "timm": timm.__version__, "pillow": PIL.__version__, "settings": settings, "tree": tree, "rows": rows}
+    if out:
+        Path(out).write_text(table + "\n")
+        Path(out).with_suffix(".json").write_text(json.dumps(record, indent=1))
+    return record

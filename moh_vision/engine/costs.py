@@ -1,0 +1,220 @@
+"""Where a run's time goes: data wait and step time, achieved TFLOP/s and utilisation, peak memory.
+
+Time is measured on the host, with no synchronisation beyond the loop's own: ``StepClock`` reads the
+clock around ``next(loader)`` (the *data wait*: time blocked on the next batch) and once per optimizer
+step (the *step time*: everything between two steps, data wait, forward, backward, optimizer, logging
+and checkpoints included, so data wait <= step time). On CUDA the loop already waits for every step's
+loss and gradient norm (``all_finite``, the clipping norm); the clock also synchronises the device at
+the end of each logging window, so a window's sum is exact. Within a step, the optimizer's kernels can
+still run while the host waits for the next batch: on CUDA the data wait is an upper bound of the time
+the device sat idle, by at most that.
+
+Under DDP every figure is the slowest rank's: one small tensor per window (and per epoch) is
+all-reduced with MAX.
+
+Rates (:meth:`RunCosts.rates`, the same keys in a logging window ``train/...``, an epoch row
+``epoch/...`` and ``summary.json``): ``step_ms`` and ``data_wait_ms`` per optimizer step,
+``data_wait_share`` (their ratio; at least :data:`INPUT_BOUND_SHARE` reads as input-bound),
+``images_per_sec``, ``tflops`` (training FLOPs per image x images/s, 2 FLOPs per multiply-add:
+:mod:`moh_vision.analysis.device_peaks`) and ``utilisation`` (``tflops`` over the peak of every device of
+the run at its precision). Without a FLOP count there is no ``tflops``; without a known peak (every CPU)
+no ``utilisation``.
+
+Peak memory (``peak_memory_mb``): on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``),
+reset at the start of every training epoch; on the CPU the main process's resident-set peak
+(``getrusage``'s ``ru_maxrss``), which the operating system keeps since the process started and never
+resets (data-loader workers are other processes and not counted).
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import astuple, dataclass
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+
+import torch
+
+from moh_vision.analysis.device_peaks import device_name, peak_tflops, run_precision, training_gflops_per_image
+from .distributed import DistInfo, all_reduce_max
+
+INPUT_BOUND_SHARE = 0.1  # data wait at or above this share of the step time: the loader holds the run back
+# What the machine's speed and load decide, not the training (left out where runs are compared for equality).
+MEASURED = ("step_ms", "data_wait_ms", "data_wait_share", "images_per_sec", "tflops", "utilisation", "peak_memory_mb")
+_END = object()
+
+
+def slowest(values: Sequence[float], dist: DistInfo) -> List[float]:
+    """Each of ``values`` at its largest over ranks: one all-reduce of one small tensor (none in one process)."""
+    if not dist.enabled:
+        return [float(v) for v in values]
+    return all_reduce_max(torch.tensor(values, dtype=torch.float64, device=dist.device), dist).tolist()
+
+
+@dataclass
+class StepTimes:
+    """Seconds of optimizer steps, the part of them spent waiting for batches, the steps and their images
+    (all ranks')."""
+
+    seconds: float = 0.0
+    data_wait: float = 0.0
+    steps: int = 0
+    samples: int = 0
+
+    def add(self, seconds: float, data_wait: float, samples: int) -> None:
+        self.seconds += seconds
+        self.data_wait += data_wait
+        self.steps += 1
+        self.samples += samples
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> "StepTimes":
+        """From ``[seconds, data_wait, steps, samples]`` (an all-reduced tensor's values)."""
+        seconds, data_wait, steps, samples = values
+        return cls(seconds, data_wait, int(steps), int(samples))
+
+    def slowest(self, dist: DistInfo) -> "StepTimes":
+        return StepTimes.of(slowest(astuple(self), dist))
+
+
+class StepClock:
+    """Host wall time of each optimizer step, and the part of it blocked on the loader."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.last = time.perf_counter()
+        self.waited = 0.0
+
+    def batches(self, loader: Iterable) -> Iterator[Any]:
+        """``loader``'s batches, timing each ``next``; the first step's clock starts here, so the loader's
+        start (worker processes, their first batches) counts as data wait."""
+        start = self.last = time.perf_counter()
+        self.waited = 0.0
+        iterator = iter(loader)
+        while True:
+            batch = next(iterator, _END)
+            self.waited += time.perf_counter() - start
+            if batch is _END:
+                return
+            yield batch
+            start = time.perf_counter()
+
+    def lap(self, sync: bool = False) -> Tuple[float, float]:
+        """``(seconds, data wait)`` since the previous lap. ``sync``: wait for the device first (at the end of
+        a logging window: a window's time is then exact)."""
+        if sync and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        now = time.perf_counter()
+        seconds, waited = now - self.last, min(self.waited, now - self.last)
+        self.last, self.waited = now, 0.0
+        return seconds, waited
+
+
+# ----------------------------------------------------------------------------------------------
+# Peak memory
+# ----------------------------------------------------------------------------------------------
+def reset_peak_memory(device: torch.device) -> None:
+    """Start a new CUDA allocator peak (the CPU's resident-set peak cannot be reset)."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """MiB at the peak: CUDA allocator since the last reset, or this process's resident set since it started."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2 ** 20
+    import resource  # POSIX only, as the CPU figure is
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss / 2 ** 20 if sys.platform == "darwin" else rss / 2 ** 10  # bytes on macOS, KiB on Linux
+
+
+def peak_memory_source(device: torch.device) -> str:
+    if device.type == "cuda":
+        return "CUDA allocator peak, reset every epoch (torch.cuda.max_memory_allocated)"
+    return "main process resident-set peak since it started (ru_maxrss)"
+
+
+# ----------------------------------------------------------------------------------------------
+# Rates and their text
+# ----------------------------------------------------------------------------------------------
+class RunCosts:
+    """What a run's step times turn into: rates per window, epoch and run, and their console text.
+
+    Args:
+        flops: the FLOP report of one forward (``FitParts.flops``; empty when not counted).
+        device: this process's device.
+        amp: ``trainer.amp`` (which matrix units the peak is the one of).
+        world_size: processes, one device each (utilisation is against all of their peaks).
+    """
+
+    def __init__(self, flops: Mapping[str, Any], device: torch.device, amp: str, world_size: int):
+        self.device, self.world_size = device, world_size
+        self.gflops_per_image = training_gflops_per_image(flops)
+        self.device_name = device_name(device)
+        self.precision = run_precision(amp)
+        self.peak_tflops = peak_tflops(self.device_name, self.precision) if device.type == "cuda" else None
+
+    def rates(self, times: StepTimes, prefix: str) -> Dict[str, float]:
+        """``<prefix>step_ms``, ``data_wait_ms``, ``data_wait_share``, ``images_per_sec``, and where known
+        ``tflops`` and ``utilisation``; nothing for no steps."""
+        if not times.steps or times.seconds <= 0:
+            return {}
+        images_per_sec = times.samples / times.seconds
+        row = {"step_ms": 1e3 * times.seconds / times.steps, "data_wait_ms": 1e3 * times.data_wait / times.steps,
+               "data_wait_share": times.data_wait / times.seconds, "images_per_sec": images_per_sec}
+        if self.gflops_per_image is not None:
+            row["tflops"] = self.gflops_per_image * images_per_sec / 1e3
+            if self.peak_tflops:
+                row["utilisation"] = row["tflops"] / (self.peak_tflops * self.world_size)
+        return {prefix + key: value for key, value in row.items()}
+
+    def epoch_row(self, times: StepTimes, dist: DistInfo) -> Dict[str, float]:
+        """An epoch's rates and its peak memory (``epoch/...``), the slowest rank's: one all-reduce."""
+        *summed, peak = slowest([*astuple(times), peak_memory_mb(self.device)], dist)
+        row = self.rates(StepTimes.of(summed), "epoch/")
+        row["epoch/peak_memory_mb"] = peak
+        return row
+
+    def summary(self, times: StepTimes, peak_mb: Optional[float]) -> Dict[str, Any]:
+        """summary.json's costs: the rates of ``times`` (the run after its warm-up steps), the training FLOPs
+        per image, the device and its peak, and the peak memory."""
+        out: Dict[str, Any] = {**self.rates(times, ""), "device": self.device_name, "precision": self.precision}
+        if self.gflops_per_image is not None:
+            out["train_gflops_per_image"] = self.gflops_per_image
+        if self.peak_tflops:
+            out["device_peak_tflops"] = self.peak_tflops  # of one device; utilisation is against all of them
+        if peak_mb is not None:
+            out["peak_memory_mb"] = peak_mb
+            out["peak_memory_source"] = peak_memory_source(self.device)
+        return out
+
+    def describe(self) -> str:
+        """The run's FLOPs per training image and the peak its utilisation is measured against, in words."""
+        work = ("FLOPs not counted: no TFLOP/s" if self.gflops_per_image is None else
+                f"{self.gflops_per_image:.4g} GFLOPs per training image (3 x the active forward, 2 per multiply-add)")
+        if self.peak_tflops:
+            peak = f"{self.device_name}: {self.peak_tflops:g} TFLOP/s dense {self.precision} peak"
+        else:
+            peak = f"{self.device_name}: no {self.precision} peak known, utilisation not reported"
+        return f"{work}; {peak}"
+
+    def text(self, values: Mapping[str, Any], prefix: str) -> str:
+        """One line of rates (keys ``<prefix>step_ms``, ...) for the console; what is absent is said."""
+        def get(key: str) -> Any:
+            return values.get(prefix + key)
+
+        if get("step_ms") is None:
+            return "no timed steps"
+        share = get("data_wait_share")
+        verdict = "input-bound" if share >= INPUT_BOUND_SHARE else "not input-bound"
+        parts = [f"step {get('step_ms'):.1f} ms", f"data wait {get('data_wait_ms'):.1f} ms ({share:.1%}: {verdict})",
+                 f"{get('images_per_sec'):.0f} images/s"]
+        if get("tflops") is not None:
+            utilisation = get("utilisation")
+            parts.append(f"{get('tflops'):.3g} TFLOP/s" + (f" ({utilisation:.1%} of peak)" if utilisation is not None
+                                                           else " (no device peak: utilisation not reported)"))
+        else:
+            parts.append("TFLOP/s not reported (FLOPs not counted)")
+        if get("peak_memory_mb") is not None:
+            source = "CUDA allocator" if self.device.type == "cuda" else "process RSS since start"
+            parts.append(f"peak memory {get('peak_memory_mb'):.0f} MiB ({source})")
+        return ", ".join(parts)
