@@ -175,9 +175,14 @@ def _probabilities(q, k_padded, k_pool, pool_bias, local_bias, lse, size, window
     return attn.split([window * window, k_pool.shape[-2]], dim=-1), lse
 
 
+def _arithmetic_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What the operator computes ``dtype`` inputs in: float32 for half precision, else the dtype itself."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
 def _float(*tensors: Tensor) -> List[Tensor]:
     """Half-precision tensors in float32 (float32 and float64 as they are)."""
-    return [t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors]
+    return [t.to(_arithmetic_dtype(t.dtype)) for t in tensors]
 
 
 def _forward_plain(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, size, window) -> Tuple[Tensor, Tensor]:
@@ -248,7 +253,7 @@ def _aggregated_backward_cuda(grad, q, k, v, k_pool, v_pool, pool_bias, local_bi
 
 @_aggregated_op.register_fake
 def _aggregated_fake(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
-    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=_float(q)[0].dtype)
+    return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(q.shape[:3], dtype=_arithmetic_dtype(q.dtype))
 
 
 @_aggregated_backward_op.register_fake
