@@ -145,18 +145,27 @@ def aggregated_attention_reference(q: Tensor, k: Tensor, v: Tensor, k_pool: Tens
     attention probabilities; ``padding_mask`` ``[N, L]`` (True outside the map) if the caller holds it (a
     module buffer, which ``torch.fx`` can trace). Returns ``[B, h, N, d]``.
     """
-    if padding_mask is None:
-        padding_mask = _window_mask_on(tuple(size), window, q.device)
-    logits_local = local_logits(q, _padded(k, size, window), size, window) + local_bias.unsqueeze(1)
-    logits_local = logits_local.masked_fill(padding_mask, float("-inf"))
-    logits_pool = q @ k_pool.transpose(-2, -1) + pool_bias
-    attn = torch.cat([logits_local, logits_pool], dim=-1).softmax(dim=-1)
+    attn = _logits(q, _padded(k, size, window), k_pool, pool_bias, local_bias, size, window, padding_mask)
+    attn = attn.softmax(dim=-1)
     if dropout:
         attn = F.dropout(attn, dropout)
     attn_local, attn_pool = attn.split([window * window, k_pool.shape[-2]], dim=-1)
-    # Padded slots hold zero values, so the unmasked local weight adds nothing there.
-    out = local_sum(attn_local + local_weight, _padded(v, size, window), size, window)
-    return out + attn_pool @ v_pool
+    return _weighted_values(attn_local, attn_pool, local_weight, v, v_pool, size, window)
+
+
+def _logits(q, k_padded, k_pool, pool_bias, local_bias, size, window, padding_mask=None) -> Tensor:
+    """The window logits (masked slots -inf) and the pooled logits of every query, ``[B, h, N, L + P]``."""
+    if padding_mask is None:
+        padding_mask = _window_mask_on(tuple(size), window, q.device)
+    logits_local = local_logits(q, k_padded, size, window) + local_bias.unsqueeze(1)
+    logits_local = logits_local.masked_fill(padding_mask, float("-inf"))
+    return torch.cat([logits_local, q @ k_pool.transpose(-2, -1) + pool_bias], dim=-1)
+
+
+def _weighted_values(attn_local, attn_pool, local_weight, v, v_pool, size, window) -> Tensor:
+    """``sum_l (a_l + local_weight_l) v[n + o_l] + sum_p a_p v_pool[p]``. Padded slots hold zero values, so
+    the unmasked local weight adds nothing there."""
+    return local_sum(attn_local + local_weight, _padded(v, size, window), size, window) + attn_pool @ v_pool
 
 
 # ----------------------------------------------------------------------------------------------
@@ -165,10 +174,7 @@ def aggregated_attention_reference(q: Tensor, k: Tensor, v: Tensor, k_pool: Tens
 def _probabilities(q, k_padded, k_pool, pool_bias, local_bias, lse, size, window) -> Tuple[Tensor, Tensor]:
     """The attention ``(local [B, h, N, L], pooled [B, h, N, P])``: ``exp(logits - lse)`` when ``lse`` is
     given, else the softmax; masked slots 0."""
-    logits_local = local_logits(q, k_padded, size, window) + local_bias.unsqueeze(1)
-    logits_local = logits_local.masked_fill(_window_mask_on(tuple(size), window, q.device), float("-inf"))
-    logits_pool = q @ k_pool.transpose(-2, -1) + pool_bias
-    logits = torch.cat([logits_local, logits_pool], dim=-1)
+    logits = _logits(q, k_padded, k_pool, pool_bias, local_bias, size, window)
     if lse is None:
         lse = logits.logsumexp(dim=-1)
     attn = (logits - lse.unsqueeze(-1)).exp_()
@@ -191,8 +197,7 @@ def _forward_plain(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight,
         q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight)
     (attn_local, attn_pool), lse = _probabilities(q, _padded(k, size, window), k_pool, pool_bias, local_bias, None,
                                                   size, window)
-    out = local_sum(attn_local + local_weight, _padded(v, size, window), size, window) + attn_pool @ v_pool
-    return out.to(dtype), lse
+    return _weighted_values(attn_local, attn_pool, local_weight, v, v_pool, size, window).to(dtype), lse
 
 
 def _backward_plain(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, size, window):
