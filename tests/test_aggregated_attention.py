@@ -61,6 +61,19 @@ def relative_errors(got, want):
             for a, b in zip(got, want)]
 
 
+@pytest.fixture(params=["kernel", "formulas"])
+def cpu_impl(request, monkeypatch):
+    """The operator's two CPU implementations: the C++ kernels (``csrc/aggregated_attention.cpp``) and the
+    shifted-view formulas (without a compiler, or with ``MOH_VISION_AGGREGATED_KERNEL=0``)."""
+    from moh_vision.models import aggregated_attention as module
+    if request.param == "kernel" and not module.cpu_kernels_available():
+        pytest.skip("the C++ kernels could not be built here")
+    if request.param == "formulas":
+        monkeypatch.setattr(module, "cpu_kernels_available", lambda: False)
+    return request.param
+
+
+@pytest.mark.usefixtures("cpu_impl")
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("fn", [aggregated_attention_reference, aggregated_attention], ids=["reference", "operator"])
 def test_equals_the_unfold_form_in_float64(shape, fn):
@@ -71,6 +84,7 @@ def test_equals_the_unfold_form_in_float64(shape, fn):
     assert max(relative_errors(got, want)) < 1e-12
 
 
+@pytest.mark.usefixtures("cpu_impl")
 @pytest.mark.parametrize("shape", SHAPES[:2])
 def test_operator_in_float32_within_1e5_of_the_unfold_form(shape):
     inputs, grad = make_inputs(*shape)
@@ -81,6 +95,7 @@ def test_operator_in_float32_within_1e5_of_the_unfold_form(shape):
     assert max(relative_errors(got, want)) < 1e-5
 
 
+@pytest.mark.usefixtures("cpu_impl")
 def test_operator_in_bfloat16_within_stated_tolerance():
     shape = SHAPES[0]
     inputs, grad = make_inputs(*shape, dtype=torch.bfloat16)
@@ -92,6 +107,7 @@ def test_operator_in_bfloat16_within_stated_tolerance():
     assert max(relative_errors(got, want)) < 1e-2  # float32 arithmetic inside, results rounded to bf16 (8 bits)
 
 
+@pytest.mark.usefixtures("cpu_impl")
 def test_operator_passes_gradcheck_and_opcheck():
     inputs, _ = make_inputs(1, 2, 2, 3, 4, 3, 2, 3)
     size = (3, 4)
@@ -100,6 +116,7 @@ def test_operator_passes_gradcheck_and_opcheck():
                                                                                3, 4, 3))
 
 
+@pytest.mark.usefixtures("cpu_impl")
 def test_operator_keeps_only_its_inputs_and_the_logsumexp_for_backward():
     """No window copies saved: besides the inputs (which the layer holds anyway), one float per query."""
     B, h, H, W, d, P = 2, 3, 6, 6, 8, 4
@@ -115,6 +132,13 @@ def test_operator_keeps_only_its_inputs_and_the_logsumexp_for_backward():
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         aggregated_attention(*inputs, (H, W), 3)
     assert sum(extra) == B * h * H * W * 4  # the float32 log-sum-exp
+
+
+def test_cpu_kernels_switch_off_by_environment(monkeypatch):
+    from moh_vision import extensions
+    from moh_vision.models import aggregated_attention as module
+    monkeypatch.setenv(module.KERNEL_SWITCH, "0")
+    assert extensions.build("moh_aggregated", "forward", module.SOURCE, module.KERNEL_SWITCH, "test") is False
 
 
 def test_model_traces_to_one_graph_around_the_operator():

@@ -361,7 +361,7 @@ def test_convolutional_glu_keeps_less_and_equals_the_plain_form(monkeypatch):
     fused, kept_fused = run()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         fused_bf16, _ = run()
-    monkeypatch.setattr(module, "active_tracer", lambda x=None: "plain")  # the plain operators
+    monkeypatch.setattr(module, "eager_autograd", lambda x=None: False)  # the plain operators
     plain, kept_plain = run()
     with torch.autocast("cpu", dtype=torch.bfloat16):
         plain_bf16, _ = run()
@@ -371,3 +371,48 @@ def test_convolutional_glu_keeps_less_and_equals_the_plain_form(monkeypatch):
     for got, want in zip(fused_bf16, plain_bf16):  # both in bf16 arithmetic, rounded differently
         assert got.dtype == want.dtype
         torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+
+
+def test_pooled_branch_and_position_mlp_keep_less_and_equal_the_plain_form(monkeypatch):
+    """In eager training the aggregated layer's position MLP is recomputed in backward and its average pool keeps
+    nothing: fewer bytes saved, the plain operators' output and gradients."""
+    from moh_vision.models import transnext as module
+
+    attn = module.TransNeXtAggregatedAttention(16, 2, (6, 8), sr_ratio=2).double()
+    x = torch.randn(2, 48, 16, dtype=torch.float64, requires_grad=True)
+
+    def run():
+        attn.zero_grad()
+        x.grad = None
+        kept = {}
+
+        def pack(t):
+            kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            y = attn(x)
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        return [y.detach(), x.grad] + [p.grad for p in attn.parameters()], sum(kept.values())
+
+    got, kept = run()
+    monkeypatch.setattr(module, "eager_autograd", lambda x=None: False)  # the plain operators
+    want, kept_plain = run()
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+    hidden = attn.relative_coords_table.shape[0] * module.CPB_HIDDEN * 8  # the MLP's hidden layer, float64
+    pooled_input = 2 * 16 * 48 * 8                                         # the pool's input
+    assert kept_plain - kept >= hidden + pooled_input
+
+
+def test_average_pool_function_and_token_conv_equal_torch():
+    from moh_vision.models.transnext import TokenConv1x1, _AveragePool
+
+    x = torch.randn(2, 3, 7, 5, dtype=torch.float64, requires_grad=True)  # sizes the pool does not divide
+    assert torch.autograd.gradcheck(lambda t: _AveragePool.apply(t, (3, 2)), (x,))
+    torch.testing.assert_close(_AveragePool.apply(x, (3, 2)), torch.nn.functional.adaptive_avg_pool2d(x, (3, 2)))
+    conv = TokenConv1x1(6).double()
+    tokens = torch.randn(2, 12, 6, dtype=torch.float64)
+    image = tokens.transpose(1, 2).reshape(2, 6, 3, 4)
+    want = torch.nn.functional.conv2d(image, conv.weight, conv.bias).flatten(2).transpose(1, 2)
+    torch.testing.assert_close(conv(tokens), want)

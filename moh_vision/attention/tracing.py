@@ -103,6 +103,13 @@ def active_tracer(x: Optional[Tensor] = None) -> Optional[str]:
     return None
 
 
+def eager_autograd(x: Optional[Tensor] = None) -> bool:
+    """Whether this call is recorded by eager autograd: gradients on and no tracer, exporter or ``torch.func``
+    transform (:func:`active_tracer`). Hand-written Functions that keep less for backward run only then;
+    ``torch.compile``'s partitioner chooses what to recompute by itself, and tracers count the plain operators."""
+    return torch.is_grad_enabled() and active_tracer(x) is None
+
+
 def freezes_dispatch(tracer: Optional[str], func_grad: bool = True) -> bool:
     """Whether a data-dependent path cannot run exactly under ``tracer``: every tracer and exporter records
     one call's dispatch, and ``vmap`` / ``jvp`` / ``functionalize`` cannot batch or differentiate it forward.

@@ -21,8 +21,10 @@ similar FLOPs and ~3x their activation memory. Here:
   one graph around it) returns the output and each query's log-sum-exp; its backward op recomputes the
   attention from the inputs and the log-sum-exp, as flash attention does, so a training step keeps only the
   inputs and ``[B, h, N]`` floats. On CUDA both run as Triton kernels
-  (:mod:`~moh_vision.models.triton_aggregated`); elsewhere (or without Triton) as the shifted-view
-  formulas below, in float32.
+  (:mod:`~moh_vision.models.triton_aggregated`); on the CPU as C++ kernels (``csrc/aggregated_attention.cpp``,
+  compiled on first use by :mod:`moh_vision.extensions`: one loop over the queries each way for the window,
+  batched GEMMs for the pooled keys); elsewhere, without a compiler or with ``MOH_VISION_AGGREGATED_KERNEL=0``, as
+  the shifted-view formulas below. Half-precision inputs are computed in float32.
 
 Slot ``l`` of the window is the offset ``(l // window - window // 2, l % window - window // 2)``, the order
 of ``F.unfold`` that the checkpoints' ``relative_pos_bias_local`` and ``learnable_tokens`` follow.
@@ -30,12 +32,14 @@ of ``F.unfold`` that the checkpoints' ``relative_pos_bias_local`` and ``learnabl
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from moh_vision.attention.tracing import COMPILE, JIT_TRACE, active_tracer
+from moh_vision.extensions import load_cpu_kernels
+from moh_vision.attention.tracing import COMPILE, JIT_TRACE, active_tracer, eager_autograd
 
 Tensor = torch.Tensor
 Size2 = Tuple[int, int]
@@ -238,6 +242,39 @@ def _aggregated_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, k_poo
                            window)
 
 
+SOURCE = Path(__file__).with_name("csrc") / "aggregated_attention.cpp"
+KERNEL_SWITCH = "MOH_VISION_AGGREGATED_KERNEL"  # 0: the CPU runs the shifted-view formulas
+
+
+def cpu_kernels_available() -> bool:
+    """Whether the C++ CPU kernels (``csrc/aggregated_attention.cpp``) are loaded (built on the first call)."""
+    return load_cpu_kernels("moh_aggregated", "forward", SOURCE, KERNEL_SWITCH, "TransNeXt's aggregated attention")
+
+
+def _contiguous(dtype: torch.dtype, *tensors: Tensor) -> List[Tensor]:
+    return [t.to(dtype).contiguous() for t in tensors]
+
+
+@_aggregated_op.register_kernel("cpu")
+def _aggregated_cpu(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
+    if not cpu_kernels_available():
+        return _forward_plain(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
+    args = _contiguous(_arithmetic_dtype(q.dtype), q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight)
+    out, lse = torch.ops.moh_aggregated.forward(*args, height, width, window)
+    return out.to(q.dtype), lse
+
+
+@_aggregated_backward_op.register_kernel("cpu")
+def _aggregated_backward_cpu(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width,
+                             window):
+    inputs = (q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight)
+    if not cpu_kernels_available():
+        return _backward_plain(grad, *inputs, lse, (height, width), window)
+    grads = torch.ops.moh_aggregated.backward(*_contiguous(_arithmetic_dtype(q.dtype), grad, *inputs, lse), height,
+                                              width, window)
+    return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
+
+
 @_aggregated_op.register_kernel("cuda")
 def _aggregated_cuda(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
     from . import triton_aggregated as kernels
@@ -334,7 +371,7 @@ def aggregated_queries(q: Tensor, embedding: Tensor, scale: Tensor, tokens: Tens
     """:func:`aggregated_queries_reference`: one Function keeping only ``q`` in eager training; the plain
     operators under ``torch.compile`` (its partitioner recomputes by itself), tracers and ``torch.func``, and
     where nothing is differentiated."""
-    if torch.is_grad_enabled() and active_tracer(q) is None:
+    if eager_autograd(q):
         return _AggregatedQueries.apply(q, embedding, scale, tokens, token_bias)
     return aggregated_queries_reference(q, embedding, scale, tokens, token_bias)
 

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from moh_vision.attention import HeadAttention, attention_options, build_attention, layer_options, register_kernel
 from moh_vision.attention.kernels import broadcast_kv_heads
 from moh_vision.attention.sparse import PackedRows, SparseSupport, table_auto
-from moh_vision.attention.tracing import active_tracer
+from moh_vision.attention.tracing import eager_autograd
 from moh_vision.errors import ConfigError
 from .aggregated_attention import aggregated_attention, aggregated_queries, local_window_index, local_window_mask
 from .factory import build_from_preset, instance_cfg
@@ -54,7 +54,6 @@ NUM_STAGES = 4
 STAGE_STRIDES = (4, 8, 16, 32)
 INIT_TEMPERATURE = 1.0 / 0.24  # softplus(temperature) starts here
 CPB_HIDDEN = 512
-M_SQRT1_2, M_1_SQRT2PI = 1.0 / math.sqrt(2.0), 1.0 / math.sqrt(2.0 * math.pi)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -188,9 +187,18 @@ class _TransNeXtAttention(HeadAttention):
         self.register_buffer("relative_index_h", index_h, persistent=False)
         self.register_buffer("relative_index_w", index_w, persistent=False)
 
+    def position_mlp(self, table: Tensor) -> Tensor:
+        return self.cpb_fc2(self.cpb_act(self.cpb_fc1(table)))
+
     def position_bias(self) -> Tensor:
-        """``[h, N, M]`` bias from every query position to every key position."""
-        table = self.cpb_fc2(self.cpb_act(self.cpb_fc1(self.relative_coords_table)))  # [Uh * Uw, h]
+        """``[h, N, M]`` bias from every query position to every key position. In eager training the MLP's
+        hidden layer (``[Uh * Uw, 512]``, tens of MiB at stage 1, whatever the batch) is recomputed in backward
+        rather than kept: a few MFLOPs."""
+        table = self.relative_coords_table
+        if eager_autograd(table):
+            table = checkpoint(self.position_mlp, table, use_reentrant=False)  # [Uh * Uw, h]
+        else:
+            table = self.position_mlp(table)
         table = table.transpose(0, 1).reshape(self.num_heads, *self.bias_grid)
         index_h, index_w = self.relative_index_h, self.relative_index_w  # [Hq, Hk], [Wq, Wk]
         bias = table[:, index_h[:, None, :, None], index_w[None, :, None, :]]  # [h, Hq, Wq, Hk, Wk]
@@ -341,7 +349,7 @@ class TransNeXtAggregatedAttention(_TransNeXtAttention):
         self.learnable_tokens = nn.Parameter(
             nn.init.trunc_normal_(torch.empty(self.num_heads, self.head_dim, self.local_len), std=0.02))
         self.learnable_bias = nn.Parameter(torch.zeros(self.num_heads, 1, self.local_len))
-        self.sr = nn.Conv2d(dim, dim, kernel_size=1)
+        self.sr = TokenConv1x1(dim)
         self.norm = nn.LayerNorm(dim)
         self.act = nn.GELU()
         self.init_position_mlp(self.pool_size)
@@ -365,8 +373,8 @@ class TransNeXtAggregatedAttention(_TransNeXtAttention):
     def pooled_tokens(self, x: Tensor) -> Tensor:
         """``[B, N, C]`` -> ``[B, P, C]``: 1x1 conv, GELU, adaptive average pool, LayerNorm."""
         B, N, C = x.shape
-        image = x.transpose(1, 2).reshape(B, C, *self.input_resolution)
-        pooled = F.adaptive_avg_pool2d(self.act(self.sr(image)), self.pool_size)
+        image = self.act(self.sr(x)).transpose(1, 2).reshape(B, C, *self.input_resolution)
+        pooled = average_pool(image, self.pool_size)
         return self.norm(pooled.flatten(2).transpose(1, 2))
 
     # MoH may run this kernel sparse (moh_vision.attention.sparse): queries, attention and output
@@ -443,6 +451,37 @@ class TransNeXtAggregatedAttention(_TransNeXtAttention):
         return f"{super().extra_repr()}, window_size={self.window_size}, pool_size={self.pool_size}"
 
 
+class TokenConv1x1(nn.Conv2d):
+    """The pooled branch's 1x1 convolution (the official ``sr``: its parameters, keys and FLOPs) applied to tokens
+    ``[B, N, C]`` as the linear map it is: one GEMM, where a convolution of the token sequence viewed as an image
+    takes PyTorch's slow path on the CPU, forward and backward."""
+
+    def __init__(self, dim: int):
+        super().__init__(dim, dim, kernel_size=1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight.flatten(1), self.bias)
+
+
+def average_pool(x: Tensor, size: Size2) -> Tensor:
+    """``F.adaptive_avg_pool2d``; in eager training as :class:`_AveragePool`, which keeps nothing for backward."""
+    return _AveragePool.apply(x, size) if eager_autograd(x) else F.adaptive_avg_pool2d(x, size)
+
+
+class _AveragePool(torch.autograd.Function):
+    """Adaptive average pooling whose backward reads only the input's shape: autograd would keep the whole
+    input (the pooled branch's ``[B, C, H, W]`` activation, per aggregated-attention layer)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, size: Size2) -> Tensor:
+        ctx.shape = x.shape
+        return F.adaptive_avg_pool2d(x, size)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return torch.ops.aten._adaptive_avg_pool2d_backward(grad, grad.new_empty(ctx.shape)), None
+
+
 # ----------------------------------------------------------------------------------------------
 # Blocks
 # ----------------------------------------------------------------------------------------------
@@ -484,10 +523,9 @@ class _GatedTail(torch.autograd.Function):
             conv_inputs = [t.detach().requires_grad_() if t is not None else None for t in (x, conv_weight, conv_bias)]
             a_ = _depthwise(*conv_inputs, *ctx.size)
         a = a_.detach()
-        cdf = 0.5 * (1.0 + torch.erf(a * M_SQRT1_2))  # GELU(a) = a * cdf(a); its derivative cdf + a * pdf
-        activated = a * cdf
+        activated = F.gelu(a)
         grad_hidden = grad @ weight
-        grad_a = grad_hidden * gate * (cdf + a * torch.exp(-0.5 * a * a) * M_1_SQRT2PI)
+        grad_a = torch.ops.aten.gelu_backward(grad_hidden * gate, a)  # GELU's derivative in one pass
         wanted = [t for t in conv_inputs if t is not None]
         grad_x, grad_conv_weight, *grad_conv_bias = torch.autograd.grad(a_, wanted, grad_a)
         grad_weight = grad.flatten(0, -2).t() @ (activated * gate).flatten(0, -2)
@@ -501,7 +539,7 @@ def gated_tail(x: Tensor, gate: Tensor, dwconv: nn.Conv2d, fc: nn.Linear, H: int
     ``torch.compile`` (whose partitioner chooses what to recompute itself), tracers (the FLOP counter counts
     those), ``torch.func``, and where no gradient is needed. Under autocast the Function runs in the autocast
     dtype (its backward runs outside autocast)."""
-    if not (torch.is_grad_enabled() and active_tracer(x) is None):
+    if not eager_autograd(x):
         return fc(F.gelu(_depthwise(x, dwconv.weight, dwconv.bias, H, W)) * gate)
     device = x.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype

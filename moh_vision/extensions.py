@@ -1,0 +1,53 @@
+"""This package's C++ CPU kernels, compiled on first use.
+
+Each is one source file under ``csrc/`` that registers its operators with ``torch.library``; loading it builds it
+with the C++ compiler torch's extensions use (``torch.utils.cpp_extension``: g++ and ninja, about 30 s once per
+machine and torch version: the build is cached under ``TORCH_EXTENSIONS_DIR``, default
+``~/.cache/torch_extensions``). Without a compiler (or with the kernel's environment switch set to ``0``) the
+callers run their ATen formulas, which give the same values, and say so once.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from pathlib import Path
+from typing import Dict
+
+import torch
+
+log = logging.getLogger(__name__)
+_lock = threading.Lock()
+_loaded: Dict[str, bool] = {}  # per process: library name -> built and loaded
+
+
+def load_cpu_kernels(library: str, op: str, source: Path, switch: str, what: str) -> bool:
+    """Whether ``torch.ops.<library>.<op>`` (defined by ``source``) is loaded: :func:`build` on the first call in
+    this process, its answer afterwards."""
+    if library not in _loaded:
+        with _lock:
+            if library not in _loaded:
+                _loaded[library] = build(library, op, source, switch, what)
+    return _loaded[library]
+
+
+def build(library: str, op: str, source: Path, switch: str, what: str) -> bool:
+    """Build and load ``source`` unless ``torch.ops.<library>.<op>`` exists already: False (said once) if it cannot
+    be built or if the environment variable ``switch`` is ``0``. ``what`` names the kernel in messages."""
+    if os.environ.get(switch, "1") == "0":
+        log.info("%s=0: %s runs as ATen operators", switch, what)
+        return False
+    if hasattr(getattr(torch.ops, library), op):
+        return True
+    try:
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "no CUDA runtime" on CPU hosts
+        from torch.utils import cpp_extension
+        log.info("loading %s's C++ kernel (compiled on first use: ~30 s once per machine)", what)
+        version = "".join(c if c.isalnum() else "_" for c in torch.__version__)  # a build per torch (its ABI)
+        cpp_extension.load(name=f"moh_vision_{library}_{version}", sources=[str(source)], extra_cflags=["-O3"],
+                           is_python_module=False, verbose=False)
+        return True
+    except Exception as error:  # no compiler, no ninja, a read-only cache: the formulas are exact too
+        log.warning("%s's C++ kernel could not be built (%s); it runs as ATen operators (the same values; set "
+                    "%s=0 to skip the attempt)", what, str(error).splitlines()[0][:200], switch)
+        return False
