@@ -53,6 +53,9 @@ def test_quick_run_gives_finite_consistent_rows_eager_and_compiled(tmp_path, mon
                 assert r[f"{mode}_ratio_per_gflop"][key] == pytest.approx(r[f"{mode}_ratio"][key] / r["gflops_ratio"])
             for side in (ours, peer):
                 assert side[f"{mode}_img_s"] == pytest.approx(1e3 * r["batch"] / side[f"{mode}_ms"]["median"])
+        for side in (ours, peer):  # the trainer's convention: 2 FLOPs a multiply-add, 3x the active forward
+            assert side["train_tflops"] == pytest.approx(6 * side["active_gflops"] * side["train_img_s"] / 1e3)
+            assert "train_utilisation" not in side  # no peak on a CPU
         assert 0 < ours["gflops"] and 0 < peer["gflops"] and ours["saved_mib_per_image"] > 0
     record = json.loads(out.with_suffix(".json").read_text())
     assert record["rows"] == rows and record["torch"] == torch.__version__ and record["device"] == "cpu"

@@ -18,7 +18,8 @@
 #   bash tools/gpu_checks.sh wheels <dir>     # here: the wheels part `train` needs on a GPU machine
 #
 # parts: a comma-separated choice of tests, attention, models, routing, train, backbones (default: tests,
-# attention, models). Part `backbones` (issue 42): the aggregated-attention kernels' gpu tests, then
+# attention, models). Part `backbones` (issue 42): a short profile of TransNeXt-T beside Swin-T (batch 64, top
+# kernels of each), the aggregated-attention kernels' gpu tests, then
 # tools/bench_backbones.py in bf16 with each model's top kernels (profile=true): TransNeXt-T/-B beside Swin-T/-B
 # at batch 128 and 64 eager, TransNeXt-B beside Swin-B at batch 32 (peak memory) and TransNeXt-T/Swin-T compiled
 # at 64, each step under a time limit (TIMEOUT_TESTS, TIMEOUT_BENCH seconds). On one H200 (2026-11-27) the
@@ -136,6 +137,13 @@ if [[ $parts == *,routing,* ]]; then  # issue 43: MoH/dense at batch 32 and at t
 fi
 
 if [[ $parts == *,backbones,* ]]; then  # issue 42: the aggregated-attention kernels and the backbones beside timm peers
+  if [[ -z "$quick" ]]; then  # first, where a step's time goes (2026-11-27 left that unmeasured): top kernels, short
+    step "backbones_profile_b64"
+    timeout "${TIMEOUT_BENCH:-120}" python3 tools/bench_backbones.py pairs=transnext_tiny:swin_tiny_patch4_window7_224 \
+      batch=64 device=$device dtype=bfloat16 rounds=2 warmup=1 profile=true out="$out/runs/backbones_profile_b64.md" \
+      2>"$out/runs/backbones_profile_b64.err"
+    pack
+  fi
   step "aggregated attention: gpu tests"
   timeout "${TIMEOUT_TESTS:-110}" python3 -m pytest -v -p no:cacheprovider --noconftest -o addopts="" -m gpu \
     tests/test_aggregated_attention.py 2>&1 | tail -40 | tee "$out/runs/aggregated_gpu_tests.log"

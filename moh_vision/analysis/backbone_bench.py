@@ -218,6 +218,21 @@ def top_ops_table(rows: Sequence[Dict]) -> str:
     return "\n".join(lines) + ("\n" if lines else "")
 
 
+def arithmetic_rate(info: Dict[str, object], timings: Dict[str, object], device: torch.device,
+                    dtype: torch.dtype) -> Dict[str, float]:
+    """The training step's achieved ``train_tflops`` (2 FLOPs a multiply-add, 3x the active forward: the
+    trainer's convention, :mod:`~moh_vision.analysis.device_peaks`) and, on a GPU of the peaks table,
+    ``train_utilisation`` against its dense peak for ``dtype``."""
+    from .device_peaks import device_name, peak_tflops, run_precision, training_gflops_per_image
+
+    out = {"train_tflops": training_gflops_per_image(info) * timings["train_img_s"] / 1e3}
+    amp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "none")
+    peak = peak_tflops(device_name(device), run_precision(amp)) if device.type == "cuda" else None
+    if peak:
+        out["train_utilisation"] = out["train_tflops"] / peak
+    return out
+
+
 def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, warmup: int, min_seconds: float,
                device: torch.device, dtype: torch.dtype, compile_modes: Sequence[bool], compile_mode: str,
                saved: bool, profile: bool = False) -> List[Dict[str, object]]:
@@ -236,7 +251,8 @@ def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, war
         row = {"pair": f"{ours}:{peer}", "compiled": compiled, "img_size": img_size, "batch": batch,
                "gflops_ratio": gflops_ratio, **timings}
         for side, name in (("ours", ours), ("peer", peer)):
-            row[side] = {"model": name, **info[side], **timings[side]}
+            row[side] = {"model": name, **info[side], **timings[side], **arithmetic_rate(info[side],
+                                                                                        timings[side], device, dtype)}
             if profile:
                 row[side]["top_ops"] = top_ops(make_step(timed[side], batch, device, True, dtype), device)
         if saved:
@@ -258,6 +274,8 @@ def backbones_table(rows: Sequence[Dict], header: str) -> str:
     peak = "train_peak_mb" in rows[0]["ours"]
     columns = ["ours / peer", "compiled", "GFLOPs", "params M", "train ms", "train x peer", "per GFLOP",
                "infer ms", "infer x peer", "per GFLOP", "train img/s", "infer img/s"]
+    util = "train_utilisation" in rows[0]["ours"]
+    columns += ["train TFLOP/s"] + (["train utilisation"] if util else [])
     columns += ["saved MiB/img", "saved x peer"] if saved else []
     columns += ["train peak MB"] if peak else []
     lines = [header, "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
@@ -272,7 +290,8 @@ def backbones_table(rows: Sequence[Dict], header: str) -> str:
         for mode in MODES:
             cells += [f"{_spread(ours[f'{mode}_ms'], 1)} / {_spread(peer[f'{mode}_ms'], 1)}",
                       _spread(r[f"{mode}_ratio"], 2), _spread(r[f"{mode}_ratio_per_gflop"], 2)]
-        cells += [both("train_img_s", ".1f"), both("infer_img_s", ".1f")]
+        cells += [both("train_img_s", ".1f"), both("infer_img_s", ".1f"), both("train_tflops", ".3g")]
+        cells += [f"{100 * ours['train_utilisation']:.1f}% / {100 * peer['train_utilisation']:.1f}%"] if util else []
         cells += [both("saved_mib_per_image", ".1f"), f"{r['saved_ratio']:.2f}"] if saved else []
         cells += [both("train_peak_mb", ".0f")] if peak else []
         lines.append("| " + " | ".join(cells) + " |")
@@ -317,8 +336,9 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
     header = (f"Backbones against timm peers: {where_measured(where)}, {dtype}, batch {batch}, {img_size} px, "
               f"{compiled}{mode}; each pair interleaved, {rounds}+ rounds after {warmup} warm-up: ms per step and "
               f"x peer (ours/peer per round) as median [quartiles]; per GFLOP = x peer / GFLOPs ratio (fvcore "
-              f"multiply-adds, one image)" + ("; saved = bytes kept for backward per image (eager; parameters "
-                                              "and their autocast copies excluded)" if saved else ""))
+              f"multiply-adds, one image); train TFLOP/s = 2 x 3 x active GFLOPs x images/s (utilisation: of the "
+              f"GPU's dense peak)" + ("; saved = bytes kept for backward per image (eager; parameters and their "
+                                      "autocast copies excluded)" if saved else ""))
     table = backbones_table(rows, header) + top_ops_table(rows)
     print(table)
     if out:
