@@ -135,3 +135,14 @@ def test_profile_lists_where_a_step_goes(tmp_path):
     assert ops and all(op["ms"] >= 0 and op["calls"] >= 1 for op in ops)
     assert [op["ms"] for op in ops] == sorted((op["ms"] for op in ops), reverse=True)
     assert "self time by operator" in (tmp_path / "b.md").read_text()
+
+
+def test_components_time_each_aggregated_stage_piece():
+    from moh_vision.analysis.backbone_bench import DEPTHWISE_LAYOUTS, component_table, component_times
+
+    rows = component_times("transnext_nano", 1, 1, torch.device("cpu"), torch.float32)
+    assert [r["stage"] for r in rows] == [1, 2, 3]  # stage 4 attends fully
+    for r in rows:
+        pieces = [f"dwconv_{layout}" for layout in DEPTHWISE_LAYOUTS] + ["aggregated_attention"]
+        assert all(r[p]["n"] == 1 and r[p]["median"] > 0 for p in pieces)
+    assert component_table(rows, "h").count("\n| ") == 4  # the header row and one per stage

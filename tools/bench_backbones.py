@@ -12,8 +12,10 @@ ratio per GFLOP (x peer over the GFLOPs ratio: 1.0 means ours costs what its FLO
 MiB per image that autograd saves for backward (``saved``; parameters excluded, machine-independent) and,
 on CUDA, the training peak memory. ``pairs=big`` adds TransNeXt-S/Swin-S and TransNeXt-B/Swin-B to the
 default two. ``compile=false,true`` times each pair eager and compiled. ``profile=true`` adds where a
-training step's time goes: each model's operators (CUDA: kernels) by self time. ``out=t.md`` also writes ``t.json``
-(every number, torch and timm versions, the machine, the options).
+training step's time goes: each model's operators (CUDA: kernels) by self time. ``components=true`` times
+our models' pieces alone, per stage (the depthwise convolution with its input in three layouts, the aggregated
+attention). ``out=t.md`` also writes ``t.json`` (every number, torch and timm versions, the machine, the
+options).
 """
 from __future__ import annotations
 
@@ -41,6 +43,8 @@ OPTIONS = (
     Option("saved", type=boolean, help="measure the bytes saved for backward per image (default: on the CPU)"),
     Option("quick", False, boolean, "tiny models at 64 px, batch 1, 2 rounds (smoke test)"),
     Option("profile", False, boolean, "also each model's top operators (CUDA: kernels) by self time in one step"),
+    Option("components", False, boolean, "also time each of our models' pieces alone (depthwise convolution "
+           "layouts, the aggregated attention) per stage"),
     Option("out", help="also write the markdown table here, and every number as JSON beside it (.json)"),
 )
 
@@ -48,7 +52,7 @@ OPTIONS = (
 def bench(opts) -> List[Dict]:
     return bench_backbones(opts.pairs, opts.batch, opts.img_size, opts.rounds, opts.warmup, opts.min_seconds,
                            opts.device, opts.dtype, opts.threads, opts.compile, opts.compile_mode, opts.saved,
-                           opts.quick, opts.out, opts.profile)
+                           opts.quick, opts.out, opts.profile, opts.components)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[Dict]:

@@ -19,9 +19,9 @@
 #
 # parts: a comma-separated choice of tests, attention, models, routing, train, backbones (default: tests,
 # attention, models). Part `backbones` (issue 42): a short profile of TransNeXt-T beside Swin-T (batch 64, top
-# kernels of each), the aggregated-attention kernels' gpu tests, then
-# tools/bench_backbones.py in bf16 with each model's top kernels (profile=true): TransNeXt-T/-B beside Swin-T/-B
-# at batch 128 and 64 eager, TransNeXt-B beside Swin-B at batch 32 (peak memory) and TransNeXt-T/Swin-T compiled
+# kernels of each, and TransNeXt-T's depthwise convolution in three layouts and its attention alone), the
+# aggregated-attention kernels' gpu tests, then tools/bench_backbones.py in bf16 with each model's top kernels
+# (profile=true): TransNeXt-T/-B beside Swin-T/-B at batch 128 and 64 eager, TransNeXt-B beside Swin-B at batch 32 (peak memory) and TransNeXt-T/Swin-T compiled
 # at 64, each step under a time limit (TIMEOUT_TESTS, TIMEOUT_BENCH seconds). On one H200 (2026-11-27) the
 # first steps compiled the Triton kernels (~40 s) and the FLOP counts took ~20 s, so at 100 s / 70 s only the
 # batch-128 table finished in a 400 s call (docs/bench/h200-2026-11-27/): give it 120 s a step. On one H100
@@ -140,7 +140,8 @@ if [[ $parts == *,backbones,* ]]; then  # issue 42: the aggregated-attention ker
   if [[ -z "$quick" ]]; then  # first, where a step's time goes (2026-11-27 left that unmeasured): top kernels, short
     step "backbones_profile_b64"
     timeout "${TIMEOUT_BENCH:-120}" python3 tools/bench_backbones.py pairs=transnext_tiny:swin_tiny_patch4_window7_224 \
-      batch=64 device=$device dtype=bfloat16 rounds=2 warmup=1 profile=true out="$out/runs/backbones_profile_b64.md" \
+      batch=64 device=$device dtype=bfloat16 rounds=2 warmup=1 profile=true components=true \
+      out="$out/runs/backbones_profile_b64.md" \
       2>"$out/runs/backbones_profile_b64.err"
     pack
   fi

@@ -262,6 +262,84 @@ def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, war
 
 
 # ----------------------------------------------------------------------------------------------
+# Components: where a TransNeXt block's time may go, one piece at a time
+# ----------------------------------------------------------------------------------------------
+def _depthwise_input(x: torch.Tensor, layout: str, H: int, W: int) -> torch.Tensor:
+    """The ConvGLU's ``[B, N, C]`` half (a view of ``fc1``'s output) as the convolution's image: as the model
+    passes it (a strided view in channels-last order), or copied to NCHW or channels-last."""
+    image = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], H, W)
+    return {"model": image, "nchw": image.contiguous(),
+            "channels_last": image.contiguous(memory_format=torch.channels_last)}[layout]
+
+
+DEPTHWISE_LAYOUTS = ("model", "nchw", "channels_last")
+
+
+def component_times(model_name: str, batch: int, rounds: int, device: torch.device,
+                    dtype: torch.dtype) -> List[Dict[str, object]]:
+    """Forward + backward ms (median [quartiles], interleaved) of each aggregated stage's pieces of
+    ``model_name`` at ``batch``: the ConvGLU's 3x3 depthwise convolution with its input laid out as the model
+    passes it, as NCHW and as channels-last (:data:`DEPTHWISE_LAYOUTS`; what the backend picks differs), and the
+    aggregated-attention operator (:mod:`~moh_vision.models.aggregated_attention`) on its inputs."""
+    import torch.nn.functional as F
+    from moh_vision.models.aggregated_attention import aggregated_attention
+
+    import timm
+
+    with torch.device("meta"):  # only its shapes
+        model = timm.create_model(model_name)
+    rows = []
+    for index, (H, W, C, hidden, heads, pool, window) in enumerate(_stages(model)):
+        g = torch.Generator(device="cpu").manual_seed(index)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
+
+        fc1 = rand(batch, H * W, 2 * hidden)
+        weight, bias = rand(hidden, 1, 3, 3), rand(hidden)
+        calls = {}
+        for layout in DEPTHWISE_LAYOUTS:
+            def conv(layout=layout):
+                x = _depthwise_input(fc1[..., :hidden], layout, H, W)
+                F.conv2d(x, weight, bias, padding=1, groups=hidden).sum().backward()
+            calls[f"dwconv_{layout}"] = conv
+        d = C // heads
+        q, k, v = (rand(batch, heads, H * W, d) for _ in range(3))
+        k_pool, v_pool = rand(batch, heads, pool, d), rand(batch, heads, pool, d)
+        extra = (rand(heads, H * W, pool), rand(heads, window ** 2), rand(batch, heads, H * W, window ** 2))
+        calls["aggregated_attention"] = lambda: aggregated_attention(
+            q, k, v, k_pool, v_pool, *extra, (H, W), window).sum().backward()
+        times = interleave(calls, rounds=rounds, warmup=2, device=device)
+        rows.append({"stage": index + 1, "tokens": f"{H}x{W}", "dim": C, "hidden": hidden, "heads": heads,
+                     **{name: Spread.of([1e3 * t for t in ts]).as_dict() for name, ts in times.items()}})
+    return rows
+
+
+def _stages(model: nn.Module) -> List[Tuple[int, int, int, int, int, int, int]]:
+    """(H, W, dim, ConvGLU hidden width, heads, pooled tokens, window) of each aggregated stage's first block."""
+    from moh_vision.models.transnext import TransNeXtAggregatedAttention
+
+    out = []
+    for index in range(4):
+        block = getattr(model, f"block{index + 1}")[0]
+        if isinstance(block.attn, TransNeXtAggregatedAttention):
+            H, W = block.attn.input_resolution
+            out.append((H, W, block.attn.dim, block.mlp.fc2.in_features, block.attn.num_heads, block.attn.pool_len,
+                        block.attn.window_size))
+    return out
+
+
+def component_table(rows: Sequence[Dict], header: str) -> str:
+    names = [k for k in rows[0] if k.startswith(("dwconv_", "aggregated"))]
+    lines = [header, "", "| stage | tokens | dim / hidden / heads | " + " | ".join(names) + " |",
+             "|" + "---|" * (3 + len(names))]
+    for r in rows:
+        lines.append(f"| {r['stage']} | {r['tokens']} | {r['dim']} / {r['hidden']} / {r['heads']} | "
+                     + " | ".join(_spread(r[n], 2) for n in names) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ----------------------------------------------------------------------------------------------
 # The table and the record
 # ----------------------------------------------------------------------------------------------
 def _spread(d: Dict[str, float], digits: int) -> str:
@@ -303,18 +381,19 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
                     min_seconds: float = 0.0, device: str = "auto", dtype: str = "float32",
                     threads: Optional[int] = None, compile_modes: Sequence[bool] = (False,),
                     compile_mode: str = "default", saved: Optional[bool] = None, quick: bool = False,
-                    out: Optional[str] = None, profile: bool = False) -> List[Dict]:
+                    out: Optional[str] = None, profile: bool = False, with_components: bool = False) -> List[Dict]:
     """Time every ``ours:peer`` pair (default :data:`PAIR_SETS` ``default``; ``quick``: ``quick`` at
     :data:`QUICK_SETTINGS`), print the table and return its rows; ``out`` also gets the table, and
     ``<out>.json`` every number with the torch and timm versions, the machine and these settings. ``saved``
     (default: on the CPU only) measures the bytes saved for backward per image; ``profile`` adds each model's
-    operators (CUDA: kernels) by self time in one training step (:func:`top_ops`)."""
+    operators (CUDA: kernels) by self time in one training step (:func:`top_ops`); ``with_components`` each
+    TransNeXt's pieces timed alone (:func:`component_times`)."""
     import timm
 
     settings = {"pairs": list(pairs) if pairs else None, "batch": batch, "img_size": img_size, "rounds": rounds,
                 "warmup": warmup, "min_seconds": min_seconds, "device": device, "dtype": dtype, "threads": threads,
                 "compile": list(compile_modes), "compile_mode": compile_mode, "saved": saved, "quick": quick,
-                "profile": profile}
+                "profile": profile, "components": with_components}
     defaults = QUICK_SETTINGS if quick else SETTINGS
     batch, img_size, rounds, warmup = (defaults[k] if settings[k] is None else settings[k]
                                        for k in ("batch", "img_size", "rounds", "warmup"))
@@ -340,6 +419,13 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
               f"GPU's dense peak)" + ("; saved = bytes kept for backward per image (eager; parameters and their "
                                       "autocast copies excluded)" if saved else ""))
     table = backbones_table(rows, header) + top_ops_table(rows)
+    components = {}
+    for name in dict.fromkeys(ours for ours, _ in chosen) if with_components else ():
+        components[name] = component_times(name, batch, rounds, where, torch_dtype)
+        table += "\n" + component_table(components[name], (
+            f"Pieces of {name}'s aggregated stages ({dtype}, batch {batch}): forward + backward ms, median [quartiles] "
+            f"of {rounds} interleaved rounds; dwconv_*: the ConvGLU's depthwise convolution with its input as the "
+            "model passes it, copied to NCHW, copied to channels-last"))
     print(table)
     if out:
         machine = torch.cuda.get_device_name(where) if where.type == "cuda" else machine_description()
@@ -347,6 +433,8 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
                   "machine": machine, "threads": torch.get_num_threads(), "options": settings,
                   "resolved": {"pairs": [f"{a}:{b}" for a, b in chosen], "batch": batch, "img_size": img_size,
                                "rounds": rounds, "warmup": warmup, "saved": saved}, "rows": rows}
+        if components:
+            record["components"] = components
         Path(out).write_text(table)
         Path(out).with_suffix(".json").write_text(json.dumps(record, indent=1))
     return rows
