@@ -21,8 +21,8 @@
 # attention, models). Part `backbones` (issue 42): a short profile of TransNeXt-T beside Swin-T (batch 64, top
 # kernels of each, and TransNeXt-T's depthwise convolution in three layouts and its attention alone), the
 # aggregated-attention kernels' gpu tests, then tools/bench_backbones.py in bf16 with each model's top kernels
-# (profile=true): TransNeXt-T/-B beside Swin-T/-B at batch 128 and 64 eager, TransNeXt-B beside Swin-B at batch 32 (peak memory) and TransNeXt-T/Swin-T compiled
-# at 64, each step under a time limit (TIMEOUT_TESTS, TIMEOUT_BENCH seconds). On one H200 (2026-11-27) the
+# (profile=true): TransNeXt-T/-B beside Swin-T/-B at batch 128 and 64 eager, TransNeXt-B beside Swin-B at batch
+# 32 (peak memory) and TransNeXt-T/Swin-T compiled at 64, each step under a time limit (TIMEOUT_TESTS, TIMEOUT_BENCH seconds). On one H200 (2026-11-27) the
 # first steps compiled the Triton kernels (~40 s) and the FLOP counts took ~20 s, so at 100 s / 70 s only the
 # batch-128 table finished in a 400 s call (docs/bench/h200-2026-11-27/): give it 120 s a step. On one H100
 # (2026-11-25) the tests took 30 s, the attention runs 6 min and part train about 2 min; the models did not
