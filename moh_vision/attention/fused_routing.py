@@ -25,23 +25,19 @@ unspecified, so on exactly tied router outputs (a zero router) the two may selec
 """
 from __future__ import annotations
 
-import logging
 import os
-import threading
 from pathlib import Path
 from typing import NamedTuple, Optional
 
 import torch
 
+from moh_vision.extensions import build, load_cpu_kernels
+
 Tensor = torch.Tensor
-log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("csrc") / "moh_routing.cpp"
 ENV_SWITCH = "MOH_VISION_FUSED_ROUTING"
 LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-_lock = threading.Lock()
-_loaded: Optional[bool] = None  # None: not tried yet; the build is per process, not per model
 
 
 def fused_routing_available(device_type: str = "cpu", topk: int = 1) -> bool:
@@ -53,12 +49,7 @@ def fused_routing_available(device_type: str = "cpu", topk: int = 1) -> bool:
         return topk > 0 and os.environ.get(ENV_SWITCH, "1") != "0" and _triton_present()
     if device_type != "cpu":
         return False
-    global _loaded
-    if _loaded is None:
-        with _lock:
-            if _loaded is None:
-                _loaded = _build()
-    return _loaded
+    return load_cpu_kernels("moh_routing", "route", SOURCE, ENV_SWITCH, "MoH's fused routing")
 
 
 def _triton_present() -> bool:
@@ -67,23 +58,9 @@ def _triton_present() -> bool:
 
 
 def _build() -> bool:
-    if os.environ.get(ENV_SWITCH, "1") == "0":  # "triton" (CUDA's switch) leaves the CPU kernel on
-        log.info("%s=0: MoH's routing runs as ATen operators", ENV_SWITCH)
-        return False
-    if hasattr(torch.ops, "moh_routing") and hasattr(torch.ops.moh_routing, "route"):
-        return True
-    try:
-        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "no CUDA runtime" on CPU hosts
-        from torch.utils import cpp_extension
-        log.info("loading MoH's fused routing kernel (compiled on first use: ~30 s once per machine)")
-        version = "".join(c if c.isalnum() else "_" for c in torch.__version__)  # a build per torch (its ABI)
-        cpp_extension.load(name=f"moh_vision_routing_{version}", sources=[str(SOURCE)], extra_cflags=["-O3"],
-                           is_python_module=False, verbose=False)
-        return True
-    except Exception as error:  # no compiler, no ninja, a read-only cache: the formulas are exact too
-        log.warning("MoH's fused routing kernel could not be built (%s); the routing runs as ATen operators "
-                    "(the same values; set %s=0 to skip the attempt)", str(error).splitlines()[0][:200], ENV_SWITCH)
-        return False
+    """Build (or find) the CPU kernel now: :func:`moh_vision.extensions.build` (``=triton``, CUDA's switch, leaves
+    it on)."""
+    return build("moh_routing", "route", SOURCE, ENV_SWITCH, "MoH's fused routing")
 
 
 class Routing(NamedTuple):
