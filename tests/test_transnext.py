@@ -417,23 +417,3 @@ def test_average_pool_function_and_token_conv_equal_torch():
     want = torch.nn.functional.conv2d(image, conv.weight, conv.bias).flatten(2).transpose(1, 2)
     torch.testing.assert_close(conv(tokens), want)
 
-
-def test_depthwise_convolution_under_compile_equals_the_convolution(monkeypatch):
-    """Under ``torch.compile`` the ConvGLU's depthwise convolution is nine shifted multiply-adds (which the compiler
-    fuses): the convolution's values and gradients."""
-    from moh_vision.models import transnext as module
-
-    x = torch.randn(2, 20, 6, dtype=torch.float64, requires_grad=True)
-    weight, bias = (torch.randn(6, 1, 3, 3, dtype=torch.float64, requires_grad=True),
-                    torch.randn(6, dtype=torch.float64, requires_grad=True))
-    got = torch.autograd.functional.vjp(lambda *t: module._depthwise(*t, 4, 5), (x, weight, bias),
-                                        torch.ones(2, 20, 6, dtype=torch.float64))
-    monkeypatch.setattr(module, "active_tracer", lambda t=None: module.COMPILE)
-    monkeypatch.setattr(module.F, "conv2d", None)  # the shifted form calls no convolution
-    shifted = torch.autograd.functional.vjp(lambda *t: module._depthwise(*t, 4, 5), (x, weight, bias),
-                                            torch.ones(2, 20, 6, dtype=torch.float64))
-    for a, b in zip([got[0], *got[1]], [shifted[0], *shifted[1]]):
-        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
-    monkeypatch.undo()
-    compiled = torch.compile(lambda t: module._depthwise(t, weight, bias, 4, 5), backend="aot_eager")
-    torch.testing.assert_close(compiled(x), got[0], rtol=1e-12, atol=1e-12)
