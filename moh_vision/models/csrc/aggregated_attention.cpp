@@ -17,6 +17,7 @@
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
 #include <ATen/ops/matmul.h>
 #include <ATen/ops/sum.h>
 #include <ATen/ops/zeros.h>
@@ -79,26 +80,67 @@ at::Tensor pooled_logits(const at::Tensor& q, const at::Tensor& k_pool, const at
                                                                       pool_bias.size(2)}));
 }
 
-// The window logits of query n into s[0..L) (slots outside the map: -inf) and their token indices into nb
-// (-1 outside); returns the largest of them and of the query's pooled logits ``pooled``.
-template <typename T>
-T local_logits(const Geometry& g, int64_t n, const T* q, const T* k, const T* local_bias, const T* pooled, T* s,
-               int64_t* nb) {
-  const int64_t y = n / g.width, x = n % g.width, r = g.window / 2;
-  T top = -std::numeric_limits<T>::infinity();
-  for (int64_t l = 0; l < g.slots; ++l) {
-    const int64_t yy = y + l / g.window - r, xx = x + l % g.window - r;
-    if (yy < 0 || yy >= g.height || xx < 0 || xx >= g.width) {
-      nb[l] = -1;
-      s[l] = -std::numeric_limits<T>::infinity();
-      continue;
+// Token index of window slot l of query n, or -1 outside the map.
+inline int64_t neighbour(const Geometry& g, int64_t n, int64_t l) {
+  const int64_t r = g.window / 2, yy = n / g.width + l / g.window - r, xx = n % g.width + l % g.window - r;
+  return (yy < 0 || yy >= g.height || xx < 0 || xx >= g.width) ? -1 : yy * g.width + xx;
+}
+
+// Per (image, head) task, per query n and window slot l with an in-map neighbour m: fn(bh, n, l, m).
+template <typename Fn>
+void for_each_window(const Geometry& g, const Fn& fn) {
+  at::parallel_for(0, g.batch * g.heads, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t bh = begin; bh < end; ++bh) {
+      for (int64_t n = 0; n < g.tokens; ++n) {
+        for (int64_t l = 0; l < g.slots; ++l) {
+          const int64_t m = neighbour(g, n, l);
+          if (m >= 0) fn(bh, n, l, m);
+        }
+      }
     }
-    nb[l] = yy * g.width + xx;
-    s[l] = dot(q, k + nb[l] * g.dim, g.dim) + local_bias[l];
-    top = std::max(top, s[l]);
-  }
-  for (int64_t p = 0; p < g.pool; ++p) top = std::max(top, pooled[p]);
+  });
+}
+
+// The window logits [B, h, N, L] (-inf outside the map): q . k[n + o_l] + local_bias[l].
+template <typename T>
+at::Tensor window_logits(const Geometry& g, const at::Tensor& q, const at::Tensor& k, const at::Tensor& local_bias) {
+  at::Tensor s = at::full({g.batch, g.heads, g.tokens, g.slots}, -std::numeric_limits<double>::infinity(),
+                          q.options());
+  const T *qp = q.const_data_ptr<T>(), *kp = k.const_data_ptr<T>(), *lb = local_bias.const_data_ptr<T>();
+  T* sp = s.data_ptr<T>();
+  for_each_window(g, [&](int64_t bh, int64_t n, int64_t l, int64_t m) {
+    const int64_t rows = bh * g.tokens * g.dim;
+    sp[(bh * g.tokens + n) * g.slots + l] =
+        dot(qp + rows + n * g.dim, kp + rows + m * g.dim, g.dim) + lb[(bh % g.heads) * g.slots + l];
+  });
+  return s;
+}
+
+// The largest logit of each query, [B, h, N, 1], over its window's and its pooled ones (a loop: ATen's max over
+// a last dimension of 9 or 49 took a quarter of the forward).
+template <typename T>
+at::Tensor largest(const at::Tensor& s_local, const at::Tensor& s_pool) {
+  const int64_t rows = s_local.numel() / s_local.size(-1), L = s_local.size(-1), P = s_pool.size(-1);
+  std::vector<int64_t> shape(s_local.sizes().begin(), s_local.sizes().end());
+  shape.back() = 1;
+  at::Tensor top = at::empty(shape, s_local.options());
+  const T *a = s_local.const_data_ptr<T>(), *b = s_pool.const_data_ptr<T>();
+  T* out = top.data_ptr<T>();
+  at::parallel_for(0, rows, 1024, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      T m = -std::numeric_limits<T>::infinity();
+      for (int64_t j = 0; j < L; ++j) m = std::max(m, a[r * L + j]);
+      for (int64_t j = 0; j < P; ++j) m = std::max(m, b[r * P + j]);
+      out[r] = m;
+    }
+  });
   return top;
+}
+
+// The attention from the logits: its local part [B, h, N, L] and pooled part [B, h, N, P] (the exponentials
+// as vectorised ATen operators: one libm exp a logit in the loops cost more than the rest of the operator).
+std::tuple<at::Tensor, at::Tensor> exponentials(at::Tensor s_local, at::Tensor s_pool, const at::Tensor& shift) {
+  return {s_local.sub_(shift).exp_(), s_pool.sub_(shift).exp_()};
 }
 
 std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -108,40 +150,25 @@ std::tuple<at::Tensor, at::Tensor> forward(const at::Tensor& q, const at::Tensor
                                            int64_t window) {
   const Geometry g = check(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window);
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  at::Tensor attn_pool = pooled_logits(q, k_pool, pool_bias);  // becomes the pooled attention, in place
-  at::Tensor out = at::zeros(q.sizes(), q.options());
-  at::Tensor lse = at::empty({g.batch, g.heads, g.tokens}, q.options());
+  at::Tensor s_local, top, s_pool = pooled_logits(q, k_pool, pool_bias);
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "moh_aggregated_logits", [&] {
+    s_local = window_logits<scalar_t>(g, q, k, local_bias);
+    top = largest<scalar_t>(s_local, s_pool);
+  });
+  auto [e_local, e_pool] = exponentials(s_local, s_pool, top);
+  at::Tensor total = e_local.sum(-1, true).add_(e_pool.sum(-1, true));
+  at::Tensor weight = e_local.div_(total).add_(local_weight);  // a_l + w_l (outside the map: v reads nothing)
+  at::Tensor out = at::matmul(e_pool.div_(total), v_pool);
   AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "moh_aggregated_forward", [&] {
     using T = scalar_t;
-    at::parallel_for(0, g.batch * g.heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<T> s(g.slots);
-      std::vector<int64_t> nb(g.slots);
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t h = bh % g.heads, rows = bh * g.tokens * g.dim;
-        const T *qb = q.const_data_ptr<T>() + rows, *kb = k.const_data_ptr<T>() + rows;
-        const T *vb = v.const_data_ptr<T>() + rows, *lb = local_bias.const_data_ptr<T>() + h * g.slots;
-        const T *lw = local_weight.const_data_ptr<T>() + bh * g.tokens * g.slots;
-        T *ap = attn_pool.data_ptr<T>() + bh * g.tokens * g.pool;
-        T *ob = out.data_ptr<T>() + rows, *lse_b = lse.data_ptr<T>() + bh * g.tokens;
-        for (int64_t n = 0; n < g.tokens; ++n) {
-          T* pooled = ap + n * g.pool;
-          const T top = local_logits(g, n, qb + n * g.dim, kb, lb, pooled, s.data(), nb.data());
-          T total = 0;
-          for (T& e : s) total += (e = std::exp(e - top));
-          for (int64_t p = 0; p < g.pool; ++p) total += (pooled[p] = std::exp(pooled[p] - top));
-          const T inv = T(1) / total;
-          for (int64_t p = 0; p < g.pool; ++p) pooled[p] *= inv;
-          T* on = ob + n * g.dim;
-          for (int64_t l = 0; l < g.slots; ++l) {
-            if (nb[l] >= 0) axpy(s[l] * inv + lw[n * g.slots + l], vb + nb[l] * g.dim, on, g.dim);
-          }
-          lse_b[n] = top + std::log(total);
-        }
-      }
+    const T *wp = weight.const_data_ptr<T>(), *vp = v.const_data_ptr<T>();
+    T* op = out.data_ptr<T>();
+    for_each_window(g, [&](int64_t bh, int64_t n, int64_t l, int64_t m) {
+      const int64_t rows = bh * g.tokens * g.dim;
+      axpy(wp[(bh * g.tokens + n) * g.slots + l], vp + rows + m * g.dim, op + rows + n * g.dim, g.dim);
     });
   });
-  out.add_(at::matmul(attn_pool, v_pool));
-  return {out, lse};
+  return {out, top.add_(total.log_()).squeeze(-1)};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> backward(
@@ -154,59 +181,38 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
                   lse.numel() == g.batch * g.heads * g.tokens,
               "moh_aggregated: grad must be contiguous and shaped as q, lse [B, h, N], both of q's dtype");
   c10::impl::ExcludeDispatchKeyGuard no_autocast(c10::autocast_dispatch_keyset);
-  at::Tensor attn_pool = pooled_logits(q, k_pool, pool_bias);       // becomes the pooled attention a_p
-  at::Tensor ds_pool = at::matmul(grad, v_pool.transpose(-2, -1));  // g_p = grad . v_pool[p], becomes ds_p
-  const auto opts = q.options();
-  at::Tensor dq = at::zeros(q.sizes(), opts), dk = at::zeros(q.sizes(), opts), dv = at::zeros(q.sizes(), opts);
-  at::Tensor d_local_bias = at::zeros({g.batch, g.heads, g.slots}, opts);  // per image, summed below
-  at::Tensor d_local_weight = at::empty({g.batch, g.heads, g.tokens, g.slots}, opts);
-  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "moh_aggregated_backward", [&] {
+  at::Tensor s_local, g_local = at::zeros({g.batch, g.heads, g.tokens, g.slots}, q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "moh_aggregated_backward_logits", [&] {
     using T = scalar_t;
-    at::parallel_for(0, g.batch * g.heads, 1, [&](int64_t begin, int64_t end) {
-      std::vector<T> s(g.slots), gs(g.slots);
-      std::vector<int64_t> nb(g.slots);
-      for (int64_t bh = begin; bh < end; ++bh) {
-        const int64_t h = bh % g.heads, rows = bh * g.tokens * g.dim;
-        const T *qb = q.const_data_ptr<T>() + rows, *kb = k.const_data_ptr<T>() + rows;
-        const T *vb = v.const_data_ptr<T>() + rows, *gb = grad.const_data_ptr<T>() + rows;
-        const T *lb = local_bias.const_data_ptr<T>() + h * g.slots;
-        const T *lw = local_weight.const_data_ptr<T>() + bh * g.tokens * g.slots;
-        const T *lse_b = lse.const_data_ptr<T>() + bh * g.tokens;
-        T *ap = attn_pool.data_ptr<T>() + bh * g.tokens * g.pool, *dsp = ds_pool.data_ptr<T>() + bh * g.tokens * g.pool;
-        T *dqb = dq.data_ptr<T>() + rows, *dkb = dk.data_ptr<T>() + rows, *dvb = dv.data_ptr<T>() + rows;
-        T *dlb = d_local_bias.data_ptr<T>() + bh * g.slots, *dlw = d_local_weight.data_ptr<T>() + bh * g.tokens * g.slots;
-        for (int64_t n = 0; n < g.tokens; ++n) {
-          const T *qn = qb + n * g.dim, *gn = gb + n * g.dim;
-          T *a_pool = ap + n * g.pool, *g_pool = dsp + n * g.pool;
-          local_logits(g, n, qn, kb, lb, a_pool, s.data(), nb.data());
-          T delta = 0;
-          for (int64_t l = 0; l < g.slots; ++l) {
-            s[l] = std::exp(s[l] - lse_b[n]);  // 0 outside the map
-            gs[l] = nb[l] < 0 ? T(0) : dot(gn, vb + nb[l] * g.dim, g.dim);
-            delta += s[l] * gs[l];
-          }
-          for (int64_t p = 0; p < g.pool; ++p) {
-            a_pool[p] = std::exp(a_pool[p] - lse_b[n]);
-            delta += a_pool[p] * g_pool[p];
-          }
-          for (int64_t p = 0; p < g.pool; ++p) g_pool[p] = a_pool[p] * (g_pool[p] - delta);
-          T* dqn = dqb + n * g.dim;
-          for (int64_t l = 0; l < g.slots; ++l) {
-            dlw[n * g.slots + l] = gs[l];
-            if (nb[l] < 0) continue;
-            const T ds = s[l] * (gs[l] - delta);
-            axpy(ds, kb + nb[l] * g.dim, dqn, g.dim);
-            axpy(ds, qn, dkb + nb[l] * g.dim, g.dim);
-            axpy(s[l] + lw[n * g.slots + l], gn, dvb + nb[l] * g.dim, g.dim);
-            dlb[l] += ds;
-          }
-        }
-      }
+    s_local = window_logits<T>(g, q, k, local_bias);
+    const T *gp = grad.const_data_ptr<T>(), *vp = v.const_data_ptr<T>();
+    T* glp = g_local.data_ptr<T>();
+    for_each_window(g, [&](int64_t bh, int64_t n, int64_t l, int64_t m) {  // g_l = grad . v[n + o_l]
+      const int64_t rows = bh * g.tokens * g.dim;
+      glp[(bh * g.tokens + n) * g.slots + l] = dot(gp + rows + n * g.dim, vp + rows + m * g.dim, g.dim);
     });
   });
-  dq.add_(at::matmul(ds_pool, k_pool));
-  return {dq, dk, dv, at::matmul(ds_pool.transpose(-2, -1), q), at::matmul(attn_pool.transpose(-2, -1), grad),
-          ds_pool.sum(0), d_local_bias.sum(0), d_local_weight};
+  auto [a_local, a_pool] = exponentials(s_local, pooled_logits(q, k_pool, pool_bias), lse.unsqueeze(-1));
+  at::Tensor g_pool = at::matmul(grad, v_pool.transpose(-2, -1));  // g_p = grad . v_pool[p]
+  at::Tensor delta = a_local.mul(g_local).sum(-1, true).add_(a_pool.mul(g_pool).sum(-1, true));
+  at::Tensor ds_local = a_local.mul(g_local.sub(delta)), ds_pool = a_pool.mul(g_pool.sub_(delta));
+  at::Tensor weight = a_local.add_(local_weight);  // a_l + w_l
+  at::Tensor dq = at::matmul(ds_pool, k_pool), dk = at::zeros(q.sizes(), q.options()),
+             dv = at::zeros(q.sizes(), q.options());
+  AT_DISPATCH_FLOATING_TYPES(q.scalar_type(), "moh_aggregated_backward", [&] {
+    using T = scalar_t;
+    const T *qp = q.const_data_ptr<T>(), *kp = k.const_data_ptr<T>(), *gp = grad.const_data_ptr<T>();
+    const T *dsp = ds_local.const_data_ptr<T>(), *wp = weight.const_data_ptr<T>();
+    T *dqp = dq.data_ptr<T>(), *dkp = dk.data_ptr<T>(), *dvp = dv.data_ptr<T>();
+    for_each_window(g, [&](int64_t bh, int64_t n, int64_t l, int64_t m) {  // one task per (image, head): no race
+      const int64_t rows = bh * g.tokens * g.dim, slot = (bh * g.tokens + n) * g.slots + l;
+      axpy(dsp[slot], kp + rows + m * g.dim, dqp + rows + n * g.dim, g.dim);
+      axpy(dsp[slot], qp + rows + n * g.dim, dkp + rows + m * g.dim, g.dim);
+      axpy(wp[slot], gp + rows + n * g.dim, dvp + rows + m * g.dim, g.dim);
+    });
+  });
+  return {dq, dk, dv, at::matmul(ds_pool.transpose(-2, -1), q), at::matmul(a_pool.transpose(-2, -1), grad),
+          ds_pool.sum(0), ds_local.sum(at::IntArrayRef{0, 2}), g_local};
 }
 
 }  // namespace
