@@ -192,8 +192,8 @@ def test_triton_kernels_in_the_interpreter_equal_the_formula():
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
-@pytest.mark.parametrize("shape", SHAPES + [(4, 4, 4, 56, 56, 24, 49, 3), (2, 16, 16, 14, 14, 24, 49, 3),
-                                            (2, 2, 2, 24, 20, 24, 144, 3)])
+@pytest.mark.parametrize("shape", [(4, 4, 4, 56, 56, 24, 49, 3), (2, 16, 16, 14, 14, 24, 49, 3)] + SHAPES
+                         + [(2, 2, 2, 24, 20, 24, 144, 3)])  # TransNeXt's stages first: a time limit cuts the rest
 def test_operator_on_cuda_equals_the_unfold_form(shape, dtype, tol):
     inputs, grad = make_inputs(*shape, dtype=dtype)
     size, window = shape[3:5], shape[-1]

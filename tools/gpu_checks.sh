@@ -18,18 +18,19 @@
 #   bash tools/gpu_checks.sh wheels <dir>     # here: the wheels part `train` needs on a GPU machine
 #
 # parts: a comma-separated choice of tests, attention, models, routing, train, backbones (default: tests,
-# attention, models). Part `backbones` (issue 42): a short profile of TransNeXt-T beside Swin-T (batch 64, top
-# kernels of each, and TransNeXt-T's depthwise convolution in three layouts and its attention alone), the
-# aggregated-attention kernels' gpu tests, then tools/bench_backbones.py in bf16 with each model's top kernels
-# (profile=true): TransNeXt-T/-B beside Swin-T/-B at batch 128 and 64 eager, TransNeXt-B beside Swin-B at batch
-# 32 (peak memory) and TransNeXt-T/Swin-T compiled at 64, each step under a time limit (TIMEOUT_TESTS, TIMEOUT_BENCH seconds). On one H200 (2026-11-27) the
-# first steps compiled the Triton kernels (~40 s) and the FLOP counts took ~20 s, so at 100 s / 70 s only the
-# batch-128 table finished in a 400 s call (docs/bench/h200-2026-11-27/): give it 120 s a step. On one H100
+# attention, models). Part `backbones` (issue 42), in one call of under 10 minutes: a short profile of
+# TransNeXt-T beside Swin-T (batch 64 eager: top kernels of each, and TransNeXt-T's depthwise convolution in three
+# layouts and its attention alone), the aggregated-attention kernels' gpu tests (TransNeXt's shapes first), then
+# tools/bench_backbones.py in bf16 with each model's top kernels: TransNeXt-T/-B beside Swin-T/-B at batch 128
+# eager, TransNeXt-B beside Swin-B at batch 32 (peak memory) and TransNeXt-T/Swin-T compiled at 64; each step under
+# a time limit (TIMEOUT_PROFILE, TIMEOUT_TESTS, TIMEOUT_BENCH seconds: 110 each by default). On one H200
+# (2026-11-27) the first steps compiled the Triton kernels (~40 s) and the FLOP counts took ~20 s, so at 100 s /
+# 70 s only the batch-128 table finished in a 400 s call (docs/bench/h200-2026-11-27/). On one H100
 # (2026-11-25) the tests took 30 s, the attention runs 6 min and part train about 2 min; the models did not
 # finish in the 80 s left of an 8-minute command, so give them a call of their own. Every log, table and
 # .json lands in <out_dir>, and <out_dir>/gpu_checks.tar.gz holds them all but checkpoints (refreshed after
-# each step, so a run cut short still returns what it finished; PACK_TO=<dir> writes it there instead). `quick` runs tiny settings, on the CPU
-# when there is no GPU: a dry run of this script.
+# each step, so a run cut short still returns what it finished; PACK_TO=<dir> writes it there instead).
+# `quick` runs tiny settings, on the CPU when there is no GPU: a dry run of this script.
 #
 # The lent GPU machines have torch, Triton, timm (another version), tqdm, PyYAML, scikit-learn and
 # matplotlib, but not Hydra, OmegaConf or fvcore, which `train` needs: `wheels <dir>` writes them (the
@@ -139,9 +140,9 @@ fi
 if [[ $parts == *,backbones,* ]]; then  # issue 42: the aggregated-attention kernels and the backbones beside timm peers
   if [[ -z "$quick" ]]; then  # first, where a step's time goes (2026-11-27 left that unmeasured): top kernels, short
     step "backbones_profile_b64"
-    timeout "${TIMEOUT_BENCH:-120}" python3 tools/bench_backbones.py pairs=transnext_tiny:swin_tiny_patch4_window7_224 \
-      batch=64 device=$device dtype=bfloat16 rounds=2 warmup=1 profile=true components=true \
-      out="$out/runs/backbones_profile_b64.md" \
+    timeout "${TIMEOUT_PROFILE:-110}" python3 tools/bench_backbones.py \
+      pairs=transnext_tiny:swin_tiny_patch4_window7_224 batch=64 device=$device dtype=bfloat16 rounds=2 warmup=1 \
+      profile=true components=true out="$out/runs/backbones_profile_b64.md" \
       2>"$out/runs/backbones_profile_b64.err"
     pack
   fi
@@ -150,15 +151,18 @@ if [[ $parts == *,backbones,* ]]; then  # issue 42: the aggregated-attention ker
     tests/test_aggregated_attention.py 2>&1 | tail -40 | tee "$out/runs/aggregated_gpu_tests.log"
   pack
   peers=transnext_tiny:swin_tiny_patch4_window7_224,transnext_base:swin_base_patch4_window7_224
-  runs=("128 $peers false" "64 $peers false" "32 transnext_base:swin_base_patch4_window7_224 false"
+  # batch 64 eager: the profile above (TransNeXt-T / Swin-T); the four steps fit one 10-minute call
+  runs=("128 $peers false" "32 transnext_base:swin_base_patch4_window7_224 false"
         "64 transnext_tiny:swin_tiny_patch4_window7_224 true")
   settings=(device=$device dtype=bfloat16 rounds=5 warmup=2 profile=true)
-  [[ -n "$quick" ]] && { runs=("1 quick false" "1 quick true"); settings=(device=$device quick=true); }
+  limit=${TIMEOUT_BENCH:-110}
+  # the dry run: tiny models, and time for a CPU to compile them
+  [[ -n "$quick" ]] && { runs=("1 quick false" "1 quick true"); settings=(device=$device quick=true); limit=${TIMEOUT_BENCH:-600}; }
   for run in "${runs[@]}"; do
     read -r batch pairs compiled <<<"$run"
     name="backbones_b${batch}$([[ $compiled == true ]] && echo _compiled)"
     step "$name"
-    timeout "${TIMEOUT_BENCH:-120}" python3 tools/bench_backbones.py pairs=$pairs batch=$batch compile=$compiled \
+    timeout "$limit" python3 tools/bench_backbones.py pairs=$pairs batch=$batch compile=$compiled \
       "${settings[@]}" out="$out/runs/$name.md" 2>"$out/runs/$name.err"
     pack
   done
