@@ -22,8 +22,8 @@ similar FLOPs and ~3x their activation memory. Here:
   attention from the inputs and the log-sum-exp, as flash attention does, so a training step keeps only the
   inputs and ``[B, h, N]`` floats. On CUDA both run as Triton kernels
   (:mod:`~moh_vision.models.triton_aggregated`); on the CPU as C++ kernels (``csrc/aggregated_attention.cpp``,
-  compiled on first use by :mod:`moh_vision.extensions`: one loop over the queries each way for the window,
-  batched GEMMs for the pooled keys); elsewhere, without a compiler or with ``MOH_VISION_AGGREGATED_KERNEL=0``, as
+  compiled on first use by :mod:`moh_vision.extensions`: loops over each query's window slots for the gathers
+  and scatters, batched GEMMs for the pooled keys, vectorised ATen operators for the softmax); elsewhere, without a compiler or with ``MOH_VISION_AGGREGATED_KERNEL=0``, as
   the shifted-view formulas below. Half-precision inputs are computed in float32.
 
 Slot ``l`` of the window is the offset ``(l // window - window // 2, l % window - window // 2)``, the order

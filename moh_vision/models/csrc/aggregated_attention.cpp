@@ -10,9 +10,10 @@
 //   dq = sum_l ds_l k[n + o_l] + sum_p ds_p k_pool[p];  dk[n + o_l] += ds_l q;  dv[n + o_l] += (a_l + w_l) grad
 //   dk_pool = ds_p^T q;  dv_pool = a_p^T grad;  d pool_bias[n, p] = sum_b ds_p;  d local_bias[l] = sum_{b,n} ds_l
 //   d local_weight[n, l] = g_l
-// The pooled keys' products are batched GEMMs (s_p, g_p before the loop over queries; out, dq, dk_pool, dv_pool
-// after it), the window's are per query in the loop; one task per (image, head), so the scatters into dk / dv
-// stay inside it.
+// Loops walk the (query, window slot) pairs for what reads or writes neighbours (the window logits, the local value
+// sum, g_l and the scatters into dk / dv), one task per (image, head) so that the scatters stay inside it; the
+// pooled keys' products are batched GEMMs and the softmax algebra (exponentials, sums, delta) vectorised ATen
+// operators, in the inputs' dtype whatever autocast says.
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
