@@ -268,8 +268,9 @@ def _depthwise_input(x: torch.Tensor, layout: str, H: int, W: int) -> torch.Tens
     """The ConvGLU's ``[B, N, C]`` half (a view of ``fc1``'s output) as the convolution's image: as the model
     passes it (a strided view in channels-last order), or copied to NCHW or channels-last."""
     image = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], H, W)
-    return {"model": image, "nchw": image.contiguous(),
-            "channels_last": image.contiguous(memory_format=torch.channels_last)}[layout]
+    if layout == "model":
+        return image
+    return image.contiguous(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
 
 
 DEPTHWISE_LAYOUTS = ("model", "nchw", "channels_last")
