@@ -138,8 +138,8 @@ at::Tensor largest(const at::Tensor& s_local, const at::Tensor& s_pool) {
   return top;
 }
 
-// The attention from the logits: its local part [B, h, N, L] and pooled part [B, h, N, P] (the exponentials
-// as vectorised ATen operators: one libm exp a logit in the loops cost more than the rest of the operator).
+// The attention from the logits: its local part [B, h, N, L] and pooled part [B, h, N, P] (the exponentials as
+// vectorised ATen operators rather than one libm exp a logit in the loops).
 std::tuple<at::Tensor, at::Tensor> exponentials(at::Tensor s_local, at::Tensor s_pool, const at::Tensor& shift) {
   return {s_local.sub_(shift).exp_(), s_pool.sub_(shift).exp_()};
 }
