@@ -192,9 +192,34 @@ def time_pair(label: str, models: Dict[str, nn.Module], gflops_ratio: float, bat
     return row
 
 
-def top_ops(step: Callable[[], None], device: torch.device, count: int = 15) -> List[Dict[str, object]]:
-    """The ``count`` operators (CUDA: kernels) that take most of one profiled ``step``'s time, by self time:
-    where a step's time goes."""
+# Kinds of work an operator (CUDA: a kernel) does, by its name: the first pattern that matches names it. The
+# compiler's generated kernels come first (their names list the operators they fused, convolutions' epilogues
+# included), convolutions before GEMMs (cuDNN's convolutions are "implicit GEMM" kernels). "copies": copies,
+# fills, concatenations and gathers.
+OP_CATEGORIES = (
+    ("compiled_pointwise", r"^triton_(poi|red|per)_|cpp_fused|compiledfxgraph"),
+    ("convolution", r"conv|cudnn|fprop|dgrad|wgrad|winograd|depthwise"),
+    ("attention", r"aggregated|attention|flash|fmha|scaled_dot|sdpa|_attn"),
+    ("gemm", r"gemm|xmma|cutlass|cublas|^triton_tem_|^aten::(mm|addmm|bmm|baddbmm|addbmm|_addmm_activation)$"),
+    ("normalisation", r"layer_norm|batch_norm|group_norm|rms_norm"),
+    ("copies", r"copy|clone|contiguous|memcpy|memset|fill|^aten::(cat|stack|index|index_put_?)$"),
+)
+
+
+def op_category(name: str) -> str:
+    """The kind of work an operator or kernel named ``name`` does (:data:`OP_CATEGORIES`), else ``"other"``
+    (point-wise operators, reductions, autograd's bookkeeping). Names are single words, as the docs' figure
+    markers quote keys."""
+    import re
+
+    lowered = name.lower()
+    return next((kind for kind, pattern in OP_CATEGORIES if re.search(pattern, lowered)), "other")
+
+
+def top_ops(step: Callable[[], None], device: torch.device, count: int = 15) -> Dict[str, object]:
+    """Where one profiled ``step``'s time goes, by self time (CUDA: the kernels' GPU time): the ``count``
+    operators (CUDA: kernels) that take most (``ops``), all of them summed by kind (``by_kind``, ms:
+    :func:`op_category`) and in all (``total_ms``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -203,8 +228,14 @@ def top_ops(step: Callable[[], None], device: torch.device, count: int = 15) -> 
         step()
         synchronizer(device)()
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)[:count]
-    return [{"name": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in events]
+    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
+    by_kind: Dict[str, float] = {}
+    for e in events:
+        if getattr(e, key) > 0:
+            kind = op_category(e.key)
+            by_kind[kind] = by_kind.get(kind, 0.0) + getattr(e, key) / 1e3
+    return {"ops": [{"name": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in events[:count]],
+            "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), "total_ms": sum(by_kind.values())}
 
 
 def top_ops_table(rows: Sequence[Dict]) -> str:
@@ -212,9 +243,13 @@ def top_ops_table(rows: Sequence[Dict]) -> str:
     for r in rows:
         for side in ("ours", "peer"):
             if "top_ops" in r[side]:
-                lines += [f"\nTraining step of {r[side]['model']} (compiled: {r['compiled']}): self time by operator",
-                          "", "| operator | ms | calls |", "|---|---|---|"]
-                lines += [f"| {e['name'][:90]} | {e['ms']:.2f} | {e['calls']} |" for e in r[side]["top_ops"]]
+                profiled = r[side]["top_ops"]
+                total = profiled["total_ms"]
+                lines += [f"\nTraining step of {r[side]['model']} (compiled: {r['compiled']}): self time by kind "
+                          f"(total {total:.1f} ms) and by operator", "", "| kind | ms | share |", "|---|---|---|"]
+                lines += [f"| {kind} | {ms:.1f} | {100 * ms / total:.1f}% |" for kind, ms in profiled["by_kind"].items()]
+                lines += ["", "| operator | ms | calls |", "|---|---|---|"]
+                lines += [f"| {e['name'][:90]} | {e['ms']:.2f} | {e['calls']} |" for e in profiled["ops"]]
     return "\n".join(lines) + ("\n" if lines else "")
 
 
