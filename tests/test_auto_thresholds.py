@@ -113,6 +113,8 @@ def test_without_a_default_table_an_unnamed_machine_runs_masked(packaged_dir, tm
     ({"sdpa": {"overhead": [[196, 0.1]], "wider": [{"overhead": [[196, 0.1]]}]}}, r"wider\[0\]: missing min_dim"),
     ({"kernels": {"transnext_full": {"min_tokens": 1}}}, "kernels.transnext_full: missing min_batch_tokens"),
     ({"kernels": {"k": {"min_tokens": 1, "min_batch_tokens": 1, "max_active": -0.5}}}, "max_active: expected"),
+    ({"kernels": {"k": {"min_tokens": 1, "min_batch_tokens": 1, "max_active": 0.5, "inference_max_tokens": 0.5}}},
+     "kernels.k.inference_max_tokens: expected an integer"),
 ])
 def test_malformed_tables_fail_in_one_line(data, message):
     with pytest.raises(ConfigError, match=message) as err:
@@ -145,6 +147,32 @@ def test_choice_uses_tokens_per_call(tmp_path, monkeypatch):
     m = build_attention("moh", 768, 12, activation_ratio=0.5)  # impl auto: reads the table per call
     assert [m.execution_path(torch.zeros(b, 196, 768)) for b in (1, 10)] == ["masked", "sparse"]
     assert m.execution_path(torch.zeros(10, 196, 768, device="meta")) == "masked"  # no table for that device
+
+
+def test_kernel_rules_can_keep_long_inference_calls_masked(tmp_path, monkeypatch):
+    """TransNeXt's stage 1 (3,136 tokens): the sparse aggregated path's forward measured slower than masked while
+    its forward and backward were faster, so the CPU table sends inference calls there masked and training calls
+    sparse; a module in train mode with autograd off is an inference call."""
+    from types import SimpleNamespace
+    from moh_vision.attention.sparse import table_auto
+
+    rule = {"min_tokens": 196, "min_batch_tokens": 392, "max_active": 0.67, "inference_max_tokens": 784}
+    table = parse_table({"kernels": {"transnext_aggregated": rule}}, "t")
+    kernel_rule = table.kernels["transnext_aggregated"]
+    assert [kernel_rule.pays(n, 4, 0.5) for n in (196, 784, 3136)] == [True, True, False]
+    assert [kernel_rule.pays(n, 4, 0.5, training=True) for n in (196, 784, 3136)] == [True, True, True]
+    assert load_table(write_table(table, tmp_path / "w.json")).kernels["transnext_aggregated"] == kernel_rule
+
+    (tmp_path / "t.json").write_text(json.dumps({"kernels": {"transnext_aggregated": rule}}))
+    monkeypatch.setenv("MOH_VISION_AUTO_CPU", str(tmp_path / "t.json"))
+    auto = table_auto("transnext_aggregated")
+    layer = SimpleNamespace(shared_heads=0, topk=1, num_heads=2, training=True)
+    x = torch.zeros(4, 3136, 8)
+    assert auto(layer, x) == "sparse"
+    with torch.no_grad():
+        assert auto(layer, x) == "masked"
+    layer.training = False
+    assert auto(layer, x) == "masked" and auto(layer, torch.zeros(4, 784, 8)) == "sparse"
 
 
 def test_env_variable_replaces_the_packaged_table(tmp_path, monkeypatch):

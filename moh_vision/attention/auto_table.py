@@ -23,7 +23,8 @@ every layer masked) each hold the thresholds measured on one kind of machine:
   it reaches (in Python: ``SdpaRule.curves``, one :class:`WidthCurves` per width, the narrowest first).
 - ``kernels``: per kernel with its own sparse driver (e.g. ``transnext_aggregated``), sparse for at
   least ``min_tokens`` per image and ``min_batch_tokens`` per call where at most ``max_active`` of the
-  heads are active.
+  heads are active; ``inference_max_tokens`` (optional) keeps inference calls (forward only) with more tokens
+  per image masked, where the sparse forward measured slower although its backward saves enough.
 - ``provenance`` (machine, torch, dtype, threads, clock, command) and ``notes``.
 
 ``python tools/bench_attention.py ... fit=<file>`` measures and writes the ``sdpa`` rule
@@ -122,13 +123,17 @@ class SdpaRule:
 
 @dataclass(frozen=True)
 class KernelRule:
-    """Sparse for at least ``min_tokens`` per image and ``min_batch_tokens`` per call, at most ``max_active`` active."""
+    """Sparse for at least ``min_tokens`` per image and ``min_batch_tokens`` per call, at most ``max_active`` active;
+    an inference call also at most ``inference_max_tokens`` per image (None: no limit)."""
 
     min_tokens: int
     min_batch_tokens: int
     max_active: float
+    inference_max_tokens: Optional[int] = None
 
-    def pays(self, tokens: int, batch: int, active: float) -> bool:
+    def pays(self, tokens: int, batch: int, active: float, training: bool = False) -> bool:
+        if not training and self.inference_max_tokens is not None and tokens > self.inference_max_tokens:
+            return False
         return tokens >= self.min_tokens and batch * tokens >= self.min_batch_tokens and active <= self.max_active + 1e-9
 
 
@@ -158,7 +163,10 @@ class AutoTable:
             if wider:
                 out["sdpa"]["wider"] = [_curves_dict(w) for w in wider]
         out["kernels"] = {name: {"min_tokens": r.min_tokens, "min_batch_tokens": r.min_batch_tokens,
-                                 "max_active": r.max_active} for name, r in self.kernels.items()}
+                                 "max_active": r.max_active,
+                                 **({} if r.inference_max_tokens is None else
+                                    {"inference_max_tokens": r.inference_max_tokens})}
+                          for name, r in self.kernels.items()}
         return out
 
 
@@ -223,10 +231,12 @@ def _sdpa_rule(data: Any, where: str) -> SdpaRule:
 
 
 def _kernel_rule(data: Any, where: str) -> KernelRule:
-    d = _fields(data, where, ("min_tokens", "min_batch_tokens", "max_active"))
+    d = _fields(data, where, ("min_tokens", "min_batch_tokens", "max_active"), ("inference_max_tokens",))
+    limit = d.get("inference_max_tokens")
     return KernelRule(_number(d["min_tokens"], f"{where}.min_tokens", True, 1),
                       _number(d["min_batch_tokens"], f"{where}.min_batch_tokens", True, 1),
-                      float(_number(d["max_active"], f"{where}.max_active")))
+                      float(_number(d["max_active"], f"{where}.max_active")),
+                      None if limit is None else _number(limit, f"{where}.inference_max_tokens", True, 1))
 
 
 def parse_table(data: Any, source: str) -> AutoTable:

@@ -686,13 +686,14 @@ class SparseSupport:
 def table_auto(kernel: str) -> Callable[..., str]:
     """An ``auto`` rule for a kernel with its own sparse driver: the ``kernels.<kernel>`` entry of the
     measured thresholds for the input's device (:mod:`moh_vision.attention.auto_table`); masked where
-    that device has none."""
+    that device has none. A training call is a module in train mode with autograd on."""
 
     def auto(m, x: Tensor) -> str:
         table = auto_table(x.device.type)
         rule = table.kernels.get(kernel) if table is not None else None
         active = (m.shared_heads + m.topk) / m.num_heads
-        return "sparse" if rule is not None and rule.pays(x.shape[1], x.shape[0], active) else "masked"
+        training = m.training and torch.is_grad_enabled()
+        return "sparse" if rule is not None and rule.pays(x.shape[1], x.shape[0], active, training) else "masked"
 
     return auto
 
