@@ -3,6 +3,7 @@ official ``F.unfold`` form in its output and every gradient: the plain-op refere
 operator on the CPU, its Triton kernels under Triton's interpreter, and (``gpu``) on CUDA."""
 import os
 import subprocess
+import warnings
 import sys
 from pathlib import Path
 
@@ -139,6 +140,23 @@ def test_cpu_kernels_switch_off_by_environment(monkeypatch):
     from moh_vision.models import aggregated_attention as module
     monkeypatch.setenv(module.KERNEL_SWITCH, "0")
     assert extensions.build("moh_aggregated", "forward", module.SOURCE, module.KERNEL_SWITCH, "test") is False
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_flex_candidate_forward_equals_the_unfold_form(shape):
+    """The FlexAttention candidate (moh_vision.models.flex_aggregated) on the CPU, forward only (FlexAttention has
+    no CPU backward): float64 exactly, float32 within 1e-5."""
+    from moh_vision.models.flex_aggregated import aggregated_attention_flex
+
+    size, window = shape[3:5], shape[-1]
+    for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
+        inputs, _ = make_inputs(*shape, dtype=dtype)
+        inputs = [t.detach() for t in inputs]
+        want = unfold_form(*[t.double() for t in inputs], size, window)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # FlexAttention's "compile me" warning, eager on the CPU
+            got = aggregated_attention_flex(*inputs, size, window)
+        assert got.dtype == dtype and max(relative_errors([got], [want])) < tol
 
 
 def test_model_traces_to_one_graph_around_the_operator():
@@ -309,3 +327,19 @@ def test_triton_kernels_compile_for_hopper_without_register_spills(tmp_path):
         report = subprocess.run([str(ptxas), "-v", "-arch=sm_90a", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
                                 capture_output=True, text=True, check=True).stderr
         assert " 0 bytes spill stores" in report, (fn.fn.__name__, report)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_candidate_on_cuda_equals_the_unfold_form_with_gradients():
+    """The FlexAttention candidate's output and every gradient (the biases' through its score modifier) on CUDA."""
+    from moh_vision.models.flex_aggregated import aggregated_attention_flex
+
+    shape = SHAPES[0]
+    inputs, grad = make_inputs(*shape, dtype=torch.float32)
+    size, window = shape[3:5], shape[-1]
+    exact = [t.detach().double().requires_grad_() for t in inputs]
+    want = values_and_grads(unfold_form, exact, grad.double(), size, window)
+    cuda = [t.detach().cuda().requires_grad_() for t in inputs]
+    got = values_and_grads(aggregated_attention_flex, cuda, grad.cuda(), size, window)
+    assert max(relative_errors([g.cpu() for g in got], want)) < 2e-3  # its fp32 products may run as TF32

@@ -160,6 +160,17 @@ def test_operators_are_sorted_into_kinds_of_work(name, kind):
     assert op_category(name) == kind
 
 
+def test_components_land_in_the_record_beside_the_pairs(tmp_path):
+    from moh_vision.analysis.backbone_bench import bench_backbones
+
+    out = tmp_path / "b.md"
+    rows = bench_backbones(quick=True, rounds=1, warmup=0, saved=False, with_components=True, out=str(out))
+    record = json.loads(out.with_suffix(".json").read_text())
+    ours = rows[0]["ours"]["model"]
+    assert record["rows"][0]["pair"] == rows[0]["pair"] and [r["stage"] for r in record["components"][ours]]
+    assert f"Pieces of {ours}'s aggregated stages" in out.read_text()
+
+
 def test_components_time_each_aggregated_stage_piece():
     from moh_vision.analysis.backbone_bench import DEPTHWISE_LAYOUTS, component_table, component_times
 
@@ -169,3 +180,9 @@ def test_components_time_each_aggregated_stage_piece():
         pieces = [f"dwconv_{layout}" for layout in DEPTHWISE_LAYOUTS] + ["aggregated_attention"]
         assert all(r[p]["n"] == 1 and r[p]["median"] > 0 for p in pieces)
     assert component_table(rows, "h").count("\n| ") == 4  # the header row and one per stage
+    assert not any("aggregated_flex" in r for r in rows)  # a CUDA-only candidate (no CPU backward)
+    # a piece that could not run on a stage (FlexAttention on a torch without it) is said, not a crash
+    rows[0]["aggregated_flex_error"] = "NotImplementedError: no"
+    rows[1]["aggregated_flex"] = dict(rows[1]["aggregated_attention"])
+    table = component_table(rows, "h")
+    assert "aggregated_flex |" in table and "Stage 1: aggregated_flex did not run (NotImplementedError: no)" in table

@@ -19,11 +19,12 @@
 #
 # parts: a comma-separated choice of tests, attention, models, routing, train, backbones (default: tests,
 # attention, models). Part `backbones` (issue 42), in one call of under 10 minutes: a short profile of
-# TransNeXt-T beside Swin-T (batch 64 eager: top kernels of each, and TransNeXt-T's depthwise convolution in three
-# layouts and its attention alone), the aggregated-attention kernels' gpu tests (TransNeXt's shapes first), then
+# TransNeXt-T beside Swin-T (batch 64 eager: each one's time by kind of work and top kernels, and TransNeXt-T's
+# depthwise convolution in three layouts, its attention operator and the FlexAttention candidate alone, the
+# record rewritten after each part), the aggregated-attention kernels' gpu tests (TransNeXt's shapes first), then
 # tools/bench_backbones.py in bf16 with each model's top kernels: TransNeXt-T/-B beside Swin-T/-B at batch 128
 # eager, TransNeXt-B beside Swin-B at batch 32 (peak memory) and TransNeXt-T/Swin-T compiled at 64; each step under
-# a time limit (TIMEOUT_PROFILE, TIMEOUT_TESTS, TIMEOUT_BENCH seconds: 110 each by default). On one H200
+# a time limit (TIMEOUT_PROFILE 140, TIMEOUT_TESTS 110 and TIMEOUT_BENCH 100 seconds by default). On one H200
 # (2026-11-27) the first steps compiled the Triton kernels (~40 s) and the FLOP counts took ~20 s, so at 100 s /
 # 70 s only the batch-128 table finished in a 400 s call (docs/bench/h200-2026-11-27/). On one H100
 # (2026-11-25) the tests took 30 s, the attention runs 6 min and part train about 2 min; the models did not
@@ -140,7 +141,7 @@ fi
 if [[ $parts == *,backbones,* ]]; then  # issue 42: the aggregated-attention kernels and the backbones beside timm peers
   if [[ -z "$quick" ]]; then  # first, where a step's time goes (2026-11-27 left that unmeasured): top kernels, short
     step "backbones_profile_b64"
-    timeout "${TIMEOUT_PROFILE:-110}" python3 tools/bench_backbones.py \
+    timeout "${TIMEOUT_PROFILE:-140}" python3 tools/bench_backbones.py \
       pairs=transnext_tiny:swin_tiny_patch4_window7_224 batch=64 device=$device dtype=bfloat16 rounds=2 warmup=1 \
       profile=true components=true out="$out/runs/backbones_profile_b64.md" \
       2>"$out/runs/backbones_profile_b64.err"
@@ -155,7 +156,7 @@ if [[ $parts == *,backbones,* ]]; then  # issue 42: the aggregated-attention ker
   runs=("128 $peers false" "32 transnext_base:swin_base_patch4_window7_224 false"
         "64 transnext_tiny:swin_tiny_patch4_window7_224 true")
   settings=(device=$device dtype=bfloat16 rounds=5 warmup=2 profile=true)
-  limit=${TIMEOUT_BENCH:-110}
+  limit=${TIMEOUT_BENCH:-100}
   # the dry run: tiny models, and time for a CPU to compile them
   [[ -n "$quick" ]] && { runs=("1 quick false" "1 quick true"); settings=(device=$device quick=true); limit=${TIMEOUT_BENCH:-600}; }
   for run in "${runs[@]}"; do

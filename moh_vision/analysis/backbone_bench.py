@@ -316,9 +316,11 @@ def component_times(model_name: str, batch: int, rounds: int, device: torch.devi
     """Forward + backward ms (median [quartiles], interleaved) of each aggregated stage's pieces of
     ``model_name`` at ``batch``: the ConvGLU's 3x3 depthwise convolution with its input laid out as the model
     passes it, as NCHW and as channels-last (:data:`DEPTHWISE_LAYOUTS`; what the backend picks differs), and the
-    aggregated-attention operator (:mod:`~moh_vision.models.aggregated_attention`) on its inputs."""
+    aggregated-attention operator (:mod:`~moh_vision.models.aggregated_attention`) on its inputs, on CUDA also
+    its FlexAttention candidate (:mod:`~moh_vision.models.flex_aggregated`)."""
     import torch.nn.functional as F
     from moh_vision.models.aggregated_attention import aggregated_attention
+    from moh_vision.models.flex_aggregated import aggregated_attention_flex
 
     import timm
 
@@ -345,9 +347,18 @@ def component_times(model_name: str, batch: int, rounds: int, device: torch.devi
         extra = (rand(heads, H * W, pool), rand(heads, window ** 2), rand(batch, heads, H * W, window ** 2))
         calls["aggregated_attention"] = lambda: aggregated_attention(
             q, k, v, k_pool, v_pool, *extra, (H, W), window).sum().backward()
+        failed = {}
+        if device.type == "cuda":  # the FlexAttention candidate (it has no CPU backward)
+            def flex():
+                aggregated_attention_flex(q, k, v, k_pool, v_pool, *extra, (H, W), window).sum().backward()
+            try:
+                flex()  # compiles it; a torch that cannot run it costs this row its figure, not the run
+                calls["aggregated_flex"] = flex
+            except Exception as error:
+                failed["aggregated_flex_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         times = interleave(calls, rounds=rounds, warmup=2, device=device)
         rows.append({"stage": index + 1, "tokens": f"{H}x{W}", "dim": C, "hidden": hidden, "heads": heads,
-                     **{name: Spread.of([1e3 * t for t in ts]).as_dict() for name, ts in times.items()}})
+                     **{name: Spread.of([1e3 * t for t in ts]).as_dict() for name, ts in times.items()}, **failed})
     return rows
 
 
@@ -366,12 +377,14 @@ def _stages(model: nn.Module) -> List[Tuple[int, int, int, int, int, int, int]]:
 
 
 def component_table(rows: Sequence[Dict], header: str) -> str:
-    names = [k for k in rows[0] if k.startswith(("dwconv_", "aggregated"))]
+    names = list(dict.fromkeys(k for r in rows for k, v in r.items() if isinstance(v, dict)))  # the timed pieces
     lines = [header, "", "| stage | tokens | dim / hidden / heads | " + " | ".join(names) + " |",
              "|" + "---|" * (3 + len(names))]
     for r in rows:
         lines.append(f"| {r['stage']} | {r['tokens']} | {r['dim']} / {r['hidden']} / {r['heads']} | "
-                     + " | ".join(_spread(r[n], 2) for n in names) + " |")
+                     + " | ".join(_spread(r[n], 2) if n in r else "-" for n in names) + " |")
+    lines += [f"\nStage {r['stage']}: {k[:-len('_error')]} did not run ({v})" for r in rows for k, v in r.items()
+              if k.endswith("_error")]
     return "\n".join(lines) + "\n"
 
 
@@ -455,22 +468,25 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
               f"GPU's dense peak)" + ("; saved = bytes kept for backward per image (eager; parameters and their "
                                       "autocast copies excluded)" if saved else ""))
     table = backbones_table(rows, header) + top_ops_table(rows)
-    components = {}
+    machine = torch.cuda.get_device_name(where) if where.type == "cuda" else machine_description()
+    record = {"header": header, "torch": torch.__version__, "timm": timm.__version__, "device": where.type,
+              "machine": machine, "threads": torch.get_num_threads(), "options": settings,
+              "resolved": {"pairs": [f"{a}:{b}" for a, b in chosen], "batch": batch, "img_size": img_size,
+                           "rounds": rounds, "warmup": warmup, "saved": saved}, "rows": rows}
+
+    def write() -> None:  # after the pairs, and again after each model's pieces: a run cut short keeps the rest
+        if out:
+            Path(out).write_text(table)
+            Path(out).with_suffix(".json").write_text(json.dumps(record, indent=1))
+
+    write()
     for name in dict.fromkeys(ours for ours, _ in chosen) if with_components else ():
-        components[name] = component_times(name, batch, rounds, where, torch_dtype)
-        table += "\n" + component_table(components[name], (
+        record.setdefault("components", {})[name] = pieces = component_times(name, batch, rounds, where, torch_dtype)
+        table += "\n" + component_table(pieces, (
             f"Pieces of {name}'s aggregated stages ({dtype}, batch {batch}): forward + backward ms, median [quartiles] "
             f"of {rounds} interleaved rounds; dwconv_*: the ConvGLU's depthwise convolution with its input as the "
-            "model passes it, copied to NCHW, copied to channels-last"))
+            "model passes it, copied to NCHW, copied to channels-last; aggregated_flex (CUDA): the FlexAttention "
+            "candidate"))
+        write()
     print(table)
-    if out:
-        machine = torch.cuda.get_device_name(where) if where.type == "cuda" else machine_description()
-        record = {"header": header, "torch": torch.__version__, "timm": timm.__version__, "device": where.type,
-                  "machine": machine, "threads": torch.get_num_threads(), "options": settings,
-                  "resolved": {"pairs": [f"{a}:{b}" for a, b in chosen], "batch": batch, "img_size": img_size,
-                               "rounds": rounds, "warmup": warmup, "saved": saved}, "rows": rows}
-        if components:
-            record["components"] = components
-        Path(out).write_text(table)
-        Path(out).with_suffix(".json").write_text(json.dumps(record, indent=1))
     return rows
