@@ -80,6 +80,9 @@ def test_rates_are_consistent_and_absent_when_unknown():
     assert set(unflopped.rates(times, "")) == {"step_ms", "data_wait_ms", "data_wait_share", "images_per_sec"}
     assert "TFLOP/s not reported" in unflopped.text(unflopped.rates(times, ""), "")
     assert "25.0%: input-bound" in costs.text(costs.rates(times, ""), "")
+    assert "128 images/s" in costs.text(costs.rates(times, ""), "")
+    slow = StepTimes(seconds=6.8, data_wait=0.1, steps=2, samples=8)  # a CPU's 1.18 images/s is not "1"
+    assert "1.18 images/s" in costs.text(costs.rates(slow, ""), "")
     assert peak_memory_mb(torch.device("cpu")) > 10  # this process's resident peak
 
 

@@ -43,6 +43,11 @@ MEASURED = ("step_ms", "data_wait_ms", "data_wait_share", "images_per_sec", "tfl
 _END = object()
 
 
+def _rate(per_sec: float) -> str:
+    """Images a second as the console says it: whole above 100 (a GPU's 1830), three digits below (a CPU's 1.23)."""
+    return f"{per_sec:.0f}" if per_sec >= 100 else f"{per_sec:.3g}"
+
+
 def slowest(values: Sequence[float], dist: DistInfo) -> List[float]:
     """Each of ``values`` at its largest over ranks: one all-reduce of one small tensor (none in one process)."""
     if not dist.enabled:
@@ -207,7 +212,7 @@ class RunCosts:
         share = get("data_wait_share")
         verdict = "input-bound" if share >= INPUT_BOUND_SHARE else "not input-bound"
         parts = [f"step {get('step_ms'):.1f} ms", f"data wait {get('data_wait_ms'):.1f} ms ({share:.1%}: {verdict})",
-                 f"{get('images_per_sec'):.0f} images/s"]
+                 f"{_rate(get('images_per_sec'))} images/s"]
         if get("tflops") is not None:
             utilisation = get("utilisation")
             parts.append(f"{get('tflops'):.3g} TFLOP/s" + (f" ({utilisation:.1%} of peak)" if utilisation is not None
