@@ -86,3 +86,42 @@ def trainer_config(**overrides):
     ema = EmaConfig(**overrides.pop("ema", {}))
     settings = {"progress": False, "count_flops": False, "device": "cpu", **overrides}
     return TrainerConfig(ema=ema, **settings)
+
+
+def assert_compiles_for_hopper_without_spills(fn, meta: dict, pointer_types: Dict[str, str], num_warps: int,
+                                              tmp_path: Path, ints: Sequence[str] = ()) -> None:
+    """Compile the Triton kernel ``fn`` for sm_90 (Triton's compiler and its bundled ptxas: no GPU) with the
+    constexprs ``meta`` and fail on any spill to local memory. Parameters named with a capital are pointers (``pointer_types``
+    names their element type, default ``*bf16``) unless listed in ``ints``; the rest are ``i32``."""
+    import inspect
+
+    import pytest
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    if not ptxas.exists():
+        pytest.skip("Triton without its bundled ptxas")
+    names = list(inspect.signature(fn.fn).parameters)
+    signature = {n: "constexpr" if n in meta else pointer_types.get(n, "*bf16") if n[0].isupper() and n not in ints
+                 else "i32" for n in names}
+    constants = {(names.index(n),): meta[n] for n in names if n in meta}
+    compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    ptx = tmp_path / f"{fn.fn.__name__}.ptx"
+    ptx.write_text(compiled.asm["ptx"])
+    report = subprocess.run([str(ptxas), "-v", "-arch=sm_90a", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
+                            capture_output=True, text=True, check=True).stderr
+    assert " 0 bytes spill stores" in report, (fn.fn.__name__, report)
+
+
+def run_in_triton_interpreter(script: str) -> None:
+    """Run ``script`` (Python; ``sys.argv[1]`` is the tests folder) in a fresh process with ``TRITON_INTERPRET=1``
+    (Triton decides at import whether its language is interpreted); fails with its output."""
+    import pytest
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
+    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

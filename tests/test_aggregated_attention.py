@@ -1,11 +1,7 @@
 """TransNeXt's aggregated attention without window copies (moh_vision.models.aggregated_attention) equals the
 official ``F.unfold`` form in its output and every gradient: the plain-op reference, the ``torch.library``
 operator on the CPU, its Triton kernels under Triton's interpreter, and (``gpu``) on CUDA."""
-import os
-import subprocess
 import warnings
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,8 +9,6 @@ import torch.nn.functional as F
 
 from moh_vision.models.aggregated_attention import (aggregated_attention, aggregated_attention_reference,
                                                     local_window_mask)
-
-REPO = Path(__file__).resolve().parents[1]
 
 # (B, h, hk, H, W, d, P, window): TransNeXt's stage-1 head size, a non-square map, a 5x5 window, one token,
 # a shared key/value head (MoA), one pooled token
@@ -200,11 +194,8 @@ assert worst["torch.float16"] < 2e-3, worst
 
 
 def test_triton_kernels_in_the_interpreter_equal_the_formula():
-    pytest.importorskip("triton")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run([sys.executable, "-c", TRITON_SCRIPT, str(Path(__file__).parent)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    from helpers import run_in_triton_interpreter
+    run_in_triton_interpreter(TRITON_SCRIPT)
 
 
 @pytest.mark.gpu
@@ -301,32 +292,15 @@ def test_triton_kernels_compile_for_hopper_without_register_spills(tmp_path):
     """The three Triton kernels compiled for sm_90 (no GPU needed: Triton's compiler and its bundled ptxas) at
     TransNeXt's stage shapes (bf16, head dim 24, 49 pooled keys) keep every value in registers: spills to local
     memory are what made the unrolled, 4-warp backward kernels slow to reason about (0.9-1.5 kB a thread)."""
-    triton = pytest.importorskip("triton")
-    import inspect
-
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
+    pytest.importorskip("triton")
+    from helpers import assert_compiles_for_hopper_without_spills
     from moh_vision.models import triton_aggregated as kernels
 
-    ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
-    if not ptxas.exists():
-        pytest.skip("Triton without its bundled ptxas")
     meta = dict(WS=3, LP=16, BLOCK=64, BD=32, BP=64, PRECISION="tf32")
-    fp32 = {"LSE", "DSL", "AL", "DKP", "DVP", "DPB"}
+    fp32 = {name: "*fp32" for name in ("LSE", "DSL", "AL", "DKP", "DVP", "DPB")}
     for fn in (kernels._forward, kernels._backward_queries, kernels._backward_keys):
-        names = list(inspect.signature(fn.fn).parameters)
-        sizes = {"HEADS", "N", "P", "L", "D", "HEIGHT", "WIDTH"}
-        signature = {n: "constexpr" if n in meta else ("*fp32" if n in fp32 else "*bf16")
-                     if n.isupper() and n not in sizes else "i32" for n in names}  # pointers are upper case
-        constants = {(names.index(n),): meta[n] for n in names if n in meta}
-        compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
-                                  target=GPUTarget("cuda", 90, 32), options={"num_warps": kernels.NUM_WARPS})
-        ptx = tmp_path / f"{fn.fn.__name__}.ptx"
-        ptx.write_text(compiled.asm["ptx"])
-        report = subprocess.run([str(ptxas), "-v", "-arch=sm_90a", str(ptx), "-o", str(ptx.with_suffix(".cubin"))],
-                                capture_output=True, text=True, check=True).stderr
-        assert " 0 bytes spill stores" in report, (fn.fn.__name__, report)
+        assert_compiles_for_hopper_without_spills(fn, meta, fp32, kernels.NUM_WARPS, tmp_path,
+                                                  ints=("HEADS", "N", "P", "L", "D", "HEIGHT", "WIDTH"))
 
 
 @pytest.mark.gpu

@@ -20,9 +20,9 @@
 # parts: a comma-separated choice of tests, attention, models, routing, train, backbones (default: tests,
 # attention, models). Part `backbones` (issue 42), in one call of under 10 minutes: a short profile of
 # TransNeXt-T beside Swin-T (batch 64 eager: each one's time by kind of work and top kernels, and TransNeXt-T's
-# depthwise convolution in three layouts, its attention operator and the FlexAttention candidate alone, the
-# record rewritten after each part), the aggregated-attention kernels' gpu tests (TransNeXt's shapes first), then
-# tools/bench_backbones.py in bf16 with each model's top kernels: TransNeXt-T/-B beside Swin-T/-B at batch 128
+# depthwise convolution in three layouts and in Triton, its attention operator and the FlexAttention candidate
+# alone, the record rewritten after each part), the aggregated-attention and depthwise kernels' gpu tests
+# (TransNeXt's shapes first), then tools/bench_backbones.py in bf16 with each model's top kernels: TransNeXt-T/-B beside Swin-T/-B at batch 128
 # eager, TransNeXt-B beside Swin-B at batch 32 (peak memory) and TransNeXt-T/Swin-T compiled at 64; each step under
 # a time limit (TIMEOUT_PROFILE 140, TIMEOUT_TESTS 110 and TIMEOUT_BENCH 100 seconds by default). On one H200
 # (2026-11-27) the first steps compiled the Triton kernels (~40 s) and the FLOP counts took ~20 s, so at 100 s /
@@ -149,7 +149,7 @@ if [[ $parts == *,backbones,* ]]; then  # issue 42: the aggregated-attention ker
   fi
   step "aggregated attention: gpu tests"
   timeout "${TIMEOUT_TESTS:-110}" python3 -m pytest -v -p no:cacheprovider --noconftest -o addopts="" -m gpu \
-    tests/test_aggregated_attention.py 2>&1 | tail -40 | tee "$out/runs/aggregated_gpu_tests.log"
+    tests/test_aggregated_attention.py tests/test_triton_depthwise.py 2>&1 | tail -40 | tee "$out/runs/aggregated_gpu_tests.log"
   pack
   peers=transnext_tiny:swin_tiny_patch4_window7_224,transnext_base:swin_base_patch4_window7_224
   # batch 64 eager: the profile above (TransNeXt-T / Swin-T); the four steps fit one 10-minute call

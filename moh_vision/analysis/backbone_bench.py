@@ -316,11 +316,13 @@ def component_times(model_name: str, batch: int, rounds: int, device: torch.devi
     """Forward + backward ms (median [quartiles], interleaved) of each aggregated stage's pieces of
     ``model_name`` at ``batch``: the ConvGLU's 3x3 depthwise convolution with its input laid out as the model
     passes it, as NCHW and as channels-last (:data:`DEPTHWISE_LAYOUTS`; what the backend picks differs), and the
-    aggregated-attention operator (:mod:`~moh_vision.models.aggregated_attention`) on its inputs, on CUDA also
-    its FlexAttention candidate (:mod:`~moh_vision.models.flex_aggregated`)."""
+    aggregated-attention operator (:mod:`~moh_vision.models.aggregated_attention`) on its inputs; on CUDA also
+    the candidates: the convolution in Triton (:mod:`~moh_vision.models.triton_depthwise`) and the attention through
+    FlexAttention (:mod:`~moh_vision.models.flex_aggregated`)."""
     import torch.nn.functional as F
     from moh_vision.models.aggregated_attention import aggregated_attention
     from moh_vision.models.flex_aggregated import aggregated_attention_flex
+    from moh_vision.models.triton_depthwise import depthwise_conv_triton
 
     import timm
 
@@ -348,14 +350,17 @@ def component_times(model_name: str, batch: int, rounds: int, device: torch.devi
         calls["aggregated_attention"] = lambda: aggregated_attention(
             q, k, v, k_pool, v_pool, *extra, (H, W), window).sum().backward()
         failed = {}
-        if device.type == "cuda":  # the FlexAttention candidate (it has no CPU backward)
-            def flex():
-                aggregated_attention_flex(q, k, v, k_pool, v_pool, *extra, (H, W), window).sum().backward()
-            try:
-                flex()  # compiles it; a torch that cannot run it costs this row its figure, not the run
-                calls["aggregated_flex"] = flex
-            except Exception as error:
-                failed["aggregated_flex_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+        if device.type == "cuda":  # the candidates: Triton's depthwise convolution, FlexAttention (no CPU backward)
+            candidates = {
+                "dwconv_triton": lambda: depthwise_conv_triton(fc1[..., :hidden], weight, bias, H, W).sum().backward(),
+                "aggregated_flex": lambda: aggregated_attention_flex(
+                    q, k, v, k_pool, v_pool, *extra, (H, W), window).sum().backward()}
+            for name, call in candidates.items():
+                try:
+                    call()  # compiles it; one that cannot run costs this row its figure, not the run
+                    calls[name] = call
+                except Exception as error:
+                    failed[f"{name}_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         times = interleave(calls, rounds=rounds, warmup=2, device=device)
         rows.append({"stage": index + 1, "tokens": f"{H}x{W}", "dim": C, "hidden": hidden, "heads": heads,
                      **{name: Spread.of([1e3 * t for t in ts]).as_dict() for name, ts in times.items()}, **failed})
@@ -485,8 +490,8 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
         table += "\n" + component_table(pieces, (
             f"Pieces of {name}'s aggregated stages ({dtype}, batch {batch}): forward + backward ms, median [quartiles] "
             f"of {rounds} interleaved rounds; dwconv_*: the ConvGLU's depthwise convolution with its input as the "
-            "model passes it, copied to NCHW, copied to channels-last; aggregated_flex (CUDA): the FlexAttention "
-            "candidate"))
+            "model passes it, copied to NCHW, copied to channels-last; CUDA's candidates: dwconv_triton, the "
+            "convolution in Triton on the tokens as they are, and aggregated_flex, the attention through FlexAttention"))
         write()
     print(table)
     return rows

@@ -1,0 +1,75 @@
+"""The ConvGLU's depthwise convolution in Triton (moh_vision.models.triton_depthwise, the candidate beside cuDNN on
+CUDA) equals ``F.conv2d`` in its output and every gradient: under Triton's interpreter on the CPU, compiled for
+Hopper without register spills, and (``gpu``) on CUDA."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+# (B, H, W, C, k, bias): TransNeXt's 3x3 over channel blocks and a remainder, a 5x5 kernel, one token, no bias
+SHAPES = [(2, 5, 7, 20, 3, True), (1, 4, 4, 3, 5, True), (3, 9, 6, 70, 3, False), (2, 1, 1, 8, 3, True)]
+
+
+def conv2d(x, weight, bias, height, width):
+    B, N, C = x.shape
+    image = x.transpose(1, 2).reshape(B, C, height, width)
+    return F.conv2d(image, weight, bias, padding=weight.shape[-1] // 2, groups=C).flatten(2).transpose(1, 2)
+
+
+def values_and_grads(fn, B, H, W, C, k, bias, dtype=torch.float32, device="cpu"):
+    """``fn`` on tokens as the ConvGLU passes them (one half of a ``[B, N, 2C]`` tensor), its output and the
+    gradients of the tokens, the kernel and the bias, in float64 on the CPU."""
+    g = torch.Generator().manual_seed(0)
+    fc1 = torch.randn(B, H * W, 2 * C, generator=g).to(device, dtype)
+    x = fc1[..., :C].detach().requires_grad_()
+    weight = torch.randn(C, 1, k, k, generator=g).to(device, dtype).requires_grad_()
+    b = torch.randn(C, generator=g).to(device, dtype).requires_grad_() if bias else None
+    grad = torch.randn(B, H * W, C, generator=g).to(device, dtype)
+    leaves = [t for t in (x, weight, b) if t is not None]
+    out = fn(x, weight, b, H, W)
+    return [t.detach().cpu().double() for t in [out, *torch.autograd.grad(out, leaves, grad)]]
+
+
+def worst_error(got, want):
+    return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, want))
+
+
+# Triton decides at import whether its language is interpreted: a fresh process with TRITON_INTERPRET=1.
+SCRIPT = r"""
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_triton_depthwise import SHAPES, conv2d, values_and_grads, worst_error
+from moh_vision.models.triton_depthwise import depthwise_conv_triton
+worst = max(worst_error(values_and_grads(depthwise_conv_triton, *s), values_and_grads(conv2d, *s, dtype=torch.float64))
+            for s in SHAPES)
+print(worst)
+assert worst < 1e-5, worst
+"""
+
+
+def test_kernels_in_the_interpreter_equal_conv2d():
+    from helpers import run_in_triton_interpreter
+    run_in_triton_interpreter(SCRIPT)
+
+
+def test_kernels_compile_for_hopper_without_register_spills(tmp_path):
+    """Both kernels compiled for sm_90 in bf16 at TransNeXt's 3x3 (Triton's compiler and its bundled ptxas; no GPU)."""
+    pytest.importorskip("triton")
+    from helpers import assert_compiles_for_hopper_without_spills
+    from moh_vision.models import triton_depthwise as kernels
+
+    for fn, block in ((kernels._correlate, kernels.BLOCK_N), (kernels._weight_grads, kernels.WEIGHT_BLOCK_N)):
+        meta = dict(K=3, HAS_BIAS=True, ROWS=16, BLOCK_N=block, BLOCK_C=kernels.BLOCK_C)
+        assert_compiles_for_hopper_without_spills(fn, meta, {"Partial": "*fp32"}, 4, tmp_path,
+                                                  ints=("HEIGHT", "WIDTH", "C", "TOKENS", "PER_CHUNK"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
+def test_kernels_on_cuda_equal_conv2d(dtype, tol):
+    from moh_vision.models.triton_depthwise import depthwise_conv_triton
+
+    for shape in [(4, 56, 56, 384, 3, True)] + SHAPES:  # TransNeXt-T's stage 1 first
+        want = values_and_grads(conv2d, *shape, dtype=torch.float64)
+        got = values_and_grads(depthwise_conv_triton, *shape, dtype=dtype, device="cuda")
+        assert worst_error(got, want) < tol, shape
