@@ -22,9 +22,9 @@
 # TransNeXt-T beside Swin-T (batch 64 eager: each one's time by kind of work and top kernels, and TransNeXt-T's
 # depthwise convolution in three layouts and in Triton, its attention operator and the FlexAttention candidate
 # alone, the record rewritten after each part), the aggregated-attention and depthwise kernels' gpu tests
-# (TransNeXt's shapes first), then tools/bench_backbones.py in bf16 with each model's top kernels: TransNeXt-T/-B beside Swin-T/-B at batch 128
-# eager, TransNeXt-B beside Swin-B at batch 32 (peak memory) and TransNeXt-T/Swin-T compiled at 64; each step under
-# a time limit (TIMEOUT_PROFILE 140, TIMEOUT_TESTS 110 and TIMEOUT_BENCH 100 seconds by default). On one H200
+# (TransNeXt's shapes first), then tools/bench_backbones.py in bf16 with each model's top kernels: TransNeXt-T/-B
+# beside Swin-T/-B at batch 128 eager, TransNeXt-B beside Swin-B at batch 32 (peak memory) and TransNeXt-T/Swin-T
+# compiled at 64; each step under a time limit (TIMEOUT_PROFILE 140, TIMEOUT_TESTS 110 and TIMEOUT_BENCH 100 seconds by default). On one H200
 # (2026-11-27) the first steps compiled the Triton kernels (~40 s) and the FLOP counts took ~20 s, so at 100 s /
 # 70 s only the batch-128 table finished in a 400 s call (docs/bench/h200-2026-11-27/). On one H100
 # (2026-11-25) the tests took 30 s, the attention runs 6 min and part train about 2 min; the models did not
