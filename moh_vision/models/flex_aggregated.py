@@ -13,8 +13,8 @@ It is a candidate, not a path of the model: ``bench_backbones components=true`` 
 at each aggregated stage's shapes (``aggregated_flex``, forward and backward), so that one GPU run decides. Its
 forward equals the formula on the CPU (``tests/test_aggregated_attention.py``; FlexAttention has no CPU backward,
 and the CPU compiler's FlexAttention template refuses the learnable-token sum as its epilogue), its gradients on CUDA
-(a ``gpu`` test). Outside ``torch.compile`` it calls FlexAttention compiled once (eagerly FlexAttention materialises
-every score).
+(a ``gpu`` test). On CUDA outside ``torch.compile`` it calls FlexAttention compiled once (eagerly FlexAttention
+materialises every score).
 """
 from __future__ import annotations
 
@@ -78,7 +78,7 @@ def aggregated_attention_flex(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v
     from torch.nn.attention.flex_attention import flex_attention
 
     size = (int(size[0]), int(size[1]))
-    tokens, neighbours, slot = _geometry(size, window)
+    tokens, _, slot = _geometry(size, window)
     pool = k_pool.shape[-2]
 
     def score_mod(score, b, h, q_idx, kv_idx):
@@ -89,7 +89,6 @@ def aggregated_attention_flex(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v
     keys, values = torch.cat([k, k_pool], dim=2), torch.cat([v, v_pool], dim=2)
     attend = flex_attention if q.device.type == "cpu" or torch.compiler.is_compiling() else _compiled_flex()
     out = attend(q, keys.to(q.dtype), values.to(q.dtype), score_mod=score_mod,
-                         block_mask=_block_mask(size, window, pool, q.device), scale=1.0,
-                         enable_gqa=keys.shape[1] != q.shape[1])
+                 block_mask=_block_mask(size, window, pool, q.device), scale=1.0, enable_gqa=keys.shape[1] != q.shape[1])
     v_heads = v.expand(*q.shape[:2], *v.shape[2:]) if v.shape[1] != q.shape[1] else v
     return out + local_sum(local_weight.to(q.dtype), _padded(v_heads.to(q.dtype), size, window), size, window)
