@@ -317,3 +317,47 @@ def test_flex_candidate_on_cuda_equals_the_unfold_form_with_gradients():
     cuda = [t.detach().cuda().requires_grad_() for t in inputs]
     got = values_and_grads(aggregated_attention_flex, cuda, grad.cuda(), size, window)
     assert max(relative_errors([g.cpu() for g in got], want)) < 2e-3  # its fp32 products may run as TF32
+
+
+def test_cuda_candidates_switch_is_checked_and_leaves_the_cpu_alone(monkeypatch):
+    """MOH_VISION_TRANSNEXT_CUDA names CUDA candidates (moh_vision.models.cuda_candidates): an unknown one is a
+    one-line error, and on the CPU the model runs its own forms whatever it says."""
+    import timm
+    from moh_vision.errors import ConfigError
+    from moh_vision.models.cuda_candidates import SWITCH, use_candidate
+
+    monkeypatch.setenv(SWITCH, "flex, triton_dwconv")
+    assert use_candidate("flex") and use_candidate("triton_dwconv")
+    monkeypatch.setenv(SWITCH, "flex,flux")
+    with pytest.raises(ConfigError, match="unknown flux; choose from flex, triton_dwconv"):
+        use_candidate("flex")
+    torch.manual_seed(0)
+    model = timm.create_model("transnext_nano", img_size=64, num_classes=5).eval()
+    x = torch.randn(1, 3, 64, 64)
+    with torch.no_grad():
+        monkeypatch.setenv(SWITCH, "flex,triton_dwconv")
+        switched = model(x)
+        monkeypatch.delenv(SWITCH)
+        assert torch.equal(switched, model(x))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_model_on_cuda_with_the_candidates_trains_as_without(monkeypatch):
+    """A TransNeXt step on CUDA with MOH_VISION_TRANSNEXT_CUDA=flex,triton_dwconv: the same gradients as the
+    model's own CUDA forms on the same weights."""
+    import timm
+    from moh_vision.models.cuda_candidates import SWITCH
+
+    torch.manual_seed(0)
+    model = timm.create_model("transnext_micro", img_size=64, num_classes=10).cuda().train()
+    x = torch.randn(4, 3, 64, 64, device="cuda")
+
+    def grads():
+        model.zero_grad()
+        model(x).square().mean().backward()
+        return [p.grad.clone() for p in model.parameters()]
+
+    want = grads()
+    monkeypatch.setenv(SWITCH, "flex,triton_dwconv")
+    assert max(relative_errors(grads(), want)) < 1e-3

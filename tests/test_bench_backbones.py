@@ -160,15 +160,17 @@ def test_operators_are_sorted_into_kinds_of_work(name, kind):
     assert op_category(name) == kind
 
 
-def test_components_land_in_the_record_beside_the_pairs(tmp_path):
+def test_components_land_in_the_record_beside_the_pairs(tmp_path, monkeypatch):
     from moh_vision.analysis.backbone_bench import bench_backbones
 
+    monkeypatch.setenv("MOH_VISION_TRANSNEXT_CUDA", "triton_dwconv")  # the record says what was switched on
     out = tmp_path / "b.md"
     rows = bench_backbones(quick=True, rounds=1, warmup=0, saved=False, with_components=True, out=str(out))
     record = json.loads(out.with_suffix(".json").read_text())
     ours = rows[0]["ours"]["model"]
     assert record["rows"][0]["pair"] == rows[0]["pair"] and [r["stage"] for r in record["components"][ours]]
     assert f"Pieces of {ours}'s aggregated stages" in out.read_text()
+    assert record["cuda_candidates"] == ["triton_dwconv"]
 
 
 def test_components_time_each_aggregated_stage_piece():

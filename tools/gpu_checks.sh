@@ -17,8 +17,10 @@
 #   bash tools/gpu_checks.sh <out_dir> [parts] [quick]
 #   bash tools/gpu_checks.sh wheels <dir>     # here: the wheels part `train` needs on a GPU machine
 #
-# parts: a comma-separated choice of tests, attention, models, routing, train, backbones (default: tests,
-# attention, models). Part `backbones` (issue 42), in one call of under 10 minutes: a short profile of
+# parts: a comma-separated choice of tests, attention, models, routing, train, backbones, candidates (default:
+# tests, attention, models). Part `candidates` (issue 42, about 5 minutes) times TransNeXt-T beside Swin-T at batch
+# 64 with each CUDA candidate switched on (MOH_VISION_TRANSNEXT_CUDA=flex, triton_dwconv, both; TIMEOUT_CANDIDATES,
+# default 100 s, each). Part `backbones` (issue 42), in one call of under 10 minutes: a short profile of
 # TransNeXt-T beside Swin-T (batch 64 eager: each one's time by kind of work and top kernels, and TransNeXt-T's
 # depthwise convolution in three layouts and in Triton, its attention operator and the FlexAttention candidate
 # alone, the record rewritten after each part), the aggregated-attention and depthwise kernels' gpu tests
@@ -164,6 +166,20 @@ if [[ $parts == *,backbones,* ]]; then  # issue 42: the aggregated-attention ker
     name="backbones_b${batch}$([[ $compiled == true ]] && echo _compiled)"
     step "$name"
     timeout "$limit" python3 tools/bench_backbones.py pairs=$pairs batch=$batch compile=$compiled \
+      "${settings[@]}" out="$out/runs/$name.md" 2>"$out/runs/$name.err"
+    pack
+  done
+fi
+
+if [[ $parts == *,candidates,* ]]; then  # issue 42: TransNeXt-T with each CUDA candidate switched on, beside Swin-T
+  # (moh_vision/models/cuda_candidates.py; the default forms' figures: part backbones' batch-64 profile run)
+  runs=(flex triton_dwconv flex,triton_dwconv)
+  settings=(pairs=transnext_tiny:swin_tiny_patch4_window7_224 batch=64 device=$device dtype=bfloat16 rounds=5 warmup=2)
+  [[ -n "$quick" ]] && { runs=(flex,triton_dwconv); settings=(device=$device quick=true); }  # a no-op off CUDA
+  for candidate in "${runs[@]}"; do
+    name="backbones_b64_${candidate//,/_}"
+    step "$name"
+    MOH_VISION_TRANSNEXT_CUDA=$candidate timeout "${TIMEOUT_CANDIDATES:-100}" python3 tools/bench_backbones.py \
       "${settings[@]}" out="$out/runs/$name.md" 2>"$out/runs/$name.err"
     pack
   done

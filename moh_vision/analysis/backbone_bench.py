@@ -472,10 +472,16 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
               f"multiply-adds, one image); train TFLOP/s = 2 x 3 x active GFLOPs x images/s (utilisation: of the "
               f"GPU's dense peak)" + ("; saved = bytes kept for backward per image (eager; parameters and their "
                                       "autocast copies excluded)" if saved else ""))
+    from moh_vision.models.cuda_candidates import CANDIDATES, SWITCH, use_candidate
+
+    candidates = [name for name in CANDIDATES if use_candidate(name)]  # what MOH_VISION_TRANSNEXT_CUDA switched on
+    if candidates and where.type == "cuda":
+        header += f"; ours with the CUDA candidates {', '.join(candidates)} ({SWITCH})"
     table = backbones_table(rows, header) + top_ops_table(rows)
     machine = torch.cuda.get_device_name(where) if where.type == "cuda" else machine_description()
     record = {"header": header, "torch": torch.__version__, "timm": timm.__version__, "device": where.type,
               "machine": machine, "threads": torch.get_num_threads(), "options": settings,
+              "cuda_candidates": candidates,
               "resolved": {"pairs": [f"{a}:{b}" for a, b in chosen], "batch": batch, "img_size": img_size,
                            "rounds": rounds, "warmup": warmup, "saved": saved}, "rows": rows}
 

@@ -42,6 +42,9 @@ from moh_vision.attention.sparse import PackedRows, SparseSupport, table_auto
 from moh_vision.attention.tracing import eager_autograd
 from moh_vision.errors import ConfigError
 from .aggregated_attention import aggregated_attention, aggregated_queries, local_window_index, local_window_mask
+from .cuda_candidates import use_candidate
+from .flex_aggregated import aggregated_attention_flex
+from .triton_depthwise import depthwise_conv_triton
 from .factory import build_from_preset, instance_cfg
 from .families import register_family
 
@@ -403,11 +406,17 @@ class TransNeXtAggregatedAttention(_TransNeXtAttention):
         scale = F.softplus(_take(self.temperature, heads)) * self.seq_length_scale  # [n, N, 1]
         q, local_weight = aggregated_queries(q, _take(self.query_embedding, heads), scale,  # [B, n, N, d | L]
                                              _take(self.learnable_tokens, heads), _take(self.learnable_bias, heads))
+        dropout = self.attn_drop if self.training else 0.0
+        if q.is_cuda and use_candidate("flex") and not dropout and self.padding_mask is None:
+            return aggregated_attention_flex(  # MOH_VISION_TRANSNEXT_CUDA=flex: the FlexAttention candidate
+                q, _take_heads(keys.k_local, heads), _take_heads(keys.v_local, heads), _take_heads(keys.k_pool, heads),
+                _take_heads(keys.v_pool, heads), _take(keys.bias, heads), _take(self.relative_pos_bias_local, heads),
+                local_weight, self.input_resolution, self.window_size)
         return aggregated_attention(
             q, _take_heads(keys.k_local, heads), _take_heads(keys.v_local, heads),
             _take_heads(keys.k_pool, heads), _take_heads(keys.v_pool, heads), _take(keys.bias, heads),
             _take(self.relative_pos_bias_local, heads), local_weight, self.input_resolution, self.window_size,
-            self.attn_drop if self.training else 0.0, self.padding_mask)
+            dropout, self.padding_mask)
 
     # --- sparse MoH (see moh_vision.attention.sparse) --------------------------------------------
     def sparse_context(self, x: Tensor) -> Tuple[Tensor, Optional[Tensor], "AggregatedKeys"]:
@@ -499,7 +508,10 @@ class DWConv(nn.Module):
 def _depthwise(x: Tensor, weight: Tensor, bias: Optional[Tensor], H: int, W: int) -> Tensor:
     """3x3 depthwise convolution of tokens ``[B, N, C]`` laid out as an ``H x W`` image (zero padding). (Under
     ``torch.compile``, nine shifted multiply-adds that the compiler fuses were tried: a faster ConvGLU alone, a
-    slower TransNeXt-T step, 2854 against 2534 ms on the CPU.)"""
+    slower TransNeXt-T step, 2854 against 2534 ms on the CPU.) On CUDA with ``MOH_VISION_TRANSNEXT_CUDA=triton_dwconv``,
+    the Triton candidate (:mod:`~moh_vision.models.cuda_candidates`)."""
+    if x.is_cuda and use_candidate("triton_dwconv"):
+        return depthwise_conv_triton(x, weight, bias, H, W)
     B, N, C = x.shape
     return F.conv2d(x.transpose(1, 2).reshape(B, C, H, W), weight, bias, padding=1, groups=C).flatten(2).transpose(1, 2)
 
