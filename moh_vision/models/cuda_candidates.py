@@ -32,3 +32,9 @@ def use_candidate(name: str) -> bool:
     if unknown:
         raise ConfigError(f"{SWITCH}={value}: unknown {', '.join(unknown)}; choose from {', '.join(CANDIDATES)}")
     return name in chosen
+
+
+def candidate_on(name: str, x: torch.Tensor) -> bool:
+    """Whether the candidate ``name`` runs on ``x``: a CUDA tensor (not an ``fx`` proxy, whose device cannot steer
+    control flow) with the candidate switched on (:func:`use_candidate`)."""
+    return isinstance(x, torch.Tensor) and x.is_cuda and use_candidate(name)

@@ -42,7 +42,7 @@ from moh_vision.attention.sparse import PackedRows, SparseSupport, table_auto
 from moh_vision.attention.tracing import eager_autograd
 from moh_vision.errors import ConfigError
 from .aggregated_attention import aggregated_attention, aggregated_queries, local_window_index, local_window_mask
-from .cuda_candidates import use_candidate
+from .cuda_candidates import candidate_on
 from .flex_aggregated import aggregated_attention_flex
 from .triton_depthwise import depthwise_conv_triton
 from .factory import build_from_preset, instance_cfg
@@ -407,7 +407,7 @@ class TransNeXtAggregatedAttention(_TransNeXtAttention):
         q, local_weight = aggregated_queries(q, _take(self.query_embedding, heads), scale,  # [B, n, N, d | L]
                                              _take(self.learnable_tokens, heads), _take(self.learnable_bias, heads))
         dropout = self.attn_drop if self.training else 0.0
-        if q.is_cuda and use_candidate("flex") and not dropout and self.padding_mask is None:
+        if candidate_on("flex", q) and not dropout and self.padding_mask is None:
             return aggregated_attention_flex(  # MOH_VISION_TRANSNEXT_CUDA=flex: the FlexAttention candidate
                 q, _take_heads(keys.k_local, heads), _take_heads(keys.v_local, heads), _take_heads(keys.k_pool, heads),
                 _take_heads(keys.v_pool, heads), _take(keys.bias, heads), _take(self.relative_pos_bias_local, heads),
@@ -510,7 +510,7 @@ def _depthwise(x: Tensor, weight: Tensor, bias: Optional[Tensor], H: int, W: int
     ``torch.compile``, nine shifted multiply-adds that the compiler fuses were tried: a faster ConvGLU alone, a
     slower TransNeXt-T step, 2854 against 2534 ms on the CPU.) On CUDA with ``MOH_VISION_TRANSNEXT_CUDA=triton_dwconv``,
     the Triton candidate (:mod:`~moh_vision.models.cuda_candidates`)."""
-    if x.is_cuda and use_candidate("triton_dwconv"):
+    if candidate_on("triton_dwconv", x):
         return depthwise_conv_triton(x, weight, bias, H, W)
     B, N, C = x.shape
     return F.conv2d(x.transpose(1, 2).reshape(B, C, H, W), weight, bias, padding=1, groups=C).flatten(2).transpose(1, 2)
