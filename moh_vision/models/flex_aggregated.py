@@ -33,14 +33,15 @@ def _geometry(size: Size2, window: int):
     H, W = size
     r, tokens = window // 2, H * W
 
+    def offset(q_idx, kv_idx):  # (rows, columns) from the query to the key on the map
+        return kv_idx // W - q_idx // W, kv_idx % W - q_idx % W
+
     def neighbours(q_idx, kv_idx):
-        dy = kv_idx // W - q_idx // W
-        dx = kv_idx % W - q_idx % W
+        dy, dx = offset(q_idx, kv_idx)
         return (kv_idx < tokens) & (dy.abs() <= r) & (dx.abs() <= r)
 
     def slot(q_idx, kv_idx):  # F.unfold's order: (dy + r) * window + (dx + r)
-        dy = kv_idx // W - q_idx // W
-        dx = kv_idx % W - q_idx % W
+        dy, dx = offset(q_idx, kv_idx)
         return ((dy + r) * window + dx + r).clamp(0, window * window - 1)
 
     return tokens, neighbours, slot

@@ -406,17 +406,13 @@ class TransNeXtAggregatedAttention(_TransNeXtAttention):
         scale = F.softplus(_take(self.temperature, heads)) * self.seq_length_scale  # [n, N, 1]
         q, local_weight = aggregated_queries(q, _take(self.query_embedding, heads), scale,  # [B, n, N, d | L]
                                              _take(self.learnable_tokens, heads), _take(self.learnable_bias, heads))
-        dropout = self.attn_drop if self.training else 0.0
-        if candidate_on("flex", q) and not dropout and self.padding_mask is None:
-            return aggregated_attention_flex(  # MOH_VISION_TRANSNEXT_CUDA=flex: the FlexAttention candidate
-                q, _take_heads(keys.k_local, heads), _take_heads(keys.v_local, heads), _take_heads(keys.k_pool, heads),
+        args = (q, _take_heads(keys.k_local, heads), _take_heads(keys.v_local, heads), _take_heads(keys.k_pool, heads),
                 _take_heads(keys.v_pool, heads), _take(keys.bias, heads), _take(self.relative_pos_bias_local, heads),
                 local_weight, self.input_resolution, self.window_size)
-        return aggregated_attention(
-            q, _take_heads(keys.k_local, heads), _take_heads(keys.v_local, heads),
-            _take_heads(keys.k_pool, heads), _take_heads(keys.v_pool, heads), _take(keys.bias, heads),
-            _take(self.relative_pos_bias_local, heads), local_weight, self.input_resolution, self.window_size,
-            dropout, self.padding_mask)
+        dropout = self.attn_drop if self.training else 0.0
+        if candidate_on("flex", q) and not dropout and self.padding_mask is None:
+            return aggregated_attention_flex(*args)  # MOH_VISION_TRANSNEXT_CUDA=flex: the FlexAttention candidate
+        return aggregated_attention(*args, dropout, self.padding_mask)
 
     # --- sparse MoH (see moh_vision.attention.sparse) --------------------------------------------
     def sparse_context(self, x: Tensor) -> Tuple[Tensor, Optional[Tensor], "AggregatedKeys"]:

@@ -92,8 +92,6 @@ def _taps(weight: Tensor, mirrored: bool) -> Tensor:
 
 
 def _correlated(x: Tensor, taps: Tensor, bias: Optional[Tensor], height: int, width: int, k: int) -> Tensor:
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     B, N, C = x.shape
     out = torch.empty(B, N, C, dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(N, BLOCK_N), triton.cdiv(C, BLOCK_C), B)
@@ -103,8 +101,6 @@ def _correlated(x: Tensor, taps: Tensor, bias: Optional[Tensor], height: int, wi
 
 
 def _weight_grad(grad: Tensor, x: Tensor, height: int, width: int, k: int) -> Tuple[Tensor, Tensor]:
-    if x.stride(-1) != 1:
-        x = x.contiguous()
     B, N, C = x.shape
     tokens = B * N
     per_chunk = triton.cdiv(triton.cdiv(tokens, 256), WEIGHT_BLOCK_N) * WEIGHT_BLOCK_N  # at most 256 chunks
@@ -142,5 +138,7 @@ def depthwise_conv_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], hei
     ``F.conv2d`` on that image gives them (float32 sums for half-precision inputs)."""
     if triton is None:
         raise RuntimeError("depthwise_conv_triton needs Triton")
+    if x.stride(-1) != 1:  # the kernels step over tokens by x's stride, over channels one by one
+        x = x.contiguous()
     return _DepthwiseTriton.apply(x, weight.to(x.dtype), None if bias is None else bias.to(x.dtype), int(height),
                                   int(width))
