@@ -89,10 +89,11 @@ def trainer_config(**overrides):
 
 
 def assert_compiles_for_hopper_without_spills(fn, meta: dict, pointer_types: Dict[str, str], num_warps: int,
-                                              tmp_path: Path, ints: Sequence[str] = ()) -> None:
+                                              tmp_path: Path, ints: Sequence[str] = (), floats: Sequence[str] = ()) -> None:
     """Compile the Triton kernel ``fn`` for sm_90 (Triton's compiler and its bundled ptxas: no GPU) with the
     constexprs ``meta`` and fail on any spill to local memory. Parameters named with a capital are pointers (``pointer_types``
-    names their element type, default ``*bf16``) unless listed in ``ints``; the rest are ``i32``."""
+    names their element type, default ``*bf16``) unless listed in ``ints``; those in ``floats`` are ``fp32``; the
+    rest are ``i32``."""
     import inspect
 
     import pytest
@@ -105,7 +106,7 @@ def assert_compiles_for_hopper_without_spills(fn, meta: dict, pointer_types: Dic
         pytest.skip("Triton without its bundled ptxas")
     names = list(inspect.signature(fn.fn).parameters)
     signature = {n: "constexpr" if n in meta else pointer_types.get(n, "*bf16") if n[0].isupper() and n not in ints
-                 else "i32" for n in names}
+                 else "fp32" if n in floats else "i32" for n in names}
     constants = {(names.index(n),): meta[n] for n in names if n in meta}
     compiled = triton.compile(ASTSource(fn=fn, signature=signature, constexprs=constants),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})

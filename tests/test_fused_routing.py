@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from moh_vision.attention import build_attention, record_routing
 from moh_vision.attention import fused_routing
-from moh_vision.attention.fused_routing import fused_route, fused_routing_available
+from moh_vision.attention.fused_routing import fused_route, fused_route_merge, fused_routing_available
 from moh_vision.attention.moh import formula_route
 
 REPO = Path(__file__).resolve().parents[1]
@@ -159,6 +159,93 @@ def test_layer_with_the_kernel_equals_the_layer_with_the_formulas(options, train
 
 
 @needs_kernel
+@pytest.mark.parametrize("layout", [(6, 2, 2), (8, 1, 3), (4, 0, 2), (6, 6, 0), (16, 4, 7)])
+@pytest.mark.parametrize("heads_layout", ["sdpa", "contiguous"])
+@pytest.mark.parametrize("with_loss", [True, False])
+def test_route_merge_equals_route_then_merge_heads(layout, heads_layout, with_loss):
+    """The kernel's gated merge is ``merge_heads(heads, gates)`` of its own routing (the same products, bit for bit),
+    its routing :func:`fused_route`'s on the same (strided) logits, and its gradients (heads, logits, through the
+    merge and the loss) theirs; float64 gradcheck."""
+    h, shared, topk = layout
+    torch.manual_seed(sum(layout))
+    B, N, d = 2, 7, 5
+    wide = torch.randn(B, N, 3 + width(*layout), dtype=torch.float64) * 2  # the logits: columns of a wider tensor
+    heads = torch.randn(B, N, h, d, dtype=torch.float64).transpose(1, 2) if heads_layout == "sdpa" \
+        else torch.randn(B, h, N, d, dtype=torch.float64)
+    mha = build_attention("mha", h * d, h)
+    args = (h - shared, shared, topk, with_loss)
+
+    def kernel(o, z):
+        return fused_route_merge(o, z[..., 3:], *args)
+
+    def reference(o, z):
+        routing = fused_route(z[..., 3:], *args)
+        return mha.merge_heads(o, routing.gates), routing
+
+    outs = []
+    for f in (kernel, reference):
+        o, z = heads.detach().clone().requires_grad_(), wide.detach().clone().requires_grad_()
+        merged, routing = f(o, z)
+        total = (merged * torch.linspace(-1, 1, merged.numel(), dtype=merged.dtype).view_as(merged)).sum()
+        if routing.loss is not None:
+            total = total + 0.7 * routing.loss
+        total.backward()
+        outs.append((merged, routing, o.grad, z.grad))
+    (merged, routing, go, gz), (merged_ref, routing_ref, go_ref, gz_ref) = outs
+    assert torch.equal(merged, merged_ref) and merged.is_contiguous()
+    assert torch.equal(routing.gates, routing_ref.gates) and torch.equal(routing.mask, routing_ref.mask)
+    assert (routing.loss is None) == (routing_ref.loss is None)
+    if routing.loss is not None:
+        assert torch.equal(routing.loss, routing_ref.loss)
+    assert go.stride() == heads.stride()  # o's own layout, as attention's backward expects
+    torch.testing.assert_close(go, go_ref, rtol=1e-13, atol=1e-13)
+    torch.testing.assert_close(gz, gz_ref, rtol=1e-6, atol=1e-10)  # the loss's float32 path sets the tolerance
+    o, z = heads.detach().clone().requires_grad_(), wide.detach().clone().requires_grad_()
+    assert torch.autograd.gradcheck(lambda o, z: fused_route_merge(o, z[..., 3:], h - shared, shared, topk, False)[0],
+                                    (o, z))
+
+
+@needs_kernel
+def test_route_merge_takes_the_loss_alone():
+    """A backward through the loss only (the merged output unused) gives the logits the loss's gradient."""
+    torch.manual_seed(0)
+    z = (torch.randn(2, 5, 10, dtype=torch.float64) * 2).requires_grad_()  # wg 6, wg_0 2, wg_1 2
+    o = torch.randn(2, 8, 5, 3, dtype=torch.float64, requires_grad=True)
+    (gz,) = torch.autograd.grad(fused_route_merge(o, z, 6, 2, 3, True)[1].loss, z)
+    (gz_ref,) = torch.autograd.grad(fused_route(z, 6, 2, 3, True).loss, z)
+    torch.testing.assert_close(gz, gz_ref, rtol=1e-12, atol=1e-14)
+
+
+@needs_kernel
+@pytest.mark.parametrize("training", [True, False])
+def test_masked_layer_applies_the_gates_in_the_routing_kernel(training):
+    """On the CPU's masked path the routing runs after attention and writes the gated merge: one routing operator
+    each way and no gate multiply of its own (issue 43, item 3). The sparse path still routes first."""
+    m = build_attention("moh", 48, 6, activation_ratio=0.75, impl="masked").train(training)
+    x = torch.randn(2, 9, 48, requires_grad=training)
+
+    class Spy(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.seen.append(str(func.overloadpacket))
+            return func(*args, **(kwargs or {}))
+
+    with Spy() as spy, record_routing(m):
+        y = m(x)
+    assert spy.seen.count("moh_routing.route_merge") == 1 and "moh_routing.route" not in spy.seen
+    assert "aten.mul" not in spy.seen  # the gates are multiplied inside the kernel's pass
+    if training:
+        loss = y.sum()
+        with Spy() as spy:
+            loss.backward()
+        assert spy.seen.count("moh_routing.route_merge_backward") == 1 and "aten.mul" not in spy.seen
+        assert spy.seen.count("aten.sum") == 2 and "aten.linalg_vecdot" not in spy.seen  # the sums: qkv's, proj's bias
+
+
+@needs_kernel
 def test_the_formulas_run_wherever_the_kernel_must_not(monkeypatch):
     """Under jit.trace, with a hook on a router, on learned shared heads, or switched off."""
     m = build_attention("moh", 32, 8, shared_heads=2, topk=3, impl="masked")
@@ -238,7 +325,8 @@ def test_layer_under_cpu_autocast_takes_the_kernel_and_gives_the_formulas_values
 
     with Spy():
         y, gx, grads, routing = run()
-    assert "moh_routing.route" in seen and "moh_routing.route_backward" in seen and "aten._softmax" not in seen
+    kernel = "moh_routing.route_merge" if options["impl"] == "masked" else "moh_routing.route"  # masked: gates in the merge
+    assert kernel in seen and f"{kernel}_backward" in seen and "aten._softmax" not in seen
     with monkeypatch.context() as patch:
         patch.setattr(m, "fused_router_weights", lambda *args: None)
         y_ref, gx_ref, grads_ref, routing_ref = run()
@@ -309,6 +397,68 @@ def test_triton_routing_in_the_interpreter_equals_the_formulas():
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
     assert "all equal" in done.stdout
+
+
+# the routing and the gated merge in one kernel each way (triton_routing.TritonRouteMerge) against the formulas
+# and merge_heads: the heads in SDPA's layout and contiguous, with and without the loss
+TRITON_MERGE_SCRIPT = """
+import sys, torch
+sys.path.insert(0, sys.argv[1])
+from test_fused_routing import LAYOUTS, split, width
+from moh_vision.attention import build_attention
+from moh_vision.attention.moh import formula_route
+from moh_vision.attention.triton_routing import triton_route_merge
+torch.manual_seed(0)
+for heads, shared, topk in [layout for layout in LAYOUTS if layout[2] > 0]:
+    for with_loss, sdpa_layout, d in ((True, True, 5), (False, False, 8)):
+        B, N = 3, 37  # 111 tokens: 2 blocks
+        logits = torch.randn(B, N, width(heads, shared, topk), dtype=torch.float64) * 2
+        o = torch.randn(B, N, heads, d, dtype=torch.float64).transpose(1, 2) if sdpa_layout \
+            else torch.randn(B, heads, N, d, dtype=torch.float64)
+        mha = build_attention("mha", heads * d, heads)
+        a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        oa, ob = o.clone().requires_grad_(), o.clone().requires_grad_()
+        out = triton_route_merge(oa, a, heads - shared, shared, topk, with_loss)
+        ref = formula_route(split(b, heads, shared, topk), b[..., :1], heads - shared, shared, topk, with_loss)
+        merged_ref = mha.merge_heads(ob, ref.gates)
+        torch.testing.assert_close(out[1], ref.gates, rtol=1e-6, atol=1e-7)  # float32 arithmetic inside
+        torch.testing.assert_close(out[0], merged_ref, rtol=1e-6, atol=1e-7)
+        assert torch.equal(out[3], ref.mask) and torch.equal(out[4], ref.index)
+        grad = torch.randn_like(out[0])
+        ((out[0] * grad).sum() + (0.7 * out[5] if with_loss else 0)).backward()
+        ((merged_ref * grad).sum() + (0.7 * ref.loss if with_loss else 0)).backward()
+        if with_loss:
+            torch.testing.assert_close(out[5], ref.loss, rtol=1e-6, atol=0)
+        assert oa.grad.stride() == o.stride()
+        torch.testing.assert_close(oa.grad, ob.grad, rtol=1e-6, atol=1e-7)
+        # the gates' gradient is a float32 sum over d inside the kernel (float64 here in the reference)
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=2e-5)
+print("triton route_merge: all equal")
+"""
+
+
+def test_triton_route_merge_in_the_interpreter_equals_the_formulas_and_merge_heads():
+    from helpers import run_in_triton_interpreter
+    run_in_triton_interpreter(TRITON_MERGE_SCRIPT)
+
+
+@pytest.mark.parametrize("layout", [(6, 2, 2), (8, 1, 3), (4, 0, 2), (16, 4, 7)])
+@pytest.mark.parametrize("merge", [True, False])
+def test_triton_routing_kernels_compile_for_hopper_without_spills(layout, merge, tmp_path):
+    """Both kernels, with and without the merge, compiled for sm_90 under bf16 autocast's types (bf16 logits and
+    heads, float32 gates), DiT-XL's head width (72), with the warps they launch with. (The merge at first took
+    [64, 128] tiles, then [64, 32] with 4 warps: 255 registers a thread and up to 22 kB spilled.)"""
+    pytest.importorskip("triton")
+    from helpers import assert_compiles_for_hopper_without_spills
+    from moh_vision.attention import triton_routing as kernels
+
+    heads, shared, topk = layout
+    meta = kernels._meta(heads - shared, shared, topk, torch.float32, 72 if merge else 0)
+    fp32 = {name: "*fp32" for name in ("G", "P", "M", "SUMS", "GG", "GL")}
+    fp32["I"] = "*i64"
+    for fn in (kernels._route_forward, kernels._route_backward):
+        assert_compiles_for_hopper_without_spills(fn, meta, fp32, meta["num_warps"], tmp_path, ints=("T", "N"),
+                                                  floats=("loss_scale",))
 
 
 @pytest.mark.gpu

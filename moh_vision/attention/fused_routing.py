@@ -12,6 +12,13 @@ are and stores float32 gates, probabilities and selection (``float_out``), as au
 them to the formulas on CUDA and as the Triton kernels do. Equal to the formulas up to rounding
 (``tests/test_fused_routing.py``: values, selections, the loss and every gradient).
 
+On MoH's masked path the kernels also apply the gates where the heads are merged (:func:`fused_route_merge`;
+``torch.ops.moh_routing.route_merge`` / ``route_merge_backward`` on the CPU, the same Triton kernels with their
+merge switched on for CUDA): called after attention (the gates are needed only there), they route each token
+and write its gated, merged head outputs in the same pass (the products ``merge_heads`` computes); the backward
+gives the heads' gradient and the logits' from the merged output's in one pass too. So the gate multiply is
+neither a pass over the heads nor an operator of its own, forward or backward.
+
 Where it runs: eager calls on CPU tensors, in and out of autocast (:meth:`MoH.uses_fused_routing`), and on CUDA
 tensors its Triton twin (:mod:`~moh_vision.attention.triton_routing`); tracers, exporters, ``torch.compile`` (whose own code
 generation fuses the formulas) and ``torch.func`` see the formulas. The kernel is compiled on first use with
@@ -27,7 +34,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -95,6 +102,47 @@ class _FusedRoute(torch.autograd.Function):
         return grad, None, None, None, None, None
 
 
+class _FusedRouteMerge(torch.autograd.Function):
+    # forward(ctx, ...), as _FusedRoute: eager CPU calls only
+    @staticmethod
+    def forward(ctx, heads: Tensor, logits: Tensor, routed: int, shared: int, topk: int, with_loss: bool,
+                float_out: bool):
+        out = torch.ops.moh_routing.route_merge(heads, logits, routed, shared, topk, with_loss, float_out)
+        ctx.save_for_backward(heads, logits, out[1], out[2], out[3])
+        ctx.layout = (routed, shared, topk)
+        ctx.mark_non_differentiable(*out[1:5])  # the gates act through the merged output
+        ctx.set_materialize_grads(False)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_merged, _gates, _probs, _mask, _index, grad_loss):
+        heads, logits, gates, probs, mask = ctx.saved_tensors
+        if grad_merged is None:  # only the loss was used
+            B, h, N, d = heads.shape
+            grad_merged = heads.new_zeros(B, N, h * d)
+        grad_heads, grad_logits = torch.ops.moh_routing.route_merge_backward(grad_merged, grad_loss, heads, gates,
+                                                                            logits, probs, mask, *ctx.layout)
+        return grad_heads, grad_logits, None, None, None, None, None
+
+
+def fused_route_merge(heads: Tensor, logits: Tensor, routed: int, shared: int, topk: int,
+                      with_loss: bool) -> Tuple[Tensor, Routing]:
+    """:func:`fused_route` and, in the same pass, the gates applied where the heads are merged (CPU: the C++ kernel;
+    CUDA: its Triton twin, :func:`~moh_vision.attention.triton_routing.triton_route_merge`, ``topk > 0``):
+    from the head outputs ``[B, h, N, d]`` (any strides; the logits' dtype) the gated merge ``[B, N, h * d]``
+    that ``merge_heads(heads, gates)`` gives (the same products), and the routing. One operator each way, in
+    place of the routing's and the gate multiply's."""
+    if logits.is_cuda:
+        from .triton_routing import triton_route_merge
+        merged, *routing = triton_route_merge(heads, logits, routed, shared, topk, with_loss)
+        return merged, _routing(routing, topk)
+    float_out = logits.dtype in LOW_PRECISION and torch.is_autocast_enabled("cpu")
+    grad = torch.is_grad_enabled() and (heads.requires_grad or logits.requires_grad)
+    route = _FusedRouteMerge.apply if grad else torch.ops.moh_routing.route_merge
+    merged, *routing = route(heads, logits, routed, shared, topk, with_loss, float_out)
+    return merged, _routing(routing, topk)
+
+
 def fused_route(logits: Tensor, routed: int, shared: int, topk: int, with_loss: bool) -> Routing:
     """MoH's gates from the stacked router logits ``[..., L]`` (rows ``wg``, ``wg_0``, ``wg_1`` as
     :meth:`MoH.stacked_router_weight` stacks them), with ``routed = h - h_s`` routed heads; the load-balance
@@ -110,6 +158,11 @@ def fused_route(logits: Tensor, routed: int, shared: int, topk: int, with_loss: 
         # the operator alone where there is nothing to differentiate
         route = _FusedRoute.apply if torch.is_grad_enabled() and logits.requires_grad else torch.ops.moh_routing.route
         out = route(logits, routed, shared, topk, with_loss, float_out)
+    return _routing(out, topk)
+
+
+def _routing(out: Sequence[Tensor], topk: int) -> Routing:
+    """The kernels' (gates, probs, mask, index, loss) as a :class:`Routing`."""
     gates, probs, mask, index, loss = out
     if topk == 0:  # nothing routed: no probabilities, no selected heads (as the formulas give it)
         probs = index = None

@@ -184,7 +184,11 @@ class HeadAttention(nn.Module):
         return GatedMerge.apply(o, gates)
 
     def output(self, o: Tensor, gates: Optional[Tensor] = None) -> Tensor:
-        return self.proj_drop(self.proj(self.merge_heads(o, gates)))
+        return self.project_merged(self.merge_heads(o, gates))
+
+    def project_merged(self, merged: Tensor) -> Tensor:
+        """The output projection (and its dropout) of the merged heads ``[B, N, h * d]``."""
+        return self.proj_drop(self.proj(merged))
 
     def forward(self, x: Tensor) -> Tensor:
         return self.output(self.heads(x))

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moh_vision.errors import ConfigError
-from .fused_routing import Routing, fused_route, fused_routing_available
+from .fused_routing import Routing, fused_route, fused_route_merge, fused_routing_available
 from .tracing import active_tracer, freezes_dispatch, refuse_data_dependent, traces_by_module
 from .registry import register_attention
 from .routing import (RoutedMixin, SharedPlusTopK, load_balance_loss, renormalised_topk_gates, resolve_moh_heads, topk_mask)
@@ -364,20 +364,50 @@ class MoH(SharedPlusTopK, RoutedMixin):
         statistics to the open recorder, if any."""
         if self.learned_shared:
             return self.route_learned(x)
-        args = (self.num_heads - self.shared_heads, self.shared_heads, self.topk, self.wants_aux_loss())
-        weights = self.fused_router_weights(x)
+        return self.route_fixed(x, self.fused_router_weights(x))
+
+    def route_args(self) -> Tuple[int, int, int, bool]:
+        """The routing kernels' and formulas' layout arguments: routed and shared heads, top-k, with the loss."""
+        return self.num_heads - self.shared_heads, self.shared_heads, self.topk, self.wants_aux_loss()
+
+    def route_fixed(self, x: Tensor, weights: Optional[List[Tensor]]) -> Route:
+        """:meth:`route` of a layer whose shared heads are fixed; ``weights``: :meth:`fused_router_weights`."""
         if weights is not None:
-            routing = fused_route(F.linear(x, self.stacked_router_weight(weights)), *args)
+            routing = fused_route(F.linear(x, self.stacked_router_weight(weights)), *self.route_args())
         else:
-            routing = formula_route(self.router_logits(x), x, *args)
+            routing = formula_route(self.router_logits(x), x, *self.route_args())
+        self.record_fixed(routing)
+        return Route(routing.gates, routing.index)
+
+    def record_fixed(self, routing: Routing) -> None:
+        """Hand a fixed-partition layer's routing to the open recorder, if any."""
         if self.recording():
             self.record_routing(routing.mask, routing.probs, routing.loss, gates=routing.gates,
                                 shared_prefix=self.shared_heads)
-        return Route(routing.gates, routing.index)
+
+    def merge_routed(self, x: Tensor, weights: List[Tensor]) -> Tensor:
+        """The masked path where the routing runs its kernels (``weights``: :meth:`fused_router_weights`; C++ on the
+        CPU, Triton on CUDA): the heads, then the routing and the gates applied where the heads are merged, one
+        operator each way (:func:`~moh_vision.attention.fused_routing.fused_route_merge`; the gates are needed
+        only there). Returns the gated merge ``[B, N, h * d]``."""
+        heads, logits = self.heads(x), F.linear(x, self.stacked_router_weight(weights))
+        if heads.dtype != logits.dtype:  # the kernel gates heads of the logits' dtype
+            routing = fused_route(logits, *self.route_args())
+            merged = self.merge_heads(heads, routing.gates)
+        else:
+            merged, routing = fused_route_merge(heads, logits, *self.route_args())
+        self.record_fixed(routing)
+        return merged
 
     def forward(self, x: Tensor) -> Tensor:
-        route = self.route(x)
-        impl = self.execution_path(x, route)
+        if self.learned_shared:
+            route = self.route(x)
+            impl = self.execution_path(x, route)
+        else:  # the path does not depend on the routing
+            impl, weights = self._requested_path(x), self.fused_router_weights(x)
+            if impl == "masked" and weights is not None:  # the gates applied in the routing kernel's merge
+                return self.project_merged(self.merge_routed(x, weights))
+            route = self.route_fixed(x, weights)
         if impl == "masked":
             return self.output(self.heads(x), route.gates)
         # learned shared heads: the sparse drivers take the head order "shared heads first"

@@ -6,7 +6,10 @@ block of tokens, the routed softmax, the top-k (ties: the lower head), the renor
 two-stage mix and the shared softmax, written as the gates ``[T, h]``; per routed head, the sums over tokens
 of the probabilities and of the selection (atomics), from which the load-balance loss is two more operators.
 Backward: the logits' gradient from the gates' and the loss's, one more kernel. Layers that route (``topk >
-0``) only; a dense-weighted layer (every head shared) runs the formulas.
+0``) only; a dense-weighted layer (every head shared) runs the formulas. With ``MERGE`` (MoH's masked path,
+:class:`TritonRouteMerge`, run after attention) the forward also writes each token's heads times their gates in
+the merged layout ``[T, h d]``, and the backward takes the merged output's gradient, writes the heads' and
+computes the gates' from it on the way: ``route_merge`` of the C++ kernel.
 
 Where it runs: eager calls on CUDA tensors when Triton is installed (``MOH_VISION_FUSED_ROUTING=0`` turns it
 off), or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` in the environment before Python
@@ -25,6 +28,7 @@ from .triton_moh import tl, triton
 
 Tensor = torch.Tensor
 BLOCK_TOKENS = 64
+MERGE_TOKENS, MERGE_COLUMNS = 32, 16  # with the gated merge: tokens a block, a head's columns a step
 
 
 def _jit(fn):
@@ -55,9 +59,58 @@ def _shared_gates(z_row, live, R: tl.constexpr, HS: tl.constexpr, HSP: tl.conste
 
 
 @_jit
-def _route_forward(Z, G, P, M, I, SUMS, T, stride_z,
+def _column(t, j):
+    """Column ``j`` of a ``[BLOCK, C]`` block held in registers, ``[BLOCK]``."""
+    cols = tl.arange(0, t.shape[1])
+    return tl.sum(tl.where(cols[None, :] == j, t, 0.0), 1)
+
+
+@_jit
+def _head_tile(O, rows, live, head, c0, N, sob, soh, son, sod, D: tl.constexpr, DC: tl.constexpr):
+    """Pointers to columns ``c0 .. c0 + DC`` of head ``head``'s outputs ``o[b, head, n, :]`` for a block of tokens
+    (``t = b N + n``), ``[BLOCK, DC]``, and their mask."""
+    cd = c0 + tl.arange(0, DC)
+    r64 = rows.to(tl.int64)
+    base = O + (r64 // N) * sob + head * soh + (r64 % N) * son
+    return base[:, None] + cd[None, :] * sod, live[:, None] & (cd[None, :] < D)
+
+
+@_jit
+def _merge_head(O, OUT, rows, live, head, gate, N, sob, soh, son, sod, H: tl.constexpr, D: tl.constexpr,
+                DC: tl.constexpr):
+    """``merged[t, head d : (head + 1) d] = o[b, head, n, :] * gate_t`` (the gate cast to o's dtype first, as
+    ``merge_heads`` multiplies), ``DC`` columns at a time (a ``[BLOCK, d]`` tile of 64-bit pointers would not fit
+    in registers)."""
+    g = gate.to(O.dtype.element_ty)[:, None]
+    out_row = OUT + rows.to(tl.int64)[:, None] * (H * D) + head * D
+    for c0 in range(0, D, DC):
+        ptrs, ok = _head_tile(O, rows, live, head, c0, N, sob, soh, son, sod, D, DC)
+        o = tl.load(ptrs, mask=ok, other=0.0)
+        tl.store(out_row + c0 + tl.arange(0, DC)[None, :], o * g, mask=ok)
+
+
+@_jit
+def _merge_head_backward(O, GM, DO, rows, live, head, gate, N, sob, soh, son, sod, sdb, sdh, sdn, sdd,
+                         H: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
+    """The merge's backward for one head of a block of tokens: writes o's gradient (the merged output's times the
+    gate) and returns the gate's (the sum over d of the merged output's gradient times o, float32), ``[BLOCK]``."""
+    g = gate.to(O.dtype.element_ty)[:, None]
+    dy_row = GM + rows.to(tl.int64)[:, None] * (H * D) + head * D
+    dot = tl.zeros(gate.shape, tl.float32)
+    for c0 in range(0, D, DC):
+        ptrs, ok = _head_tile(O, rows, live, head, c0, N, sob, soh, son, sod, D, DC)
+        o = tl.load(ptrs, mask=ok, other=0.0)
+        dy = tl.load(dy_row + c0 + tl.arange(0, DC)[None, :], mask=ok, other=0.0)
+        dptrs, _ = _head_tile(DO, rows, live, head, c0, N, sdb, sdh, sdn, sdd, D, DC)
+        tl.store(dptrs, dy * g, mask=ok)
+        dot += tl.sum(dy.to(tl.float32) * o.to(tl.float32), 1)
+    return dot
+
+
+@_jit
+def _route_forward(Z, G, P, M, I, SUMS, T, stride_z, O, OUT, N, sob, soh, son, sod,
                    R: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, RP: tl.constexpr, HSP: tl.constexpr,
-                   BLOCK: tl.constexpr, EPS: tl.constexpr):
+                   BLOCK: tl.constexpr, EPS: tl.constexpr, MERGE: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < T
     z_base = Z + rows.to(tl.int64) * stride_z
@@ -91,19 +144,33 @@ def _route_forward(Z, G, P, M, I, SUMS, T, stride_z,
     if HS > 1:
         cs = tl.arange(0, HSP)
         in_s = cs[None, :] < HS
-        s = _shared_gates(z_row, live, R, HS, HSP)
-        tl.store(g_row + cs[None, :], (s * mu0[:, None]).to(G.dtype.element_ty), mask=live[:, None] & in_s)
+        shared = (_shared_gates(z_row, live, R, HS, HSP) * mu0[:, None]).to(G.dtype.element_ty)
+        tl.store(g_row + cs[None, :], shared, mask=live[:, None] & in_s)
+        if MERGE:
+            for i in range(HS):  # a loop, not unrolled: one head's tile live at a time
+                _merge_head(O, OUT, rows, live, i, _column(shared.to(tl.float32), i).to(G.dtype.element_ty), N,
+                            sob, soh, son, sod, HS + R, D, DC)
     elif HS == 1:
         tl.store(G + rows.to(tl.int64) * (HS + R), mu0.to(G.dtype.element_ty), mask=live)
+        if MERGE:
+            _merge_head(O, OUT, rows, live, 0, mu0.to(G.dtype.element_ty), N, sob, soh, son, sod, HS + R, D, DC)
+    if MERGE:  # the gated merge of the routed heads, from the gates as stored
+        stored = routed.to(G.dtype.element_ty).to(tl.float32)
+        for j in range(R):  # a loop, not unrolled: one head's tile live at a time
+            _merge_head(O, OUT, rows, live, HS + j, _column(stored, j).to(G.dtype.element_ty), N, sob, soh, son, sod,
+                        HS + R, D, DC)
     keep = live[:, None] & in_r  # per-head sums over tokens: the load-balance loss's me and ce (times T)
     tl.atomic_add(SUMS + cr, tl.sum(tl.where(keep, p, 0.0), 0), mask=cr < R)
     tl.atomic_add(SUMS + R + cr, tl.sum(tl.where(keep & chosen, 1.0, 0.0), 0), mask=cr < R)
 
 
 @_jit
-def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale,
-                    R: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, RP: tl.constexpr, HSP: tl.constexpr,
-                    BLOCK: tl.constexpr, EPS: tl.constexpr, AUX: tl.constexpr):
+def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale, O, GM, DO, N, sob, soh, son, sod, sdb, sdh,
+                    sdn, sdd, R: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, RP: tl.constexpr,
+                    HSP: tl.constexpr, BLOCK: tl.constexpr, EPS: tl.constexpr, AUX: tl.constexpr,
+                    MERGE: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
+    # MERGE: GG holds the gates, and the gates' gradient comes from the merged output's (GM), o's gradient (DO) on
+    # the way; else GG is the gates' gradient
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < T
     r64 = rows.to(tl.int64)
@@ -123,16 +190,34 @@ def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale,
         cs = tl.arange(0, HSP)
         in_s = cs[None, :] < HS
         s = _shared_gates(z_row, live, R, HS, HSP)
-        gs = tl.load(gg_row + cs[None, :], mask=live[:, None] & in_s, other=0.0).to(tl.float32)
+        gs = tl.load(gg_row + cs[None, :], mask=live[:, None] & in_s, other=0.0)
+        if MERGE:  # gs holds the gates: their gradient from the merge's
+            gates = gs.to(tl.float32)
+            gs = tl.zeros([BLOCK, HSP], tl.float32)
+            for i in range(HS):  # a loop, not unrolled: one head's tile live at a time
+                gi = _merge_head_backward(O, GM, DO, rows, live, i, _column(gates, i), N, sob, soh, son, sod, sdb, sdh,
+                                          sdn, sdd, HS + R, D, DC)
+                gs = tl.where(cs[None, :] == i, gi[:, None], gs)
+        gs = gs.to(tl.float32)
         g_mu0 = tl.sum(s * gs, 1)
         dot = tl.sum(s / HS * mu0[:, None] * gs, 1)
         tl.store(d_row + R + 2 + cs[None, :], (s * (mu0[:, None] * gs - dot[:, None])).to(DZ.dtype.element_ty),
                  mask=live[:, None] & in_s)
     elif HS == 1:
         g_mu0 = tl.load(GG + r64 * (HS + R), mask=live, other=0.0).to(tl.float32)
+        if MERGE:
+            g_mu0 = _merge_head_backward(O, GM, DO, rows, live, 0, g_mu0, N, sob, soh, son, sod, sdb, sdh, sdn, sdd,
+                                         HS + R, D, DC)
     p = tl.load(P + r64[:, None] * R + cr[None, :], mask=keep, other=0.0).to(tl.float32)
     m = tl.load(M + r64[:, None] * R + cr[None, :], mask=keep, other=0.0).to(tl.float32)
     g = tl.load(gg_row + HS + cr[None, :], mask=keep, other=0.0).to(tl.float32)
+    if MERGE:
+        gates = g
+        g = tl.zeros([BLOCK, RP], tl.float32)
+        for j in range(R):  # a loop, not unrolled: one head's tile live at a time
+            gj = _merge_head_backward(O, GM, DO, rows, live, HS + j, _column(gates, j), N, sob, soh, son, sod, sdb, sdh,
+                                      sdn, sdd, HS + R, D, DC)
+            g = tl.where(cr[None, :] == j, gj[:, None], g)
     kept = tl.maximum(tl.sum(m * p, 1), EPS)
     q = p / kept[:, None]
     gr = g * mu1[:, None]
@@ -150,10 +235,25 @@ def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale,
         tl.store(DZ + r64 * stride_z + R + 1, (mu1 * (g_mu1 - centre)).to(DZ.dtype.element_ty), mask=live)
 
 
-def _meta(routed: int, shared: int, topk: int, dtype: torch.dtype) -> dict:
+def _meta(routed: int, shared: int, topk: int, dtype: torch.dtype, head_dim: int = 0) -> dict:
+    """The kernels' compile-time arguments and warps; ``head_dim > 0``: with the gated merge (``MERGE``: blocks of
+    32 tokens, 16 columns of a head at a time, 8 warps; compiled for sm_90 the two kernels then need at most ~100
+    registers a thread and spill nothing, ``tests/test_fused_routing.py``)."""
+    merge = head_dim > 0
     return dict(R=routed, HS=shared, K=topk, RP=max(2, triton.next_power_of_2(routed)),
-                HSP=max(2, triton.next_power_of_2(max(shared, 1))), BLOCK=BLOCK_TOKENS,
-                EPS=float(torch.finfo(dtype).eps))
+                HSP=max(2, triton.next_power_of_2(max(shared, 1))), BLOCK=MERGE_TOKENS if merge else BLOCK_TOKENS,
+                EPS=float(torch.finfo(dtype).eps), MERGE=merge, D=max(head_dim, 1),
+                DC=min(triton.next_power_of_2(max(head_dim, 1)), MERGE_COLUMNS), num_warps=8 if merge else 4)
+
+
+def _NO_MERGE_FORWARD(z: Tensor) -> tuple:
+    """The forward kernel's merge arguments (heads, merged output, N, the heads' 4 strides) when it routes only."""
+    return (z, z, 1, 0, 0, 0, 0)
+
+
+def _NO_MERGE_BACKWARD(z: Tensor) -> tuple:
+    """The backward kernel's merge arguments (heads, merged gradient, heads' gradient, N, 8 strides), routing only."""
+    return (z, z, z, 1) + (0,) * 8
 
 
 class TritonRoute(torch.autograd.Function):
@@ -169,7 +269,7 @@ class TritonRoute(torch.autograd.Function):
         index = torch.empty(T, topk, dtype=torch.long, device=z.device)
         sums = torch.zeros(2 * routed, dtype=torch.float32, device=z.device)
         _route_forward[(triton.cdiv(T, BLOCK_TOKENS),)](z, gates, probs, mask, index, sums, T, z.stride(0),
-                                             **_meta(routed, shared, topk, out_dtype))
+                                                        *_NO_MERGE_FORWARD(z), **_meta(routed, shared, topk, out_dtype))
         loss = (sums[:routed] * sums[routed:]).sum() * (routed / (T * T)) if with_loss else sums[:0]
         ctx.save_for_backward(z, probs, mask, sums)
         ctx.layout, ctx.lead = (routed, shared, topk), lead
@@ -188,9 +288,10 @@ class TritonRoute(torch.autograd.Function):
         dtype = probs.dtype
         aux = grad_loss is not None and grad_loss.dim() == 0
         grad = torch.empty_like(z)
-        _route_backward[(triton.cdiv(T, BLOCK_TOKENS),)](grad_gates, z, probs, mask, sums, grad_loss if aux else sums, grad, T,
-                                             z.stride(0), float(routed) / T, AUX=aux,
-                                             **_meta(routed, shared, topk, dtype))
+        _route_backward[(triton.cdiv(T, BLOCK_TOKENS),)](grad_gates, z, probs, mask, sums, grad_loss if aux else sums,
+                                                         grad, T, z.stride(0), float(routed) / T,
+                                                         *_NO_MERGE_BACKWARD(z), AUX=aux,
+                                                         **_meta(routed, shared, topk, dtype))
         return grad.view(*ctx.lead, -1), None, None, None, None, None
 
 
@@ -200,3 +301,58 @@ def triton_route(logits: Tensor, routed: int, shared: int, topk: int, with_loss:
     them to the formulas."""
     autocast = torch.is_autocast_enabled(logits.device.type)
     return TritonRoute.apply(logits, routed, shared, topk, with_loss, torch.float32 if autocast else logits.dtype)
+
+
+class TritonRouteMerge(torch.autograd.Function):
+    """:func:`~moh_vision.attention.fused_routing.fused_route_merge` on the Triton kernels (``topk > 0``): the routing
+    and the gated merge of the heads ``[B, h, N, d]`` (any strides) in one kernel each way."""
+
+    @staticmethod
+    def forward(ctx, heads: Tensor, logits: Tensor, routed: int, shared: int, topk: int, with_loss: bool,
+                out_dtype: torch.dtype):
+        B, h, N, d = heads.shape
+        lead = logits.shape[:-1]
+        z = logits.reshape(-1, logits.shape[-1]).contiguous()
+        T = z.shape[0]
+        merged = heads.new_empty(B, N, h * d)
+        gates = z.new_empty(T, shared + routed, dtype=out_dtype)
+        probs, mask = z.new_empty(T, routed, dtype=out_dtype), z.new_empty(T, routed, dtype=out_dtype)
+        index = torch.empty(T, topk, dtype=torch.long, device=z.device)
+        sums = torch.zeros(2 * routed, dtype=torch.float32, device=z.device)
+        _route_forward[(triton.cdiv(T, MERGE_TOKENS),)](z, gates, probs, mask, index, sums, T, z.stride(0), heads,
+                                                        merged, N, *heads.stride(),
+                                                        **_meta(routed, shared, topk, out_dtype, d))
+        loss = (sums[:routed] * sums[routed:]).sum() * (routed / (T * T)) if with_loss else sums[:0]
+        ctx.save_for_backward(z, heads, gates, probs, mask, sums)
+        ctx.layout, ctx.lead = (routed, shared, topk), lead
+        ctx.mark_non_differentiable(gates, probs, mask, index)  # the gates act through the merged output
+        ctx.set_materialize_grads(False)
+        return (merged, gates.view(*lead, -1), probs.view(*lead, -1), mask.view(*lead, -1), index.view(*lead, -1),
+                loss)
+
+    @staticmethod
+    def backward(ctx, grad_merged, _gates, _probs, _mask, _index, grad_loss):
+        z, heads, gates, probs, mask, sums = ctx.saved_tensors
+        routed, shared, topk = ctx.layout
+        B, h, N, d = heads.shape
+        T = z.shape[0]
+        if grad_merged is None:  # only the loss was used
+            grad_merged = heads.new_zeros(B, N, h * d)
+        grad_merged = grad_merged.contiguous()
+        aux = grad_loss is not None and grad_loss.dim() == 0
+        grad = torch.empty_like(z)
+        grad_heads = torch.empty_like(heads)  # o's own layout, as attention's backward expects
+        _route_backward[(triton.cdiv(T, MERGE_TOKENS),)](gates, z, probs, mask, sums, grad_loss if aux else sums, grad,
+                                                         T, z.stride(0), float(routed) / T, heads, grad_merged,
+                                                         grad_heads, N, *heads.stride(), *grad_heads.stride(),
+                                                         AUX=aux, **_meta(routed, shared, topk, probs.dtype, d))
+        return grad_heads, grad.view(*ctx.lead, -1), None, None, None, None, None
+
+
+def triton_route_merge(heads: Tensor, logits: Tensor, routed: int, shared: int, topk: int,
+                       with_loss: bool) -> Tuple[Tensor, ...]:
+    """(merged, gates, probs, mask, index, loss or an empty tensor), as ``torch.ops.moh_routing.route_merge`` returns
+    them; float32 gates under autocast, as :func:`triton_route`."""
+    autocast = torch.is_autocast_enabled(logits.device.type)
+    return TritonRouteMerge.apply(heads, logits, routed, shared, topk, with_loss,
+                                  torch.float32 if autocast else logits.dtype)
