@@ -235,10 +235,20 @@ class _SlowFirstCall(torch.nn.Module):
         return self._orig_mod(*args, **kwargs)
 
 
+def test_cuda_graphs_are_marked_only_where_compiled_graphs_replay():
+    from moh_vision.engine.fit_setup import uses_cuda_graphs
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    assert uses_cuda_graphs(True, "reduce-overhead", cuda) and uses_cuda_graphs(True, "max-autotune", cuda)
+    assert not uses_cuda_graphs(True, "default", cuda) and not uses_cuda_graphs(True, "max-autotune-no-cudagraphs", cuda)
+    assert not uses_cuda_graphs(False, "reduce-overhead", cuda) and not uses_cuda_graphs(True, "reduce-overhead", cpu)
+
+
 def test_images_per_sec_leaves_out_compilation(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from moh_vision.engine import costs
+    from moh_vision.engine import costs, fit_setup
+    from moh_vision.engine import trainer as trainer_module
 
     class Clock:  # every reading advances 1 ms: the result does not depend on how busy the machine is
         now = 1000.0
@@ -249,12 +259,17 @@ def test_images_per_sec_leaves_out_compilation(tmp_path, monkeypatch):
 
     clock = Clock()
     monkeypatch.setattr(costs, "time", SimpleNamespace(perf_counter=clock.time))
-    modes = []
+    modes, marks = [], []
     monkeypatch.setattr(torch, "compile", lambda model, mode="default", **_: modes.append(mode) or
                         _SlowFirstCall(model, clock))
+    # as on a GPU, where reduce-overhead replays CUDA graphs: every training step is marked as a new one
+    monkeypatch.setattr(trainer_module, "uses_cuda_graphs",
+                        lambda compiled, mode, device: fit_setup.uses_cuda_graphs(compiled, mode, torch.device("cuda")))
+    monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: marks.append(1))
     summary = train_here(tmp_path / "run", monkeypatch, "trainer.compile=true", "trainer.max_steps=4",
                          "trainer.compile_mode=reduce-overhead")
     assert modes == ["reduce-overhead"]  # trainer.compile_mode reaches torch.compile (CUDA graphs on a GPU)
+    assert len(marks) == 4
     assert summary["steps"] == 4 and summary["throughput_warmup_steps"] == 1
     assert summary["compile_time_s"] == pytest.approx(10.0, abs=0.5)
     assert summary["train_time_s"] >= 10.0

@@ -124,6 +124,16 @@ def build_schedule(sched: Any, base_lr: float, total_steps: int, steps_per_epoch
     return Schedule(fields.pop("name"), base_lr, total_steps, **fields)
 
 
+CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the torch.compile modes that replay CUDA graphs
+
+
+def uses_cuda_graphs(compile_model: bool, compile_mode: str, device: torch.device) -> bool:
+    """Whether the training model replays CUDA graphs (``torch.compile``'s reduce-overhead or max-autotune on CUDA):
+    the trainer then marks each training step as a new one (``torch.compiler.cudagraph_mark_step_begin``), so that
+    one step's graph outputs are never taken for buffers the next step may overwrite."""
+    return bool(compile_model) and compile_mode in CUDA_GRAPH_MODES and device.type == "cuda"
+
+
 def wrap_model(model: nn.Module, compile_model: bool, dist: DistInfo, compile_mode: str = "default") -> nn.Module:
     """The model that trains: ``torch.compile``d (with ``compile_mode``) when asked, inside DDP under torchrun."""
     if compile_model:

@@ -28,7 +28,7 @@ from moh_vision.tasks.protocols import Data, EpochContext, Task
 from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, all_finite, write_routing_artifacts
 from .costs import RunCosts, StepClock, reset_peak_memory
 from .distributed import DistInfo, broadcast_object, reduce_sums
-from .fit_setup import FitParts, build_parts, flops_text, seed_everything
+from .fit_setup import FitParts, build_parts, flops_text, seed_everything, uses_cuda_graphs
 from .loggers import Loggers, write_json
 from .preemption import Preempted, StopSignals
 from .rng_state import capture_rng, restore_rng
@@ -150,7 +150,10 @@ class Trainer:
         window = StepWindow()
         micro = 0
         clock = StepClock(self.device)
+        graphs = uses_cuda_graphs(self.cfg.compile, self.cfg.compile_mode, self.device)
         for batch in clock.batches(loaders.train):
+            if graphs:  # a new step: the previous one's graph outputs are used up (loss, metrics, routing read)
+                torch.compiler.cudagraph_mark_step_begin()
             last_micro = (micro + 1) % loaders.accum == 0
             sync = contextlib.nullcontext() if last_micro or not self.dist.enabled else parts.train_model.no_sync()
             with sync:
