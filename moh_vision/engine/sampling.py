@@ -29,7 +29,6 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 from moh_vision.checkpoints import atomic_write
 from moh_vision.config import build_data, group_name
