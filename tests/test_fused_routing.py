@@ -465,7 +465,8 @@ def test_triton_routing_kernels_compile_for_hopper_without_spills(layout, merge,
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("autocast", [False, True])
 def test_triton_routing_in_the_layer_on_cuda(autocast, monkeypatch):
-    """Compiled on a GPU, in a training step with the recorder: output, gradients, aux loss as the formulas."""
+    """Compiled on a GPU, in a training step with the recorder (the masked path: the routing and its gated merge in
+    one kernel each way): output, gradients, aux loss as the formulas and ``merge_heads``."""
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.manual_seed(0)
     m = build_attention("moh", 256, 8, activation_ratio=0.75, impl="masked").cuda().train()

@@ -8,7 +8,8 @@
 #   4. (part `routing`, issue 43) the three MoH/dense pairs (DiT-S/2, DiT-B/2, TransNeXt-Base) in bf16 at batch
 #      32 and at the batch each family trains with (DiT 256, TransNeXt 128, or 64 where 128 does not fit):
 #      eager, compiled, and compiled with CUDA graphs (reduce-overhead), each step under a time limit
-#      (TIMEOUT_ROUTING, default 120 s) and all inside ROUTING_BUDGET (default 450 s), eager first: one call of
+#      (TIMEOUT_ROUTING, default 120 s) and all inside ROUTING_BUDGET (default 450 s), after the routing kernels'
+#      `gpu` tests (their gated merge is first used on CUDA here), eager first: one call of
 #      8 minutes. (On one H100, 2026-11-26, compiling TransNeXt-Base took over 2 minutes a mode: its compiled
 #      steps come last and may be cut;) a .json record per step;
 #   5. (part `train`) the README's first command on the GPU with bf16 autocast, eval.py on its checkpoint,
@@ -122,6 +123,12 @@ if [[ $parts == *,routing,* ]]; then  # issue 43: MoH/dense at batch 32 and at t
   [[ -n "$quick" ]] && { runs=("eager dit 2" "default dit 2" "reduce-overhead dit 2"); settings=(device=$device
     quick=true impl=auto rounds=2 warmup=1); dit=moh_dit_s_2_75:dit_s_2; }
   deadline=$((SECONDS + ${ROUTING_BUDGET:-450}))
+  if [[ -z "$quick" ]]; then  # first, the Triton routing and its gated merge in a layer against the formulas
+    step "routing: gpu tests"
+    timeout "${TIMEOUT_TESTS:-110}" python3 -m pytest -q -p no:cacheprovider --noconftest -o addopts="" -m gpu \
+      tests/test_fused_routing.py 2>&1 | tail -20 | tee "$out/runs/routing_gpu_tests.log"
+    pack
+  fi
   for run in "${runs[@]}"; do
     read -r mode family batch <<<"$run"
     pairs=$dit; [[ $family == tnx ]] && pairs=$tnx
