@@ -444,10 +444,11 @@ def test_triton_route_merge_in_the_interpreter_equals_the_formulas_and_merge_hea
 
 @pytest.mark.parametrize("layout", [(6, 2, 2), (8, 1, 3), (4, 0, 2), (16, 4, 7)])
 @pytest.mark.parametrize("merge", [True, False])
-def test_triton_routing_kernels_compile_for_hopper_without_spills(layout, merge, tmp_path):
-    """Both kernels, with and without the merge, compiled for sm_90 under bf16 autocast's types (bf16 logits and
-    heads, float32 gates), DiT-XL's head width (72), with the warps they launch with. (The merge at first took
-    [64, 128] tiles, then [64, 32] with 4 warps: 255 registers a thread and up to 22 kB spilled.)"""
+@pytest.mark.parametrize("inputs", ["*bf16", "*fp32"])
+def test_triton_routing_kernels_compile_for_hopper_without_spills(layout, merge, inputs, tmp_path):
+    """Both kernels, with and without the merge, compiled for sm_90 with bf16 autocast's types (bf16 logits and
+    heads, float32 gates) and in float32, DiT-XL's head width (72), with the warps they launch with. (The merge at
+    first took [64, 128] tiles, then [64, 32] with 4 warps: 255 registers a thread and up to 22 kB spilled.)"""
     pytest.importorskip("triton")
     from helpers import assert_compiles_for_hopper_without_spills
     from moh_vision.attention import triton_routing as kernels
@@ -455,7 +456,7 @@ def test_triton_routing_kernels_compile_for_hopper_without_spills(layout, merge,
     heads, shared, topk = layout
     meta = kernels._meta(heads - shared, shared, topk, torch.float32, 72 if merge else 0)
     fp32 = {name: "*fp32" for name in ("G", "P", "M", "SUMS", "GG", "GL")}
-    fp32["I"] = "*i64"
+    fp32.update({name: inputs for name in ("Z", "DZ", "O", "OUT", "GM", "DO")}, I="*i64")
     for fn in (kernels._route_forward, kernels._route_backward):
         assert_compiles_for_hopper_without_spills(fn, meta, fp32, meta["num_warps"], tmp_path, ints=("T", "N"),
                                                   floats=("loss_scale",))

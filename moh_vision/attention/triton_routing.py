@@ -28,7 +28,7 @@ from .triton_moh import tl, triton
 
 Tensor = torch.Tensor
 BLOCK_TOKENS = 64
-MERGE_TOKENS, MERGE_COLUMNS = 32, 16  # with the gated merge: tokens a block, a head's columns a step
+MERGE_TOKENS, MERGE_COLUMNS = 32, 8  # with the gated merge: tokens a block, a head's columns a step
 
 
 def _jit(fn):
@@ -237,8 +237,9 @@ def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale, O, GM, D
 
 def _meta(routed: int, shared: int, topk: int, dtype: torch.dtype, head_dim: int = 0) -> dict:
     """The kernels' compile-time arguments and warps; ``head_dim > 0``: with the gated merge (``MERGE``: blocks of
-    32 tokens, 16 columns of a head at a time, 8 warps; compiled for sm_90 the two kernels then need at most ~100
-    registers a thread and spill nothing, ``tests/test_fused_routing.py``)."""
+    32 tokens, 8 columns of a head at a time, 8 warps; compiled for sm_90, bf16 or float32, the two kernels then need
+    at most 64 registers a thread and spill nothing, ``tests/test_fused_routing.py``; with 16 columns they needed up
+    to 100 and the float32 forward spilled)."""
     merge = head_dim > 0
     return dict(R=routed, HS=shared, K=topk, RP=max(2, triton.next_power_of_2(routed)),
                 HSP=max(2, triton.next_power_of_2(max(shared, 1))), BLOCK=MERGE_TOKENS if merge else BLOCK_TOKENS,
