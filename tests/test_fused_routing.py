@@ -105,10 +105,24 @@ def test_fused_route_in_single_and_half_precision(dtype, tol):
 
 @needs_kernel
 def test_ties_go_to_the_lower_head():
-    """A zero router ties every routed head: the kernel takes the first k (torch.topk leaves tie order open)."""
+    """A zero router ties every routed head: the kernel and the formulas take the first k; partial ties rank the
+    lower head first, and every (index, mask) pair agrees."""
     out = fused_route(torch.zeros(2, 3, width(8, 2, 3)), 6, 2, 3, False)
-    assert out.index.tolist() == [[[0, 1, 2]] * 3] * 2
+    ref = formula_route(split(torch.zeros(2, 3, width(8, 2, 3)), 8, 2, 3), torch.zeros(2, 3, 1), 6, 2, 3, False)
+    assert out.index.tolist() == ref.index.tolist() == [[[0, 1, 2]] * 3] * 2
+    assert torch.equal(out.mask, ref.mask) and torch.equal(out.gates, ref.gates)
     torch.testing.assert_close(out.gates[..., 2:5], torch.ones(2, 3, 3))  # mix 1, renormalised uniform x k
+    from moh_vision.attention.routing import topk_mask
+    probs = torch.tensor([[0.1, 0.3, 0.1, 0.3, 0.2], [0.2, 0.2, 0.2, 0.2, 0.2]])
+    index, mask = topk_mask(probs, 3)
+    assert index.tolist() == [[1, 3, 4], [0, 1, 2]]
+    assert mask.tolist() == [[0, 1, 0, 1, 1], [1, 1, 1, 0, 0]]
+    torch.manual_seed(0)
+    probs = torch.randn(4, 9, 6).softmax(-1)
+    for k in range(7):
+        index, mask = topk_mask(probs, k)
+        assert torch.equal(index, probs.topk(k, dim=-1).indices)  # no ties: what torch.topk gives
+        assert torch.equal(mask, torch.zeros_like(probs).scatter(-1, index, 1.0))
 
 
 @needs_kernel

@@ -27,8 +27,8 @@ machine: the build is cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/
 a compiler, or with ``MOH_VISION_FUSED_ROUTING=0`` in the environment (which turns the Triton kernels off
 too), MoH runs the formulas (same values) and says so once.
 
-Ties: the kernel takes the lower head among equal probabilities; ``torch.topk`` leaves the order of ties
-unspecified, so on exactly tied router outputs (a zero router) the two may select different heads.
+Ties: the kernels take the lower head among equal probabilities, as the formulas do
+(:func:`~moh_vision.attention.routing.topk_mask`), so a zero router selects the same heads on every path.
 """
 from __future__ import annotations
 

@@ -77,9 +77,21 @@ def resolve_moh_heads(num_heads: int, shared_heads: Optional[int] = None, topk: 
 
 
 def topk_mask(probs: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """Indices ``[..., k]`` of the k largest entries and the matching 0/1 mask (no gradient)."""
-    index = probs.topk(k, dim=-1).indices
-    mask = torch.zeros_like(probs).scatter_(-1, index, 1.0)  # no host sync (one_hot checks its range on the host)
+    """Indices ``[..., k]`` of the k largest entries (by decreasing value) and the matching 0/1 mask (no gradient);
+    on ties the lower index ranks first, as the fused routing kernels choose.
+
+    Written as ranks (how many entries beat each one: a comparison of every pair over the last dim, a handful of
+    heads), not ``torch.topk``: under ``torch.compile`` the mask is then point-wise work that the compiler fuses with
+    the softmax before it and the gates after it (one kernel for a MoH layer's routing, where ``topk`` was a call of
+    its own and the scatter another), and a compiled graph that reads only the mask (the masked path) drops the
+    indices. ``torch.topk`` would also leave the order of ties unspecified."""
+    heads = torch.arange(probs.shape[-1], device=probs.device)
+    mine, theirs = probs.unsqueeze(-1), probs.unsqueeze(-2)  # [..., i, 1] against [..., 1, j]
+    beaten = (theirs > mine) | ((theirs == mine) & (heads < heads.unsqueeze(-1)))  # [..., i, j]: j ranks above i
+    rank = beaten.sum(dim=-1)  # [..., R]: 0 for the largest
+    mask = (rank < k).to(probs.dtype)
+    slots = torch.arange(k, device=probs.device).unsqueeze(-1)  # [k, 1]
+    index = (rank.unsqueeze(-2) == slots).to(torch.uint8).argmax(dim=-1)  # [..., k]: the entry of rank 0, 1, ...
     return index, mask
 
 
