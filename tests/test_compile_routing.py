@@ -97,6 +97,11 @@ def test_bench_models_counts_operators_dense_against_moh(tmp_path, monkeypatch):
         assert by[f"dit_tiny_2 vs dit_tiny_2, torch.compile {mode} graphs"]["moh"] == 1
         assert by[f"dit_tiny_2 vs dit_tiny_2, torch.compile {mode} breaks"]["moh"] == 0
     assert by["dit_tiny_2 vs dit_tiny_2, torch.compile train graphs 3 steps"]["moh"] == 1
+    for mode in ("infer", "train"):  # inductor's code: MoH's layer adds the router GEMM and a few fused kernels
+        generated, calls = (by[f"one attention layer, dim 64 / 4 heads, compiled, {mode} {what}"]
+                            for what in ("generated kernels", "library calls"))
+        assert generated["dense"] < generated["moh"] <= generated["dense"] + 8, (mode, generated)
+        assert calls["dense"] < calls["moh"] <= calls["dense"] + 3, (mode, calls)
     assert "| MoH / dense |" in out.read_text() and "| 1.0 | 3.0 | 2.50x |" in out.read_text()  # a timing: its ratio
     assert json.loads(out.with_suffix(".json").read_text())["rows"] == rows
 

@@ -6,7 +6,7 @@
     python tools/bench_models.py pairs=transnext_micro:transnext_micro attention=moh attention.activation_ratio=0.5
     python tools/bench_models.py pairs=moh_dit_s_2_75:dit_s_2 compile=true      # both models torch.compile'd
     python tools/bench_models.py device=cuda batch=32 compile=true compile_mode=reduce-overhead launches=true
-    python tools/bench_models.py ops=true pairs=moh_dit_s_2_75:dit_s_2  # operators per call and compiled graphs
+    python tools/bench_models.py ops=true pairs=moh_dit_s_2_75:dit_s_2  # operators per call, compiled graphs and kernels
     python tools/bench_models.py ops=true dtype=bfloat16 graphs=false  # the same counts under CPU autocast
 
 Each MoH model runs with every ``impl`` given (how its MoH layers execute: ``auto`` is what training
@@ -51,7 +51,8 @@ OPTIONS = (
            choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
     Option("launches", False, boolean, "also count each step's kernel launches and GPU-busy time (CPU: ATen ops)"),
     Option("ops", False, boolean, "count operators per call and compiled graphs instead of timing (CPU; dtype: autocast)"),
-    Option("graphs", True, boolean, "with ops=true: also torch._dynamo.explain each model (slow: minutes)"),
+    Option("graphs", True, boolean, "with ops=true: also torch._dynamo.explain each model and count one compiled "
+           "layer's inductor kernels (slow: minutes)"),
     Option("out", help="also write the markdown table here, and every number as JSON beside it (.json)"),
     Option("attention", help="the MoH side's attention in every layer: mha | moh | moa | ... (default: as registered)"),
     Option("attention.*", type=yaml_value, help="one option of that attention, e.g. attention.activation_ratio=0.5"),

@@ -13,7 +13,9 @@ With ``dtype=bfloat16`` (or ``float16``) every call runs under CPU autocast, as 
 * each model pair, one inference call and one training forward+backward (recorder open, aux loss);
 * host time per layer call on a negligible input (``[1, 4, 192]``, 12 heads): the fixed cost of a call;
 * ``torch._dynamo.explain``: graphs and graph breaks of each model in eval and in training with the
-  recorder open, and the frames compiled over three training steps with fresh recorders (1: no recompile).
+  recorder open, and the frames compiled over three training steps with fresh recorders (1: no recompile);
+* with the same option (``graphs``), one attention layer compiled by inductor: the kernels it generates and the
+  library calls (GEMMs, attention, fallbacks) its code makes, inference and training (:func:`compiled_kernels`).
 """
 from __future__ import annotations
 
@@ -136,6 +138,30 @@ def host_us(layers: Dict[str, torch.nn.Module], x: Tensor, train: bool, calls: i
     return out
 
 
+def compiled_kernels(model: torch.nn.Module, inputs: Tuple, train: bool,
+                     dtype: Optional[torch.dtype] = None) -> Tuple[int, int]:
+    """``torch.compile`` (inductor) of one call (training: forward, loss with the aux loss, backward): the kernels
+    it generates and the library calls (GEMMs, attention, fallbacks) its code makes, read from that code. On a
+    GPU each is a launch; the CPU's inductor fuses the same way in the main."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+
+    import torch._dynamo as dynamo
+
+    dynamo.reset()
+    model.train(train)
+    compiled = torch.compile(model)
+    inputs = tuple(t.clone().requires_grad_() if train and t.is_floating_point() else t for t in inputs)
+    call = under_autocast(training_call(compiled, inputs) if train else inference_call(compiled, inputs), dtype)
+    _, code = run_and_get_code(call)
+    generated = sum(len(re.findall(r"^(?:cpp_fused|triton)_\w+ = ", c, re.M)) for c in code)
+    library = sum(len(re.findall(r"extern_kernels\.\w+\(|torch\.ops\.\w+\.\w+\.default\(|aten\.\w+\.default\(", c))
+                  for c in code)
+    dynamo.reset()
+    return generated, library
+
+
 def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
     """``torch._dynamo.explain`` in eval (no grad) and in training (recorder open): graphs and breaks; and
     the graphs compiled over three training steps with a fresh recorder each (1 when nothing recompiles)."""
@@ -188,6 +214,28 @@ def layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dic
     return rows
 
 
+def compiled_layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dict]:
+    """:func:`compiled_kernels` of one attention layer (the first of :data:`LAYER_SHAPES`), dense ``mha`` against
+    ``attention``, inference and training: the kernels inductor generates and the library calls it makes."""
+    from moh_vision.attention import build_attention
+    from moh_vision.models.build import NON_MODULE_KEYS
+
+    options = {k: v for k, v in attention.items() if k not in NON_MODULE_KEYS}
+    dim, heads = LAYER_SHAPES[0]
+    batch, tokens = LAYER_TOKENS
+    torch.manual_seed(0)
+    x = torch.randn(batch, tokens, dim)
+    layers = {"dense": build_attention("mha", dim, heads), "moh": build_attention(attention["name"], dim, heads,
+                                                                                  **options)}
+    rows = []
+    for mode in ("infer", "train"):
+        counts = {name: compiled_kernels(m, (x,), mode == "train", dtype) for name, m in layers.items()}
+        for i, what in enumerate(("generated kernels", "library calls")):
+            rows.append({"figure": f"one attention layer, dim {dim} / {heads} heads, compiled, {mode} {what}",
+                         **{name: c[i] for name, c in counts.items()}})
+    return rows
+
+
 def model_rows(moh: torch.nn.Module, dense: torch.nn.Module, label: str, batch: int = 2,
                graphs: bool = True, dtype: Optional[torch.dtype] = None) -> List[Dict]:
     """Whole-model operator counts (inference, training; under autocast to ``dtype``) and, with ``graphs``,
@@ -220,6 +268,8 @@ def ops_report(pairs: Sequence[Tuple[torch.nn.Module, torch.nn.Module, str]], at
     ``dtype`` (None or float32: none)."""
     attention = attention or {"name": "moh", "activation_ratio": 0.75, "impl": "masked"}
     rows = layer_rows(attention, dtype)
+    if graphs:
+        rows += compiled_layer_rows(attention, dtype)
     for moh, dense, label in pairs:
         rows += model_rows(moh, dense, label, graphs=graphs, dtype=dtype)
     precision = "float32" if dtype in (None, torch.float32) else f"{str(dtype).split('.')[-1]} autocast"
