@@ -91,7 +91,7 @@ def topk_mask(probs: Tensor, k: int) -> Tuple[Tensor, Tensor]:
     rank = beaten.sum(dim=-1)  # [..., R]: 0 for the largest
     mask = (rank < k).to(probs.dtype)
     slots = torch.arange(k, device=probs.device).unsqueeze(-1)  # [k, 1]
-    index = (rank.unsqueeze(-2) == slots).to(torch.uint8).argmax(dim=-1)  # [..., k]: the entry of rank 0, 1, ...
+    index = (rank.unsqueeze(-2) == slots).to(torch.int32).argmax(dim=-1)  # [..., k]: the entry of rank 0, 1, ...
     return index, mask
 
 
