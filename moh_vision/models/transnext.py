@@ -39,11 +39,12 @@ from torch.utils.checkpoint import checkpoint
 from moh_vision.attention import HeadAttention, attention_options, build_attention, layer_options, register_kernel
 from moh_vision.attention.kernels import broadcast_kv_heads
 from moh_vision.attention.sparse import PackedRows, SparseSupport, table_auto
-from moh_vision.attention.tracing import eager_autograd
+from moh_vision.attention.tracing import COMPILE, active_tracer, eager_autograd
 from moh_vision.errors import ConfigError
 from .aggregated_attention import aggregated_attention, aggregated_queries, local_window_index, local_window_mask
 from .cuda_candidates import candidate_on
 from .flex_aggregated import aggregated_attention_flex
+from .position_mlp import position_mlp
 from .triton_depthwise import depthwise_conv_triton
 from .factory import build_from_preset, instance_cfg
 from .families import register_family
@@ -193,18 +194,43 @@ class _TransNeXtAttention(HeadAttention):
     def position_mlp(self, table: Tensor) -> Tensor:
         return self.cpb_fc2(self.cpb_act(self.cpb_fc1(table)))
 
+    def fused_position_mlp(self, table: Tensor) -> bool:
+        """Whether :meth:`position_mlp` runs as one operator each way on ``table``
+        (:mod:`~moh_vision.models.position_mlp`: no hidden layer in memory): on the CPU, float32 / float64 without
+        autocast, eager or under ``torch.compile``, plain ``Linear``/``ReLU`` modules without hooks. Tracers and
+        exporters (the FLOP counter among them) see the modules."""
+        if active_tracer(table) not in (None, COMPILE):  # first: a traced proxy answers nothing below
+            return False
+        layers = (self.cpb_fc1, self.cpb_act, self.cpb_fc2)
+        if not table.is_cpu or table.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled("cpu"):
+            return False
+        if type(layers[0]) is not nn.Linear or type(layers[1]) is not nn.ReLU or type(layers[2]) is not nn.Linear:
+            return False
+        for layer in layers:
+            if layer._forward_hooks or layer._forward_pre_hooks:
+                return False
+        fc1, fc2 = layers[0], layers[2]
+        return fc1.bias is not None and fc2.bias is not None and fc1.weight.dtype == fc2.weight.dtype == table.dtype
+
     def position_bias(self) -> Tensor:
-        """``[h, N, M]`` bias from every query position to every key position. In eager training the MLP's
-        hidden layer (``[Uh * Uw, 512]``, tens of MiB at stage 1, whatever the batch) is recomputed in backward
-        rather than kept: a few MFLOPs."""
+        """``[h, N, M]`` bias from every query position to every key position. The MLP's hidden layer (``[Uh *
+        Uw, 512]``, tens of MiB at stage 1, whatever the batch) is never held on the CPU
+        (:meth:`fused_position_mlp`); elsewhere in eager training it is recomputed in backward rather than kept."""
         table = self.relative_coords_table
-        if eager_autograd(table):
+        if self.fused_position_mlp(table):
+            table = position_mlp(table, self.cpb_fc1.weight, self.cpb_fc1.bias, self.cpb_fc2.weight,
+                                 self.cpb_fc2.bias)
+        elif eager_autograd(table):
             table = checkpoint(self.position_mlp, table, use_reentrant=False)  # [Uh * Uw, h]
         else:
             table = self.position_mlp(table)
         table = table.transpose(0, 1).reshape(self.num_heads, *self.bias_grid)
         index_h, index_w = self.relative_index_h, self.relative_index_w  # [Hq, Hk], [Wq, Wk]
-        bias = table[:, index_h[:, None, :, None], index_w[None, :, None, :]]  # [h, Hq, Wq, Hk, Wk]
+        # the two axes one after the other: index_select's backward adds whole slices (index_add), where one
+        # gather over both would accumulate element by element
+        rows = table.index_select(1, index_h.reshape(-1))  # [h, Hq * Hk, Uw]
+        bias = rows.index_select(2, index_w.reshape(-1))  # [h, Hq * Hk, Wq * Wk]
+        bias = bias.view(self.num_heads, *index_h.shape, *index_w.shape).permute(0, 1, 3, 2, 4)  # [h, Hq, Wq, Hk, Wk]
         return bias.reshape(self.num_heads, self.num_tokens, -1)
 
     def scale_queries(self, q_norm: Tensor, heads: HeadIndex = None) -> Tensor:
