@@ -599,10 +599,23 @@ class ConvolutionalGLU(nn.Module):
         self.drop = nn.Dropout(drop)
 
     def forward(self, x: Tensor, H: int, W: int) -> Tensor:
-        x, gate = self.fc1(x).chunk(2, dim=-1)
+        x, gate = self.fc1_halves(x)
         if self.drop.p and self.training:
             return self.drop(self.fc2(self.drop(self.act(self.dwconv(x, H, W)) * gate)))
         return gated_tail(x, gate, self.dwconv.dwconv, self.fc2, H, W)
+
+    def fc1_halves(self, x: Tensor) -> Tuple[Tensor, Tensor]:
+        """``fc1(x).chunk(2, dim=-1)`` (the convolution's half, the gate) as two GEMMs over ``fc1``'s weight rows,
+        each half contiguous: the depthwise convolution then reads its input in place as a channels-last image,
+        where one GEMM's strided half was copied first, forward and backward. Tracers and exporters (the FLOP
+        counter among them), a hooked or replaced ``fc1`` see the module."""
+        fc1 = self.fc1
+        if type(fc1) is not nn.Linear or fc1._forward_hooks or fc1._forward_pre_hooks \
+                or active_tracer(x) not in (None, COMPILE):
+            return fc1(x).chunk(2, dim=-1)
+        hidden, weight, bias = fc1.out_features // 2, fc1.weight, fc1.bias
+        return (F.linear(x, weight[:hidden], None if bias is None else bias[:hidden]),
+                F.linear(x, weight[hidden:], None if bias is None else bias[hidden:]))
 
 
 class OverlapPatchEmbed(nn.Module):
