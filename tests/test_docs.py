@@ -298,6 +298,11 @@ def record_value(record: str, key: str) -> float:
 def figure_mismatches(doc: Path) -> List[str]:
     """Every quoted figure of ``doc`` that differs from its record, as ``'line: quoted != record'``."""
     text, bad = doc.read_text(), []
+    quoted_at = {m.end("num") for m in FIGURE.finditer(text)}
+    for marker in re.finditer(r"<!--\s*bench:(?!\s*<)", text):  # no number right before it: it quotes nothing
+        # (``<!-- bench: <record> ...`` is the syntax described, not a marker)
+        if marker.start() not in quoted_at:
+            bad.append(f"{doc_id(doc)}:{text.count(chr(10), 0, marker.start()) + 1}: a bench marker without its number")
     for m in FIGURE.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
         quoted = m["num"]
