@@ -13,8 +13,8 @@ MiB per image that autograd saves for backward (``saved``; parameters excluded, 
 on CUDA, the training peak memory. ``pairs=big`` adds TransNeXt-S/Swin-S and TransNeXt-B/Swin-B to the
 default two. ``compile=false,true`` times each pair eager and compiled. ``profile=true`` adds where a
 training step's time goes: each model's operators (CUDA: kernels) by self time. ``components=true`` times
-our models' pieces alone, per stage (the depthwise convolution with its input in three layouts, the aggregated
-attention). ``out=t.md`` also writes ``t.json`` (every number, torch and timm versions, the machine, the
+our models' pieces alone, per stage (the depthwise convolution with its input in three layouts: the model's,
+the strided view before f746026, NCHW; the aggregated attention). ``out=t.md`` also writes ``t.json`` (every number, torch and timm versions, the machine, the
 options).
 """
 from __future__ import annotations

@@ -23,8 +23,9 @@
 # 64 with each CUDA candidate switched on (MOH_VISION_TRANSNEXT_CUDA=flex, triton_dwconv, both; TIMEOUT_CANDIDATES,
 # default 100 s, each). Part `backbones` (issue 42), in one call of under 10 minutes: a short profile of
 # TransNeXt-T beside Swin-T (batch 64 eager: each one's time by kind of work and top kernels, and TransNeXt-T's
-# depthwise convolution in three layouts and in Triton, its attention operator and the FlexAttention candidate
-# alone, the record rewritten after each part), the aggregated-attention and depthwise kernels' gpu tests
+# depthwise convolution in three layouts (the model's, the strided one before f746026, NCHW) and in Triton, its
+# attention operator and the FlexAttention candidate alone, the record rewritten after each part), the
+# aggregated-attention and depthwise kernels' gpu tests
 # (TransNeXt's shapes first), then tools/bench_backbones.py in bf16 with each model's top kernels: TransNeXt-T/-B
 # beside Swin-T/-B at batch 128 eager, TransNeXt-B beside Swin-B at batch 32 (peak memory) and TransNeXt-T/Swin-T
 # compiled at 64; each step under a time limit (TIMEOUT_PROFILE 140, TIMEOUT_TESTS 110 and TIMEOUT_BENCH 100 seconds by default). On one H200

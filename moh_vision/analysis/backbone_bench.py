@@ -300,22 +300,22 @@ def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, war
 # Components: where a TransNeXt block's time may go, one piece at a time
 # ----------------------------------------------------------------------------------------------
 def _depthwise_input(x: torch.Tensor, layout: str, H: int, W: int) -> torch.Tensor:
-    """The ConvGLU's ``[B, N, C]`` half (a view of ``fc1``'s output) as the convolution's image: as the model
-    passes it (a strided view in channels-last order), or copied to NCHW or channels-last."""
+    """The ConvGLU's convolution input ``x`` (``[B, N, hidden]``) as an image: read in place (``model``: a GEMM's
+    output of its own, contiguous, so a channels-last image; ``strided``: the first half of one GEMM's output, as
+    the model passed it before f746026, a strided channels-last view), or copied to NCHW (``nchw``)."""
     image = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], H, W)
-    if layout == "model":
-        return image
-    return image.contiguous(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
+    return image.contiguous() if layout == "nchw" else image
 
 
-DEPTHWISE_LAYOUTS = ("model", "nchw", "channels_last")
+DEPTHWISE_LAYOUTS = ("model", "strided", "nchw")
 
 
 def component_times(model_name: str, batch: int, rounds: int, device: torch.device,
                     dtype: torch.dtype) -> List[Dict[str, object]]:
     """Forward + backward ms (median [quartiles], interleaved) of each aggregated stage's pieces of
     ``model_name`` at ``batch``: the ConvGLU's 3x3 depthwise convolution with its input laid out as the model
-    passes it, as NCHW and as channels-last (:data:`DEPTHWISE_LAYOUTS`; what the backend picks differs), and the
+    passes it (channels-last in place), as it did before f746026 (a strided view) and as NCHW
+    (:data:`DEPTHWISE_LAYOUTS`; what the backend picks differs), and the
     aggregated-attention operator (:mod:`~moh_vision.models.aggregated_attention`) on its inputs; on CUDA also
     the candidates: the convolution in Triton (:mod:`~moh_vision.models.triton_depthwise`) and the attention through
     FlexAttention (:mod:`~moh_vision.models.flex_aggregated`)."""
@@ -335,12 +335,13 @@ def component_times(model_name: str, batch: int, rounds: int, device: torch.devi
         def rand(*shape):
             return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
 
-        fc1 = rand(batch, H * W, 2 * hidden)
+        fc1 = rand(batch, H * W, 2 * hidden)  # one GEMM's output: its first half is the strided input
+        half = rand(batch, H * W, hidden)  # the model's: a GEMM's output of its own
         weight, bias = rand(hidden, 1, 3, 3), rand(hidden)
         calls = {}
         for layout in DEPTHWISE_LAYOUTS:
             def conv(layout=layout):
-                x = _depthwise_input(fc1[..., :hidden], layout, H, W)
+                x = _depthwise_input(half if layout == "model" else fc1[..., :hidden], layout, H, W)
                 F.conv2d(x, weight, bias, padding=1, groups=hidden).sum().backward()
             calls[f"dwconv_{layout}"] = conv
         d = C // heads
@@ -352,7 +353,7 @@ def component_times(model_name: str, batch: int, rounds: int, device: torch.devi
         failed = {}
         if device.type == "cuda":  # the candidates: Triton's depthwise convolution, FlexAttention (no CPU backward)
             candidates = {
-                "dwconv_triton": lambda: depthwise_conv_triton(fc1[..., :hidden], weight, bias, H, W).sum().backward(),
+                "dwconv_triton": lambda: depthwise_conv_triton(half, weight, bias, H, W).sum().backward(),
                 "aggregated_flex": lambda: aggregated_attention_flex(
                     q, k, v, k_pool, v_pool, *extra, (H, W), window).sum().backward()}
             for name, call in candidates.items():
