@@ -67,7 +67,7 @@ from torch import nn
 
 from moh_vision.errors import ConfigError
 from .fused_routing import Routing, fused_route, fused_route_merge, fused_routing_available
-from .tracing import active_tracer, freezes_dispatch, refuse_data_dependent, traces_by_module
+from .tracing import active_tracer, freezes_dispatch, plain_module, refuse_data_dependent, traces_by_module
 from .registry import register_attention
 from .routing import (RoutedMixin, SharedPlusTopK, load_balance_loss, renormalised_topk_gates, resolve_moh_heads, topk_mask)
 from .sparse import choose_impl, kernels_supporting, sparse_forward, sparse_support  # noqa: F401 (choose_impl)
@@ -293,8 +293,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
         weight can be stacked with the others and run as one GEMM. ``eager``: read the parameter dict itself
         (``Module.__getattr__`` is a Python call per name, in every forward); compiled code uses the attribute."""
         bias = router._parameters.get("bias") if eager else router.bias
-        return (type(router) is nn.Linear and bias is None and not router._forward_hooks
-                and not router._forward_pre_hooks)
+        return bias is None and plain_module(router, nn.Linear)
 
     @classmethod
     def plain_routers(cls, routers: Tuple[Tuple[str, nn.Linear], ...]) -> bool:

@@ -103,6 +103,12 @@ def active_tracer(x: Optional[Tensor] = None) -> Optional[str]:
     return None
 
 
+def plain_module(module: torch.nn.Module, cls: type) -> bool:
+    """Whether ``module`` is exactly a ``cls`` without forward hooks, so that a fused form may compute what its
+    ``forward`` would (a subclass or a hook computes or observes something else: then the module runs)."""
+    return type(module) is cls and not module._forward_hooks and not module._forward_pre_hooks
+
+
 def eager_autograd(x: Optional[Tensor] = None) -> bool:
     """Whether this call is recorded by eager autograd: gradients on and no tracer, exporter or ``torch.func``
     transform (:func:`active_tracer`). Hand-written Functions that keep less for backward run only then;

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from moh_vision.attention import HeadAttention, attention_options, build_attention, layer_options, register_kernel
 from moh_vision.attention.kernels import broadcast_kv_heads
 from moh_vision.attention.sparse import PackedRows, SparseSupport, table_auto
-from moh_vision.attention.tracing import COMPILE, active_tracer, eager_autograd
+from moh_vision.attention.tracing import COMPILE, active_tracer, eager_autograd, plain_module
 from moh_vision.errors import ConfigError
 from .aggregated_attention import aggregated_attention, aggregated_queries, local_window_index, local_window_mask
 from .cuda_candidates import candidate_on
@@ -201,15 +201,11 @@ class _TransNeXtAttention(HeadAttention):
         exporters (the FLOP counter among them) see the modules."""
         if active_tracer(table) not in (None, COMPILE):  # first: a traced proxy answers nothing below
             return False
-        layers = (self.cpb_fc1, self.cpb_act, self.cpb_fc2)
         if not table.is_cpu or table.dtype not in (torch.float32, torch.float64) or torch.is_autocast_enabled("cpu"):
             return False
-        if type(layers[0]) is not nn.Linear or type(layers[1]) is not nn.ReLU or type(layers[2]) is not nn.Linear:
+        fc1, fc2 = self.cpb_fc1, self.cpb_fc2
+        if not (plain_module(fc1, nn.Linear) and plain_module(self.cpb_act, nn.ReLU) and plain_module(fc2, nn.Linear)):
             return False
-        for layer in layers:
-            if layer._forward_hooks or layer._forward_pre_hooks:
-                return False
-        fc1, fc2 = layers[0], layers[2]
         return fc1.bias is not None and fc2.bias is not None and fc1.weight.dtype == fc2.weight.dtype == table.dtype
 
     def position_bias(self) -> Tensor:
@@ -610,8 +606,7 @@ class ConvolutionalGLU(nn.Module):
         where one GEMM's strided half was copied first, forward and backward. Tracers and exporters (the FLOP
         counter among them), a hooked or replaced ``fc1`` see the module."""
         fc1 = self.fc1
-        if type(fc1) is not nn.Linear or fc1._forward_hooks or fc1._forward_pre_hooks \
-                or active_tracer(x) not in (None, COMPILE):
+        if not plain_module(fc1, nn.Linear) or active_tracer(x) not in (None, COMPILE):
             return fc1(x).chunk(2, dim=-1)
         hidden, weight, bias = fc1.out_features // 2, fc1.weight, fc1.bias
         return (F.linear(x, weight[:hidden], None if bias is None else bias[:hidden]),
