@@ -22,6 +22,18 @@ needs_kernel = pytest.mark.skipif(not fused_routing_available(), reason="no C++ 
 LAYOUTS = [(6, 2, 2), (8, 1, 3), (4, 0, 2), (6, 6, 0), (8, 4, 3), (16, 4, 7)]
 
 
+class Spy(TorchDispatchMode):
+    """The operators dispatched while it is open, by name (``seen``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))
+
+
 def routers(heads, shared, topk):
     """(name, rows) of the routers a layer has, in the order MoH stacks them."""
     rows = [("wg", heads - shared)] if topk > 0 else []
@@ -237,16 +249,6 @@ def test_masked_layer_applies_the_gates_in_the_routing_kernel(training):
     each way and no gate multiply of its own (issue 43, item 3). The sparse path still routes first."""
     m = build_attention("moh", 48, 6, activation_ratio=0.75, impl="masked").train(training)
     x = torch.randn(2, 9, 48, requires_grad=training)
-
-    class Spy(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.seen = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.seen.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
     with Spy() as spy, record_routing(m):
         y = m(x)
     assert spy.seen.count("moh_routing.route_merge") == 1 and "moh_routing.route" not in spy.seen
@@ -330,17 +332,10 @@ def test_layer_under_cpu_autocast_takes_the_kernel_and_gives_the_formulas_values
 
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert m.uses_fused_routing(x)
-    seen = []
-
-    class Spy(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            seen.append(str(func.overloadpacket))
-            return func(*args, **(kwargs or {}))
-
-    with Spy():
+    with Spy() as spy:
         y, gx, grads, routing = run()
     kernel = "moh_routing.route_merge" if options["impl"] == "masked" else "moh_routing.route"  # masked: gates in the merge
-    assert kernel in seen and f"{kernel}_backward" in seen and "aten._softmax" not in seen
+    assert kernel in spy.seen and f"{kernel}_backward" in spy.seen and "aten._softmax" not in spy.seen
     with monkeypatch.context() as patch:
         patch.setattr(m, "fused_router_weights", lambda *args: None)
         y_ref, gx_ref, grads_ref, routing_ref = run()

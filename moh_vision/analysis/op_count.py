@@ -189,25 +189,30 @@ def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
     return out
 
 
-def layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dict]:
-    """Per-layer figures, dense ``mha`` against ``attention`` (e.g. ``{"name": "moh", "activation_ratio": 0.75,
-    "impl": "masked"}``), at :data:`LAYER_SHAPES` and on :data:`HOST_SHAPE`, under autocast to ``dtype``."""
+def layer_pair(attention: Dict, dim: int, heads: int) -> Dict[str, torch.nn.Module]:
+    """``{"dense": mha, "moh": attention}`` layers of width ``dim`` with ``heads`` heads (``attention``: a config
+    such as ``{"name": "moh", "activation_ratio": 0.75, "impl": "masked"}``)."""
     from moh_vision.attention import build_attention
     from moh_vision.models.build import NON_MODULE_KEYS
 
     options = {k: v for k, v in attention.items() if k not in NON_MODULE_KEYS}
+    return {"dense": build_attention("mha", dim, heads),
+            "moh": build_attention(attention["name"], dim, heads, **options)}
+
+
+def layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dict]:
+    """Per-layer figures, dense ``mha`` against ``attention`` (e.g. ``{"name": "moh", "activation_ratio": 0.75,
+    "impl": "masked"}``), at :data:`LAYER_SHAPES` and on :data:`HOST_SHAPE`, under autocast to ``dtype``."""
     rows = []
     batch, tokens = LAYER_TOKENS
     for dim, heads in LAYER_SHAPES:
         torch.manual_seed(0)
         x = torch.randn(batch, tokens, dim)
-        layers = {"dense": build_attention("mha", dim, heads), "moh": build_attention(attention["name"], dim, heads,
-                                                                                      **options)}
-        rows += count_rows(f"one attention layer, dim {dim} / {heads} heads", layers, (x,), dtype)
+        rows += count_rows(f"one attention layer, dim {dim} / {heads} heads", layer_pair(attention, dim, heads), (x,),
+                           dtype)
     batch, tokens, dim, heads = HOST_SHAPE
     x = torch.randn(batch, tokens, dim)
-    layers = {"dense": build_attention("mha", dim, heads), "moh": build_attention(attention["name"], dim, heads,
-                                                                                  **options)}
+    layers = layer_pair(attention, dim, heads)
     for mode in ("infer", "train"):
         rows.append({"figure": f"host time per layer call [{batch}, {tokens}, {dim}], {heads} heads, {mode} (us)",
                      **host_us(layers, x, mode == "train", dtype=dtype)})
@@ -217,16 +222,11 @@ def layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dic
 def compiled_layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dict]:
     """:func:`compiled_kernels` of one attention layer (the first of :data:`LAYER_SHAPES`), dense ``mha`` against
     ``attention``, inference and training: the kernels inductor generates and the library calls it makes."""
-    from moh_vision.attention import build_attention
-    from moh_vision.models.build import NON_MODULE_KEYS
-
-    options = {k: v for k, v in attention.items() if k not in NON_MODULE_KEYS}
     dim, heads = LAYER_SHAPES[0]
     batch, tokens = LAYER_TOKENS
     torch.manual_seed(0)
     x = torch.randn(batch, tokens, dim)
-    layers = {"dense": build_attention("mha", dim, heads), "moh": build_attention(attention["name"], dim, heads,
-                                                                                  **options)}
+    layers = layer_pair(attention, dim, heads)
     rows = []
     for mode in ("infer", "train"):
         counts = {name: compiled_kernels(m, (x,), mode == "train", dtype) for name, m in layers.items()}

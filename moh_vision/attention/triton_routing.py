@@ -247,14 +247,34 @@ def _meta(routed: int, shared: int, topk: int, dtype: torch.dtype, head_dim: int
                 DC=min(triton.next_power_of_2(max(head_dim, 1)), MERGE_COLUMNS), num_warps=8 if merge else 4)
 
 
-def _NO_MERGE_FORWARD(z: Tensor) -> tuple:
+def _routing_only_forward(z: Tensor) -> tuple:
     """The forward kernel's merge arguments (heads, merged output, N, the heads' 4 strides) when it routes only."""
     return (z, z, 1, 0, 0, 0, 0)
 
 
-def _NO_MERGE_BACKWARD(z: Tensor) -> tuple:
+def _routing_only_backward(z: Tensor) -> tuple:
     """The backward kernel's merge arguments (heads, merged gradient, heads' gradient, N, 8 strides), routing only."""
     return (z, z, z, 1) + (0,) * 8
+
+
+def _forward_outputs(z: Tensor, routed: int, shared: int, topk: int, out_dtype: torch.dtype) -> Tuple[Tensor, ...]:
+    """What the forward kernel writes for the logits' rows ``z`` ``[T, L]``: gates, probabilities, selection,
+    selected heads, and the per-head sums over tokens (zeroed: the kernel adds into them)."""
+    T = z.shape[0]
+    return (z.new_empty(T, shared + routed, dtype=out_dtype), z.new_empty(T, routed, dtype=out_dtype),
+            z.new_empty(T, routed, dtype=out_dtype), torch.empty(T, topk, dtype=torch.long, device=z.device),
+            torch.zeros(2 * routed, dtype=torch.float32, device=z.device))
+
+
+def _balance_loss(sums: Tensor, routed: int, tokens: int, with_loss: bool) -> Tensor:
+    """The load-balance loss from the kernel's per-head sums (an empty tensor without it)."""
+    return (sums[:routed] * sums[routed:]).sum() * (routed / (tokens * tokens)) if with_loss else sums[:0]
+
+
+def _gates_dtype(logits: Tensor) -> torch.dtype:
+    """float32 under autocast (low-precision logits), as autocast's softmax gives them to the formulas; else the
+    logits' dtype."""
+    return torch.float32 if torch.is_autocast_enabled(logits.device.type) else logits.dtype
 
 
 class TritonRoute(torch.autograd.Function):
@@ -265,13 +285,11 @@ class TritonRoute(torch.autograd.Function):
         lead = logits.shape[:-1]
         z = logits.reshape(-1, logits.shape[-1]).contiguous()
         T = z.shape[0]
-        gates = z.new_empty(T, shared + routed, dtype=out_dtype)
-        probs, mask = z.new_empty(T, routed, dtype=out_dtype), z.new_empty(T, routed, dtype=out_dtype)
-        index = torch.empty(T, topk, dtype=torch.long, device=z.device)
-        sums = torch.zeros(2 * routed, dtype=torch.float32, device=z.device)
+        gates, probs, mask, index, sums = _forward_outputs(z, routed, shared, topk, out_dtype)
         _route_forward[(triton.cdiv(T, BLOCK_TOKENS),)](z, gates, probs, mask, index, sums, T, z.stride(0),
-                                                        *_NO_MERGE_FORWARD(z), **_meta(routed, shared, topk, out_dtype))
-        loss = (sums[:routed] * sums[routed:]).sum() * (routed / (T * T)) if with_loss else sums[:0]
+                                                        *_routing_only_forward(z),
+                                                        **_meta(routed, shared, topk, out_dtype))
+        loss = _balance_loss(sums, routed, T, with_loss)
         ctx.save_for_backward(z, probs, mask, sums)
         ctx.layout, ctx.lead = (routed, shared, topk), lead
         ctx.mark_non_differentiable(probs, mask, index)
@@ -291,7 +309,7 @@ class TritonRoute(torch.autograd.Function):
         grad = torch.empty_like(z)
         _route_backward[(triton.cdiv(T, BLOCK_TOKENS),)](grad_gates, z, probs, mask, sums, grad_loss if aux else sums,
                                                          grad, T, z.stride(0), float(routed) / T,
-                                                         *_NO_MERGE_BACKWARD(z), AUX=aux,
+                                                         *_routing_only_backward(z), AUX=aux,
                                                          **_meta(routed, shared, topk, dtype))
         return grad.view(*ctx.lead, -1), None, None, None, None, None
 
@@ -300,8 +318,7 @@ def triton_route(logits: Tensor, routed: int, shared: int, topk: int, with_loss:
     """(gates, probs, mask, index, loss or an empty tensor), as ``torch.ops.moh_routing.route`` returns them.
     Under autocast (low-precision logits) the gates and probabilities are float32, as autocast's softmax gives
     them to the formulas."""
-    autocast = torch.is_autocast_enabled(logits.device.type)
-    return TritonRoute.apply(logits, routed, shared, topk, with_loss, torch.float32 if autocast else logits.dtype)
+    return TritonRoute.apply(logits, routed, shared, topk, with_loss, _gates_dtype(logits))
 
 
 class TritonRouteMerge(torch.autograd.Function):
@@ -316,14 +333,11 @@ class TritonRouteMerge(torch.autograd.Function):
         z = logits.reshape(-1, logits.shape[-1]).contiguous()
         T = z.shape[0]
         merged = heads.new_empty(B, N, h * d)
-        gates = z.new_empty(T, shared + routed, dtype=out_dtype)
-        probs, mask = z.new_empty(T, routed, dtype=out_dtype), z.new_empty(T, routed, dtype=out_dtype)
-        index = torch.empty(T, topk, dtype=torch.long, device=z.device)
-        sums = torch.zeros(2 * routed, dtype=torch.float32, device=z.device)
+        gates, probs, mask, index, sums = _forward_outputs(z, routed, shared, topk, out_dtype)
         _route_forward[(triton.cdiv(T, MERGE_TOKENS),)](z, gates, probs, mask, index, sums, T, z.stride(0), heads,
                                                         merged, N, *heads.stride(),
                                                         **_meta(routed, shared, topk, out_dtype, d))
-        loss = (sums[:routed] * sums[routed:]).sum() * (routed / (T * T)) if with_loss else sums[:0]
+        loss = _balance_loss(sums, routed, T, with_loss)
         ctx.save_for_backward(z, heads, gates, probs, mask, sums)
         ctx.layout, ctx.lead = (routed, shared, topk), lead
         ctx.mark_non_differentiable(gates, probs, mask, index)  # the gates act through the merged output
@@ -354,6 +368,4 @@ def triton_route_merge(heads: Tensor, logits: Tensor, routed: int, shared: int, 
                        with_loss: bool) -> Tuple[Tensor, ...]:
     """(merged, gates, probs, mask, index, loss or an empty tensor), as ``torch.ops.moh_routing.route_merge`` returns
     them; float32 gates under autocast, as :func:`triton_route`."""
-    autocast = torch.is_autocast_enabled(logits.device.type)
-    return TritonRouteMerge.apply(heads, logits, routed, shared, topk, with_loss,
-                                  torch.float32 if autocast else logits.dtype)
+    return TritonRouteMerge.apply(heads, logits, routed, shared, topk, with_loss, _gates_dtype(logits))
