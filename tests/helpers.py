@@ -8,6 +8,8 @@ import sys
 from pathlib import Path
 from typing import Dict, Optional, Sequence
 
+from torch.utils._python_dispatch import TorchDispatchMode
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A short classification run on the embedded digits: the real configs, shrunk.
@@ -126,3 +128,15 @@ def run_in_triton_interpreter(script: str) -> None:
     done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+
+
+class Spy(TorchDispatchMode):
+    """The operators dispatched while it is open, by name (``seen``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(str(func.overloadpacket))
+        return func(*args, **(kwargs or {}))

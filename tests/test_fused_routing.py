@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from helpers import Spy
 
 from moh_vision.attention import build_attention, record_routing
 from moh_vision.attention import fused_routing
@@ -20,18 +20,6 @@ needs_kernel = pytest.mark.skipif(not fused_routing_available(), reason="no C++ 
 
 # (heads, shared, topk): mix + shared softmax, one shared head, no shared head, every head shared, wider pools
 LAYOUTS = [(6, 2, 2), (8, 1, 3), (4, 0, 2), (6, 6, 0), (8, 4, 3), (16, 4, 7)]
-
-
-class Spy(TorchDispatchMode):
-    """The operators dispatched while it is open, by name (``seen``)."""
-
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append(str(func.overloadpacket))
-        return func(*args, **(kwargs or {}))
 
 
 def routers(heads, shared, topk):
@@ -421,11 +409,14 @@ torch.manual_seed(0)
 for heads, shared, topk in [layout for layout in LAYOUTS if layout[2] > 0]:
     for with_loss, sdpa_layout, d in ((True, True, 5), (False, False, 8)):
         B, N = 3, 37  # 111 tokens: 2 blocks
-        logits = torch.randn(B, N, width(heads, shared, topk), dtype=torch.float64) * 2
+        # with SDPA's layout the logits are columns of a wider output, as MoH's packed qkv GEMM gives them
+        extra = 7 if sdpa_layout else 0
+        wide = torch.randn(B, N, extra + width(heads, shared, topk), dtype=torch.float64) * 2
         o = torch.randn(B, N, heads, d, dtype=torch.float64).transpose(1, 2) if sdpa_layout \
             else torch.randn(B, heads, N, d, dtype=torch.float64)
         mha = build_attention("mha", heads * d, heads)
-        a, b = logits.clone().requires_grad_(), logits.clone().requires_grad_()
+        wide_a, b = wide.clone().requires_grad_(), wide[..., extra:].clone().requires_grad_()
+        a = wide_a[..., extra:]
         oa, ob = o.clone().requires_grad_(), o.clone().requires_grad_()
         out = triton_route_merge(oa, a, heads - shared, shared, topk, with_loss)
         ref = formula_route(split(b, heads, shared, topk), b[..., :1], heads - shared, shared, topk, with_loss)
@@ -441,7 +432,8 @@ for heads, shared, topk in [layout for layout in LAYOUTS if layout[2] > 0]:
         assert oa.grad.stride() == o.stride()
         torch.testing.assert_close(oa.grad, ob.grad, rtol=1e-6, atol=1e-7)
         # the gates' gradient is a float32 sum over d inside the kernel (float64 here in the reference)
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=2e-5)
+        torch.testing.assert_close(wide_a.grad[..., extra:], b.grad, rtol=1e-4, atol=2e-5)
+        assert not wide_a.grad[..., :extra].any()
 print("triton route_merge: all equal")
 """
 

@@ -156,14 +156,23 @@ class HeadAttention(nn.Module):
         return t.reshape(B, N, heads, self.head_dim).transpose(1, 2)
 
     def project_qkv(self, x: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        B, N, _ = x.shape
-        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
+        return self.split_qkv(self.qkv(x))
+
+    def split_qkv(self, qkv: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+        """The ``qkv`` projection's output ``[B, N, 3 * h * d]`` (any row stride) -> q, k, v ``[B, h, N, d]``
+        (views)."""
+        B, N, _ = qkv.shape
+        q, k, v = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return q, k, v
 
     # --- the kernel ----------------------------------------------------------------------------
     def heads(self, x: Tensor) -> Tensor:
         """Per-head attention outputs ``[B, h, N, d]`` before the output projection."""
         raise NotImplementedError
+
+    # A kernel whose ``heads(x)`` is ``heads_from_qkv(x, self.qkv(x))`` defines this method; MoH then computes
+    # ``qkv`` and its routers' logits in one GEMM (:mod:`~moh_vision.attention.fused_projection`). None: it does not.
+    heads_from_qkv = None
 
     # --- output ----------------------------------------------------------------------------------
     def merge_heads(self, o: Tensor, gates: Optional[Tensor] = None) -> Tensor:
@@ -244,3 +253,7 @@ class DotProductAttention(HeadAttention):
 
     def heads(self, x: Tensor) -> Tensor:
         return self.attend(*self.project_qkv(x))
+
+    def heads_from_qkv(self, x: Tensor, qkv: Tensor) -> Tensor:
+        """:meth:`heads` from the ``qkv`` projection's output (``[B, N, 3 * h * d]``, any row stride)."""
+        return self.attend(*self.split_qkv(qkv))

@@ -13,10 +13,12 @@ Gates, as in the official code (parameter names ``wg``, ``wg_0``, ``wg_1`` match
 
 The gates multiply each head's output before the output projection. Training adds the
 load-balance loss ``E * sum_i me_i ce_i`` per routed layer, handed to the caller's recorder
-(:func:`~moh_vision.attention.recorder.record_routing`). Eager calls on the CPU compute gates, loss and
-their gradients in one compiled kernel each way (:mod:`~moh_vision.attention.fused_routing`); everything
-else (CUDA, tracers, exporters, ``torch.compile``, ``torch.func``) runs :func:`formula_route`, the same
-formulas written out with ATen operators.
+(:func:`~moh_vision.attention.recorder.record_routing`). Eager calls compute gates, loss and their gradients
+in one kernel each way (:mod:`~moh_vision.attention.fused_routing`: C++ on the CPU, Triton on CUDA); tracers,
+exporters, ``torch.compile`` and ``torch.func`` run :func:`formula_route`, the same formulas written out with ATen
+operators. On the masked path that kernel also applies the gates where the heads are merged, and over the ``sdpa``
+kernel the routers' logits come from the ``qkv`` GEMM (their weights share its storage,
+:mod:`~moh_vision.attention.fused_projection`; the state-dict keys stay the official ones).
 
 Learned shared heads (``shared_heads="learned"``, not in the paper; its reviewers asked for it)
 ---------------------------------------------------------------------------------------------
@@ -59,6 +61,7 @@ token would gain from a head it did not select), which only the masked path comp
 """
 from __future__ import annotations
 
+import functools
 from typing import Dict, List, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -66,6 +69,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from moh_vision.errors import ConfigError
+from .fused_projection import pack_rows, project_with_routers
 from .fused_routing import Routing, fused_route, fused_route_merge, fused_routing_available
 from .tracing import active_tracer, freezes_dispatch, plain_module, refuse_data_dependent, traces_by_module
 from .registry import register_attention
@@ -169,6 +173,38 @@ class MoH(SharedPlusTopK, RoutedMixin):
                 self.wg_0 = nn.Linear(dim, 2, bias=False)
         if self.shared_heads > 1 and not self.learned_shared:
             self.wg_1 = nn.Linear(dim, self.shared_heads, bias=False)
+        self.pack_projection()
+        self.register_load_state_dict_post_hook(_pack_after_load)
+
+    # --- the routers inside the qkv projection -----------------------------------------------------
+    def pack_projection(self) -> None:
+        """Lay ``qkv``'s and the routers' weights out as one GEMM's
+        (:func:`~moh_vision.attention.fused_projection.pack_rows`) where :meth:`project_with_routers` can use it:
+        a fixed-partition layer with routers over a kernel that computes its heads from ``qkv`` alone
+        (:func:`projects_qkv_alone`) and a plain ``qkv``. Values, parameter objects and state-dict keys unchanged."""
+        qkv = self._modules.get("qkv")
+        routers = [r for _, r in self.routers()]
+        if routers and not self.learned_shared and projects_qkv_alone(type(self)) and type(qkv) is nn.Linear:
+            pack_rows(qkv, routers)
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)  # .to(), .double(), .cuda(): every parameter gets a storage of its own
+        self.pack_projection()
+        return self
+
+    def __setstate__(self, state):
+        super().__setstate__(state)  # copy.deepcopy clones every parameter apart (pickle keeps storages shared)
+        self.pack_projection()
+
+    def project_with_routers(self, x: Tensor, weights: List[Tensor]) -> Optional[Tuple[Tensor, Tensor]]:
+        """``qkv(x)`` and the stacked routers' logits of ``x`` from ONE GEMM over the packed weights
+        (:mod:`~moh_vision.attention.fused_projection`), or None. ``weights``: :meth:`fused_router_weights` (eager,
+        untraced, plain routers). Also needs a plain ``qkv`` (an ``nn.Linear`` without hooks: a hook must fire), a
+        kernel that computes its heads from ``qkv`` alone and the packed layout."""
+        qkv = self._modules.get("qkv")
+        if not projects_qkv_alone(type(self)) or not plain_module(qkv, nn.Linear):
+            return None
+        return project_with_routers(x, qkv, weights)
 
     # --- the variant contract ----------------------------------------------------------------------
     def dense_start(self, router_std: float, generator: torch.Generator):
@@ -314,11 +350,9 @@ class MoH(SharedPlusTopK, RoutedMixin):
         :meth:`plain_routers`) and no trace is running (the FLOP counter's trace attributes work by child
         module). The routers read the same input, and GEMMs a few columns wide would each make a pass over
         ``x``, forward and backward: fused, the three routers of a 384-wide layer cost ~1.2 ms instead of
-        ~4.4 ms fwd+bwd at 1,960 tokens (1 CPU thread). Fusing them into the ``qkv`` GEMM as well was
-        measured and gained nothing more: through autograd the split's backward copies the whole qkv gradient
-        once more, and with a backward that writes every gradient into one buffer the layer measured within
-        its run-to-run spread (measured at d61f0a4: `git show 57504dd:docs/performance-log.md`, "Where the
-        masked path's tax goes")."""
+        ~4.4 ms fwd+bwd at 1,960 tokens (1 CPU thread). Where the routing runs its kernels on the masked path,
+        the routers go into the ``qkv`` GEMM as well (:meth:`project_with_routers`): one GEMM, no weight stacked
+        per call."""
         routers = self.routers()
         if len(routers) < 2 or not self.plain_routers(routers) or traces_by_module(x):
             return {name: r(x) for name, r in routers}
@@ -389,7 +423,11 @@ class MoH(SharedPlusTopK, RoutedMixin):
         CPU, Triton on CUDA): the heads, then the routing and the gates applied where the heads are merged, one
         operator each way (:func:`~moh_vision.attention.fused_routing.fused_route_merge`; the gates are needed
         only there). Returns the gated merge ``[B, N, h * d]``."""
-        heads, logits = self.heads(x), F.linear(x, self.stacked_router_weight(weights))
+        projected = self.project_with_routers(x, weights)
+        if projected is not None:  # qkv and the logits from one GEMM
+            heads, logits = self.heads_from_qkv(x, projected[0]), projected[1]
+        else:
+            heads, logits = self.heads(x), F.linear(x, self.stacked_router_weight(weights))
         if heads.dtype != logits.dtype:  # the kernel gates heads of the logits' dtype
             routing = fused_route(logits, *self.route_args())
             merged = self.merge_heads(heads, routing.gates)
@@ -453,7 +491,7 @@ class MoH(SharedPlusTopK, RoutedMixin):
 def formula_route(logits: Dict[str, Tensor], x: Tensor, routed: int, shared: int, topk: int,
                   with_loss: bool) -> Routing:
     """MoH's gates written out with ATen operators, from each router's logits (:meth:`MoH.router_logits`):
-    what tracers, exporters, ``torch.compile``, ``torch.func`` and CUDA run, and the reference the fused
+    what tracers, exporters, ``torch.compile``, ``torch.func`` and CUDA without Triton run, and the reference the fused
     kernel is tested against. Nothing routed (``topk == 0``): ``mask`` empty, ``probs`` and ``index`` None."""
     if shared > 1:
         shared_gates = logits["wg_1"].softmax(dim=-1) * shared
@@ -470,6 +508,22 @@ def formula_route(logits: Dict[str, Tensor], x: Tensor, routed: int, shared: int
     else:
         gates = routed_gates
     return Routing(gates, probs, mask, index, load_balance_loss(probs, mask) if with_loss else None)
+
+
+def _pack_after_load(module: MoH, incompatible_keys) -> None:
+    """``load_state_dict(assign=True)`` puts the loaded tensors in place of the parameters: pack them again."""
+    module.pack_projection()
+
+
+@functools.lru_cache(maxsize=None)  # a pure function of the class, asked on every forward
+def projects_qkv_alone(cls: type) -> bool:
+    """Whether a layer class computes its heads as ``heads_from_qkv(x, qkv(x))``: its kernel defines
+    ``heads_from_qkv`` in the class that defines ``heads``, and nothing overrides ``project_qkv`` below it."""
+    if cls.heads_from_qkv is None:
+        return False
+    owner = {name: next(c for c in cls.__mro__ if name in vars(c))
+             for name in ("heads", "heads_from_qkv", "project_qkv")}
+    return owner["heads"] is owner["heads_from_qkv"] and issubclass(owner["heads"], owner["project_qkv"])
 
 
 def top_mask(scores: Tensor, count: int) -> Tensor:

@@ -176,7 +176,9 @@ def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale, O, GM, D
     r64 = rows.to(tl.int64)
     z_base = Z + r64 * stride_z
     z_row = z_base[:, None]
-    d_row = DZ + r64[:, None] * stride_z
+    # DZ is contiguous, rows as wide as the logits (wg, then wg_0 where heads are shared, wg_1 where more than one)
+    stride_dz = R + 2 * (HS > 0) + HS * (HS > 1)
+    d_row = DZ + r64[:, None] * stride_dz
     gg_row = GG + r64[:, None] * (HS + R)
     cr = tl.arange(0, RP)
     in_r = cr[None, :] < R
@@ -231,8 +233,8 @@ def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale, O, GM, D
     tl.store(d_row + cr[None, :], dz.to(DZ.dtype.element_ty), mask=keep)
     if HS > 0:
         centre = mu0 / 2 * g_mu0 + mu1 / 2 * g_mu1
-        tl.store(DZ + r64 * stride_z + R, (mu0 * (g_mu0 - centre)).to(DZ.dtype.element_ty), mask=live)
-        tl.store(DZ + r64 * stride_z + R + 1, (mu1 * (g_mu1 - centre)).to(DZ.dtype.element_ty), mask=live)
+        tl.store(DZ + r64 * stride_dz + R, (mu0 * (g_mu0 - centre)).to(DZ.dtype.element_ty), mask=live)
+        tl.store(DZ + r64 * stride_dz + R + 1, (mu1 * (g_mu1 - centre)).to(DZ.dtype.element_ty), mask=live)
 
 
 def _meta(routed: int, shared: int, topk: int, dtype: torch.dtype, head_dim: int = 0) -> dict:
@@ -255,6 +257,13 @@ def _routing_only_forward(z: Tensor) -> tuple:
 def _routing_only_backward(z: Tensor) -> tuple:
     """The backward kernel's merge arguments (heads, merged gradient, heads' gradient, N, 8 strides), routing only."""
     return (z, z, z, 1) + (0,) * 8
+
+
+def token_rows(logits: Tensor) -> Tensor:
+    """The logits as rows ``[T, L]`` with a unit column stride: a view where the layout allows it (e.g. the routers'
+    columns of a wider GEMM output, which MoH's fused ``qkv`` projection gives), else a contiguous copy."""
+    rows = logits.reshape(-1, logits.shape[-1])
+    return rows if rows.stride(1) == 1 else rows.contiguous()
 
 
 def _forward_outputs(z: Tensor, routed: int, shared: int, topk: int, out_dtype: torch.dtype) -> Tuple[Tensor, ...]:
@@ -283,7 +292,7 @@ class TritonRoute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, routed: int, shared: int, topk: int, with_loss: bool, out_dtype: torch.dtype):
         lead = logits.shape[:-1]
-        z = logits.reshape(-1, logits.shape[-1]).contiguous()
+        z = token_rows(logits)
         T = z.shape[0]
         gates, probs, mask, index, sums = _forward_outputs(z, routed, shared, topk, out_dtype)
         _route_forward[(triton.cdiv(T, BLOCK_TOKENS),)](z, gates, probs, mask, index, sums, T, z.stride(0),
@@ -306,7 +315,7 @@ class TritonRoute(torch.autograd.Function):
         grad_gates = grad_gates.reshape(T, shared + routed).contiguous()
         dtype = probs.dtype
         aux = grad_loss is not None and grad_loss.dim() == 0
-        grad = torch.empty_like(z)
+        grad = z.new_empty(z.shape)  # contiguous, whatever the logits' row stride
         _route_backward[(triton.cdiv(T, BLOCK_TOKENS),)](grad_gates, z, probs, mask, sums, grad_loss if aux else sums,
                                                          grad, T, z.stride(0), float(routed) / T,
                                                          *_routing_only_backward(z), AUX=aux,
@@ -330,7 +339,7 @@ class TritonRouteMerge(torch.autograd.Function):
                 out_dtype: torch.dtype):
         B, h, N, d = heads.shape
         lead = logits.shape[:-1]
-        z = logits.reshape(-1, logits.shape[-1]).contiguous()
+        z = token_rows(logits)
         T = z.shape[0]
         merged = heads.new_empty(B, N, h * d)
         gates, probs, mask, index, sums = _forward_outputs(z, routed, shared, topk, out_dtype)
@@ -355,7 +364,7 @@ class TritonRouteMerge(torch.autograd.Function):
             grad_merged = heads.new_zeros(B, N, h * d)
         grad_merged = grad_merged.contiguous()
         aux = grad_loss is not None and grad_loss.dim() == 0
-        grad = torch.empty_like(z)
+        grad = z.new_empty(z.shape)  # contiguous, whatever the logits' row stride
         grad_heads = torch.empty_like(heads)  # o's own layout, as attention's backward expects
         _route_backward[(triton.cdiv(T, MERGE_TOKENS),)](gates, z, probs, mask, sums, grad_loss if aux else sums, grad,
                                                          T, z.stride(0), float(routed) / T, heads, grad_merged,
