@@ -329,7 +329,7 @@ def test_cuda_candidates_switch_is_checked_and_leaves_the_cpu_alone(monkeypatch)
     monkeypatch.setenv(SWITCH, "flex, triton_dwconv")
     assert use_candidate("flex") and use_candidate("triton_dwconv")
     monkeypatch.setenv(SWITCH, "flex,flux")
-    with pytest.raises(ConfigError, match="unknown flux; choose from flex, triton_dwconv"):
+    with pytest.raises(ConfigError, match="unknown flux; choose from flex, triton_dwconv, compiled_dwgrad"):
         use_candidate("flex")
     torch.manual_seed(0)
     model = timm.create_model("transnext_nano", img_size=64, num_classes=5).eval()

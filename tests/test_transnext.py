@@ -421,3 +421,59 @@ def test_average_pool_function_and_token_conv_equal_torch():
     want = torch.nn.functional.conv2d(image, conv.weight, conv.bias).flatten(2).transpose(1, 2)
     torch.testing.assert_close(conv(tokens), want)
 
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_depthwise_backward_written_out_equals_the_convolutions(bias):
+    """The depthwise convolution's written-out backward (what ``torch.compile`` runs on the CPU): the input's gradient
+    as the flipped kernel's convolution, the weight's as nine shifted sums; every gradient equal to ``F.conv2d``'s
+    (float64, a non-square image, borders included)."""
+    torch.manual_seed(0)
+    B, H, W, C = 2, 5, 7, 6
+    x = torch.randn(B, H * W, C, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(C, 1, 3, 3, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(C, dtype=torch.float64, requires_grad=True) if bias else None
+    grad = torch.randn(B, H * W, C, dtype=torch.float64)
+    inputs = [t for t in (x, weight, b) if t is not None]
+    got = torch.autograd.grad(T._DepthwiseTokens.apply(x, weight, b, H, W), inputs, grad)
+    want = torch.autograd.grad(T._conv_tokens(x, weight, b, H, W), inputs, grad)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda *t: T._DepthwiseTokens.apply(t[0], t[1], t[2] if bias else None, H, W),
+                                    tuple(inputs))
+
+
+def test_compiled_convglu_runs_the_written_out_backward_and_equals_eager():
+    """Compiled on the CPU, the ConvGLU's depthwise convolution takes the written-out backward: one graph, whose
+    backward has no ``convolution_backward`` (oneDNN's, 4-8x its forward there), and inductor's output and gradients
+    equal the eager module's (float32)."""
+    import torch._dynamo as dynamo
+    from torch._dynamo.backends.common import aot_autograd
+
+    torch.manual_seed(1)
+    mlp = T.ConvolutionalGLU(8, 24)
+    x = torch.randn(2, 5 * 7, 8)
+
+    def run(module):
+        xi = x.clone().requires_grad_()
+        y = module(xi, 5, 7)
+        y.square().sum().backward()
+        grads = [xi.grad] + [p.grad.clone() for p in mlp.parameters()]
+        mlp.zero_grad(set_to_none=True)
+        return [y.detach()] + grads
+
+    backward_ops = []
+
+    def capture_backward(graph, inputs):
+        backward_ops.extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
+        return graph
+
+    dynamo.reset()
+    want = run(mlp)
+    run(torch.compile(mlp, fullgraph=True, backend=aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=capture_backward)))
+    assert "aten.convolution.default" in backward_ops and "aten.convolution_backward.default" not in backward_ops
+    dynamo.reset()
+    got = run(torch.compile(mlp, fullgraph=True))
+    dynamo.reset()
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

@@ -19,9 +19,9 @@
 #   bash tools/gpu_checks.sh wheels <dir>     # here: the wheels part `train` needs on a GPU machine
 #
 # parts: a comma-separated choice of tests, attention, models, routing, train, backbones, candidates (default:
-# tests, attention, models). Part `candidates` (issue 42, about 5 minutes) times TransNeXt-T beside Swin-T at batch
-# 64 with each CUDA candidate switched on (MOH_VISION_TRANSNEXT_CUDA=flex, triton_dwconv, both; TIMEOUT_CANDIDATES,
-# default 100 s, each). Part `backbones` (issue 42), in one call of under 10 minutes: a short profile of
+# tests, attention, models). Part `candidates` (issue 42, about 7 minutes) times TransNeXt-T beside Swin-T at batch
+# 64 with each CUDA candidate switched on (MOH_VISION_TRANSNEXT_CUDA=flex, triton_dwconv, both; then compiled,
+# compiled_dwgrad; TIMEOUT_CANDIDATES, default 100 s each, 200 s the compiled one). Part `backbones` (issue 42), in one call of under 10 minutes: a short profile of
 # TransNeXt-T beside Swin-T (batch 64 eager: each one's time by kind of work and top kernels, and TransNeXt-T's
 # depthwise convolution in three layouts (the model's, the strided one before f746026, NCHW) and in Triton, its
 # attention operator and the FlexAttention candidate alone, the record rewritten after each part), the
@@ -181,14 +181,15 @@ fi
 
 if [[ $parts == *,candidates,* ]]; then  # issue 42: TransNeXt-T with each CUDA candidate switched on, beside Swin-T
   # (moh_vision/models/cuda_candidates.py; the default forms' figures: part backbones' batch-64 profile run)
-  runs=(flex triton_dwconv flex,triton_dwconv)
+  runs=(flex triton_dwconv flex,triton_dwconv compiled_dwgrad)  # the last compiled (it acts under compile only)
   settings=(pairs=transnext_tiny:swin_tiny_patch4_window7_224 batch=64 device=$device dtype=bfloat16 rounds=5 warmup=2)
   [[ -n "$quick" ]] && { runs=(flex,triton_dwconv); settings=(device=$device quick=true); }  # a no-op off CUDA
   for candidate in "${runs[@]}"; do
     name="backbones_b64_${candidate//,/_}"
     step "$name"
-    MOH_VISION_TRANSNEXT_CUDA=$candidate timeout "${TIMEOUT_CANDIDATES:-100}" python3 tools/bench_backbones.py \
-      "${settings[@]}" out="$out/runs/$name.md" 2>"$out/runs/$name.err"
+    compiled=false; [[ $candidate == *compiled_dwgrad* ]] && compiled=true
+    MOH_VISION_TRANSNEXT_CUDA=$candidate timeout "${TIMEOUT_CANDIDATES:-$([[ $compiled == true ]] && echo 200 || echo 100)}" python3 tools/bench_backbones.py \
+      "${settings[@]}" compile=$compiled out="$out/runs/$name.md" 2>"$out/runs/$name.err"
     pack
   done
 fi

@@ -5,7 +5,10 @@ Each is exact against the model's own form and waits for a GPU measurement to re
 * ``flex``: the aggregated attention through FlexAttention (:mod:`~moh_vision.models.flex_aggregated`) instead of
   the Triton operator;
 * ``triton_dwconv``: the ConvGLU's depthwise convolution in Triton (:mod:`~moh_vision.models.triton_depthwise`)
-  instead of cuDNN's.
+  instead of cuDNN's;
+* ``compiled_dwgrad``: under ``torch.compile``, that convolution's backward written out (the flipped kernel's
+  convolution and nine shifted sums that inductor fuses, ``transnext._DepthwiseTokens``), as the CPU runs it,
+  instead of cuDNN's backward.
 
 ``MOH_VISION_TRANSNEXT_CUDA=flex,triton_dwconv`` (any of them, comma-separated) turns them on for CUDA tensors; the
 CPU and every other device keep the model's forms. ``bash tools/gpu_checks.sh <out> candidates`` times each against
@@ -20,7 +23,7 @@ import torch
 from moh_vision.errors import ConfigError
 
 SWITCH = "MOH_VISION_TRANSNEXT_CUDA"
-CANDIDATES = ("flex", "triton_dwconv")
+CANDIDATES = ("flex", "triton_dwconv", "compiled_dwgrad")
 
 
 @torch.compiler.assume_constant_result  # a compiled graph reads it once, as the environment it was compiled in

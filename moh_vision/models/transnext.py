@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import torch
@@ -524,14 +525,60 @@ class DWConv(nn.Module):
 
 
 def _depthwise(x: Tensor, weight: Tensor, bias: Optional[Tensor], H: int, W: int) -> Tensor:
-    """3x3 depthwise convolution of tokens ``[B, N, C]`` laid out as an ``H x W`` image (zero padding). (Under
-    ``torch.compile``, nine shifted multiply-adds that the compiler fuses were tried: a faster ConvGLU alone, a
-    slower TransNeXt-T step, 2854 against 2534 ms on the CPU.) On CUDA with ``MOH_VISION_TRANSNEXT_CUDA=triton_dwconv``,
-    the Triton candidate (:mod:`~moh_vision.models.cuda_candidates`)."""
+    """3x3 depthwise convolution of tokens ``[B, N, C]`` laid out as an ``H x W`` image (zero padding). Compiled on
+    the CPU (and on CUDA with the candidate ``compiled_dwgrad``), with its backward written out
+    (:class:`_DepthwiseTokens`; ``MOH_VISION_DWCONV_GRAD=0``: oneDNN's).
+    (Under ``torch.compile``, the forward too as nine shifted multiply-adds that the compiler fuses was tried: a
+    faster ConvGLU alone, a slower TransNeXt-T step, 2854 against 2534 ms on the CPU.) On CUDA with
+    ``MOH_VISION_TRANSNEXT_CUDA=triton_dwconv``, the Triton candidate (:mod:`~moh_vision.models.cuda_candidates`)."""
     if candidate_on("triton_dwconv", x):
         return depthwise_conv_triton(x, weight, bias, H, W)
+    if torch.compiler.is_compiling() and (x.is_cpu or candidate_on("compiled_dwgrad", x)) \
+            and os.environ.get("MOH_VISION_DWCONV_GRAD", "1") != "0":
+        return _DepthwiseTokens.apply(x, weight, bias, H, W)
+    return _conv_tokens(x, weight, bias, H, W)
+
+
+def _conv_tokens(x: Tensor, weight: Tensor, bias: Optional[Tensor], H: int, W: int) -> Tensor:
+    """``F.conv2d`` (3x3, zero padding, one group per channel) of tokens ``[B, N, C]`` read as an ``H x W`` image."""
     B, N, C = x.shape
     return F.conv2d(x.transpose(1, 2).reshape(B, C, H, W), weight, bias, padding=1, groups=C).flatten(2).transpose(1, 2)
+
+
+def depthwise_weight_grad(x: Tensor, grad: Tensor, H: int, W: int) -> Tensor:
+    """The 3x3 depthwise convolution's weight gradient ``[C, 1, 3, 3]`` from its input and output gradient, tokens
+    ``[B, N, C]`` of an ``H x W`` image: per channel, the nine sums of the gradient times the input shifted by each
+    tap (zero padding), which the compiler fuses into one pass over both."""
+    B, N, C = x.shape
+    padded = F.pad(x.reshape(B, H, W, C), (0, 0, 1, 1, 1, 1))
+    g = grad.reshape(B, H, W, C)
+    # each row first, then the rows: inductor's loops for this order ran the whole sum 1.3x faster at TransNeXt-T's
+    # stage 1 ([4, 56, 56, 384], one thread) than for one sum over the three axes
+    taps = [(padded[:, i:i + H, j:j + W] * g).sum(2).sum((0, 1)) for i in range(3) for j in range(3)]
+    return torch.stack(taps, dim=1).view(C, 1, 3, 3)
+
+
+class _DepthwiseTokens(torch.autograd.Function):
+    """:func:`_conv_tokens` with its backward written out for ``torch.compile`` on the CPU: the input's gradient is the
+    convolution of the output's with the flipped kernel (oneDNN's forward kernel), the weight's
+    :func:`depthwise_weight_grad`, which inductor fuses into one pass. oneDNN's own depthwise backward took 4-8x its
+    forward in a compiled TransNeXt-T step."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], H: int, W: int) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.size, ctx.has_bias = (H, W), bias is not None
+        return _conv_tokens(x, weight, bias, H, W)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        H, W = ctx.size
+        needs = ctx.needs_input_grad
+        grad_x = _conv_tokens(grad, weight.flip(-1, -2), None, H, W) if needs[0] else None
+        grad_weight = depthwise_weight_grad(x, grad, H, W) if needs[1] else None
+        grad_bias = grad.sum((0, 1)) if ctx.has_bias and needs[2] else None
+        return grad_x, grad_weight, grad_bias, None, None
 
 
 class _GatedTail(torch.autograd.Function):
