@@ -6,10 +6,9 @@ values out in one storage: the weights as consecutive rows of one ``[3hd + L, C]
 of its rows, in the order of ``MoH.routers``; zero rows after them up to a multiple of 16, :data:`ROW_ALIGN`),
 ``qkv.bias`` as the first ``3hd`` entries of a tensor as long whose other entries are zeros (the routers have no
 bias) and that nothing else refers to. One ``addmm`` over those two tensors is then the ``qkv`` projection with
-the logits as the ``L`` columns after it: no
-weight is copied per call and nothing derived is cached, the parameters are the storage. Its backward writes
-the gradients of ``qkv`` and of the logits into one buffer and runs the two GEMMs of a linear layer once, for
-all of them (a weight's gradient is a view of its rows).
+the logits as the ``L`` columns after it: no weight is copied per call and nothing derived is cached, the
+parameters are the storage. Its backward writes the gradients of ``qkv`` and of the logits into one buffer and
+runs the two GEMMs of a linear layer once, for all of them (a weight's gradient is a view of its rows).
 
 The layout is made when the layer is built, after every ``Module._apply`` (``.to()``, ``.double()``,
 ``.cuda()`` give each parameter a storage of its own), after ``copy.deepcopy`` (which clones each parameter apart:
