@@ -93,7 +93,7 @@ def test_layer_equals_the_previous_formulation(options, dtype, training, monkeyp
             assert grads[name].dtype == grads_ref[name].dtype
             torch.testing.assert_close(grads[name], grads_ref[name], **tol, msg=name)
     if training and m.topk > 0:
-        torch.testing.assert_close(rec.aux_loss, rec_ref.aux_loss, rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(rec.aux_loss, rec_ref.aux_loss, rtol=1e-5, atol=1e-6)
     assert torch.equal(rec.selection, rec_ref.selection)
     torch.testing.assert_close(rec.stats["load"], rec_ref.stats["load"], rtol=0, atol=0)
 
@@ -172,7 +172,7 @@ def test_the_layout_survives_copies_and_is_restored_after_apply():
     with Spy() as ops, torch.no_grad():
         y_loose = loose(x)
     assert ops.seen.count("aten.addmm") + ops.seen.count("aten.mm") == 3  # qkv, the routers, proj
-    torch.testing.assert_close(y_loose, y, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(y_loose, y, rtol=1e-5, atol=1e-6)  # three GEMMs against one: float32 rounding
 
 
 @needs_kernel
@@ -186,7 +186,7 @@ def test_functional_call_with_other_tensors_runs_the_gemms_apart():
     y.square().sum().backward()
     y_ref = m(x)
     y_ref.square().sum().backward()
-    torch.testing.assert_close(y, y_ref, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(y, y_ref, rtol=1e-5, atol=1e-6)  # one GEMM against three
     for name, p in m.named_parameters():
         # one GEMM against three: float32 rounding of gradients up to ~20 in size
         torch.testing.assert_close(params[name].grad, p.grad, rtol=1e-5, atol=1e-5, msg=name)
@@ -223,3 +223,23 @@ def test_safetensors_save_file_writes_the_packed_state_dict_and_it_loads_back(tm
     x, t, y = torch.randn(2, 4, 8, 8), torch.tensor([3, 700]), torch.tensor([1, 4])
     with torch.no_grad():
         assert torch.equal(dst(x, t, y), src(x, t, y))
+
+
+class Wrapped(torch.Tensor):
+    """A tensor subclass standing for one that manages its own storage (FSDP's DTensor shards)."""
+
+
+@needs_kernel
+def test_a_tensor_subclass_parameter_is_never_packed():
+    """``.float()`` (``Module._apply``, which packs) leaves a layer whose ``qkv`` weight is a tensor subclass unpacked,
+    and it computes what it did."""
+    torch.manual_seed(7)
+    m = randomised(build_attention("moh", 32, 4, impl="masked", activation_ratio=0.75)).eval()
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        y = m(x)
+    m.qkv.weight = torch.nn.Parameter(m.qkv.weight.detach().clone().as_subclass(Wrapped))
+    m.float()
+    assert not packed(m) and type(m.qkv.weight.data) is Wrapped
+    with torch.no_grad():
+        torch.testing.assert_close(m(x).as_subclass(torch.Tensor), y, rtol=1e-5, atol=1e-6)  # one GEMM against three

@@ -14,13 +14,13 @@ The layout is made when the layer is built, after every ``Module._apply`` (``.to
 ``.cuda()`` give each parameter a storage of its own), after ``copy.deepcopy`` (which clones each parameter apart:
 EMA copies) and after ``load_state_dict(assign=True)``; copying into the parameters (``load_state_dict``,
 optimizers, EMA updates) keeps it, and ``pickle`` and ``torch.save`` keep shared storages shared. Whatever else
-replaces a parameter (``torch.func.functional_call``, ``vector_to_parameters``, a parametrization, FSDP) leaves the
-layer unpacked: :func:`packed_width` checks the layout on every call from pointers and sizes (no operator), and an
-unpacked layer runs its ``qkv`` and router GEMMs apart as before, with the same values. What users see: in a state
-dict a layer's ``qkv`` and router weights are views of one storage. ``torch.save`` writes it once and
-``safetensors.torch.save_file`` (what timm's ``push_to_hub`` calls) writes each tensor apart, as before (tests);
-``safetensors.torch.save_model`` refuses a view that does not cover its storage: save ``{k: v.clone() for k, v in
-model.state_dict().items()}`` with it instead.
+replaces a parameter (``torch.func.functional_call``, ``vector_to_parameters``, a parametrization) leaves the layer
+unpacked, and a tensor subclass (FSDP's DTensor) is never packed: :func:`packed_width` checks the layout on every
+call from pointers and sizes (no operator), and an unpacked layer runs its ``qkv`` and router GEMMs apart as
+before, with the same values. What users see: in a state dict a layer's ``qkv`` and router weights are views of one
+storage. ``torch.save`` writes it once and ``safetensors.torch.save_file`` (what timm's ``push_to_hub`` calls) writes
+each tensor apart, as before (tests); ``safetensors.torch.save_model`` refuses a view that does not cover its
+storage: save ``{k: v.clone() for k, v in model.state_dict().items()}`` with it instead.
 """
 from __future__ import annotations
 
@@ -45,14 +45,17 @@ def aligned(rows: int) -> int:
 def pack_rows(first: nn.Linear, others: Sequence[nn.Linear]) -> None:
     """Give ``first``'s and ``others``' weights one storage, as consecutive rows in that order followed by zero rows up
     to a multiple of :data:`ROW_ALIGN`, and ``first``'s bias a storage of its own followed by zeros to the same length
-    (values and parameter objects
-    unchanged; optimizers keep referring to the same parameters). A no-op where it holds already or where the
-    weights differ in dtype, device or input width."""
+    (values and parameter objects unchanged; optimizers keep referring to the same parameters). A no-op where it
+    holds already, where the weights differ in dtype, device or input width, or where a parameter is not a plain
+    dense tensor."""
     weights = [first.weight, *(o.weight for o in others)]
     if packed_width(weights[0], first.bias, weights[1:]) is not None:
         return
     if len({(w.dtype, w.device, w.shape[1]) for w in weights}) != 1:
         return
+    for t in (*weights, first.bias):  # plain dense tensors only: a subclass (FSDP's DTensor shards) manages its own
+        if t is not None and (type(t.data) is not torch.Tensor or t.layout != torch.strided):
+            return
     rows = sum(w.shape[0] for w in weights)
     with torch.no_grad():
         fused = weights[0].new_zeros(aligned(rows), weights[0].shape[1])
