@@ -21,12 +21,11 @@
 # parts: a comma-separated choice of tests, attention, models, routing, train, backbones, candidates (default:
 # tests, attention, models). Part `candidates` (issue 42, about 7 minutes) times TransNeXt-T beside Swin-T at batch
 # 64 with each CUDA candidate switched on (MOH_VISION_TRANSNEXT_CUDA=flex, triton_dwconv, both; then compiled,
-# compiled_dwgrad; TIMEOUT_CANDIDATES, default 100 s each, 200 s the compiled one). Part `backbones` (issue 42), in one call of under 10 minutes: a short profile of
-# TransNeXt-T beside Swin-T (batch 64 eager: each one's time by kind of work and top kernels, and TransNeXt-T's
-# depthwise convolution in three layouts (the model's, the strided one before f746026, NCHW) and in Triton, its
-# attention operator and the FlexAttention candidate alone, the record rewritten after each part), the
-# aggregated-attention and depthwise kernels' gpu tests
-# (TransNeXt's shapes first), then tools/bench_backbones.py in bf16 with each model's top kernels: TransNeXt-T/-B
+# compiled_dwgrad; TIMEOUT_CANDIDATES, default 100 s each, 200 s the compiled one). Part `backbones` (issue 42), in
+# one call of under 10 minutes: a short profile of TransNeXt-T beside Swin-T (batch 64 eager: each one's time by kind
+# of work and top kernels, and TransNeXt-T's depthwise convolution in three layouts (the model's, the strided one
+# before f746026, NCHW) and in Triton, its attention operator and the FlexAttention candidate alone, the record
+# rewritten after each part), the aggregated-attention and depthwise kernels' gpu tests (TransNeXt's shapes first), then tools/bench_backbones.py in bf16 with each model's top kernels: TransNeXt-T/-B
 # beside Swin-T/-B at batch 128 eager, TransNeXt-B beside Swin-B at batch 32 (peak memory) and TransNeXt-T/Swin-T
 # compiled at 64; each step under a time limit (TIMEOUT_PROFILE 140, TIMEOUT_TESTS 110 and TIMEOUT_BENCH 100 seconds by default). On one H200
 # (2026-11-27) the first steps compiled the Triton kernels (~40 s) and the FLOP counts took ~20 s, so at 100 s /
@@ -187,8 +186,9 @@ if [[ $parts == *,candidates,* ]]; then  # issue 42: TransNeXt-T with each CUDA 
   for candidate in "${runs[@]}"; do
     name="backbones_b64_${candidate//,/_}"
     step "$name"
-    compiled=false; [[ $candidate == *compiled_dwgrad* ]] && compiled=true
-    MOH_VISION_TRANSNEXT_CUDA=$candidate timeout "${TIMEOUT_CANDIDATES:-$([[ $compiled == true ]] && echo 200 || echo 100)}" python3 tools/bench_backbones.py \
+    compiled=false limit=${TIMEOUT_CANDIDATES:-100}
+    [[ $candidate == *compiled_dwgrad* ]] && { compiled=true; limit=${TIMEOUT_CANDIDATES:-200}; }
+    MOH_VISION_TRANSNEXT_CUDA=$candidate timeout "$limit" python3 tools/bench_backbones.py \
       "${settings[@]}" compile=$compiled out="$out/runs/$name.md" 2>"$out/runs/$name.err"
     pack
   done

@@ -92,14 +92,24 @@ def packed_width(weight: Tensor, bias: Optional[Tensor], others: Sequence[Tensor
     return rows
 
 
+def _packed_operands(weight: Tensor, bias: Optional[Tensor], rows: int) -> Tuple[Tensor, Optional[Tensor]]:
+    """The packed storage as the fused GEMM's weight ``[aligned(rows), C]`` and bias ``[aligned(rows)]`` (views)."""
+    cols, padded = weight.shape[1], aligned(rows)
+    return weight.as_strided((padded, cols), (cols, 1)), None if bias is None else bias.as_strided((padded,), (1,))
+
+
+def _split_columns(out: Tensor, qkv_rows: int, rows: int) -> Tuple[Tensor, Tensor]:
+    """The fused GEMM's output as its ``qkv`` columns and the routers' logits (views; the padding left out)."""
+    return out[..., :qkv_rows], out[..., qkv_rows:rows]
+
+
 def _fused_gemm(x: Tensor, rows: int, weight: Tensor, bias: Optional[Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
     """``x @ [W_qkv; W_routers; 0]^T + [b; 0]`` over the packed storage (``rows`` rows from ``weight``'s and the zero
     rows after them), as ``[..., aligned(rows)]``; under autocast cast as ``F.linear`` casts (input, weight and bias
     to the autocast dtype). Also returns the GEMM's operands for the backward: the input as rows and the weight's
     ``rows`` rows (the padding has no gradient)."""
-    cols, padded = weight.shape[1], aligned(rows)
-    fused = weight.as_strided((padded, cols), (cols, 1))
-    full_bias = None if bias is None else bias.as_strided((padded,), (1,))
+    fused, full_bias = _packed_operands(weight, bias, rows)
+    padded, cols = fused.shape
     device = x.device.type
     if torch.is_autocast_enabled(device):
         dtype = torch.get_autocast_dtype(device)
@@ -122,7 +132,7 @@ class _ProjectWithRouters(torch.autograd.Function):
         out, flat, fused = _fused_gemm(x, rows, weight, bias)
         ctx.save_for_backward(flat, fused, *others)  # the routers too: autograd checks each one's version
         ctx.layout = (weight.shape[0], [w.shape[0] for w in others], weight.dtype, bias is not None)
-        return out[..., :weight.shape[0]], out[..., weight.shape[0]:rows]
+        return _split_columns(out, weight.shape[0], rows)
 
     @staticmethod
     def backward(ctx, grad_qkv: Tensor, grad_logits: Tensor):
@@ -154,10 +164,7 @@ def project_with_routers(x: Tensor, qkv: nn.Linear, others: Sequence[Tensor]) ->
     if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad or differentiable(bias, others)):
         return _ProjectWithRouters.apply(x, rows, weight, bias, *others)
     # nothing to differentiate: the GEMM alone (F.linear casts under autocast as _fused_gemm does)
-    cols, padded = weight.shape[1], aligned(rows)
-    out = F.linear(x, weight.as_strided((padded, cols), (cols, 1)),
-                   None if bias is None else bias.as_strided((padded,), (1,)))
-    return out[..., :weight.shape[0]], out[..., weight.shape[0]:rows]
+    return _split_columns(F.linear(x, *_packed_operands(weight, bias, rows)), weight.shape[0], rows)
 
 
 def differentiable(bias: Optional[Tensor], others: Sequence[Tensor]) -> bool:
