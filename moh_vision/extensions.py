@@ -2,8 +2,8 @@
 
 Each is one source file under ``csrc/`` that registers its operators with ``torch.library``; loading it builds it
 with the C++ compiler torch's extensions use (``torch.utils.cpp_extension``: g++ and ninja, about 30 s once per
-machine and torch version: the build is cached under ``TORCH_EXTENSIONS_DIR``, default
-``~/.cache/torch_extensions``). Without a compiler (or with the kernel's environment switch set to ``0``) the
+machine, torch version and vector instruction set (:func:`vector_flags`): the build is cached under
+``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without a compiler (or with the kernel's environment switch set to ``0``) the
 callers run their ATen formulas, which give the same values, and say so once.
 """
 from __future__ import annotations
@@ -12,13 +12,24 @@ import logging
 import os
 import threading
 from pathlib import Path
-from typing import Dict
+from typing import Dict, List, Tuple
 
 import torch
 
 log = logging.getLogger(__name__)
 _lock = threading.Lock()
 _loaded: Dict[str, bool] = {}  # per process: library name -> built and loaded
+
+
+def vector_flags() -> Tuple[str, List[str]]:
+    """The build's name suffix and compiler flags for the widest vector instructions worth using here: AVX2 and FMA
+    where ATen itself dispatches to AVX2 or AVX-512 (``torch.backends.cpu.get_cpu_capability``, which
+    ``ATEN_CPU_CAPABILITY`` can lower), else the compiler's baseline. The suffix keeps a build for one machine's
+    instructions out of another's in a shared ``TORCH_EXTENSIONS_DIR``. (AVX-512 flags ran the kernels slower than
+    AVX2 on a 2-core AMD EPYC: the rows are 24 numbers, and the position MLP's loops lost a third.)"""
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        return "_avx2", ["-mavx2", "-mfma"]
+    return "", []
 
 
 def load_cpu_kernels(library: str, op: str, source: Path, switch: str, what: str) -> bool:
@@ -44,8 +55,9 @@ def build(library: str, op: str, source: Path, switch: str, what: str) -> bool:
         from torch.utils import cpp_extension
         log.info("loading %s's C++ kernel (compiled on first use: ~30 s once per machine)", what)
         version = "".join(c if c.isalnum() else "_" for c in torch.__version__)  # a build per torch (its ABI)
-        cpp_extension.load(name=f"moh_vision_{library}_{version}", sources=[str(source)], extra_cflags=["-O3"],
-                           is_python_module=False, verbose=False)
+        isa, flags = vector_flags()
+        cpp_extension.load(name=f"moh_vision_{library}_{version}{isa}", sources=[str(source)],
+                           extra_cflags=["-O3", *flags], is_python_module=False, verbose=False)
         return True
     except Exception as error:  # no compiler, no ninja, a read-only cache: the formulas are exact too
         log.warning("%s's C++ kernel could not be built (%s); it runs as ATen operators (the same values; set "

@@ -136,6 +136,16 @@ def test_cpu_kernels_switch_off_by_environment(monkeypatch):
     assert extensions.build("moh_aggregated", "forward", module.SOURCE, module.KERNEL_SWITCH, "test") is False
 
 
+@pytest.mark.parametrize("capability, suffix", [("AVX512", "_avx2"), ("AVX2", "_avx2"), ("DEFAULT", ""), ("SVE256", "")])
+def test_cpu_kernels_are_built_for_the_vector_instructions_aten_uses(monkeypatch, capability, suffix):
+    """AVX2 and FMA where ATen dispatches to AVX2 or AVX-512, the compiler's baseline elsewhere, and a build name
+    per instruction set (a shared extensions cache never hands one machine's build to another)."""
+    from moh_vision import extensions
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    name, flags = extensions.vector_flags()
+    assert name == suffix and (flags == ["-mavx2", "-mfma"]) == bool(suffix)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_flex_candidate_forward_equals_the_unfold_form(shape):
     """The FlexAttention candidate (moh_vision.models.flex_aggregated) on the CPU, forward only (FlexAttention has
