@@ -445,8 +445,8 @@ def test_depthwise_backward_written_out_equals_the_convolutions(bias):
 
 def test_compiled_convglu_runs_the_written_out_backward_and_equals_eager():
     """Compiled on the CPU, the ConvGLU's depthwise convolution takes the written-out backward: one graph, whose
-    backward has no ``convolution_backward`` (oneDNN's, 4-8x its forward there), and inductor's output and gradients
-    equal the eager module's (float32)."""
+    backward has no ``convolution_backward`` (oneDNN's, 4-8x its forward there) but the parameter gradients'
+    operator, and inductor's output and gradients equal the eager module's (float32)."""
     import torch._dynamo as dynamo
     from torch._dynamo.backends.common import aot_autograd
 
@@ -472,6 +472,7 @@ def test_compiled_convglu_runs_the_written_out_backward_and_equals_eager():
     want = run(mlp)
     run(torch.compile(mlp, fullgraph=True, backend=aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=capture_backward)))
     assert "aten.convolution.default" in backward_ops and "aten.convolution_backward.default" not in backward_ops
+    assert "moh_vision.depthwise_param_grads.default" in backward_ops  # the weight's and bias's in one operator
     dynamo.reset()
     got = run(torch.compile(mlp, fullgraph=True))
     dynamo.reset()

@@ -44,6 +44,7 @@ from moh_vision.attention.tracing import COMPILE, active_tracer, eager_autograd,
 from moh_vision.errors import ConfigError
 from .aggregated_attention import aggregated_attention, aggregated_queries, local_window_index, local_window_mask
 from .cuda_candidates import candidate_on
+from .depthwise_grad import depthwise_param_grads
 from .flex_aggregated import aggregated_attention_flex
 from .position_mlp import position_mlp
 from .triton_depthwise import depthwise_conv_triton
@@ -545,24 +546,11 @@ def _conv_tokens(x: Tensor, weight: Tensor, bias: Optional[Tensor], H: int, W: i
     return F.conv2d(x.transpose(1, 2).reshape(B, C, H, W), weight, bias, padding=1, groups=C).flatten(2).transpose(1, 2)
 
 
-def depthwise_weight_grad(x: Tensor, grad: Tensor, H: int, W: int) -> Tensor:
-    """The 3x3 depthwise convolution's weight gradient ``[C, 1, 3, 3]`` from its input and output gradient, tokens
-    ``[B, N, C]`` of an ``H x W`` image: per channel, the nine sums of the gradient times the input shifted by each
-    tap (zero padding), which the compiler fuses into one pass over both."""
-    B, N, C = x.shape
-    padded = F.pad(x.reshape(B, H, W, C), (0, 0, 1, 1, 1, 1))
-    g = grad.reshape(B, H, W, C)
-    # each row first, then the rows: inductor's loops for this order ran the whole sum 1.3x faster at TransNeXt-T's
-    # stage 1 ([4, 56, 56, 384], one thread) than for one sum over the three axes
-    taps = [(padded[:, i:i + H, j:j + W] * g).sum(2).sum((0, 1)) for i in range(3) for j in range(3)]
-    return torch.stack(taps, dim=1).view(C, 1, 3, 3)
-
-
 class _DepthwiseTokens(torch.autograd.Function):
     """:func:`_conv_tokens` with its backward written out for ``torch.compile`` on the CPU: the input's gradient is the
     convolution of the output's with the flipped kernel (oneDNN's forward kernel), the weight's
-    :func:`depthwise_weight_grad`, which inductor fuses into one pass. oneDNN's own depthwise backward took 4-8x its
-    forward in a compiled TransNeXt-T step."""
+    :func:`~moh_vision.models.depthwise_grad.depthwise_param_grads` with the bias's (one pass; a C++ kernel on the CPU).
+    oneDNN's own depthwise backward took 4-8x its forward in a compiled TransNeXt-T step."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, bias: Optional[Tensor], H: int, W: int) -> Tensor:
@@ -576,9 +564,8 @@ class _DepthwiseTokens(torch.autograd.Function):
         H, W = ctx.size
         needs = ctx.needs_input_grad
         grad_x = _conv_tokens(grad, weight.flip(-1, -2), None, H, W) if needs[0] else None
-        grad_weight = depthwise_weight_grad(x, grad, H, W) if needs[1] else None
-        grad_bias = grad.sum((0, 1)) if ctx.has_bias and needs[2] else None
-        return grad_x, grad_weight, grad_bias, None, None
+        grad_weight, grad_bias = depthwise_param_grads(x, grad, H, W) if needs[1] or needs[2] else (None, None)
+        return grad_x, grad_weight if needs[1] else None, grad_bias if ctx.has_bias and needs[2] else None, None, None
 
 
 class _GatedTail(torch.autograd.Function):
