@@ -3,8 +3,8 @@
 Each is one source file under ``csrc/`` that registers its operators with ``torch.library``; loading it builds it
 with the C++ compiler torch's extensions use (``torch.utils.cpp_extension``: g++ and ninja, about 30 s once per
 machine, torch version and vector instruction set (:func:`vector_flags`): the build is cached under
-``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without a compiler (or with the kernel's environment switch set to ``0``) the
-callers run their ATen formulas, which give the same values, and say so once.
+``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without a compiler (or with the kernel's
+environment switch set to ``0``) the callers run their ATen formulas, which give the same values, and say so once.
 """
 from __future__ import annotations
 

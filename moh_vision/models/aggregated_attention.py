@@ -395,7 +395,7 @@ def aggregated_attention(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool
     k, v = k.expand(shape), v.expand(shape)  # a shared key/value head is read by every query head, not copied
     k_pool, v_pool = k_pool.expand(*shape[:2], *k_pool.shape[2:]), v_pool.expand(*shape[:2], *v_pool.shape[2:])
     dtype = q.dtype
-    q, k, v = q, k.to(dtype), v.to(dtype)
+    k, v = k.to(dtype), v.to(dtype)
     if q.is_cpu and torch.compiler.is_compiling():
         # the C++ kernels read contiguous rows: copied here, the compiler writes q, k and v so where it computes
         # them (the operator's own copies, eager, took ~1% of a compiled TransNeXt-T step); eager, the operator
