@@ -118,6 +118,25 @@ class TrainerConfig:
     count_flops: bool = True
 
 
+def _kernel_choices(key: str) -> Tuple[str, ...]:
+    from moh_vision.ops import choices
+    return choices(key)
+
+
+@dataclass
+class KernelsConfig:
+    """Which implementation each op runs (:class:`moh_vision.ops.Kernels`): ``auto`` is the recorded winner on the
+    run's device, ``reference`` the plain formula (``kernels=reference`` sets every entry)."""
+    aggregated: str = option("auto", choices=_kernel_choices("aggregated"),
+                             help="TransNeXt's aggregated attention (fused: C++ / Triton; flex: CUDA candidate)")
+    routing: str = option("auto", choices=_kernel_choices("routing"),
+                          help="MoH's routing and gated merge (fused: one kernel each way, C++ / Triton)")
+    depthwise: str = option("auto", choices=_kernel_choices("depthwise"),
+                            help="TransNeXt's depthwise convolution (candidates: triton on CUDA, written_grad)")
+    recompute: str = option("auto", choices=_kernel_choices("recompute"),
+                            help="eager training: TransNeXt pieces keep only their inputs for backward")
+
+
 @dataclass
 class OptimConfig:
     name: str = option("adamw", choices=("adamw",))
@@ -277,6 +296,7 @@ class TrainConfig:
     trainer: TrainerConfig = MISSING
     logger: Any = MISSING
     task: Any = MISSING
+    kernels: KernelsConfig = MISSING
     seed: int = option(0, at_least=0)
     tag: Optional[str] = option(None, help="free-form run tag (the wandb group when set)")
 
@@ -313,7 +333,8 @@ SCHEMAS = {"data": {"digits": DigitsData, "imagefolder": ImageFolderData, "laten
            "task": {"classification": ClassificationTask, "diffusion": DiffusionTask},
            "sched": {"cosine": CosineSched, "constant": ConstantSched},
            "logger": {"csv": CsvLogger, "none": NoneLogger, "wandb": WandbLogger},
-           "model": {"model": ModelConfig}, "optim": {"adamw": OptimConfig}, "trainer": {"default": TrainerConfig}}
+           "model": {"model": ModelConfig}, "optim": {"adamw": OptimConfig}, "trainer": {"default": TrainerConfig},
+           "kernels": {"default": KernelsConfig}}
 
 
 def register_configs() -> None:
@@ -676,7 +697,9 @@ def data_class(path: str) -> type:
         raise ConfigError(f"data.name={path}: cannot import it ({err}); give module:Class") from None
 
 
-def build_task(task_cfg: Any, model: Dict[str, Any], attention: Dict[str, Any]) -> Any:
-    """The task object a ``task`` config names, for ``model`` and ``attention`` (plain dicts)."""
+def build_task(task_cfg: Any, model: Dict[str, Any], attention: Dict[str, Any],
+               kernels: Optional[Dict[str, Any]] = None) -> Any:
+    """The task object a ``task`` config names, for ``model``, ``attention`` and ``kernels`` (plain dicts; kernels
+    None: every op ``auto``)."""
     values = {k: v for k, v in _options(task_cfg).items() if k != "_target_"}
-    return _load(TASK_CLASSES[group_name(task_cfg)])(model=model, attention=attention, **values)
+    return _load(TASK_CLASSES[group_name(task_cfg)])(model=model, attention=attention, kernels=kernels, **values)

@@ -4,11 +4,6 @@ The suite runs in parallel (``-n 2 --dist loadfile`` in pyproject.toml: pytest-x
 worker at a time, so module-scoped fixtures and files a test module writes stay within one process).
 Each worker then uses one intra-op thread: two workers with two threads each on a 2-core machine would
 fight for the cores, and the tests' tensors are small enough that one thread is faster anyway.
-
-``impl="auto"`` reads the packaged thresholds measured on the machine's kind of processor
-(``moh_vision/attention/auto_table.py``); the tests pin the default one, ``auto_cpu.json``, so that what
-they expect ``auto`` to pick does not depend on the machine that runs them
-(``tests/test_auto_thresholds.py`` tests the choice by machine).
 """
 import importlib.util
 import logging
@@ -23,7 +18,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
-    os.environ["MOH_VISION_AUTO_CPU"] = str(REPO / "moh_vision" / "attention" / "auto_cpu.json")  # subprocesses too
     from moh_vision.config import register_configs
     register_configs()  # the schema and the model presets, for tests that compose with Hydra's own API
     if os.environ.get("PYTEST_XDIST_WORKER"):

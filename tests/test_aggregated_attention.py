@@ -1,5 +1,5 @@
-"""TransNeXt's aggregated attention without window copies (moh_vision.models.aggregated_attention) equals the
-official ``F.unfold`` form in its output and every gradient: the plain-op reference, the ``torch.library``
+"""TransNeXt's aggregated attention without window copies (moh_vision.ops.aggregated) equals the official
+``F.unfold`` form in its output and every gradient: the plain-op reference, the ``fused`` ``torch.library``
 operator on the CPU, its Triton kernels under Triton's interpreter, and (``gpu``) on CUDA."""
 import warnings
 
@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from moh_vision.models.aggregated_attention import (aggregated_attention, aggregated_attention_reference,
-                                                    local_window_mask)
+from moh_vision.ops.aggregated import aggregated_attention_fused as aggregated_attention
+from moh_vision.ops.aggregated import aggregated_attention_reference, local_window_mask
 
 # (B, h, hk, H, W, d, P, window): TransNeXt's stage-1 head size, a non-square map, a 5x5 window, one token,
 # a shared key/value head (MoA), one pooled token
@@ -59,8 +59,8 @@ def relative_errors(got, want):
 @pytest.fixture(params=["kernel", "formulas"])
 def cpu_impl(request, monkeypatch):
     """The operator's two CPU implementations: the C++ kernels (``csrc/aggregated_attention.cpp``) and the
-    shifted-view formulas (without a compiler, or with ``MOH_VISION_AGGREGATED_KERNEL=0``)."""
-    from moh_vision.models import aggregated_attention as module
+    shifted-view formulas (without a compiler)."""
+    from moh_vision.ops import aggregated as module
     if request.param == "kernel" and not module.cpu_kernels_available():
         pytest.skip("the C++ kernels could not be built here")
     if request.param == "formulas":
@@ -129,18 +129,11 @@ def test_operator_keeps_only_its_inputs_and_the_logsumexp_for_backward():
     assert sum(extra) == B * h * H * W * 4  # the float32 log-sum-exp
 
 
-def test_cpu_kernels_switch_off_by_environment(monkeypatch):
-    from moh_vision import extensions
-    from moh_vision.models import aggregated_attention as module
-    monkeypatch.setenv(module.KERNEL_SWITCH, "0")
-    assert extensions.build("moh_aggregated", "forward", module.SOURCE, module.KERNEL_SWITCH, "test") is False
-
-
 @pytest.mark.parametrize("capability, suffix", [("AVX512", "_avx2"), ("AVX2", "_avx2"), ("DEFAULT", ""), ("SVE256", "")])
 def test_cpu_kernels_are_built_for_the_vector_instructions_aten_uses(monkeypatch, capability, suffix):
     """AVX2 and FMA where ATen dispatches to AVX2 or AVX-512, the compiler's baseline elsewhere, and a build name
     per instruction set (a shared extensions cache never hands one machine's build to another)."""
-    from moh_vision import extensions
+    from moh_vision.ops import extensions
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
     name, flags = extensions.vector_flags()
     assert name == suffix and (flags == ["-mavx2", "-mfma"]) == bool(suffix)
@@ -148,9 +141,9 @@ def test_cpu_kernels_are_built_for_the_vector_instructions_aten_uses(monkeypatch
 
 @pytest.mark.parametrize("shape", SHAPES)
 def test_flex_candidate_forward_equals_the_unfold_form(shape):
-    """The FlexAttention candidate (moh_vision.models.flex_aggregated) on the CPU, forward only (FlexAttention has
+    """The FlexAttention candidate (moh_vision.ops.aggregated_flex) on the CPU, forward only (FlexAttention has
     no CPU backward): float64 exactly, float32 within 1e-5."""
-    from moh_vision.models.flex_aggregated import aggregated_attention_flex
+    from moh_vision.ops.aggregated_flex import aggregated_attention_flex
 
     size, window = shape[3:5], shape[-1]
     for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-5)):
@@ -181,8 +174,8 @@ TRITON_SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
 from test_aggregated_attention import SHAPES, make_inputs, relative_errors
-from moh_vision.models import triton_aggregated as kernels
-from moh_vision.models.aggregated_attention import _forward_plain, _backward_plain
+from moh_vision.ops import aggregated_triton as kernels
+from moh_vision.ops.aggregated import _forward_plain, _backward_plain
 worst = {}
 for dtype, shapes in ((torch.float32, SHAPES), (torch.float16, SHAPES[:2])):
     for B, h, hk, H, W, d, P, window in shapes:
@@ -228,34 +221,34 @@ def test_operator_on_cuda_equals_the_unfold_form(shape, dtype, tol):
 @pytest.mark.parametrize("compiled", [False, True])
 def test_model_on_cuda_trains_as_the_reference(compiled, monkeypatch):
     """A TransNeXt step on CUDA (eager and compiled): the Triton kernels' gradients equal the reference
-    formula's (the operator switched for it) on the same weights."""
+    formula's (``kernels.aggregated=reference``) on the same weights."""
     import timm
-    from moh_vision.models import aggregated_attention as module
 
     torch.manual_seed(0)
     model = timm.create_model("transnext_micro", img_size=64, num_classes=10).cuda().train()
+    reference = timm.create_model("transnext_micro", img_size=64, num_classes=10,
+                                  kernels={"aggregated": "reference"}).cuda().train()
+    reference.load_state_dict(model.state_dict())
     x = torch.randn(4, 3, 64, 64, device="cuda")
 
-    def grads(run):
-        model.zero_grad()
+    def grads(net, run):
+        net.zero_grad()
         run(x).square().mean().backward()
-        return [p.grad.clone() for p in model.parameters()]
+        return [p.grad.clone() for p in net.parameters()]
 
-    got = grads(torch.compile(model) if compiled else model)
-    monkeypatch.setattr(module, "_op_runs", lambda tracer: False)
-    want = grads(model)
+    got = grads(model, torch.compile(model) if compiled else model)
+    want = grads(reference, reference)
     assert max(relative_errors(got, want)) < 1e-3  # TF32-free kernels; cuBLAS/cuDNN elsewhere may use TF32
 
 
 def test_queries_function_equals_the_plain_form_and_keeps_only_q():
-    from moh_vision.models.aggregated_attention import (_AggregatedQueries, aggregated_queries,
-                                                        aggregated_queries_reference)
+    from moh_vision.ops.recompute import _CosineQueries, cosine_queries, cosine_queries_reference
 
     g = torch.Generator().manual_seed(3)
     B, h, N, d, L = 2, 3, 5, 4, 9
     shapes = [(B, h, N, d), (h, 1, d), (h, N, 1), (h, d, L), (h, 1, L)]
     inputs = [torch.randn(*s, generator=g, dtype=torch.float64, requires_grad=True) for s in shapes]
-    assert torch.autograd.gradcheck(_AggregatedQueries.apply, inputs)
+    assert torch.autograd.gradcheck(_CosineQueries.apply, inputs)
     grads = [torch.randn(B, h, N, d, generator=g, dtype=torch.float64), torch.randn(B, h, N, L, generator=g,
                                                                                      dtype=torch.float64)]
 
@@ -269,8 +262,8 @@ def test_queries_function_equals_the_plain_form_and_keeps_only_q():
         sum((o * gr).sum() for o, gr in zip(outs, grads)).backward()
         return [o.detach() for o in outs] + [t.grad for t in inputs], kept
 
-    got, kept = run(aggregated_queries)
-    want, kept_plain = run(aggregated_queries_reference)
+    got, kept = run(lambda *t: cosine_queries(*t, kernel="recompute"))
+    want, kept_plain = run(cosine_queries_reference)
     assert max(relative_errors(got, want)) < 1e-12
     large = {t.untyped_storage().data_ptr() for t in inputs[:1]}
     assert kept & large == large and len(kept) < len(kept_plain)
@@ -304,7 +297,7 @@ def test_triton_kernels_compile_for_hopper_without_register_spills(tmp_path):
     memory are what made the unrolled, 4-warp backward kernels slow to reason about (0.9-1.5 kB a thread)."""
     pytest.importorskip("triton")
     from helpers import assert_compiles_for_hopper_without_spills
-    from moh_vision.models import triton_aggregated as kernels
+    from moh_vision.ops import aggregated_triton as kernels
 
     meta = dict(WS=3, LP=16, BLOCK=64, BD=32, BP=64, PRECISION="tf32")
     fp32 = {name: "*fp32" for name in ("LSE", "DSL", "AL", "DKP", "DVP", "DPB")}
@@ -317,7 +310,7 @@ def test_triton_kernels_compile_for_hopper_without_register_spills(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_flex_candidate_on_cuda_equals_the_unfold_form_with_gradients():
     """The FlexAttention candidate's output and every gradient (the biases' through its score modifier) on CUDA."""
-    from moh_vision.models.flex_aggregated import aggregated_attention_flex
+    from moh_vision.ops.aggregated_flex import aggregated_attention_flex
 
     shape = SHAPES[0]
     inputs, grad = make_inputs(*shape, dtype=torch.float32)
@@ -329,45 +322,23 @@ def test_flex_candidate_on_cuda_equals_the_unfold_form_with_gradients():
     assert max(relative_errors([g.cpu() for g in got], want)) < 2e-3  # its fp32 products may run as TF32
 
 
-def test_cuda_candidates_switch_is_checked_and_leaves_the_cpu_alone(monkeypatch):
-    """MOH_VISION_TRANSNEXT_CUDA names CUDA candidates (moh_vision.models.cuda_candidates): an unknown one is a
-    one-line error, and on the CPU the model runs its own forms whatever it says."""
-    import timm
-    from moh_vision.errors import ConfigError
-    from moh_vision.models.cuda_candidates import SWITCH, use_candidate
-
-    monkeypatch.setenv(SWITCH, "flex, triton_dwconv")
-    assert use_candidate("flex") and use_candidate("triton_dwconv")
-    monkeypatch.setenv(SWITCH, "flex,flux")
-    with pytest.raises(ConfigError, match="unknown flux; choose from flex, triton_dwconv, compiled_dwgrad"):
-        use_candidate("flex")
-    torch.manual_seed(0)
-    model = timm.create_model("transnext_nano", img_size=64, num_classes=5).eval()
-    x = torch.randn(1, 3, 64, 64)
-    with torch.no_grad():
-        monkeypatch.setenv(SWITCH, "flex,triton_dwconv")
-        switched = model(x)
-        monkeypatch.delenv(SWITCH)
-        assert torch.equal(switched, model(x))
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_model_on_cuda_with_the_candidates_trains_as_without(monkeypatch):
-    """A TransNeXt step on CUDA with MOH_VISION_TRANSNEXT_CUDA=flex,triton_dwconv: the same gradients as the
-    model's own CUDA forms on the same weights."""
+def test_model_on_cuda_with_the_candidates_trains_as_without():
+    """A TransNeXt step on CUDA with the CUDA candidates (kernels.aggregated=flex, kernels.depthwise=triton): the same
+    gradients as the model's defaults on the same weights."""
     import timm
-    from moh_vision.models.cuda_candidates import SWITCH
 
     torch.manual_seed(0)
     model = timm.create_model("transnext_micro", img_size=64, num_classes=10).cuda().train()
+    candidates = timm.create_model("transnext_micro", img_size=64, num_classes=10,
+                                   kernels={"aggregated": "flex", "depthwise": "triton"}).cuda().train()
+    candidates.load_state_dict(model.state_dict())
     x = torch.randn(4, 3, 64, 64, device="cuda")
 
-    def grads():
-        model.zero_grad()
-        model(x).square().mean().backward()
-        return [p.grad.clone() for p in model.parameters()]
+    def grads(net):
+        net.zero_grad()
+        net(x).square().mean().backward()
+        return [p.grad.clone() for p in net.parameters()]
 
-    want = grads()
-    monkeypatch.setenv(SWITCH, "flex,triton_dwconv")
-    assert max(relative_errors(grads(), want)) < 1e-3
+    assert max(relative_errors(grads(candidates), grads(model))) < 1e-3

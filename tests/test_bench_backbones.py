@@ -160,31 +160,32 @@ def test_operators_are_sorted_into_kinds_of_work(name, kind):
     assert op_category(name) == kind
 
 
-def test_components_land_in_the_record_beside_the_pairs(tmp_path, monkeypatch):
+def test_components_land_in_the_record_beside_the_pairs(tmp_path):
     from moh_vision.analysis.backbone_bench import bench_backbones
 
-    monkeypatch.setenv("MOH_VISION_TRANSNEXT_CUDA", "triton_dwconv")  # the record says what was switched on
     out = tmp_path / "b.md"
-    rows = bench_backbones(quick=True, rounds=1, warmup=0, saved=False, with_components=True, out=str(out))
+    rows = bench_backbones(quick=True, rounds=1, warmup=0, saved=False, with_components=True, out=str(out),
+                           kernels={"depthwise": "written_grad"})
     record = json.loads(out.with_suffix(".json").read_text())
     ours = rows[0]["ours"]["model"]
     assert record["rows"][0]["pair"] == rows[0]["pair"] and [r["stage"] for r in record["components"][ours]]
     assert f"Pieces of {ours}'s aggregated stages" in out.read_text()
-    assert record["cuda_candidates"] == ["triton_dwconv"]
+    assert record["kernels"]["depthwise"] == "written_grad"  # the record says what ours ran
+    assert "ours with kernels depthwise=written_grad" in record["header"]
 
 
 def test_components_time_each_aggregated_stage_piece():
-    from moh_vision.analysis.backbone_bench import DEPTHWISE_LAYOUTS, component_table, component_times
+    from moh_vision.analysis.backbone_bench import component_table, component_times
 
     rows = component_times("transnext_nano", 1, 1, torch.device("cpu"), torch.float32)
     assert [r["stage"] for r in rows] == [1, 2, 3]  # stage 4 attends fully
+    pieces = ["dwconv_reference", "dwconv_written_grad", "aggregated_reference", "aggregated_fused"]
     for r in rows:
-        pieces = [f"dwconv_{layout}" for layout in DEPTHWISE_LAYOUTS] + ["aggregated_attention"]
         assert all(r[p]["n"] == 1 and r[p]["median"] > 0 for p in pieces)
     assert component_table(rows, "h").count("\n| ") == 4  # the header row and one per stage
-    assert not any("aggregated_flex" in r for r in rows)  # a CUDA-only candidate (no CPU backward)
-    # a piece that could not run on a stage (FlexAttention on a torch without it) is said, not a crash
+    assert not any("aggregated_flex" in r or "dwconv_triton" in r for r in rows)  # CUDA-only candidates
+    # a piece that could not run on a stage is said, not a crash
     rows[0]["aggregated_flex_error"] = "NotImplementedError: no"
-    rows[1]["aggregated_flex"] = dict(rows[1]["aggregated_attention"])
+    rows[1]["aggregated_flex"] = dict(rows[1]["aggregated_fused"])
     table = component_table(rows, "h")
     assert "aggregated_flex |" in table and "Stage 1: aggregated_flex did not run (NotImplementedError: no)" in table

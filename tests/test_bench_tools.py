@@ -9,16 +9,16 @@ from helpers import REPO, load_tool
 
 
 def test_bench_models_quick_compares_moh_with_its_dense_twin(tmp_path, capsys):
-    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "impl=auto,sparse",
+    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "kernels.routing=reference",
                                            f"out={tmp_path / 't.md'}"])
-    assert [(r["model"], r["impl"]) for r in rows] == [("dit_s_2", "-"), ("moh_dit_s_2_75", "auto"),
-                                                       ("moh_dit_s_2_75", "sparse")]
+    assert [r["model"] for r in rows] == ["dit_s_2", "moh_dit_s_2_75"]
     assert rows[0]["infer_x_dense"]["median"] == 1.0 and rows[0]["train_x_dense"]["n"] == 1
     assert all(r["infer_img_s"] > 0 and r["train_img_s"] > 0 and r["train_peak_mb"] > 0 for r in rows)
-    assert "| moh_dit_s_2_75 | sparse |" in (tmp_path / "t.md").read_text()
+    assert "| moh_dit_s_2_75 |" in (tmp_path / "t.md").read_text()
     saved = json.loads((tmp_path / "t.json").read_text())
-    assert [r["impl"] for r in saved["rows"]] == ["-", "auto", "sparse"]
-    assert "threads, auto table auto_cpu.json" in saved["header"]  # where it ran: machine, threads, auto's table
+    assert saved["kernels"]["routing"] == "reference" and [r["model"] for r in saved["rows"]] == ["dit_s_2",
+                                                                                                  "moh_dit_s_2_75"]
+    assert " threads, " in saved["header"] and "kernels routing=reference" in saved["header"]  # machine, kernels
     err = capsys.readouterr().err  # a progress bar per pair and mode, on stderr (the table goes to stdout)
     assert "moh_dit_s_2_75 vs dit_s_2, inference" in err and "moh_dit_s_2_75 vs dit_s_2, training" in err
 
@@ -28,7 +28,7 @@ def test_bench_models_counts_what_each_step_launches(tmp_path):
     operators to every layer, inference and training alike; the table gets the two columns."""
     from moh_vision.analysis.benchmark import launches
 
-    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "impl=masked", "launches=true",
+    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "launches=true",
                                            f"out={tmp_path / 't.md'}"])
     dense, moh = rows
     for mode in ("infer", "train"):
@@ -39,21 +39,22 @@ def test_bench_models_counts_what_each_step_launches(tmp_path):
     assert launches(lambda: (x @ x).relu().sum(), torch.device("cpu")) == {"aten_ops": 3}  # nested ops not counted
 
 
-def test_bench_models_skips_an_impl_the_model_cannot_run(capsys, monkeypatch):
-    from moh_vision.analysis import benchmark
-    from moh_vision.errors import ConfigError
-
-    build = benchmark.build_for_bench
-
-    def refusing_sparse(name, img_size, impl, *args, **kwargs):  # as a kernel without a sparse path refuses
-        if impl == "sparse":
-            raise ConfigError(f"MoH impl 'sparse' supports kernel(s) sdpa, not '{name}'")
-        return build(name, img_size, impl, *args, **kwargs)
-
-    monkeypatch.setattr(benchmark, "build_for_bench", refusing_sparse)
-    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "impl=sparse,masked"])
-    assert [r["impl"] for r in rows] == ["-", "masked"]
-    assert "skip moh_dit_s_2_75 impl=sparse" in capsys.readouterr().err
+def test_bench_kernels_times_one_model_under_each_kernels_variant(tmp_path):
+    """``tools/bench_kernels.py``: one model per variant with the same weights, the ratio to the first variant,
+    and the bytes kept for backward, which the recomputing pieces lower."""
+    rows = load_tool("bench_kernels").main(["model=transnext_nano", "batch=2", "rounds=1", "warmup=0",
+                                            "variants=auto,recompute=reference+routing=reference", "attention=moh",
+                                            f"out={tmp_path / 'k.md'}"])
+    assert [r["kernels"] for r in rows] == ["auto", "recompute=reference+routing=reference"]
+    assert rows[1]["resolved"] == {"aggregated": "auto", "routing": "reference", "depthwise": "auto",
+                                   "recompute": "reference"}
+    assert rows[0]["train_x_base"]["median"] == 1.0 and rows[1]["infer_x_base"]["n"] == 1
+    assert rows[0]["saved_mib_per_image"] < rows[1]["saved_mib_per_image"]
+    record = json.loads((tmp_path / "k.json").read_text())
+    assert [r["kernels"] for r in record["rows"]] == ["auto", "recompute=reference+routing=reference"]
+    assert "| recompute=reference+routing=reference |" in (tmp_path / "k.md").read_text()
+    with pytest.raises(SystemExit):
+        load_tool("bench_kernels").main(["model=transnext_nano", "variants=auto,routing=cuda"])
 
 
 def test_cpu_peak_memory_replays_allocations_and_frees_in_order():
@@ -78,11 +79,11 @@ def test_bench_models_times_a_dense_model_as_moh_against_itself():
     from moh_vision.attention import find_attention
 
     rows = load_tool("bench_models").main(["pairs=dit_s_2:dit_s_2", "img_size=64", "rounds=1", "warmup=0",
-                                           "impl=masked", "attention=moh", "attention.activation_ratio=0.5"])
-    assert [(r["model"], r["impl"]) for r in rows] == [("dit_s_2", "-"), ("dit_s_2 (moh 0.5)", "masked")]
-    model = build_for_bench("dit_s_2", 64, "sparse", torch.device("cpu"), {"name": "moh", "activation_ratio": 0.5})
+                                           "attention=moh", "attention.activation_ratio=0.5"])
+    assert [r["model"] for r in rows] == ["dit_s_2", "dit_s_2 (moh 0.5)"]
+    model = build_for_bench("dit_s_2", 64, torch.device("cpu"), {"name": "moh", "activation_ratio": 0.5})
     layers = [m for _, m in find_attention(model)]
-    assert layers and all(m.impl == "sparse" and m.active_heads() == m.num_heads // 2 for m in layers)
+    assert layers and all(m.active_heads() == m.num_heads // 2 for m in layers)
 
 
 def test_bench_models_compiles_every_model_and_leaves_compilation_untimed(monkeypatch):
@@ -105,7 +106,7 @@ def test_bench_models_compiles_every_model_and_leaves_compilation_untimed(monkey
     monkeypatch.setattr(torch, "compile", compile_fast)
     monkeypatch.setattr(benchmark, "interleave", interleave)
     torch._dynamo.reset()
-    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "impl=auto", "compile=true",
+    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "compile=true",
                                            "compile_mode=reduce-overhead"])
     assert [(type(m).__name__, r["model"], r["compiled"]) for m, r in zip(compiled, rows)] == [
         ("DiT", "dit_s_2", True), ("DiT", "moh_dit_s_2_75", True)]
@@ -120,9 +121,9 @@ def test_gpu_checks_script_parses_and_names_its_parts():
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode != 0
-    assert "usage: bash tools/gpu_checks.sh <out_dir> [tests,attention,models,routing,train,backbones]" in usage.stderr
+    assert "usage: bash tools/gpu_checks.sh <out_dir> [backbones,tests,models,routing,train]" in usage.stderr
     text = script.read_text()
-    assert all(f"*,{part},*" in text for part in ("tests", "attention", "models", "routing", "train", "backbones"))
+    assert all(f"*,{part},*" in text for part in ("backbones", "tests", "models", "routing", "train"))
 
 
 def test_bench_data_quick_times_both_loaders_on_a_generated_tree(tmp_path, capsys):

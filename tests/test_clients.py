@@ -2,17 +2,15 @@
 onnxruntime), torchvision's ``create_feature_extractor`` (torch.fx) and ``torch.func`` (``grad``, ``vmap``,
 ``jacrev``, ``functional_call``), on the smallest member of every family with ``mha``, ``moh`` and ``moa``.
 
-Every client is checked on a NEW input (not the one it traced) against the eager model. MoH runs
-``impl="auto"`` with a rule that picks the sparse path everywhere (:func:`sparse_everywhere`): eagerly the
-layers run sparse, so a tracer that froze the sparse path's data-dependent dispatch into its graph would give
-the new input a wrong result; under every client ``auto`` must run the reference (masked) path. An explicit
-``impl="sparse"`` refuses under the tracers with one line.
+Every client is checked on a NEW input (not the one it traced) against the eager model, which runs the default
+kernels (``auto``: on the CPU TransNeXt's fused attention and recomputing pieces; checked by
+:func:`assert_eager_runs_kernels`) while every client records the reference formulas
+(:mod:`moh_vision.ops.dispatch`).
 
 DiT takes ``(x, t, y)``: it runs every client with its three inputs (torchvision traces the whole model, and
 a block's attention is a node like any other). Routers and all other weights are drawn at random (DiT's
 adaLN-Zero would otherwise make the output exactly zero, and MoA's zero-initialised router ties every token).
 """
-import dataclasses
 import io
 import logging
 
@@ -22,10 +20,9 @@ import torch
 from torch.func import functional_call, grad, jacrev, vmap
 
 import moh_vision  # noqa: F401  (registers the models)
-from moh_vision.attention import build_attention, moh as moh_module, routed_modules
-from moh_vision.attention import sparse as sparse_module
-from moh_vision.attention.kernels import GatedMerge
-from moh_vision.errors import ConfigError
+from helpers import Spy
+
+from moh_vision.attention import build_attention
 
 FAMILIES = {  # family: (registered name, shrink options); TransNeXt at 64 px: at 32 its few stage-3/4 tokens
     "transnext": ("transnext_nano", dict(img_size=64)),  # routed alike on both inputs, hiding a frozen dispatch
@@ -44,18 +41,6 @@ def every(test):
     for mark in parametrize_all:
         test = mark(test)
     return test
-
-
-@pytest.fixture(autouse=True)
-def sparse_everywhere(monkeypatch):
-    """``impl="auto"`` picks the sparse path on every call where a kernel has one (eagerly)."""
-    real = sparse_module.sparse_support
-
-    def forced(module_or_class):
-        support = real(module_or_class)
-        return None if support is None else dataclasses.replace(support, auto=lambda m, x: "sparse")
-
-    monkeypatch.setattr(moh_module, "sparse_support", forced)
 
 
 def make_model(family, attention, **options):
@@ -82,12 +67,13 @@ def eager(model, args):
         return model(*args)
 
 
-def assert_eager_runs_sparse(model, args):
-    """The forced rule is in force: a routed MoH layer picks sparse eagerly (so the client test means something)."""
-    moh = [m for _, m in routed_modules(model) if isinstance(m, moh_module.MoH) and m.topk > 0]
-    if moh:
-        tokens = torch.randn(2, 16, moh[0].dim)
-        assert moh[0].execution_path(tokens) == "sparse"
+def assert_eager_runs_kernels(model, args, family, attention):
+    """Eagerly the package's kernels run where the model has them (so that a client recording the reference
+    formulas means something): TransNeXt's fused aggregated attention."""
+    with Spy() as spy:
+        eager(model, args)
+    if family == "transnext":
+        assert "moh_vision.aggregated_attention" in spy.seen
 
 
 # ---------------------------------------------------------------------------------------------
@@ -96,7 +82,7 @@ def assert_eager_runs_sparse(model, args):
 @every
 def test_jit_trace_is_exact_on_a_new_input(family, attention):
     model = make_model(family, attention)
-    assert_eager_runs_sparse(model, inputs(family, 0))
+    assert_eager_runs_kernels(model, inputs(family, 0), family, attention)
     with torch.no_grad():
         traced = torch.jit.trace(model, inputs(family, 0), check_trace=False)
     new = inputs(family, 1)
@@ -228,113 +214,3 @@ def test_torch_func_jacrev_of_a_layer(attention):
     jac = jacrev(layer)(x)
     rows = torch.autograd.functional.jacobian(layer, x)
     torch.testing.assert_close(jac, rows, atol=1e-6, rtol=1e-4)
-
-
-# ---------------------------------------------------------------------------------------------
-# The custom autograd Functions under torch.func, against their plain-op definitions
-# ---------------------------------------------------------------------------------------------
-def gated_merge_plain(o, gates):
-    B, h, N, d = o.shape
-    return (o.transpose(1, 2) * gates.unsqueeze(-1)).reshape(B, N, h * d)
-
-
-def test_gated_merge_under_grad_vmap_and_jacrev():
-    torch.manual_seed(0)
-    o, gates = torch.randn(3, 2, 4, 5, 6).transpose(3, 4), torch.rand(3, 2, 6, 4)  # o: [V, B, h, N, d], not merged
-    one = (o[0], gates[0])
-    torch.testing.assert_close(vmap(GatedMerge.apply)(o, gates), vmap(gated_merge_plain)(o, gates))
-    torch.testing.assert_close(vmap(GatedMerge.apply, in_dims=(0, None))(o, gates[0]),
-                               vmap(gated_merge_plain, in_dims=(0, None))(o, gates[0]))
-    for argnums in (0, 1):
-        torch.testing.assert_close(grad(lambda *a: GatedMerge.apply(*a).sin().sum(), argnums)(*one),
-                                   grad(lambda *a: gated_merge_plain(*a).sin().sum(), argnums)(*one))
-        torch.testing.assert_close(jacrev(GatedMerge.apply, argnums)(*one), jacrev(gated_merge_plain, argnums)(*one))
-
-
-def dispatch_case():
-    torch.manual_seed(0)
-    B, N, E, k, d, C = 2, 6, 3, 2, 4, 8
-    index = torch.rand(B, N, E).topk(k, dim=-1).indices
-    return sparse_module.build_dispatch(index, E), B * N, E, d, C
-
-
-def test_head_projections_under_grad_vmap_and_jacrev():
-    dispatch, T, E, d, C = dispatch_case()
-    rows, segments, R = dispatch.rows, dispatch.segments, dispatch.num_rows
-    heads = dispatch.heads
-
-    def gathered_plain(x, w, b):
-        return (x[rows].unsqueeze(1) @ w.view(E, d, C)[heads].transpose(1, 2)).squeeze(1) + b.view(E, d)[heads]
-
-    def gathered(x, w, b):
-        return sparse_module.GatheredHeadProjection.apply(x, w, b, rows, segments)
-
-    def scattered_plain(y, o, gate, w):
-        contrib = ((o * gate[:, None]).unsqueeze(1) @ w.view(C, E, d).permute(1, 2, 0)[heads]).squeeze(1)
-        return y.index_add(0, rows, contrib)
-
-    def scattered(y, o, gate, w):
-        return sparse_module.ScatteredHeadProjection.apply(y.clone(), o, gate, w, rows, segments)
-
-    cases = [(gathered, gathered_plain, (torch.randn(T, C), torch.randn(E * d, C), torch.randn(E * d))),
-             (scattered, scattered_plain, (torch.randn(T, C), torch.randn(R, d), torch.rand(R), torch.randn(C, E * d)))]
-    for fn, plain, args in cases:
-        torch.testing.assert_close(fn(*args), plain(*args))
-        batched = tuple(torch.stack([a, a * 0.5 + 1]) for a in args)
-        torch.testing.assert_close(vmap(fn)(*batched), vmap(plain)(*batched))
-        for argnums in range(len(args)):
-            torch.testing.assert_close(grad(lambda *a: fn(*a).sin().sum(), argnums)(*args),
-                                       grad(lambda *a: plain(*a).sin().sum(), argnums)(*args))
-            torch.testing.assert_close(jacrev(fn, argnums)(*args), jacrev(plain, argnums)(*args))
-
-
-def test_key_value_heads_under_grad_vmap_and_jacrev():
-    torch.manual_seed(0)
-    B, N, h, d, C, groups = 2, 3, 4, 2, 6, (1, 3)
-    shape = (B, N, 2, h, d)
-
-    def fused(x, w, b):
-        return sparse_module.KeyValueHeads.apply(x, w, b, shape, groups)
-
-    def plain(x, w, b):
-        return sparse_module._key_value_groups(sparse_module._projected_keys_values(x, w, b, shape), groups)
-
-    args = (torch.randn(B, N, C), torch.randn(2 * h * d, C), torch.randn(2 * h * d))
-    batched = tuple(torch.stack([a, a - 1]) for a in args)
-    torch.testing.assert_close(vmap(fused)(*batched), vmap(plain)(*batched))
-    for argnums in range(3):
-        torch.testing.assert_close(grad(lambda *a: sum(t.sin().sum() for t in fused(*a)), argnums)(*args),
-                                   grad(lambda *a: sum(t.sin().sum() for t in plain(*a)), argnums)(*args))
-        torch.testing.assert_close(jacrev(fused, argnums)(*args), jacrev(plain, argnums)(*args))
-
-
-# ---------------------------------------------------------------------------------------------
-# An explicit sparse path: refused under the tracers, exact under torch.func.grad
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_explicit_sparse_refuses_under_tracers(family):
-    model = make_model(family, "moh", impl="sparse")
-    args = inputs(family, 0)
-    from torchvision.models.feature_extraction import create_feature_extractor
-    clients = {
-        "torch.jit.trace": lambda: torch.jit.trace(model, args, check_trace=False),
-        "torch.onnx.export": lambda: torch.onnx.export(model, args, io.BytesIO(), dynamo=False),
-        "torch.export": lambda: torch.export.export(model, args),
-        "torch.fx": lambda: create_feature_extractor(model, return_nodes=["add"]),
-        "torch.func.vmap": lambda: vmap(lambda *a: model(*(t.unsqueeze(0) for t in a)))(*args),
-    }
-    for client, call in clients.items():
-        model.eval()  # torchvision traces the train mode too, and leaves a model there when its trace raises
-        with torch.no_grad(), pytest.raises(ConfigError, match="impl='sparse' dispatches tokens") as err:
-            call()
-        assert "\n" not in str(err.value), client
-
-
-@pytest.mark.parametrize("family", ["transnext", "vit"])
-def test_explicit_sparse_under_torch_func_grad_equals_masked(family):
-    sparse, masked = make_model(family, "moh", impl="sparse"), make_model(family, "moh", impl="masked")
-    new = inputs(family, 1)
-    params = {k: v.detach() for k, v in masked.named_parameters()}
-    got, want = grad(loss_of(sparse))(params, *new), grad(loss_of(masked))(params, *new)
-    for name in want:
-        torch.testing.assert_close(got[name], want[name], atol=1e-6, rtol=1e-4, msg=name)

@@ -72,30 +72,13 @@ def test_moa_matches_formula(topk):
     assert out["active_gflops"] * 1e9 == pytest.approx(dense - (1 - f) * query_work(N, C, H, D), rel=1e-12)
 
 
-def test_masked_count_ignores_the_layers_execution_path():
-    """The dense-equivalent count is the masked path's even when the layer would run sparse."""
-    m = build_attention("moh", C, H, shared_heads=2, topk=2, impl="sparse")
-    assert count_flops(m, (N, C))["gflops"] * 1e9 == mha_flops(N, C, H, D) + moh_router_flops(N, C, H, 2, 2)
-    assert m.impl == "sparse"
-
-
-def test_sparse_path_trace_equals_the_active_count(monkeypatch):
-    """At batch 1 the exact sparse path does exactly the active work (no padded rows when every
-    routed head is chosen by some token and each head attends in its own call), so tracing it
-    through the registered handles gives the active count of the masked trace."""
-    from moh_vision.attention import sparse as sparse_module
-    # one call per head (what 1 thread picks); one padded call for all heads (what 2 threads pick
-    # at batch 1) pads every list to the longest and would count the padding
-    monkeypatch.setattr(sparse_module, "one_call_for_all_heads", lambda q, batch: False)
-    torch.manual_seed(0)
-    m = build_attention("moh", C, H, shared_heads=2, topk=3, impl="sparse").eval()
-    with torch.no_grad(), record_routing(m, keep_selection=True) as routing:
-        m(torch.randn(1, N, C))
-    assert routing.records[0].selection.any(dim=(0, 1)).all(), "seeded so that every head is used"
-    masked = flop_report(m, (N, C), moh_impl="masked")
-    sparse = flop_report(m, (N, C), moh_impl=None)
-    assert not sparse.uncounted_ops
-    assert sparse.flops == pytest.approx(masked.active_flops, rel=1e-12)
+def test_count_is_the_same_under_every_kernels_config():
+    """The trace runs one fixed set of implementations (the aggregated attention as its one operator, the rest
+    as formulas), so the model's own ``kernels`` change nothing in the count."""
+    import timm
+    counts = [count_flops(timm.create_model("transnext_nano", attention="moh", kernels=kernels), (3, 32, 32))
+              for kernels in (None, {key: "reference" for key in ("aggregated", "routing", "depthwise", "recompute")})]
+    assert counts[0] == counts[1] and not counts[0].get("uncounted_ops")
 
 
 # ---------------------------------------------------------------------------------------------

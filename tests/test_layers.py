@@ -1,4 +1,4 @@
-"""Layers import one way (ARCHITECTURE.md): attention <- models <- tasks, engine <- entry points and
+"""Layers import one way (ARCHITECTURE.md): ops <- attention <- models <- tasks, engine <- entry points and
 tools; analysis and data never import engine; no import circle, lazy imports inside functions included."""
 from __future__ import annotations
 
@@ -10,16 +10,17 @@ REPO = Path(__file__).resolve().parents[1]
 
 # What each sub-package may import from the others (besides itself and the base below).
 ALLOWED = {
-    "attention": set(),
+    "ops": set(),  # each op's reference and kernels: imports no model code
+    "attention": {"ops"},
     "diffusion": set(),
     "data": set(),
-    "models": {"attention"},
-    "analysis": {"attention", "models", "data", "diffusion"},
-    "tasks": {"attention", "models", "data", "diffusion", "analysis", "config"},
-    "config": {"attention", "models"},  # the schema; it names data and task classes by import path only
-    "engine": {"attention", "models", "data", "diffusion", "analysis", "tasks", "config"},
+    "models": {"attention", "ops"},
+    "analysis": {"attention", "models", "ops", "data", "diffusion"},
+    "tasks": {"attention", "models", "ops", "data", "diffusion", "analysis", "config"},
+    "config": {"attention", "models", "ops"},  # the schema; it names data and task classes by import path only
+    "engine": {"attention", "models", "ops", "data", "diffusion", "analysis", "tasks", "config"},
 }
-BASE = {"errors", "cli", "checkpoints", "extensions"}  # the bottom: imported by anyone, importing no other layer
+BASE = {"errors", "cli", "checkpoints"}  # the bottom: imported by anyone, importing no other layer
 
 
 def _module_name(path: Path) -> str:

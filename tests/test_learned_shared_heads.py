@@ -23,6 +23,7 @@ from moh_vision.analysis.routing_stats import RoutingMeter, routed_heads_of, rou
 from moh_vision.attention import build_attention, record_routing, routed_modules
 from moh_vision.attention.routing import resolve_moh_heads
 from moh_vision.errors import ConfigError
+from moh_vision.ops import merge_heads
 
 from helpers import FAST_TRAIN, load_tool, run_entry
 
@@ -152,7 +153,7 @@ def test_warmup_learns_the_head_the_output_needs(estimator, good):
         m.wg.weight.normal_()
     x = torch.randn(4, 16, 32)
     with torch.no_grad():
-        target = m.proj(m.merge_heads(m.heads(x), torch.ones(4, 16, 4)))
+        target = m.proj(merge_heads(m.heads(x), torch.ones(4, 16, 4)))
     m.requires_grad_(False)
     m.shared_score.requires_grad_(True)
     opt = torch.optim.Adam([m.shared_score], lr=0.05)
@@ -227,7 +228,7 @@ def permuted_official(m, mask):
     """An official MoH layer whose head j is head ``order[j]`` of ``m`` (shared heads first)."""
     order = partition_order(mask)
     h_s, k, d, inner = m.shared_heads, m.topk, m.head_dim, m.inner_dim
-    ref = build_attention("moh", m.dim, m.num_heads, shared_heads=h_s, topk=k, impl="masked")
+    ref = build_attention("moh", m.dim, m.num_heads, shared_heads=h_s, topk=k)
     rows = (order[:, None] * d + torch.arange(d)).reshape(-1)
     qkv_rows = torch.cat([rows + part * inner for part in range(3)])
     with torch.no_grad():
@@ -244,7 +245,7 @@ def permuted_official(m, mask):
 
 @pytest.mark.parametrize("heads,ratio", [(8, 0.5), (4, 0.75), (6, 0.84)])  # h_s = 2, 1, 2
 def test_frozen_layer_equals_official_layer_with_permuted_heads(heads, ratio):
-    m = learned_layer(dim=24, heads=heads, ratio=ratio, steps=1, impl="masked")
+    m = learned_layer(dim=24, heads=heads, ratio=ratio, steps=1)
     mask = freeze_on(m, torch.randperm(heads, generator=torch.Generator().manual_seed(heads)).float())
     assert mask.tolist()[:m.shared_heads] != [True] * m.shared_heads  # not the official choice
     with torch.no_grad():
@@ -277,46 +278,6 @@ def test_frozen_layer_equals_official_layer_with_permuted_heads(heads, ratio):
     torch.testing.assert_close(m.wg.weight.grad[order[m.shared_heads:]], ref.wg.weight.grad, rtol=1e-4, atol=1e-6)
     assert (m.wg.weight.grad[order[:m.shared_heads]] == 0).all()
     assert (m.shared_score.grad == 0).all()
-
-
-# ---------------------------------------------------------------------------------------------
-# The sparse paths run learned layers through a head permutation
-# ---------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("estimator", ["ste", "gumbel"])
-def test_sparse_equals_masked_in_warmup_and_after(estimator):
-    ref = learned_layer(dim=48, heads=8, ratio=0.5, steps=2, estimator=estimator, impl="masked")
-    sparse = build_attention("moh", 48, 8, shared_heads="learned", activation_ratio=0.5, learn_shared_steps=2,
-                             shared_estimator=estimator, impl="sparse")
-    sparse.load_state_dict(ref.state_dict())
-    x, grad_out = torch.randn(2, 13, 48), torch.randn(2, 13, 48)
-    paths = []
-    for step in range(4):
-        for train in (True, False):
-            outs = []
-            for layer in (ref, sparse):
-                layer.train(train)
-                layer.zero_grad(set_to_none=True)
-                xi = x.clone().requires_grad_(True)
-                torch.manual_seed(step)  # the same Gumbel noise
-                with record_routing(layer) as routing:
-                    y = layer(xi)
-                ((y * grad_out).sum() + routing.aux_loss(coef=1.0)).backward()
-                outs.append((y, xi.grad, {n: p.grad for n, p in layer.named_parameters()}, routing.records[0].stats))
-            (y, gx, grads, stats), (ys, gxs, grads_s, stats_s) = outs
-            torch.testing.assert_close(ys, y, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(gxs, gx, rtol=1e-4, atol=1e-5)
-            for name, g in grads.items():
-                assert (g is None) == (grads_s[name] is None), name
-                if g is not None:
-                    torch.testing.assert_close(grads_s[name], g, rtol=1e-4, atol=1e-4, msg=lambda s: f"{name}: {s}")
-            assert torch.equal(stats_s["shared_mask"], stats["shared_mask"])
-            assert torch.equal(stats_s["load"], stats["load"])
-            paths.append(sparse.execution_path(x))
-        for layer in (ref, sparse):  # one optimizer step per (training, eval) pair
-            layer.after_optimizer_step()
-    assert torch.equal(ref.shared_mask, sparse.shared_mask) and bool(sparse.shared_frozen)
-    # warm-up training forwards run masked (the estimator needs every head); eval and frozen: sparse
-    assert paths == ["masked", "sparse"] * 2 + ["sparse"] * 4
 
 
 # ---------------------------------------------------------------------------------------------

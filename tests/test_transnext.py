@@ -335,20 +335,19 @@ def test_position_bias_equals_direct_mlp_over_all_pairs():
     torch.testing.assert_close(attn.position_bias(), direct)
 
 
-def test_convolutional_glu_keeps_less_and_equals_the_plain_form(monkeypatch):
-    """The ConvGLU after fc1 recomputes the depthwise convolution, GELU and the product in backward (fewer tensors
-    kept) with the plain operators' values and gradients; gradcheck on the recomputing Function."""
+def test_convolutional_glu_keeps_less_and_equals_the_plain_form():
+    """The ConvGLU after fc1 (``kernels.recompute=recompute``, the default) recomputes the depthwise convolution,
+    GELU and the product in backward (fewer tensors kept) with the plain operators' values and gradients, in float32
+    and under bf16 autocast."""
     from moh_vision.models import transnext as module
 
-    x, gate = (torch.randn(2, 6, 5, dtype=torch.float64, requires_grad=True) for _ in range(2))
-    conv, fc = torch.nn.Conv2d(5, 5, 3, padding=1, groups=5).double(), torch.nn.Linear(5, 3).double()
-    assert torch.autograd.gradcheck(module._GatedTail.apply, (x, gate, conv.weight, conv.bias, fc.weight, fc.bias, 2, 3))
-
     torch.manual_seed(0)
-    mlp = module.ConvolutionalGLU(8, 24)
+    recomputing = module.ConvolutionalGLU(8, 24)
+    plain = module.ConvolutionalGLU(8, 24, kernels={"recompute": "reference"})
+    plain.load_state_dict(recomputing.state_dict())
     x = torch.randn(2, 12, 8, requires_grad=True)
 
-    def run():
+    def run(mlp):
         mlp.zero_grad()
         x.grad = None
         saved = []
@@ -358,35 +357,37 @@ def test_convolutional_glu_keeps_less_and_equals_the_plain_form(monkeypatch):
         y.square().sum().backward()
         return [y.detach(), x.grad] + [p.grad for p in mlp.parameters()], len(set(saved))
 
-    fused, kept_fused = run()
+    fused, kept_fused = run(recomputing)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        fused_bf16, _ = run()
-    monkeypatch.setattr(module, "eager_autograd", lambda x=None: False)  # the plain operators
-    plain, kept_plain = run()
+        fused_bf16, _ = run(recomputing)
+    want, kept_plain = run(plain)
     with torch.autocast("cpu", dtype=torch.bfloat16):
-        plain_bf16, _ = run()
+        plain_bf16, _ = run(plain)
     assert kept_fused < kept_plain
-    for got, want in zip(fused, plain):
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
-    for got, want in zip(fused_bf16, plain_bf16):  # both in bf16 arithmetic, rounded differently
-        assert got.dtype == want.dtype
-        torch.testing.assert_close(got.float(), want.float(), rtol=3e-2, atol=3e-2)
+    for got, ref in zip(fused, want):
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+    for got, ref in zip(fused_bf16, plain_bf16):  # both in bf16 arithmetic, rounded differently
+        assert got.dtype == ref.dtype
+        torch.testing.assert_close(got.float(), ref.float(), rtol=3e-2, atol=3e-2)
 
 
-def test_pooled_branch_and_position_mlp_keep_less_and_equal_the_plain_form(monkeypatch):
-    """In eager training the aggregated layer's position MLP keeps no hidden layer (the operator, or recomputed in
-    backward) and its average pool keeps nothing: fewer bytes saved, the plain operators' output and gradients."""
+def test_pooled_branch_and_position_mlp_keep_less_and_equal_the_plain_form():
+    """In eager training the aggregated layer's position MLP keeps no hidden layer (recomputed in backward) and its
+    average pool keeps nothing: fewer bytes saved, the plain operators' output and gradients."""
     from moh_vision.models import transnext as module
 
     attn = module.TransNeXtAggregatedAttention(16, 2, (6, 8), sr_ratio=2).double()
+    plain = module.TransNeXtAggregatedAttention(16, 2, (6, 8), sr_ratio=2,
+                                                kernels={"recompute": "reference"}).double()
+    plain.load_state_dict(attn.state_dict())
     x = torch.randn(2, 48, 16, dtype=torch.float64, requires_grad=True)
 
-    def run():
-        attn.zero_grad()
+    def run(layer):
+        layer.zero_grad()
         x.grad = None
         kept = {}
 
-        parameters = {p.untyped_storage().data_ptr() for p in attn.parameters()}  # alive anyway: not counted
+        parameters = {p.untyped_storage().data_ptr() for p in layer.parameters()}  # alive anyway: not counted
 
         def pack(t):
             if t.untyped_storage().data_ptr() not in parameters:
@@ -394,14 +395,12 @@ def test_pooled_branch_and_position_mlp_keep_less_and_equal_the_plain_form(monke
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            y = attn(x)
+            y = layer(x)
         (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
-        return [y.detach(), x.grad] + [p.grad for p in attn.parameters()], sum(kept.values())
+        return [y.detach(), x.grad] + [p.grad for p in layer.parameters()], sum(kept.values())
 
-    got, kept = run()
-    monkeypatch.setattr(module, "eager_autograd", lambda x=None: False)  # the plain operators
-    monkeypatch.setattr(attn, "fused_position_mlp", lambda table: False)  # the MLP's modules
-    want, kept_plain = run()
+    got, kept = run(attn)
+    want, kept_plain = run(plain)
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
     hidden = attn.relative_coords_table.shape[0] * module.CPB_HIDDEN * 8  # the MLP's hidden layer, float64
@@ -410,7 +409,8 @@ def test_pooled_branch_and_position_mlp_keep_less_and_equal_the_plain_form(monke
 
 
 def test_average_pool_function_and_token_conv_equal_torch():
-    from moh_vision.models.transnext import TokenConv1x1, _AveragePool
+    from moh_vision.models.transnext import TokenConv1x1
+    from moh_vision.ops.recompute import _AveragePool
 
     x = torch.randn(2, 3, 7, 5, dtype=torch.float64, requires_grad=True)  # sizes the pool does not divide
     assert torch.autograd.gradcheck(lambda t: _AveragePool.apply(t, (3, 2)), (x,))
@@ -420,61 +420,3 @@ def test_average_pool_function_and_token_conv_equal_torch():
     image = tokens.transpose(1, 2).reshape(2, 6, 3, 4)
     want = torch.nn.functional.conv2d(image, conv.weight, conv.bias).flatten(2).transpose(1, 2)
     torch.testing.assert_close(conv(tokens), want)
-
-
-
-@pytest.mark.parametrize("bias", [True, False])
-def test_depthwise_backward_written_out_equals_the_convolutions(bias):
-    """The depthwise convolution's written-out backward (what ``torch.compile`` runs on the CPU): the input's gradient
-    as the flipped kernel's convolution, the weight's as nine shifted sums; every gradient equal to ``F.conv2d``'s
-    (float64, a non-square image, borders included)."""
-    torch.manual_seed(0)
-    B, H, W, C = 2, 5, 7, 6
-    x = torch.randn(B, H * W, C, dtype=torch.float64, requires_grad=True)
-    weight = torch.randn(C, 1, 3, 3, dtype=torch.float64, requires_grad=True)
-    b = torch.randn(C, dtype=torch.float64, requires_grad=True) if bias else None
-    grad = torch.randn(B, H * W, C, dtype=torch.float64)
-    inputs = [t for t in (x, weight, b) if t is not None]
-    got = torch.autograd.grad(T._DepthwiseTokens.apply(x, weight, b, H, W), inputs, grad)
-    want = torch.autograd.grad(T._conv_tokens(x, weight, b, H, W), inputs, grad)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12)
-    assert torch.autograd.gradcheck(lambda *t: T._DepthwiseTokens.apply(t[0], t[1], t[2] if bias else None, H, W),
-                                    tuple(inputs))
-
-
-def test_compiled_convglu_runs_the_written_out_backward_and_equals_eager():
-    """Compiled on the CPU, the ConvGLU's depthwise convolution takes the written-out backward: one graph, whose
-    backward has no ``convolution_backward`` (oneDNN's, 4-8x its forward there) but the parameter gradients'
-    operator, and inductor's output and gradients equal the eager module's (float32)."""
-    import torch._dynamo as dynamo
-    from torch._dynamo.backends.common import aot_autograd
-
-    torch.manual_seed(1)
-    mlp = T.ConvolutionalGLU(8, 24)
-    x = torch.randn(2, 5 * 7, 8)
-
-    def run(module):
-        xi = x.clone().requires_grad_()
-        y = module(xi, 5, 7)
-        y.square().sum().backward()
-        grads = [xi.grad] + [p.grad.clone() for p in mlp.parameters()]
-        mlp.zero_grad(set_to_none=True)
-        return [y.detach()] + grads
-
-    backward_ops = []
-
-    def capture_backward(graph, inputs):
-        backward_ops.extend(str(n.target) for n in graph.graph.nodes if n.op == "call_function")
-        return graph
-
-    dynamo.reset()
-    want = run(mlp)
-    run(torch.compile(mlp, fullgraph=True, backend=aot_autograd(fw_compiler=lambda g, _: g, bw_compiler=capture_backward)))
-    assert "aten.convolution.default" in backward_ops and "aten.convolution_backward.default" not in backward_ops
-    assert "moh_vision.depthwise_param_grads.default" in backward_ops  # the weight's and bias's in one operator
-    dynamo.reset()
-    got = run(torch.compile(mlp, fullgraph=True))
-    dynamo.reset()
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)

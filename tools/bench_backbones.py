@@ -13,9 +13,9 @@ MiB per image that autograd saves for backward (``saved``; parameters excluded, 
 on CUDA, the training peak memory. ``pairs=big`` adds TransNeXt-S/Swin-S and TransNeXt-B/Swin-B to the
 default two. ``compile=false,true`` times each pair eager and compiled. ``profile=true`` adds where a
 training step's time goes: each model's operators (CUDA: kernels) by self time. ``components=true`` times
-our models' pieces alone, per stage (the depthwise convolution with its input in three layouts: the model's,
-the strided view before f746026, NCHW; the aggregated attention). ``out=t.md`` also writes ``t.json`` (every number, torch and timm versions, the machine, the
-options).
+our models' pieces alone, per stage, under every implementation that runs on the device (the depthwise
+convolution, the aggregated attention). ``kernels.<key>=<value>`` sets our models' kernels config (as ``train.py``
+takes it). ``out=t.md`` also writes ``t.json`` (every number, torch and timm versions, the machine, the options).
 """
 from __future__ import annotations
 
@@ -43,8 +43,9 @@ OPTIONS = (
     Option("saved", type=boolean, help="measure the bytes saved for backward per image (default: on the CPU)"),
     Option("quick", False, boolean, "tiny models at 64 px, batch 1, 2 rounds (smoke test)"),
     Option("profile", False, boolean, "also each model's top operators (CUDA: kernels) by self time in one step"),
-    Option("components", False, boolean, "also time each of our models' pieces alone (depthwise convolution "
-           "layouts, the aggregated attention) per stage"),
+    Option("components", False, boolean, "also time each of our models' pieces alone (the depthwise convolution, "
+           "the aggregated attention, each implementation) per stage"),
+    Option("kernels.*", type=text, help="one entry of our models' kernels config, e.g. kernels.depthwise=triton"),
     Option("out", help="also write the markdown table here, and every number as JSON beside it (.json)"),
 )
 
@@ -52,7 +53,7 @@ OPTIONS = (
 def bench(opts) -> List[Dict]:
     return bench_backbones(opts.pairs, opts.batch, opts.img_size, opts.rounds, opts.warmup, opts.min_seconds,
                            opts.device, opts.dtype, opts.threads, opts.compile, opts.compile_mode, opts.saved,
-                           opts.quick, opts.out, opts.profile, opts.components)
+                           opts.quick, opts.out, opts.profile, opts.components, opts.kernels_options)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[Dict]:

@@ -35,8 +35,11 @@ import torch
 from torch import nn
 
 from moh_vision.errors import ConfigError
+from moh_vision.ops import Kernels
 from .benchmark import (DTYPES, Spread, build_for_bench, interleave, machine_description, make_step, model_inputs,
-                        paired_ratio, peak_memory, resolve_device, rounds_bar, synchronizer, where_measured)
+                        saved_tensor_bytes,
+                        kernels_text, paired_ratio, peak_memory, resolve_device, rounds_bar, synchronizer,
+                        where_measured)
 
 # Peers of about the same FLOPs (fvcore GFLOPs at 224 px: TransNeXt-Micro 2.7 vs PVTv2-b1 2.1,
 # TransNeXt-Tiny 5.7 vs Swin-T 4.5, TransNeXt-Small 10.3 vs Swin-S 8.7, TransNeXt-Base 18.4 vs Swin-B 15.4).
@@ -99,9 +102,10 @@ def build_peer(name: str, img_size: int, device: torch.device) -> nn.Module:
     return _at_size(model, img_size).to(device)
 
 
-def build_pair(ours: str, peer: str, img_size: int, device: torch.device) -> Dict[str, nn.Module]:
-    """``{"ours": ..., "peer": ...}`` at ``img_size``; ours as training runs it (``impl="auto"``)."""
-    models = {"ours": _at_size(build_for_bench(ours, img_size, "auto", device), img_size),
+def build_pair(ours: str, peer: str, img_size: int, device: torch.device,
+               kernels: Optional[Kernels] = None) -> Dict[str, nn.Module]:
+    """``{"ours": ..., "peer": ...}`` at ``img_size``; ours with ``kernels`` (default: all ``auto``, as training)."""
+    models = {"ours": _at_size(build_for_bench(ours, img_size, device, kernels=kernels), img_size),
               "peer": build_peer(peer, img_size, device)}
     for side, model in models.items():
         if len(model_inputs(model, 1, torch.device("meta"))) != 1:
@@ -113,40 +117,6 @@ def build_pair(ours: str, peer: str, img_size: int, device: torch.device) -> Dic
 # ----------------------------------------------------------------------------------------------
 # What a model is: FLOPs, parameters, bytes saved for backward
 # ----------------------------------------------------------------------------------------------
-def _parameter_copy(tensor: torch.Tensor, held: Set[int]) -> bool:
-    """Whether ``tensor`` is (a view of) a cast of one parameter alone, as autocast makes of weights: a per-step
-    cost that does not grow with the batch."""
-    base = tensor._base if tensor._is_view() else tensor
-    node = base.grad_fn
-    if node is None or node.name() != "ToCopyBackward0":
-        return False
-    sources = [source for source, _ in node.next_functions if source is not None]
-    leaf = getattr(sources[0], "variable", None) if len(sources) == 1 else None  # AccumulateGrad holds its leaf
-    return leaf is not None and leaf.untyped_storage().data_ptr() in held
-
-
-def saved_tensor_bytes(call: Callable[[], object], parameters: Iterable[torch.Tensor] = ()) -> int:
-    """Bytes of the tensors autograd saves for backward while ``call()`` runs: each distinct storage once
-    (a tensor saved by several operators, or views of one storage, count once), at the storage's full
-    size; ``parameters``, tensors sharing their storage (``weight.t()``) and autocast's copies of them are
-    left out: the model holds the first anyway, and the copies are per step, not per image. Only a forward
-    saves; a backward without ``create_graph`` and an optimizer step add nothing, so ``call`` may be a
-    whole training step."""
-    held = {p.untyped_storage().data_ptr() for p in parameters}
-    saved: Dict[int, int] = {}
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        storage = tensor.untyped_storage()
-        # the graph keeps what it saved alive: no other storage reuses the address while ``call`` runs
-        if not (isinstance(tensor, nn.Parameter) or storage.data_ptr() in held or _parameter_copy(tensor, held)):
-            saved.setdefault(storage.data_ptr(), storage.nbytes())
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        call()
-    return sum(saved.values())
-
-
 def describe(model: nn.Module, batch: int, device: torch.device, dtype: torch.dtype, saved: bool) -> Dict[str, object]:
     """``gflops`` (and ``active_gflops``) per image, ``params_m`` and, with ``saved``, ``saved_mib_per_image``
     of one eager training step of ``batch`` images (:func:`saved_tensor_bytes`)."""
@@ -270,11 +240,11 @@ def arithmetic_rate(info: Dict[str, object], timings: Dict[str, object], device:
 
 def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, warmup: int, min_seconds: float,
                device: torch.device, dtype: torch.dtype, compile_modes: Sequence[bool], compile_mode: str,
-               saved: bool, profile: bool = False) -> List[Dict[str, object]]:
+               saved: bool, profile: bool = False, kernels: Optional[Kernels] = None) -> List[Dict[str, object]]:
     """One row per entry of ``compile_modes`` (False: eager, True: ``torch.compile``d with ``compile_mode``)."""
     from moh_vision.attention.recorder import compile_model
 
-    models = build_pair(ours, peer, img_size, device)
+    models = build_pair(ours, peer, img_size, device, kernels)
     info = {side: describe(m, batch, device, dtype, saved) for side, m in models.items()}
     gflops_ratio = info["ours"]["gflops"] / info["peer"]["gflops"]
     rows = []
@@ -299,30 +269,15 @@ def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, war
 # ----------------------------------------------------------------------------------------------
 # Components: where a TransNeXt block's time may go, one piece at a time
 # ----------------------------------------------------------------------------------------------
-def _depthwise_input(x: torch.Tensor, layout: str, H: int, W: int) -> torch.Tensor:
-    """The ConvGLU's convolution input ``x`` (``[B, N, hidden]``) as an image: read in place (``model``: a GEMM's
-    output of its own, contiguous, so a channels-last image; ``strided``: the first half of one GEMM's output, as
-    the model passed it before f746026, a strided channels-last view), or copied to NCHW (``nchw``)."""
-    image = x.transpose(1, 2).reshape(x.shape[0], x.shape[2], H, W)
-    return image.contiguous() if layout == "nchw" else image
-
-
-DEPTHWISE_LAYOUTS = ("model", "strided", "nchw")
-
-
 def component_times(model_name: str, batch: int, rounds: int, device: torch.device,
                     dtype: torch.dtype) -> List[Dict[str, object]]:
     """Forward + backward ms (median [quartiles], interleaved) of each aggregated stage's pieces of
-    ``model_name`` at ``batch``: the ConvGLU's 3x3 depthwise convolution with its input laid out as the model
-    passes it (channels-last in place), as it did before f746026 (a strided view) and as NCHW
-    (:data:`DEPTHWISE_LAYOUTS`; what the backend picks differs), and the
-    aggregated-attention operator (:mod:`~moh_vision.models.aggregated_attention`) on its inputs; on CUDA also
-    the candidates: the convolution in Triton (:mod:`~moh_vision.models.triton_depthwise`) and the attention through
-    FlexAttention (:mod:`~moh_vision.models.flex_aggregated`)."""
-    import torch.nn.functional as F
-    from moh_vision.models.aggregated_attention import aggregated_attention
-    from moh_vision.models.flex_aggregated import aggregated_attention_flex
-    from moh_vision.models.triton_depthwise import depthwise_conv_triton
+    ``model_name`` at ``batch``, under every implementation that runs on ``device``: the ConvGLU's 3x3 depthwise
+    convolution (``dwconv_<implementation>``: :mod:`~moh_vision.ops.depthwise`) and the aggregated attention
+    (``aggregated_<implementation>``: :mod:`~moh_vision.ops.aggregated`) on random inputs of the stage's shapes."""
+    from moh_vision.ops import depthwise_conv, aggregated_attention
+    from moh_vision.ops.aggregated import AGGREGATED
+    from moh_vision.ops.depthwise import DEPTHWISE
 
     import timm
 
@@ -335,33 +290,25 @@ def component_times(model_name: str, batch: int, rounds: int, device: torch.devi
         def rand(*shape):
             return torch.randn(*shape, generator=g).to(device=device, dtype=dtype).requires_grad_()
 
-        fc1 = rand(batch, H * W, 2 * hidden)  # one GEMM's output: its first half is the strided input
-        half = rand(batch, H * W, hidden)  # the model's: a GEMM's output of its own
+        half = rand(batch, H * W, hidden)  # the convolution's input: fc1's first half
         weight, bias = rand(hidden, 1, 3, 3), rand(hidden)
-        calls = {}
-        for layout in DEPTHWISE_LAYOUTS:
-            def conv(layout=layout):
-                x = _depthwise_input(half if layout == "model" else fc1[..., :hidden], layout, H, W)
-                F.conv2d(x, weight, bias, padding=1, groups=hidden).sum().backward()
-            calls[f"dwconv_{layout}"] = conv
         d = C // heads
         q, k, v = (rand(batch, heads, H * W, d) for _ in range(3))
         k_pool, v_pool = rand(batch, heads, pool, d), rand(batch, heads, pool, d)
         extra = (rand(heads, H * W, pool), rand(heads, window ** 2), rand(batch, heads, H * W, window ** 2))
-        calls["aggregated_attention"] = lambda: aggregated_attention(
-            q, k, v, k_pool, v_pool, *extra, (H, W), window).sum().backward()
-        failed = {}
-        if device.type == "cuda":  # the candidates: Triton's depthwise convolution, FlexAttention (no CPU backward)
-            candidates = {
-                "dwconv_triton": lambda: depthwise_conv_triton(half, weight, bias, H, W).sum().backward(),
-                "aggregated_flex": lambda: aggregated_attention_flex(
-                    q, k, v, k_pool, v_pool, *extra, (H, W), window).sum().backward()}
-            for name, call in candidates.items():
+        calls, failed = {}, {}
+        for op, run in ((DEPTHWISE, lambda kernel: depthwise_conv(half, weight, bias, H, W, kernel=kernel)),
+                        (AGGREGATED, lambda kernel: aggregated_attention(q, k, v, k_pool, v_pool, *extra, (H, W),
+                                                                         window, kernel=kernel))):
+            names = ["reference"] + [n for n, impl in op.impls.items() if device.type in impl.devices]
+            for name in names:
+                label = f"{'dwconv' if op is DEPTHWISE else 'aggregated'}_{name}"
+                call = (lambda run=run, name=name: run(name).sum().backward())
                 try:
                     call()  # compiles it; one that cannot run costs this row its figure, not the run
-                    calls[name] = call
+                    calls[label] = call
                 except Exception as error:
-                    failed[f"{name}_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
+                    failed[f"{label}_error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200]}"
         times = interleave(calls, rounds=rounds, warmup=2, device=device)
         rows.append({"stage": index + 1, "tokens": f"{H}x{W}", "dim": C, "hidden": hidden, "heads": heads,
                      **{name: Spread.of([1e3 * t for t in ts]).as_dict() for name, ts in times.items()}, **failed})
@@ -436,19 +383,22 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
                     min_seconds: float = 0.0, device: str = "auto", dtype: str = "float32",
                     threads: Optional[int] = None, compile_modes: Sequence[bool] = (False,),
                     compile_mode: str = "default", saved: Optional[bool] = None, quick: bool = False,
-                    out: Optional[str] = None, profile: bool = False, with_components: bool = False) -> List[Dict]:
+                    out: Optional[str] = None, profile: bool = False, with_components: bool = False,
+                    kernels: Optional[Kernels] = None) -> List[Dict]:
     """Time every ``ours:peer`` pair (default :data:`PAIR_SETS` ``default``; ``quick``: ``quick`` at
     :data:`QUICK_SETTINGS`), print the table and return its rows; ``out`` also gets the table, and
     ``<out>.json`` every number with the torch and timm versions, the machine and these settings. ``saved``
     (default: on the CPU only) measures the bytes saved for backward per image; ``profile`` adds each model's
     operators (CUDA: kernels) by self time in one training step (:func:`top_ops`); ``with_components`` each
-    TransNeXt's pieces timed alone (:func:`component_times`)."""
+    TransNeXt's pieces timed alone (:func:`component_times`); ``kernels``: ours' kernels config (default all
+    ``auto``)."""
     import timm
 
     settings = {"pairs": list(pairs) if pairs else None, "batch": batch, "img_size": img_size, "rounds": rounds,
                 "warmup": warmup, "min_seconds": min_seconds, "device": device, "dtype": dtype, "threads": threads,
                 "compile": list(compile_modes), "compile_mode": compile_mode, "saved": saved, "quick": quick,
                 "profile": profile, "components": with_components}
+    kernels = Kernels.of(kernels)
     defaults = QUICK_SETTINGS if quick else SETTINGS
     batch, img_size, rounds, warmup = (defaults[k] if settings[k] is None else settings[k]
                                        for k in ("batch", "img_size", "rounds", "warmup"))
@@ -462,7 +412,7 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
     rows = []
     for ours, peer in chosen:
         rows += bench_pair(ours, peer, img_size, batch, rounds, warmup, min_seconds, where, torch_dtype,
-                           compile_modes, compile_mode, saved, profile)
+                           compile_modes, compile_mode, saved, profile, kernels)
         print(f"done {ours}:{peer}", file=sys.stderr, flush=True)
     compiled = {(False,): "eager", (True,): "torch.compile'd"}.get(tuple(sorted(set(compile_modes))),
                                                                    "eager and torch.compile'd")
@@ -473,16 +423,12 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
               f"multiply-adds, one image); train TFLOP/s = 2 x 3 x active GFLOPs x images/s (utilisation: of the "
               f"GPU's dense peak)" + ("; saved = bytes kept for backward per image (eager; parameters and their "
                                       "autocast copies excluded)" if saved else ""))
-    from moh_vision.models.cuda_candidates import CANDIDATES, SWITCH, use_candidate
-
-    candidates = [name for name in CANDIDATES if use_candidate(name)]  # what MOH_VISION_TRANSNEXT_CUDA switched on
-    if candidates and where.type == "cuda":
-        header += f"; ours with the CUDA candidates {', '.join(candidates)} ({SWITCH})"
+    header += f"; ours with kernels {kernels_text(kernels)}"
     table = backbones_table(rows, header) + top_ops_table(rows)
     machine = torch.cuda.get_device_name(where) if where.type == "cuda" else machine_description()
     record = {"header": header, "torch": torch.__version__, "timm": timm.__version__, "device": where.type,
               "machine": machine, "threads": torch.get_num_threads(), "options": settings,
-              "cuda_candidates": candidates,
+              "kernels": kernels.as_dict(),
               "resolved": {"pairs": [f"{a}:{b}" for a, b in chosen], "batch": batch, "img_size": img_size,
                            "rounds": rounds, "warmup": warmup, "saved": saved}, "rows": rows}
 
@@ -496,9 +442,9 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
         record.setdefault("components", {})[name] = pieces = component_times(name, batch, rounds, where, torch_dtype)
         table += "\n" + component_table(pieces, (
             f"Pieces of {name}'s aggregated stages ({dtype}, batch {batch}): forward + backward ms, median [quartiles] "
-            f"of {rounds} interleaved rounds; dwconv_*: the ConvGLU's depthwise convolution with its input as the "
-            "model passes it, copied to NCHW, copied to channels-last; CUDA's candidates: dwconv_triton, the "
-            "convolution in Triton on the tokens as they are, and aggregated_flex, the attention through FlexAttention"))
+            f"of {rounds} interleaved rounds; dwconv_<kernel>: the ConvGLU's depthwise convolution, aggregated_<kernel>: "
+            "the aggregated attention, under each implementation that runs on this device (kernels.depthwise, "
+            "kernels.aggregated)"))
         write()
     print(table)
     return rows

@@ -21,8 +21,10 @@ absent there, TFLOP/s is still reported.
 """
 from __future__ import annotations
 
+import platform
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
@@ -98,8 +100,18 @@ def device_name(device: torch.device) -> str:
     """The name the peak is matched by: the GPU's, or ``cpu`` (with its model where known)."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    from moh_vision.attention.auto_table import cpu_name
     return f"{device.type} ({cpu_name()})" if device.type == "cpu" else device.type
+
+
+def cpu_name() -> str:
+    """This machine's processor model (``/proc/cpuinfo``'s model name where there is one)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def training_gflops_per_image(flops: Mapping[str, Any]) -> Optional[float]:

@@ -4,8 +4,7 @@ Convention (one for the whole project: ``summary.json``, ``tools/flops.py``, the
 -----------------------------------------------------------------------------------------
 * **fvcore's**: one fused multiply-add is one flop (so "GFLOPs" are GMACs, as in the TransNeXt,
   DiT and MoH papers); forward pass only; one input (batch 1); the model in eval mode.
-* ``gflops`` (dense-equivalent): every head of every layer computed, as the official MoH code and
-  ``impl="masked"`` do. It counts the multiply-add work: ``linear``, convolutions, ``matmul`` /
+* ``gflops`` (dense-equivalent): every head of every layer computed, as the official MoH code does. It counts the multiply-add work: ``linear``, convolutions, ``matmul`` /
   ``bmm`` / ``einsum``, attention cores (``scaled_dot_product_attention``: ``QK^T`` and ``AV``,
   which fvcore skips), plus fvcore's own per-element estimates for normalisation layers and
   pooling. This is what papers publish; the routers' linear layers are included.
@@ -25,8 +24,8 @@ MoA: ``topk`` experts) has active fraction ``f = a / h``, and
 
     active = dense - (1 - f) * per_head_query_work
 
-where *per-head query work* is the part that an exact sparse execution (``impl="sparse"``) does
-only for the selected (token, head) pairs:
+where *per-head query work* is the part that an exact sparse execution would do only for the selected
+(token, head) pairs:
 
 * the query projection (``q``, ``q_proj``, and the query rows of a fused ``qkv``; ``q_norm``);
 * the attention core of every query: the layer's own ``scaled_dot_product_attention`` /
@@ -39,12 +38,13 @@ the pooled features of aggregated attention (``sr``, ``norm``, pooling) and its 
 (``cpb_*``), the routers (``wg*``, ``w_gate``), and everything outside the attention (MLPs,
 embeddings, norms, heads). Which child of a layer is which is declared by the layer's kernel and
 variant (their ``flops_roles``: ``per_head``, ``query_rows`` or ``fixed``), and ``a`` is the
-variant's ``active_heads()``: nothing here knows a variant or a parameter name. A dense model's active GFLOPs equal its GFLOPs. At batch 1 the sparse
-path's own trace gives exactly this number (the tests check it).
+variant's ``active_heads()``: nothing here knows a variant or a parameter name. A dense model's active GFLOPs equal
+its GFLOPs.
 
 Extending: a custom op (``torch.library`` op or ``autograd.Function``, seen by the trace as
-``prim::PythonOp.<ClassName>``) gets a handle with :func:`register_op_handle`; the sparse MoH
-path's Functions are registered below.
+``prim::PythonOp.<ClassName>``) gets a handle with :func:`register_op_handle`. The trace runs TransNeXt's
+aggregated attention as its ``fused`` operator (one node, counted by :func:`aggregated_attention_flops`) and every
+other op as its reference formula.
 """
 from __future__ import annotations
 
@@ -61,7 +61,7 @@ from torch import nn
 
 from moh_vision.attention import (active_head_fraction, find_attention, flops_roles_of, record_routing,
                                   routed_layer_names, routed_modules)
-from moh_vision.attention.tracing import one_input_trace
+from moh_vision.ops import Kernels
 
 log = logging.getLogger(__name__)
 
@@ -112,20 +112,6 @@ def sdpa_flops(inputs, outputs) -> Counter:
     has_mask = len(inputs) > 3 and _shape(inputs[3]) is not None
     pointwise = scores * (1 + 3 + int(has_mask))  # scale, softmax (3), mask add
     return Counter({"scaled_dot_product_attention": scores * (E + Ev), POINTWISE_PREFIX + "attention_softmax": pointwise})
-
-
-def gathered_projection_flops(inputs, outputs) -> Counter:
-    """sparse MoH ``GatheredHeadProjection``: ``[R, C] -> [R, d]`` rows, one head each."""
-    x, out = _shape(inputs[0]), _shape(outputs[0])
-    return Counter({"linear": math.prod(out) * x[-1]})
-
-
-def scattered_projection_flops(inputs, outputs) -> Counter:
-    """sparse MoH ``ScatteredHeadProjection``: ``[R, d]`` head rows gated, projected to ``C`` and added."""
-    y, o = _shape(inputs[0]), _shape(inputs[1])
-    rows = o[0]
-    return Counter({"linear": math.prod(o) * y[-1], POINTWISE_PREFIX + "mul": math.prod(o),
-                    POINTWISE_PREFIX + "index_add": rows * y[-1]})
 
 
 def aggregated_attention_flops(inputs, outputs) -> Counter:
@@ -273,9 +259,6 @@ def op_handles() -> Dict[str, Handle]:
         "aten::einsum": einsum_flops,
         "aten::scaled_dot_product_attention": sdpa_flops,
         "moh_vision::aggregated_attention": aggregated_attention_flops,
-        # the exact sparse MoH path (moh_vision.attention.sparse)
-        "prim::PythonOp.GatheredHeadProjection": gathered_projection_flops,
-        "prim::PythonOp.ScatteredHeadProjection": scattered_projection_flops,
     })
     handles.update(_EXTRA_HANDLES)
     return handles
@@ -389,23 +372,22 @@ def _layer_flops(name: str, module: nn.Module, counts: Dict[str, Counter], notes
 # ----------------------------------------------------------------------------------------------
 # Tracing
 # ----------------------------------------------------------------------------------------------
+# What the trace runs: the aggregated attention as one operator (its window products would otherwise be point-wise
+# ops), everything else as its reference formula (what a kernel computes, in operators fvcore counts).
+TRACED_KERNELS = Kernels(aggregated="fused", routing="reference", depthwise="reference", recompute="reference")
+
+
 @contextlib.contextmanager
-def moh_execution(model: nn.Module, impl: Optional[str]) -> Iterator[None]:
-    """Run layers that have several execution paths with ``impl`` while tracing: ``"reference"``
-    (each variant's ``reference_impl``, which computes every head: the dense-equivalent count), or
-    a path name (layers that have it); ``None`` leaves each layer's own choice."""
-    changed = []
-    if impl is not None:
-        for _, module in find_attention(model):
-            path = module.reference_impl if impl == "reference" else impl
-            if path is not None and hasattr(module, "impl"):
-                changed.append((module, module.impl))
-                module.impl = path
+def traced_kernels(model: nn.Module) -> Iterator[None]:
+    """Every module's ``kernels`` set to :data:`TRACED_KERNELS` while tracing, restored after."""
+    held = [(m, m.kernels) for m in model.modules() if isinstance(getattr(m, "kernels", None), Kernels)]
     try:
+        for module, _ in held:
+            module.kernels = TRACED_KERNELS
         yield
     finally:
-        for module, previous in changed:
-            module.impl = previous
+        for module, kernels in held:
+            module.kernels = kernels
 
 
 class _CallWithKeywords(nn.Module):
@@ -432,13 +414,11 @@ def _trace_inputs(model: nn.Module, x: torch.Tensor, model_kwargs: Dict[str, Any
     return _CallWithKeywords(model, list(model_kwargs)), (x, *model_kwargs.values()), "model."
 
 
-def flop_report(model: nn.Module, input_shape: Sequence[int], model_kwargs: Optional[Dict[str, Any]] = None,
-                moh_impl: Optional[str] = "reference") -> FlopReport:
-    """Trace one forward of ``model`` on a batch-1 input of ``input_shape`` (C, H, W) and count it.
-
-    ``moh_impl="reference"`` counts every head (dense-equivalent: each variant's reference path);
-    ``"sparse"`` traces the exact sparse MoH path instead (its count is the active count of that input). ``model_kwargs`` are the other
-    forward inputs (DiT: ``{"t": ..., "y": ...}``), batch 1, moved to the model's device.
+def flop_report(model: nn.Module, input_shape: Sequence[int],
+                model_kwargs: Optional[Dict[str, Any]] = None) -> FlopReport:
+    """Trace one forward of ``model`` on a batch-1 input of ``input_shape`` (C, H, W) and count it (every head:
+    dense-equivalent). ``model_kwargs`` are the other forward inputs (DiT: ``{"t": ..., "y": ...}``), batch 1, moved
+    to the model's device.
     """
     param = next(model.parameters())
     dtype = param.dtype if param.is_floating_point() else torch.float32
@@ -452,8 +432,7 @@ def flop_report(model: nn.Module, input_shape: Sequence[int], model_kwargs: Opti
     model.eval()
     try:
         # a recorder of its own: an outer one (a training step's) must not collect the traced forwards
-        # the trace counts this one input: an explicit sparse path may run under it (one_input_trace)
-        with moh_execution(model, moh_impl), one_input_trace(), torch.no_grad(), record_routing(model):
+        with traced_kernels(model), torch.no_grad(), record_routing(model):
             analysis = _analysis_class()(target, inputs)
             counts = {name[len(prefix):] if name.startswith(prefix) else name: c
                       for name, c in analysis.by_module_and_operator().items()}

@@ -12,10 +12,10 @@ With ``dtype=bfloat16`` (or ``float16``) every call runs under CPU autocast, as 
   forward+backward with the routing recorder open and the aux loss added, as the trainer runs it;
 * each model pair, one inference call and one training forward+backward (recorder open, aux loss);
 * host time per layer call on a negligible input (``[1, 4, 192]``, 12 heads): the fixed cost of a call;
-* ``torch._dynamo.explain``: graphs and graph breaks of each model in eval and in training with the
-  recorder open, and the frames compiled over three training steps with fresh recorders (1: no recompile);
-* with the same option (``graphs``), one attention layer compiled by inductor: the kernels it generates and the
-  library calls (GEMMs, attention, fallbacks) its code makes, inference and training (:func:`compiled_kernels`).
+* with ``graphs``, ``torch._dynamo.explain``: graphs and graph breaks of each model in eval and in training with the
+  recorder open, and the frames compiled over three training steps with fresh recorders (1: no recompile).
+
+Every layer and model runs the default kernels (``auto``: on the CPU MoH's fused routing kernel).
 """
 from __future__ import annotations
 
@@ -138,30 +138,6 @@ def host_us(layers: Dict[str, torch.nn.Module], x: Tensor, train: bool, calls: i
     return out
 
 
-def compiled_kernels(model: torch.nn.Module, inputs: Tuple, train: bool,
-                     dtype: Optional[torch.dtype] = None) -> Tuple[int, int]:
-    """``torch.compile`` (inductor) of one call (training: forward, loss with the aux loss, backward): the kernels
-    it generates and the library calls (GEMMs, attention, fallbacks) its code makes, read from that code. On a
-    GPU each is a launch; the CPU's inductor fuses the same way in the main."""
-    import re
-
-    from torch._inductor.utils import run_and_get_code
-
-    import torch._dynamo as dynamo
-
-    dynamo.reset()
-    model.train(train)
-    compiled = torch.compile(model)
-    inputs = tuple(t.clone().requires_grad_() if train and t.is_floating_point() else t for t in inputs)
-    call = under_autocast(training_call(compiled, inputs) if train else inference_call(compiled, inputs), dtype)
-    _, code = run_and_get_code(call)
-    generated = sum(len(re.findall(r"^(?:cpp_fused|triton)_\w+ = ", c, re.M)) for c in code)
-    library = sum(len(re.findall(r"extern_kernels\.\w+\(|torch\.ops\.\w+\.\w+\.default\(|aten\.\w+\.default\(", c))
-                  for c in code)
-    dynamo.reset()
-    return generated, library
-
-
 def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
     """``torch._dynamo.explain`` in eval (no grad) and in training (recorder open): graphs and breaks; and
     the graphs compiled over three training steps with a fresh recorder each (1 when nothing recompiles)."""
@@ -191,7 +167,7 @@ def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
 
 def layer_pair(attention: Dict, dim: int, heads: int) -> Dict[str, torch.nn.Module]:
     """``{"dense": mha, "moh": attention}`` layers of width ``dim`` with ``heads`` heads (``attention``: a config
-    such as ``{"name": "moh", "activation_ratio": 0.75, "impl": "masked"}``)."""
+    such as ``{"name": "moh", "activation_ratio": 0.75}``)."""
     from moh_vision.attention import build_attention
     from moh_vision.models.build import NON_MODULE_KEYS
 
@@ -201,8 +177,8 @@ def layer_pair(attention: Dict, dim: int, heads: int) -> Dict[str, torch.nn.Modu
 
 
 def layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dict]:
-    """Per-layer figures, dense ``mha`` against ``attention`` (e.g. ``{"name": "moh", "activation_ratio": 0.75,
-    "impl": "masked"}``), at :data:`LAYER_SHAPES` and on :data:`HOST_SHAPE`, under autocast to ``dtype``."""
+    """Per-layer figures, dense ``mha`` against ``attention`` (e.g. ``{"name": "moh", "activation_ratio": 0.75}``),
+    at :data:`LAYER_SHAPES` and on :data:`HOST_SHAPE`, under autocast to ``dtype``."""
     rows = []
     batch, tokens = LAYER_TOKENS
     for dim, heads in LAYER_SHAPES:
@@ -216,23 +192,6 @@ def layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dic
     for mode in ("infer", "train"):
         rows.append({"figure": f"host time per layer call [{batch}, {tokens}, {dim}], {heads} heads, {mode} (us)",
                      **host_us(layers, x, mode == "train", dtype=dtype)})
-    return rows
-
-
-def compiled_layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dict]:
-    """:func:`compiled_kernels` of one attention layer (the first of :data:`LAYER_SHAPES`), dense ``mha`` against
-    ``attention``, inference and training: the kernels inductor generates and the library calls it makes."""
-    dim, heads = LAYER_SHAPES[0]
-    batch, tokens = LAYER_TOKENS
-    torch.manual_seed(0)
-    x = torch.randn(batch, tokens, dim)
-    layers = layer_pair(attention, dim, heads)
-    rows = []
-    for mode in ("infer", "train"):
-        counts = {name: compiled_kernels(m, (x,), mode == "train", dtype) for name, m in layers.items()}
-        for i, what in enumerate(("generated kernels", "library calls")):
-            rows.append({"figure": f"one attention layer, dim {dim} / {heads} heads, compiled, {mode} {what}",
-                         **{name: c[i] for name, c in counts.items()}})
     return rows
 
 
@@ -263,13 +222,10 @@ def ops_table(rows: Sequence[Dict], header: str) -> str:
 
 def ops_report(pairs: Sequence[Tuple[torch.nn.Module, torch.nn.Module, str]], attention: Optional[Dict] = None,
                graphs: bool = True, dtype: Optional[torch.dtype] = None) -> Tuple[List[Dict], str]:
-    """Every figure of the module docstring: per layer (``attention``, default MoH 0.75 masked, the path
-    ``impl=auto`` runs on CUDA) and per model pair ``(moh, dense, label)``; every call under CPU autocast to
-    ``dtype`` (None or float32: none)."""
-    attention = attention or {"name": "moh", "activation_ratio": 0.75, "impl": "masked"}
+    """Every figure of the module docstring: per layer (``attention``, default MoH 0.75) and per model pair
+    ``(moh, dense, label)``; every call under CPU autocast to ``dtype`` (None or float32: none)."""
+    attention = attention or {"name": "moh", "activation_ratio": 0.75}
     rows = layer_rows(attention, dtype)
-    if graphs:
-        rows += compiled_layer_rows(attention, dtype)
     for moh, dense, label in pairs:
         rows += model_rows(moh, dense, label, graphs=graphs, dtype=dtype)
     precision = "float32" if dtype in (None, torch.float32) else f"{str(dtype).split('.')[-1]} autocast"
@@ -281,9 +237,8 @@ def ops_report(pairs: Sequence[Tuple[torch.nn.Module, torch.nn.Module, str]], at
 def bench_ops(pairs: Sequence[str], img_size: int = 64, attention: Optional[Dict] = None, graphs: bool = True,
               out: Optional[str] = None, dtype: str = "float32") -> List[Dict]:
     """``tools/bench_models.py ops=true``: :func:`ops_report` for ``moh:dense`` model pairs built at ``img_size``
-    (operator counts do not depend on it), MoH layers on the masked path (``impl=auto`` on CUDA), every call
-    under CPU autocast to ``dtype`` (``bfloat16``: as GPU runs train); prints the table, and with ``out`` writes
-    it and ``<out>.json``."""
+    (operator counts do not depend on it), every call under CPU autocast to ``dtype`` (``bfloat16``: as GPU runs
+    train); prints the table, and with ``out`` writes it and ``<out>.json``."""
     import json
     from pathlib import Path
 
@@ -292,9 +247,9 @@ def bench_ops(pairs: Sequence[str], img_size: int = 64, attention: Optional[Dict
     built = []
     for pair in pairs:
         moh, _, dense = pair.partition(":")
-        built.append((build_for_bench(moh, img_size, "masked", torch.device("cpu"), attention),
-                      build_for_bench(dense, img_size, "masked", torch.device("cpu")), f"{moh} vs {dense}"))
-    layer_attention = {"name": "moh", "activation_ratio": 0.75, **(attention or {}), "impl": "masked"}
+        built.append((build_for_bench(moh, img_size, torch.device("cpu"), attention),
+                      build_for_bench(dense, img_size, torch.device("cpu")), f"{moh} vs {dense}"))
+    layer_attention = {"name": "moh", "activation_ratio": 0.75, **(attention or {})}
     rows, table = ops_report(built, layer_attention, graphs=graphs, dtype=DTYPES[dtype])
     print(table)
     if out:

@@ -58,8 +58,6 @@ class AttentionVariant:
       attention of the same kernel (routers, experts). A checkpoint holding one of them is not dense.
     * ``flops_roles``: ``{child: role}`` for its own children: ``"per_head"`` (its cost scales with
       the heads a token activates), ``"query_rows"`` (only the query rows scale), ``"fixed"``.
-    * ``reference_impl``: for a variant with several execution paths (``impl``), the one that
-      computes every head, which FLOP counting traces (``None``: one path only).
     * ``dense_start_refusal``: why the variant cannot start from a dense attention's weights
       (``None``: it can, see :meth:`dense_start`).
     """
@@ -69,7 +67,6 @@ class AttentionVariant:
     aux_reduction = "mean"
     variant_parameters: Tuple[str, ...] = ()
     flops_roles: Dict[str, str] = {}
-    reference_impl: Optional[str] = None
     dense_start_refusal: Optional[str] = None
 
     @classmethod

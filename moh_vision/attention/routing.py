@@ -6,6 +6,7 @@ from typing import Optional, Tuple
 import torch
 
 from moh_vision.errors import ConfigError
+from moh_vision.ops.routing import load_balance_loss, renormalised_topk_gates, topk_mask  # noqa: F401 (re-exported)
 from .recorder import LayerRecord, active_recorder
 from .registry import AttentionVariant
 
@@ -74,44 +75,6 @@ def resolve_moh_heads(num_heads: int, shared_heads: Optional[int] = None, topk: 
             f"topk=0 routes nothing, so shared_heads must be num_heads={num_heads} (got {shared_heads}); "
             f"otherwise {routed} heads would never be used")
     return shared_heads, topk
-
-
-def topk_mask(probs: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """Indices ``[..., k]`` of the k largest entries (by decreasing value) and the matching 0/1 mask (no gradient);
-    on ties the lower index ranks first, as the fused routing kernels choose.
-
-    Written as ranks (how many entries beat each one: a comparison of every pair over the last dim, a handful of
-    heads), not ``torch.topk``: under ``torch.compile`` the mask is then point-wise work that the compiler fuses with
-    the softmax before it and the gates after it (one kernel for a MoH layer's routing, where ``topk`` was a call of
-    its own and the scatter another), and a compiled graph that reads only the mask (the masked path) drops the
-    indices. ``torch.topk`` would also leave the order of ties unspecified."""
-    heads = torch.arange(probs.shape[-1], device=probs.device)
-    mine, theirs = probs.unsqueeze(-1), probs.unsqueeze(-2)  # [..., i, 1] against [..., 1, j]
-    beaten = (theirs > mine) | ((theirs == mine) & (heads < heads.unsqueeze(-1)))  # [..., i, j]: j ranks above i
-    rank = beaten.sum(dim=-1)  # [..., R]: 0 for the largest
-    mask = (rank < k).to(probs.dtype)
-    slots = torch.arange(k, device=probs.device).unsqueeze(-1)  # [k, 1]
-    index = (rank.unsqueeze(-2) == slots).to(torch.int32).argmax(dim=-1)  # [..., k]: the entry of rank 0, 1, ...
-    return index, mask
-
-
-def renormalised_topk_gates(probs: Tensor, mask: Tensor, k: int) -> Tensor:
-    """Keep the selected probabilities, renormalise them to sum 1, multiply by k (official MoH)."""
-    kept = probs * mask
-    denom = kept.sum(dim=-1, keepdim=True).clamp_min(torch.finfo(kept.dtype).eps)
-    return kept / denom * k
-
-
-def load_balance_loss(probs: Tensor, mask: Tensor) -> Tensor:
-    """MoH's per-layer loss ``E * sum_i me_i * ce_i``.
-
-    ``me``: mean router probability per routed head over all tokens (before top-k);
-    ``ce``: fraction of tokens that selected each head (no gradient). Per device, not all-reduced.
-    """
-    num_experts = probs.shape[-1]
-    me = probs.reshape(-1, num_experts).float().mean(dim=0)
-    ce = mask.reshape(-1, num_experts).float().mean(dim=0).detach()
-    return num_experts * (me * ce).sum()
 
 
 class RoutedMixin(AttentionVariant):

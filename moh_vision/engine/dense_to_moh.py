@@ -178,7 +178,7 @@ def convert_dense_to_moh(dense: str, model: str, out: str, attention: Optional[s
     report_path.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(f"wrote {out} and {report_path} ({time.time() - start:.1f}s)")
     train = [o for o in train_overrides(model, target_cfg, model_kwargs)
-             if not o.startswith(("attention.impl=", "attention.aux_loss_weight="))]
+             if not o.startswith("attention.aux_loss_weight=")]
     print(f"continue-tune with: python train.py {' '.join(train)} model.init_from={dense}   (the same start: "
           f"model.checkpoint_path={out})")
     return result

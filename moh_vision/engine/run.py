@@ -118,7 +118,7 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
 def _train_in(out_dir: Path, run: TrainConfig, config: Dict[str, Any], dist) -> Dict[str, Any]:
     """``train`` once this process holds the run directory."""
     data = build_data(run.data)
-    task = build_task(run.task, model=config["model"], attention=config["attention"])
+    task = build_task(run.task, model=config["model"], attention=config["attention"], kernels=config["kernels"])
     loggers = make_loggers(run.logger, run.tag, out_dir, dist.is_main, config,
                            _previous_wandb_id(run.trainer.resume, out_dir), "train")
     trainer = Trainer(run.trainer, out_dir, dist, loggers, optim=run.optim, sched=run.sched, config=config,
@@ -169,7 +169,8 @@ def rebuild_run(ckpt: str, data: Optional[DictConfig] = None, with_data: bool = 
     config = OmegaConf.to_container(saved, resolve=True)
     config["model"]["checkpoint_path"] = None
     config["model"]["init_from"] = None
-    task = build_task(config["task"], model=config["model"], attention=config["attention"])
+    task = build_task(config["task"], model=config["model"], attention=config["attention"],
+                      kernels=config.get("kernels"))  # runs written before the kernels config: every op auto
     return RebuiltRun(state=state, path=used, config=config, task=task,
                       data=build_data(config["data"]) if with_data else None)
 

@@ -1,40 +1,20 @@
 """Continue-tuning: start a routed model from a dense (multi-head attention) checkpoint of the same backbone.
 
-What a variant adds over a dense layer (its ``variant_parameters``) and how those start
-(``dense_start``) is declared by the variant itself; this module copies the dense tensors, asks each
-layer for the start of its own parameters, and refuses what a variant says it cannot do
-(``dense_start_refusal``). For MoH, the built-in example: MoH adds routers to a dense layer and nothing else (``wg``: routed-head scores, ``wg_0``: the two-stage
-shared/routed mix, ``wg_1``: shared-head weights); every other parameter (q/k/v and output projections,
-TransNeXt's temperature, query embedding, position biases and learnable tokens, MLPs, norms,
-embeddings, heads, DiT's adaLN) has the same name and shape as in the dense model. So the dense weights
-are copied one to one and only the routers need a start:
+What a variant adds over a dense layer (its ``variant_parameters``) and how those start (``dense_start``) is
+declared by the variant itself; this module copies the dense tensors, asks each layer for the start of its own
+parameters, and refuses what a variant says it cannot do (``dense_start_refusal``). MoH, the built-in example, adds
+only routers (``wg``, ``wg_0``, ``wg_1``); every other tensor keeps its dense name and shape and is copied one to one.
+``wg_0`` and ``wg_1`` start at zero (``2 * softmax(0) = (1, 1)``, ``softmax(0) * h_s = 1``: every shared head gate
+1), and ``wg`` at zero where top-k takes the whole routed pool (the renormalised uniform top-k gives every routed
+head gate 1): a layer whose heads are all active computes the dense layer at step 0. A layer that keeps fewer heads
+per token starts as the dense layer with ``num_heads - active`` heads dropped per token (the accuracy continue-tuning
+has to recover), its ``wg`` with tiny random weights (``router_std``, default 1e-3) so that each token picks its heads
+from its own scores rather than by the tie-breaking of an all-zero router.
 
-* ``wg_0`` and ``wg_1`` start at zero: ``2 * softmax(0) = (1, 1)`` and ``softmax(0) * h_s = 1``, so every
-  shared head gets gate 1 and the mix scales nothing;
-* ``wg`` starts at zero where a layer's top-k takes its whole routed pool: the renormalised uniform
-  top-k gives ``(1/R) / (k/R) * k = 1`` to every routed head.
-
-A layer whose heads are all active (``shared_heads + topk == num_heads``, e.g. activation ratio 1.0)
-therefore computes exactly the dense layer at step 0, and a model whose layers all are reproduces the
-dense outputs to fp32 rounding. A layer that keeps fewer heads per token (the point of MoH) cannot be
-dense; it starts as the dense layer with ``num_heads - active`` heads dropped per token, which is the
-accuracy drop that continue-tuning has to recover. In such layers ``wg`` starts with tiny random
-weights (``router_std``, default 1e-3): the gates of the kept heads stay within about ``router_std *
-sqrt(dim)`` of 1, and each token picks its heads from its own scores rather than every token taking the
-same heads by tie-breaking of an all-zero router (whose unchosen heads would also receive identical
-updates and stay tied).
-
-What is refused, with the reason: checkpoints that are not dense (they hold a variant's own parameters,
-e.g. MoH routers or MoA experts), backbones of another width / depth / head layout (the heads would be cut
-differently), and targets whose variant declares that it cannot start from dense weights (MoA: one shared
-key/value head and a bias-free output projection, so no dense layer maps onto it).
-
-The checkpoint is first made to fit the data the target is built for
-(:func:`moh_vision.models.fitting.fit_to_model`): a classifier of another class count is re-initialised,
-the first convolution takes the target's input channels, position (and ViT patch) embeddings are resampled.
-
-``model.init_from=<checkpoint>`` (``build_model(..., init_from=...)``) and
-``tools/convert_dense_to_moh.py`` both call :func:`init_from_dense`.
+Refused, with the reason: checkpoints that are not dense (they hold a variant's parameters), backbones of another
+width / depth / head layout, and targets whose variant cannot start from dense weights (MoA). The checkpoint is first
+made to fit the data the target is built for (:func:`moh_vision.models.fitting.fit_to_model`). ``model.init_from``
+and ``tools/convert_dense_to_moh.py`` both call :func:`init_from_dense`.
 """
 from __future__ import annotations
 

@@ -1,25 +1,17 @@
 """DiT (Peebles & Xie, 2023) and MoH-DiT (Jin et al., ICML 2025) with pluggable attention.
 
-A DiT is a plain transformer over latent patches whose blocks are conditioned with adaLN-Zero:
-the timestep and class embeddings give, per block, a shift/scale for each LayerNorm and a gate for
-each residual branch, all produced by a zero-initialised Linear, so a fresh block is the identity and
-a fresh model predicts exactly zero.
+A DiT is a plain transformer over latent patches whose blocks are conditioned with adaLN-Zero: the timestep and class
+embeddings give, per block, a shift/scale for each LayerNorm and a gate for each residual branch, all from a
+zero-initialised Linear, so a fresh block is the identity and a fresh model predicts exactly zero. Attention comes from
+the registry (``attention="mha" | "moh" | "moa"`` plus its options, each a scalar or one value per block); its input is
+the adaLN-modulated normed token, so a MoH/MoA router sees the timestep and the class without extra wiring.
 
-Attention comes from the registry (``attention="mha" | "moh" | "moa"``, plus that variant's options,
-each a scalar or one value per block). The attention input is the adaLN-modulated normed token, so a
-MoH/MoA router sees the timestep and the class without any extra wiring.
-
-State-dict keys and shapes equal those of the official checkpoints: facebookresearch/DiT for the
-dense models (``attention="mha"``) and SkyworkAI/MoH ``MoH-DiT`` for the MoH presets (routers
-``attn.wg``, ``attn.wg_0``, ``attn.wg_1``), so released weights load through ``checkpoint_path=``
-after ``tools/convert_checkpoint.py``.
-
-Registered with timm: ``dit_{s,b,l,xl}_{2,4,8}``, ``moh_dit_{s,b,l,xl}_2_{90,75}`` (the official
-per-layer presets) and ``dit_tiny_2`` (pixel-space diffusion on 16x16 digits on a CPU), each with a
-pretrained cfg describing its input (SD-VAE latents, or the digits) so that
-``timm.data.resolve_model_data_config`` answers for the model, and ``pretrained=True`` with
-``pretrained_cfg_overlay=dict(file=...)`` loading released checkpoints (``DiT-XL-2-256x256.pt``, MoH-DiT
-training checkpoints: their EMA weights).
+State-dict keys and shapes equal the official checkpoints' (facebookresearch/DiT; SkyworkAI/MoH ``MoH-DiT``, routers
+``attn.wg``, ``attn.wg_0``, ``attn.wg_1``). Registered with timm: ``dit_{s,b,l,xl}_{2,4,8}``,
+``moh_dit_{s,b,l,xl}_2_{90,75}`` (the official per-layer presets) and ``dit_tiny_2`` (16x16 digits on a CPU), each with
+a pretrained cfg describing its input (SD-VAE latents, or the digits), so ``timm.data.resolve_model_data_config``
+answers for the model and ``pretrained=True`` (``pretrained_cfg_overlay=dict(file=...)``) loads released checkpoints
+(``DiT-XL-2-256x256.pt``; MoH-DiT training checkpoints: their EMA weights).
 """
 from __future__ import annotations
 

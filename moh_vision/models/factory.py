@@ -1,19 +1,12 @@
 """How every model is built: a registered name plus the attention config group, through timm's builder.
 
-The three families (TransNeXt, DiT, plain ViT) share this plumbing:
-
-* :func:`build_from_preset` is what each ``@register_model`` entry point calls: the preset's arguments,
-  overridden by the user's, go through ``timm.models.build_model_with_cfg``, so ``features_only``,
-  ``out_indices``, ``feature_cls``, ``pretrained_cfg`` / ``pretrained_cfg_overlay`` and ``pretrained=True``
-  work as for timm's own models;
-* ``pretrained=True`` loads the released weights from where they live (:mod:`~moh_vision.models.hub`: the
-  hub id or URL of the cfg, through the caches, so offline once fetched), or a local file named by
-  ``pretrained_cfg_overlay=dict(file=...)`` (never the network): released checkpoints in their official
-  formats (a plain state dict, ``{"model": ...}`` training checkpoints with a pickled ``argparse.Namespace``,
-  DiT's ``{"model", "ema", ...}``), ours, and ``.safetensors``;
-* :mod:`~moh_vision.models.families` says which registered names are ours and the family of each
-  (models carry a ``family`` class attribute; nothing reads a family from a name);
-* :func:`build_model` is what the tasks call: one-line errors, ``checkpoint_path`` and ``init_from``.
+:func:`build_from_preset` is what each ``@register_model`` entry point calls: the preset's arguments, overridden by the
+user's, go through ``timm.models.build_model_with_cfg``, so ``features_only``, ``out_indices``, ``feature_cls``,
+``pretrained_cfg`` / ``pretrained_cfg_overlay`` and ``pretrained=True`` work as for timm's own models.
+``pretrained=True`` loads the released weights from where they live (:mod:`~moh_vision.models.hub`: the cfg's hub id or
+URL through the caches, or a local file named by ``pretrained_cfg_overlay=dict(file=...)``, never the network), in
+their official formats, ours, and ``.safetensors``. :mod:`~moh_vision.models.families` says which registered names are
+ours and the family of each; :func:`~moh_vision.models.build.build_model` is what the tasks call.
 """
 from __future__ import annotations
 
@@ -40,7 +33,7 @@ TIMM_CFG_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
 # torch.fx: timm's tracer (its feature extraction, ``test_model_forward_fx``) keeps an attention layer as one
 # leaf node, which runs eagerly inside the graph (its execution path chosen per call, as without fx). Any other
 # fx tracer (torchvision's create_feature_extractor) traces through the layer: under fx a routed layer runs its
-# reference path (moh_vision.attention.tracing), whose code is traceable.
+# reference formulas (moh_vision.ops.dispatch), whose code is traceable.
 register_notrace_module(HeadAttention)
 
 

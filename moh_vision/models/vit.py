@@ -1,18 +1,12 @@
-"""A plain ViT classifier with pluggable attention: the standard full-attention backbone on which
-MHA, MoH and MoA are compared without TransNeXt's aggregated attention in the way.
+"""A plain ViT classifier with pluggable attention: the standard full-attention backbone on which MHA, MoH and MoA are
+compared without TransNeXt's aggregated attention in the way.
 
-The layout follows timm's ``VisionTransformer`` (patch embedding, learned position embedding, a class
-token, pre-norm blocks ``x + attn(norm1(x))``, ``x + mlp(norm2(x))``, final LayerNorm, Linear head),
-and so do the state-dict keys: with ``attention="mha"`` a ``plain_vit_*`` model has exactly the keys
-and shapes of the matching timm ``vit_*`` / ``deit_*`` model and computes the same function, so timm's
-ViT and DeiT checkpoints load into it (:func:`checkpoint_filter_fn`) and continue-tune into MoH.
-
-Pooling: ``global_pool="token"`` (default) classifies from a class token, as ViT/DeiT do;
-``global_pool="avg"`` averages the patch tokens after the final norm (built that way, the model has
-no class token); ``global_pool=""`` returns the tokens unpooled.
-
-Registered with timm: ``plain_vit_{tiny,small,base}`` (224px, patch 16) and ``plain_vit_nano``
-(32px, patch 4, for CPU runs).
+The layout and state-dict keys follow timm's ``VisionTransformer`` (patch embedding, learned position embedding, a
+class token, pre-norm blocks, final LayerNorm, Linear head): with ``attention="mha"`` a ``plain_vit_*`` model has the
+keys and shapes of the matching timm ``vit_*`` / ``deit_*`` model and computes the same function, so their checkpoints
+load into it (:func:`checkpoint_filter_fn`) and continue-tune into MoH. ``global_pool``: ``"token"`` (default, the
+class token), ``"avg"`` (mean of the patch tokens, no class token) or ``""`` (unpooled). Registered with timm:
+``plain_vit_{tiny,small,base}`` (224px, patch 16) and ``plain_vit_nano`` (32px, patch 4, for CPU runs).
 """
 from __future__ import annotations
 

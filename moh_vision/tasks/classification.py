@@ -30,7 +30,8 @@ class ClassificationTask:
     layers' auxiliary loss times ``aux_loss_weight`` (default: the attention config's).
 
     A ``Task`` (``moh_vision.tasks.protocols``): ``model`` is the model config (``name``,
-    ``checkpoint_path``, ``init_from``, ``kwargs``), ``attention`` the attention config."""
+    ``checkpoint_path``, ``init_from``, ``kwargs``), ``attention`` the attention config, ``kernels`` the kernels
+    config (None: every op ``auto``)."""
 
     name = "classification"
     primary_metric, primary_mode = "val/acc1", "max"
@@ -38,9 +39,10 @@ class ClassificationTask:
     model_arguments = ("num_classes", "in_chans", "img_size")  # set from the data, never by model.kwargs
 
     def __init__(self, model: Mapping[str, Any], attention: Mapping[str, Any],
-                 aux_loss_weight: Optional[float] = None):
+                 aux_loss_weight: Optional[float] = None, kernels: Optional[Mapping[str, Any]] = None):
         self.model_cfg = dict(model)
         self.attention_cfg = dict(attention)
+        self.kernels = dict(kernels) if kernels else None
         weight = self.attention_cfg["aux_loss_weight"] if aux_loss_weight is None else aux_loss_weight
         self.aux_loss_weight = float(weight)
         self.mixup = None
@@ -55,8 +57,9 @@ class ClassificationTask:
         cfg = self.model_cfg
         self.mixup, self.label_smoothing = data.mixup, float(data.label_smoothing)
         derived = dict(zip(self.model_arguments, (data.num_classes, data.in_chans, data.img_size)))
-        return build_model(cfg["name"], attention=self.attention_cfg, checkpoint_path=cfg["checkpoint_path"],
-                           init_from=cfg["init_from"], **with_model_kwargs(derived, cfg["kwargs"], self.name))
+        return build_model(cfg["name"], attention=self.attention_cfg, kernels=self.kernels,
+                           checkpoint_path=cfg["checkpoint_path"], init_from=cfg["init_from"],
+                           **with_model_kwargs(derived, cfg["kwargs"], self.name))
 
     @staticmethod
     def input_shape(data) -> Tuple[int, ...]:

@@ -47,8 +47,10 @@ class DiffusionTask:
     def __init__(self, model: Mapping[str, Any], attention: Mapping[str, Any],
                  aux_loss_weight: Optional[float] = None, diffusion_steps: int = 1000, noise_schedule: str = "linear",
                  learn_sigma: bool = True, class_dropout_prob: float = 0.1,
-                 sample: Optional[Mapping[str, Any]] = None, vae: Optional[Mapping[str, Any]] = None):
+                 sample: Optional[Mapping[str, Any]] = None, vae: Optional[Mapping[str, Any]] = None,
+                 kernels: Optional[Mapping[str, Any]] = None):
         self.model_cfg, self.attention_cfg = dict(model), dict(attention)
+        self.kernels = dict(kernels) if kernels else None
         weight = self.attention_cfg["aux_loss_weight"] if aux_loss_weight is None else aux_loss_weight
         self.aux_loss_weight = float(weight)
         self.learn_sigma, self.class_dropout_prob = bool(learn_sigma), float(class_dropout_prob)
@@ -73,7 +75,8 @@ class DiffusionTask:
         self._resolve_vae(data)
         derived = dict(zip(self.model_arguments, (data.img_size, data.in_chans, data.num_classes, self.learn_sigma,
                                                   self.class_dropout_prob)))
-        return build_model(name, attention=self.attention_cfg, checkpoint_path=self.model_cfg["checkpoint_path"],
+        return build_model(name, attention=self.attention_cfg, kernels=self.kernels,
+                           checkpoint_path=self.model_cfg["checkpoint_path"],
                            init_from=self.model_cfg["init_from"],
                            **with_model_kwargs(derived, self.model_cfg["kwargs"], self.name))
 

@@ -1,15 +1,12 @@
-"""This package's C++ CPU kernels, compiled on first use.
-
-Each is one source file under ``csrc/`` that registers its operators with ``torch.library``; loading it builds it
-with the C++ compiler torch's extensions use (``torch.utils.cpp_extension``: g++ and ninja, about 30 s once per
-machine, torch version and vector instruction set (:func:`vector_flags`): the build is cached under
-``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without a compiler (or with the kernel's
-environment switch set to ``0``) the callers run their ATen formulas, which give the same values, and say so once.
+"""This package's C++ CPU kernels (one source file each under ``csrc/``, registering ``torch.library`` operators),
+built on first use by torch's extension builder (g++ and ninja, ~30 s once per machine, torch version and vector
+instruction set, :func:`vector_flags`; cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``).
+Without a compiler the callers run their ATen formulas (the same values) and say so once; ``kernels=reference`` never
+builds them.
 """
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -32,22 +29,19 @@ def vector_flags() -> Tuple[str, List[str]]:
     return "", []
 
 
-def load_cpu_kernels(library: str, op: str, source: Path, switch: str, what: str) -> bool:
+def load_cpu_kernels(library: str, op: str, source: Path, what: str) -> bool:
     """Whether ``torch.ops.<library>.<op>`` (defined by ``source``) is loaded: :func:`build` on the first call in
     this process, its answer afterwards."""
     if library not in _loaded:
         with _lock:
             if library not in _loaded:
-                _loaded[library] = build(library, op, source, switch, what)
+                _loaded[library] = build(library, op, source, what)
     return _loaded[library]
 
 
-def build(library: str, op: str, source: Path, switch: str, what: str) -> bool:
+def build(library: str, op: str, source: Path, what: str) -> bool:
     """Build and load ``source`` unless ``torch.ops.<library>.<op>`` exists already: False (said once) if it cannot
-    be built or if the environment variable ``switch`` is ``0``. ``what`` names the kernel in messages."""
-    if os.environ.get(switch, "1") == "0":
-        log.info("%s=0: %s runs as ATen operators", switch, what)
-        return False
+    be built. ``what`` names the kernel in messages."""
     if hasattr(getattr(torch.ops, library), op):
         return True
     try:
@@ -60,6 +54,6 @@ def build(library: str, op: str, source: Path, switch: str, what: str) -> bool:
                            extra_cflags=["-O3", *flags], is_python_module=False, verbose=False)
         return True
     except Exception as error:  # no compiler, no ninja, a read-only cache: the formulas are exact too
-        log.warning("%s's C++ kernel could not be built (%s); it runs as ATen operators (the same values; set "
-                    "%s=0 to skip the attempt)", what, str(error).splitlines()[0][:200], switch)
+        log.warning("%s's C++ kernel could not be built (%s); it runs as ATen operators (the same values; "
+                    "kernels.<op>=reference skips the attempt)", what, str(error).splitlines()[0][:200])
         return False

@@ -1,33 +1,30 @@
-"""TransNeXt's aggregated attention as one operator each way, with no window copies.
+"""TransNeXt's aggregated attention: its formula over shifted views and one operator each way, no window copies.
 
-Each query of an ``H x W`` token map attends, under one softmax, to the keys of its ``window x window``
-neighbourhood (zero-padded at the border, the padded slots masked, a learned per-head bias per slot) and to
-``P`` pooled keys (with a position bias per query and pooled key); its local value sum gets a further,
-non-softmax weight per slot (TransNeXt's learnable tokens, computed by the caller as ``local_weight``)::
+Each query of an ``H x W`` map attends, under one softmax, to the keys of its ``window x window`` neighbourhood
+(zero-padded, the padded slots masked, a learned per-head bias per slot) and to ``P`` pooled keys (a position bias
+per query and pooled key); its local value sum gets a further, non-softmax weight per slot (the learnable tokens'
+``local_weight``)::
 
     s_l   = q . k[n + o_l] + local_bias[l]      (-inf where n + o_l is outside the map)
     s_p   = q . k_pool[p] + pool_bias[n, p]
     a     = softmax([s_l, s_p])
     out   = sum_l (a_l + local_weight_l) v[n + o_l] + sum_p a_p v_pool[p]
 
-The official code (and this codebase until 2026-11) ran it through ``F.unfold``, which copies every key and
-value nine times (``[B, h, N, d, 9]``) and keeps the copies for backward: 2.4-3.3x a timm Swin/PVTv2 step of
-similar FLOPs and ~3x their activation memory. Here:
+The official code copies every key and value nine times (``F.unfold``) and keeps the copies for backward. Op
+``aggregated_attention`` (``kernels.aggregated``):
 
-* :func:`aggregated_attention_reference` is the formula in plain differentiable operators over nine shifted
-  views of one padded tensor (no copies of the windows): the reference twin, and what tracers and exporters
-  record (``torch.jit.trace``'s FLOP counter sees the custom op instead, with its own count).
-* ``torch.ops.moh_vision.aggregated_attention`` (a ``torch.library`` custom op, so ``torch.compile`` keeps
-  one graph around it) returns the output and each query's log-sum-exp; its backward op recomputes the
-  attention from the inputs and the log-sum-exp, as flash attention does, so a training step keeps only the
-  inputs and ``[B, h, N]`` floats. On CUDA both run as Triton kernels
-  (:mod:`~moh_vision.models.triton_aggregated`); on the CPU as C++ kernels (``csrc/aggregated_attention.cpp``,
-  compiled on first use by :mod:`moh_vision.extensions`: loops over each query's window slots for the gathers
-  and scatters, batched GEMMs for the pooled keys, vectorised ATen operators for the softmax); elsewhere, without a compiler or with ``MOH_VISION_AGGREGATED_KERNEL=0``, as
-  the shifted-view formulas below. Half-precision inputs are computed in float32.
+* ``reference``: :func:`aggregated_attention_reference`, the formula in plain operators over nine shifted views of
+  one padded tensor: the test oracle, and what tracers and exporters record;
+* ``fused``: ``torch.ops.moh_vision.aggregated_attention`` (one node under ``torch.compile`` and ``torch.jit.trace``)
+  returns the output and each query's log-sum-exp; its backward recomputes the attention from them, as flash
+  attention does, so training keeps the inputs and ``[B, h, N]`` floats. C++ kernels on the CPU
+  (``csrc/aggregated_attention.cpp``, built on first use; the shifted-view formulas without a compiler), Triton on
+  CUDA (:mod:`~moh_vision.ops.aggregated_triton`); half precision computed in float32; no attention dropout (a call
+  with dropout runs the reference);
+* ``flex``: FlexAttention (:mod:`~moh_vision.ops.aggregated_flex`), a CUDA candidate.
 
-Slot ``l`` of the window is the offset ``(l // window - window // 2, l % window - window // 2)``, the order
-of ``F.unfold`` that the checkpoints' ``relative_pos_bias_local`` and ``learnable_tokens`` follow.
+Slot ``l`` is the offset ``(l // window - window // 2, l % window - window // 2)``, ``F.unfold``'s order, which the
+checkpoints' ``relative_pos_bias_local`` and ``learnable_tokens`` follow.
 """
 from __future__ import annotations
 
@@ -38,14 +35,14 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from moh_vision.extensions import load_cpu_kernels
-from moh_vision.attention.tracing import COMPILE, JIT_TRACE, active_tracer, eager_autograd
+from .dispatch import EAGER_OR_COMPILED, Op
+from .extensions import load_cpu_kernels
+from .tracing import JIT_TRACE
 
 Tensor = torch.Tensor
 Size2 = Tuple[int, int]
 
-__all__ = ["aggregated_attention", "aggregated_attention_reference", "aggregated_queries", "local_window_mask",
-           "local_window_index"]
+__all__ = ["aggregated_attention", "aggregated_attention_reference", "local_window_mask"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -76,18 +73,6 @@ def local_window_mask(resolution: Size2, window: int) -> Tuple[Tensor, Tensor]:
 @torch.no_grad()
 def _window_mask_on(resolution: Size2, window: int, device: torch.device) -> Tensor:
     return _cached_window_mask(resolution, window)[1].to(device)  # shared, read-only
-
-
-@functools.lru_cache(maxsize=64)
-@torch.no_grad()
-def local_window_index(resolution: Size2, window: int, device: torch.device) -> Tensor:
-    """``[N, window ** 2]``: the token index of every slot of each position's zero-padded neighbourhood;
-    ``-1`` for slots outside the image. Shared, read-only."""
-    H, W = resolution
-    r = window // 2
-    index = F.pad(torch.arange(H * W, device="cpu").view(H, W) + 1, (r, r, r, r))
-    slots = torch.stack([index[i:i + H, j:j + W].reshape(-1) for i, j in window_slots(window)], dim=-1)
-    return (slots - 1).to(device)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -243,12 +228,11 @@ def _aggregated_backward_op(grad: Tensor, q: Tensor, k: Tensor, v: Tensor, k_poo
 
 
 SOURCE = Path(__file__).with_name("csrc") / "aggregated_attention.cpp"
-KERNEL_SWITCH = "MOH_VISION_AGGREGATED_KERNEL"  # 0: the CPU runs the shifted-view formulas
 
 
 def cpu_kernels_available() -> bool:
     """Whether the C++ CPU kernels (``csrc/aggregated_attention.cpp``) are loaded (built on the first call)."""
-    return load_cpu_kernels("moh_aggregated", "forward", SOURCE, KERNEL_SWITCH, "TransNeXt's aggregated attention")
+    return load_cpu_kernels("moh_aggregated", "forward", SOURCE, "TransNeXt's aggregated attention")
 
 
 def _contiguous(dtype: torch.dtype, *tensors: Tensor) -> List[Tensor]:
@@ -277,7 +261,7 @@ def _aggregated_backward_cpu(grad, q, k, v, k_pool, v_pool, pool_bias, local_bia
 
 @_aggregated_op.register_kernel("cuda")
 def _aggregated_cuda(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
-    from . import triton_aggregated as kernels
+    from . import aggregated_triton as kernels
     if not kernels.supports(k_pool.shape[-2], q.shape[-1]):
         return _forward_plain(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
     return kernels.forward(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
@@ -286,7 +270,7 @@ def _aggregated_cuda(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weigh
 @_aggregated_backward_op.register_kernel("cuda")
 def _aggregated_backward_cuda(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width,
                               window):
-    from . import triton_aggregated as kernels
+    from . import aggregated_triton as kernels
     args = (q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, (height, width), window)
     if not kernels.supports(k_pool.shape[-2], q.shape[-1]):
         return _backward_plain(grad, *args)
@@ -320,88 +304,38 @@ _aggregated_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ----------------------------------------------------------------------------------------------
-# The queries: normalised, shifted, scaled, and the learnable tokens' local weight, in one step
+# The op: the reference and its implementations (moh_vision.ops.dispatch chooses)
 # ----------------------------------------------------------------------------------------------
-NORM_EPS = 1e-12  # F.normalize's
+AGGREGATED = Op("aggregated_attention", key="aggregated", reference=aggregated_attention_reference,
+                auto={"cpu": "fused", "cuda": "fused"})
 
 
-def aggregated_queries_reference(q: Tensor, embedding: Tensor, scale: Tensor, tokens: Tensor,
-                                 token_bias: Tensor) -> Tuple[Tensor, Tensor]:
-    """``((n + embedding) * scale, n @ tokens + token_bias)`` with ``n = q / |q|``: the scaled queries
-    (``q``'s dtype) and the local weight ``[B, h, N, L]``. ``q`` ``[B, h, N, d]``, ``embedding`` ``[h, 1, d]``,
-    ``scale`` ``[h, N, 1]`` (temperature times length scale), ``tokens`` ``[h, d, L]``, ``token_bias``
-    ``[h, 1, L]``."""
-    q_norm = F.normalize(q, dim=-1)
-    return ((q_norm + embedding) * scale).to(q.dtype), q_norm @ tokens + token_bias
-
-
-class _AggregatedQueries(torch.autograd.Function):
-    """:func:`aggregated_queries_reference` keeping only ``q`` (and the small parameters) for backward, where
-    the normalised queries are recomputed: autograd would keep ``q``, ``n``, ``n + embedding`` and its scaled
-    copy, three ``[B, h, N, d]`` tensors more per layer."""
-
-    @staticmethod
-    def forward(ctx, q, embedding, scale, tokens, token_bias):
-        ctx.save_for_backward(q, embedding, scale, tokens)
-        ctx.dtypes = (q.dtype, token_bias.dtype)
-        q32, tokens32 = _float(q, tokens)
-        q_norm = F.normalize(q32, dim=-1)
-        return ((q_norm + embedding) * scale).to(q.dtype), (q_norm @ tokens32 + token_bias).to(q.dtype)
-
-    @staticmethod
-    def backward(ctx, grad_q, grad_weight):
-        q, embedding, scale, tokens = ctx.saved_tensors
-        q32, tokens32, grad_q, grad_weight = _float(q, tokens, grad_q, grad_weight)
-        norm = q32.norm(dim=-1, keepdim=True)
-        q_norm = q32 / norm.clamp_min(NORM_EPS)
-        grad_shifted = grad_q * scale
-        grad_norm = grad_shifted + grad_weight @ tokens32.transpose(-2, -1)
-        # d (q / |q|): the component of the gradient across q, over |q| (below eps the norm is a constant)
-        radial = (q_norm * grad_norm).sum(-1, keepdim=True)
-        grad_input = torch.where(norm > NORM_EPS, grad_norm - q_norm * radial, grad_norm) / norm.clamp_min(NORM_EPS)
-        grads = (grad_input, grad_shifted.sum((0, 2), keepdim=True).squeeze(0),
-                 (grad_q * (q_norm + embedding)).sum(-1, keepdim=True).sum(0),
-                 (q_norm.transpose(-2, -1) @ grad_weight).sum(0), grad_weight.sum((0, 2), keepdim=True).squeeze(0))
-        dtypes = (ctx.dtypes[0], embedding.dtype, scale.dtype, tokens.dtype, ctx.dtypes[1])
-        return tuple(g.to(dtype) for g, dtype in zip(grads, dtypes))
-
-
-def aggregated_queries(q: Tensor, embedding: Tensor, scale: Tensor, tokens: Tensor,
-                       token_bias: Tensor) -> Tuple[Tensor, Tensor]:
-    """:func:`aggregated_queries_reference`: one Function keeping only ``q`` in eager training; the plain
-    operators under ``torch.compile`` (its partitioner recomputes by itself), tracers and ``torch.func``, and
-    where nothing is differentiated."""
-    if eager_autograd(q):
-        return _AggregatedQueries.apply(q, embedding, scale, tokens, token_bias)
-    return aggregated_queries_reference(q, embedding, scale, tokens, token_bias)
-
-
-def _op_runs(tracer: Optional[str]) -> bool:
-    """The operator in eager mode, under ``torch.compile`` (one opaque node) and ``torch.jit.trace`` (the FLOP
-    counter gives it a handle); exporters, ``fx`` and ``torch.func`` see the reference formula."""
-    return tracer in (None, COMPILE, JIT_TRACE)
+@AGGREGATED.implement("fused", tracers=(*EAGER_OR_COMPILED, JIT_TRACE))
+def aggregated_attention_fused(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, pool_bias: Tensor,
+                               local_bias: Tensor, local_weight: Tensor, size: Size2, window: int,
+                               dropout: float = 0.0, padding_mask: Optional[Tensor] = None) -> Tensor:
+    """The operator (arguments as :func:`aggregated_attention_reference`); with attention dropout, which the operator
+    does not draw, the reference."""
+    if dropout:
+        return aggregated_attention_reference(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, size,
+                                              window, dropout, padding_mask)
+    shape, dtype = q.shape, q.dtype
+    # a shared key/value head is read by every query head, not copied
+    k, v = k.expand(shape).to(dtype), v.expand(shape).to(dtype)
+    k_pool, v_pool = (t.expand(*shape[:2], *t.shape[2:]).to(dtype) for t in (k_pool, v_pool))
+    if q.is_cpu and torch.compiler.is_compiling():
+        # the C++ kernels read contiguous rows: compiled, the compiler writes q, k and v so where it computes them;
+        # eagerly the operator copies them, and autograd keeps the views it was given rather than the copies
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    out, _ = torch.ops.moh_vision.aggregated_attention(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight,
+                                                       int(size[0]), int(size[1]), int(window))
+    return out
 
 
 def aggregated_attention(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, pool_bias: Tensor,
-                         local_bias: Tensor, local_weight: Tensor, size: Size2, window: int,
-                         dropout: float = 0.0, padding_mask: Optional[Tensor] = None) -> Tensor:
-    """The aggregated attention ``[B, h, N, d]`` (arguments as :func:`aggregated_attention_reference`): the
-    fused operator, or the reference formula under exporters and ``torch.func`` and with attention dropout
-    (which the operator does not draw)."""
-    if dropout or not _op_runs(active_tracer(q)):
-        return aggregated_attention_reference(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, size,
-                                              window, dropout, padding_mask)
-    shape = q.shape
-    k, v = k.expand(shape), v.expand(shape)  # a shared key/value head is read by every query head, not copied
-    k_pool, v_pool = k_pool.expand(*shape[:2], *k_pool.shape[2:]), v_pool.expand(*shape[:2], *v_pool.shape[2:])
-    dtype = q.dtype
-    k, v = k.to(dtype), v.to(dtype)
-    if q.is_cpu and torch.compiler.is_compiling():
-        # the C++ kernels read contiguous rows: copied here, the compiler writes q, k and v so where it computes
-        # them (the operator's own copies, eager, took ~1% of a compiled TransNeXt-T step); eager, the operator
-        # copies them, and autograd keeps the views it was given rather than the copies
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    out, _ = torch.ops.moh_vision.aggregated_attention(
-        q, k, v, k_pool.to(dtype), v_pool.to(dtype), pool_bias, local_bias, local_weight,
-        int(size[0]), int(size[1]), int(window))
-    return out
+                         local_bias: Tensor, local_weight: Tensor, size: Size2, window: int, dropout: float = 0.0,
+                         padding_mask: Optional[Tensor] = None, kernel: str = "auto") -> Tensor:
+    """The aggregated attention ``[B, h, N, d]`` (arguments as :func:`aggregated_attention_reference`) by the
+    implementation ``kernel`` (``kernels.aggregated``) chooses."""
+    return AGGREGATED(kernel, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, size, window, dropout,
+                      padding_mask)

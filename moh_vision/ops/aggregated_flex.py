@@ -1,20 +1,17 @@
-"""TransNeXt's aggregated attention through FlexAttention: the candidate beside the Triton kernels on CUDA.
+"""TransNeXt's aggregated attention through FlexAttention: ``kernels.aggregated=flex``, a CUDA candidate.
 
-Issue 42 asks for whichever of two CUDA forms measures faster: the Triton kernels of
-:mod:`~moh_vision.models.triton_aggregated`, or FlexAttention plus a separate step for the learnable tokens' term.
-This is the second: the window keys and the pooled keys are one key sequence (``N + P``), a block mask keeps each
-query's in-map ``window x window`` neighbours and every pooled key, and a score modifier adds the per-slot
-``local_bias`` or the per-query ``pool_bias``; FlexAttention's softmax over both is the aggregated softmax (slots
-outside the map are masked, as the zero padding's ``-inf`` does). The learnable tokens' non-softmax term
-``sum_l local_weight_l v[n + o_l]`` is added from nine shifted views of the padded values
-(:func:`~moh_vision.models.aggregated_attention.local_sum`), which ``torch.compile`` fuses.
+The window keys and the pooled keys are one key sequence (``N + P``), a block mask keeps each query's in-map
+``window x window`` neighbours and every pooled key, and a score modifier adds the per-slot ``local_bias`` or the
+per-query ``pool_bias``; FlexAttention's softmax over both is the aggregated softmax (slots outside the map are
+masked, as the zero padding's ``-inf`` does). The learnable tokens' non-softmax term ``sum_l local_weight_l
+v[n + o_l]`` is added from nine shifted views of the padded values (:func:`~moh_vision.ops.aggregated.local_sum`),
+which ``torch.compile`` fuses.
 
-It is a candidate, not a path of the model: ``bench_backbones components=true`` times it on CUDA beside the operator
-at each aggregated stage's shapes (``aggregated_flex``, forward and backward), so that one GPU run decides. Its
-forward equals the formula on the CPU (``tests/test_aggregated_attention.py``; FlexAttention has no CPU backward,
-and the CPU compiler's FlexAttention template refuses the learnable-token sum as its epilogue), its gradients on CUDA
-(a ``gpu`` test). On CUDA outside ``torch.compile`` it calls FlexAttention compiled once (eagerly FlexAttention
-materialises every score).
+A candidate, not a default: ``tools/gpu_checks.sh`` times it on CUDA beside the ``fused`` operator, and it becomes
+the CUDA default only if a record shows it faster. Its forward equals the formula on the CPU
+(``tests/test_aggregated_attention.py``; FlexAttention has no CPU backward), its gradients on CUDA (a ``gpu`` test).
+On CUDA outside ``torch.compile`` it calls FlexAttention compiled once (eagerly FlexAttention materialises every
+score). No attention dropout: a call with dropout runs the reference.
 """
 from __future__ import annotations
 
@@ -23,7 +20,7 @@ from typing import Tuple
 
 import torch
 
-from .aggregated_attention import _padded, local_sum
+from .aggregated import AGGREGATED, _padded, aggregated_attention_reference, local_sum
 
 Tensor = torch.Tensor
 Size2 = Tuple[int, int]
@@ -71,12 +68,18 @@ def _compiled_flex():
     return torch.compile(flex_attention, dynamic=False)
 
 
+@AGGREGATED.implement("flex", devices=("cuda",))
 def aggregated_attention_flex(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, pool_bias: Tensor,
-                              local_bias: Tensor, local_weight: Tensor, size: Size2, window: int) -> Tensor:
+                              local_bias: Tensor, local_weight: Tensor, size: Size2, window: int, dropout: float = 0.0,
+                              padding_mask=None) -> Tensor:
     """The aggregated attention ``[B, h, N, d]`` (arguments as
-    :func:`~moh_vision.models.aggregated_attention.aggregated_attention_reference`; ``k``, ``v``, ``k_pool`` and
-    ``v_pool`` may have one head that every query head reads, as the operator allows)."""
+    :func:`~moh_vision.ops.aggregated.aggregated_attention_reference`; ``k``, ``v``, ``k_pool`` and ``v_pool`` may
+    have one head that every query head reads)."""
     from torch.nn.attention.flex_attention import flex_attention
+
+    if dropout:
+        return aggregated_attention_reference(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, size,
+                                              window, dropout, padding_mask)
 
     size = (int(size[0]), int(size[1]))
     tokens, _, slot = _geometry(size, window)

@@ -1,9 +1,7 @@
-"""The ConvGLU's depthwise convolution of tokens in Triton: the candidate beside cuDNN on CUDA.
+"""The ConvGLU's depthwise convolution of tokens in Triton (``kernels.depthwise=triton``), a CUDA candidate.
 
-TransNeXt's ConvGLU convolves half of ``fc1``'s output, tokens ``[B, N, C]`` (rows ``2C`` apart) laid out as an
-``H x W`` image, with a ``k x k`` depthwise kernel. cuDNN wants that half as a dense image (a copy, NCHW or
-channels-last) and its grouped kernels have slow shapes (pytorch#34977): the first suspect for TransNeXt's
-8x gap to Swin-T per GFLOP on one H200 (docs/performance.md). These kernels read the tokens where they are:
+It reads the tokens ``[B, N, C]`` of an ``H x W`` image where they are, where cuDNN wants a dense image (a copy) and its
+grouped kernels have slow shapes (pytorch#34977):
 
 * ``_correlate``: a block of tokens x a block of channels of one image; per tap one masked load of the neighbours'
   rows (nothing padded), a multiply-add in float32; writes dense ``[B, N, C]``. The input's gradient is the same
@@ -12,10 +10,8 @@ channels-last) and its grouped kernels have slow shapes (pytorch#34977): the fir
   the neighbours' inputs summed over the chunk (and the gradient itself, for the bias), one row each in a
   ``[chunks, k * k + 1, C]`` float32 buffer that torch sums.
 
-It is a candidate, not a path of the model: ``bench_backbones components=true`` times it on CUDA beside cuDNN's
-three layouts (``dwconv_triton``); it becomes the model's CUDA convolution only if it measures faster there.
-Under ``TRITON_INTERPRET=1`` the kernels run on CPU tensors, which is how ``tests/test_aggregated_attention.py``
-checks them against ``F.conv2d``.
+Not a default until a record shows it faster on CUDA (``tools/gpu_checks.sh`` times it beside cuDNN). Under
+``TRITON_INTERPRET=1`` the kernels run on CPU tensors: ``tests/test_depthwise.py`` checks them against ``F.conv2d``.
 """
 from __future__ import annotations
 
@@ -23,7 +19,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from moh_vision.attention.triton_moh import tl, triton
+from .triton import tl, triton
 
 Tensor = torch.Tensor
 BLOCK_N, BLOCK_C = 32, 64

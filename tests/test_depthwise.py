@@ -1,9 +1,12 @@
-"""The ConvGLU's depthwise convolution in Triton (moh_vision.models.triton_depthwise, the candidate beside cuDNN on
-CUDA) equals ``F.conv2d`` in its output and every gradient: under Triton's interpreter on the CPU, compiled for
-Hopper without register spills, and (``gpu``) on CUDA."""
+"""The ConvGLU's depthwise convolution (moh_vision.ops.depthwise) equals ``F.conv2d`` in its output and every
+gradient under each implementation: the reference (the official NCHW layout), ``written_grad`` (its backward written
+out; eager and compiled), and the Triton candidate (under Triton's interpreter on the CPU, compiled for Hopper
+without register spills, and (``gpu``) on CUDA)."""
 import pytest
 import torch
 import torch.nn.functional as F
+
+from moh_vision.ops.depthwise import depthwise_conv_reference, depthwise_conv_written_grad
 
 # (B, H, W, C, k, bias): TransNeXt's 3x3 over channel blocks and a remainder, a 5x5 kernel, one token, no bias
 SHAPES = [(2, 5, 7, 20, 3, True), (1, 4, 4, 3, 5, True), (3, 9, 6, 70, 3, False), (2, 1, 1, 8, 3, True)]
@@ -33,12 +36,31 @@ def worst_error(got, want):
     return max(((a - b).abs().max() / b.abs().max().clamp_min(1e-30)).item() for a, b in zip(got, want))
 
 
+@pytest.mark.parametrize("shape", [s for s in SHAPES if s[4] == 3])
+@pytest.mark.parametrize("fn", [depthwise_conv_reference, depthwise_conv_written_grad], ids=["reference", "written"])
+def test_implementations_equal_conv2d_in_float64(fn, shape):
+    want = values_and_grads(conv2d, *shape, dtype=torch.float64)
+    assert worst_error(values_and_grads(fn, *shape, dtype=torch.float64), want) < 1e-12
+
+
+def test_written_backward_under_compile_equals_conv2d_and_has_no_convolution_backward():
+    """Compiled, the written-out backward is what inductor gets: no ``convolution_backward`` in the graph."""
+    from torch._dynamo.testing import AotEagerAndRecordGraphs
+    shape = SHAPES[0]
+    backend = AotEagerAndRecordGraphs()
+    compiled = torch.compile(depthwise_conv_written_grad, backend=backend, fullgraph=True)
+    got = values_and_grads(compiled, *shape, dtype=torch.float64)
+    assert worst_error(got, values_and_grads(conv2d, *shape, dtype=torch.float64)) < 1e-12
+    backward = "".join(str(g.graph) for g in backend.bw_graphs)
+    assert backward and "convolution_backward" not in backward
+
+
 # Triton decides at import whether its language is interpreted: a fresh process with TRITON_INTERPRET=1.
 SCRIPT = r"""
 import sys, torch
 sys.path.insert(0, sys.argv[1])
-from test_triton_depthwise import SHAPES, conv2d, values_and_grads, worst_error
-from moh_vision.models.triton_depthwise import depthwise_conv_triton
+from test_depthwise import SHAPES, conv2d, values_and_grads, worst_error
+from moh_vision.ops.depthwise_triton import depthwise_conv_triton
 worst = max(worst_error(values_and_grads(depthwise_conv_triton, *s), values_and_grads(conv2d, *s, dtype=torch.float64))
             for s in SHAPES)
 print(worst)
@@ -55,7 +77,7 @@ def test_kernels_compile_for_hopper_without_register_spills(tmp_path):
     """Both kernels compiled for sm_90 in bf16 at TransNeXt's 3x3 (Triton's compiler and its bundled ptxas; no GPU)."""
     pytest.importorskip("triton")
     from helpers import assert_compiles_for_hopper_without_spills
-    from moh_vision.models import triton_depthwise as kernels
+    from moh_vision.ops import depthwise_triton as kernels
 
     for fn, block in ((kernels._correlate, kernels.BLOCK_N), (kernels._weight_grads, kernels.WEIGHT_BLOCK_N)):
         meta = dict(K=3, HAS_BIAS=True, ROWS=16, BLOCK_N=block, BLOCK_C=kernels.BLOCK_C)
@@ -67,7 +89,7 @@ def test_kernels_compile_for_hopper_without_register_spills(tmp_path):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-2)])
 def test_kernels_on_cuda_equal_conv2d(dtype, tol):
-    from moh_vision.models.triton_depthwise import depthwise_conv_triton
+    from moh_vision.ops.depthwise_triton import depthwise_conv_triton
 
     for shape in [(4, 56, 56, 384, 3, True)] + SHAPES:  # TransNeXt-T's stage 1 first
         want = values_and_grads(conv2d, *shape, dtype=torch.float64)

@@ -1,22 +1,13 @@
-"""MoH's routing as one Triton kernel each way: the CUDA twin of ``csrc/moh_routing.cpp``.
+"""MoH's routing and gated merge as one Triton kernel each way (``kernels.routing=fused``, the CUDA default).
 
-The same computation as the C++ kernel (:mod:`~moh_vision.attention.fused_routing`): from the stacked
-routers' logits ``[T, L]`` (``wg`` R routed, ``wg_0`` 2 when ``h_s > 0``, ``wg_1`` h_s when ``h_s > 1``), per
-block of tokens, the routed softmax, the top-k (ties: the lower head), the renormalised routed gates, the
-two-stage mix and the shared softmax, written as the gates ``[T, h]``; per routed head, the sums over tokens
-of the probabilities and of the selection (atomics), from which the load-balance loss is two more operators.
-Backward: the logits' gradient from the gates' and the loss's, one more kernel. Layers that route (``topk >
-0``) only; a dense-weighted layer (every head shared) runs the formulas. With ``MERGE`` (MoH's masked path,
-:class:`TritonRouteMerge`, run after attention) the forward also writes each token's heads times their gates in
-the merged layout ``[T, h d]``, and the backward takes the merged output's gradient, writes the heads' and
-computes the gates' from it on the way: ``route_merge`` of the C++ kernel.
-
-Where it runs: eager calls on CUDA tensors when Triton is installed (``MOH_VISION_FUSED_ROUTING=0`` turns it
-off), or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` in the environment before Python
-starts), which is how ``tests/test_fused_routing.py`` checks it against the formulas. ``tools/gpu_checks.sh``
-runs those checks compiled and times it on a GPU: on an H100 in bf16 it took MoH's time over dense's from
-1.42x to 1.24x (DiT-B/2 inference) and 1.48x to 1.26x (training), and lowered it for DiT-S/2 and
-TransNeXt-Base too (``docs/performance.md``).
+The computation of :func:`~moh_vision.ops.routing.route_merge_reference`, per block of tokens: from the stacked
+logits ``[T, L]`` the routed softmax, the top-k (ties: the lower head), the renormalised routed gates, the mix and the
+shared softmax, written as the gates ``[T, h]``; the heads times their gates in the merged layout ``[T, h d]``; per
+routed head the sums over tokens of the probabilities and the selection (atomics: the load-balance loss). Backward:
+from the merged output's gradient the heads' and the logits', one more kernel. Layers that route (``topk > 0``) only.
+On CUDA tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` before Python starts: how
+``tests/test_fused_routing.py`` checks it). On an H100 (bf16) it took MoH-DiT-B/2's training step from 1.48x to 1.26x
+dense's (``docs/performance.md``).
 """
 from __future__ import annotations
 
@@ -24,11 +15,10 @@ from typing import Tuple
 
 import torch
 
-from .triton_moh import tl, triton
+from .triton import tl, triton
 
 Tensor = torch.Tensor
-BLOCK_TOKENS = 64
-MERGE_TOKENS, MERGE_COLUMNS = 32, 8  # with the gated merge: tokens a block, a head's columns a step
+BLOCK_TOKENS, MERGE_COLUMNS = 32, 8  # tokens a block, a head's columns a step of the gated merge
 
 
 def _jit(fn):
@@ -110,7 +100,7 @@ def _merge_head_backward(O, GM, DO, rows, live, head, gate, N, sob, soh, son, so
 @_jit
 def _route_forward(Z, G, P, M, I, SUMS, T, stride_z, O, OUT, N, sob, soh, son, sod,
                    R: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, RP: tl.constexpr, HSP: tl.constexpr,
-                   BLOCK: tl.constexpr, EPS: tl.constexpr, MERGE: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
+                   BLOCK: tl.constexpr, EPS: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < T
     z_base = Z + rows.to(tl.int64) * stride_z
@@ -146,19 +136,16 @@ def _route_forward(Z, G, P, M, I, SUMS, T, stride_z, O, OUT, N, sob, soh, son, s
         in_s = cs[None, :] < HS
         shared = (_shared_gates(z_row, live, R, HS, HSP) * mu0[:, None]).to(G.dtype.element_ty)
         tl.store(g_row + cs[None, :], shared, mask=live[:, None] & in_s)
-        if MERGE:
-            for i in range(HS):  # a loop, not unrolled: one head's tile live at a time
-                _merge_head(O, OUT, rows, live, i, _column(shared.to(tl.float32), i).to(G.dtype.element_ty), N,
-                            sob, soh, son, sod, HS + R, D, DC)
+        for i in range(HS):  # a loop, not unrolled: one head's tile live at a time
+            _merge_head(O, OUT, rows, live, i, _column(shared.to(tl.float32), i).to(G.dtype.element_ty), N,
+                        sob, soh, son, sod, HS + R, D, DC)
     elif HS == 1:
         tl.store(G + rows.to(tl.int64) * (HS + R), mu0.to(G.dtype.element_ty), mask=live)
-        if MERGE:
-            _merge_head(O, OUT, rows, live, 0, mu0.to(G.dtype.element_ty), N, sob, soh, son, sod, HS + R, D, DC)
-    if MERGE:  # the gated merge of the routed heads, from the gates as stored
-        stored = routed.to(G.dtype.element_ty).to(tl.float32)
-        for j in range(R):  # a loop, not unrolled: one head's tile live at a time
-            _merge_head(O, OUT, rows, live, HS + j, _column(stored, j).to(G.dtype.element_ty), N, sob, soh, son, sod,
-                        HS + R, D, DC)
+        _merge_head(O, OUT, rows, live, 0, mu0.to(G.dtype.element_ty), N, sob, soh, son, sod, HS + R, D, DC)
+    stored = routed.to(G.dtype.element_ty).to(tl.float32)  # the gated merge of the routed heads, from the gates as stored
+    for j in range(R):  # a loop, not unrolled: one head's tile live at a time
+        _merge_head(O, OUT, rows, live, HS + j, _column(stored, j).to(G.dtype.element_ty), N, sob, soh, son, sod,
+                    HS + R, D, DC)
     keep = live[:, None] & in_r  # per-head sums over tokens: the load-balance loss's me and ce (times T)
     tl.atomic_add(SUMS + cr, tl.sum(tl.where(keep, p, 0.0), 0), mask=cr < R)
     tl.atomic_add(SUMS + R + cr, tl.sum(tl.where(keep & chosen, 1.0, 0.0), 0), mask=cr < R)
@@ -168,9 +155,8 @@ def _route_forward(Z, G, P, M, I, SUMS, T, stride_z, O, OUT, N, sob, soh, son, s
 def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale, O, GM, DO, N, sob, soh, son, sod, sdb, sdh,
                     sdn, sdd, R: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, RP: tl.constexpr,
                     HSP: tl.constexpr, BLOCK: tl.constexpr, EPS: tl.constexpr, AUX: tl.constexpr,
-                    MERGE: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
-    # MERGE: GG holds the gates, and the gates' gradient comes from the merged output's (GM), o's gradient (DO) on
-    # the way; else GG is the gates' gradient
+                    D: tl.constexpr, DC: tl.constexpr):
+    # GG holds the gates; their gradient comes from the merged output's (GM), o's gradient (DO) on the way
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < T
     r64 = rows.to(tl.int64)
@@ -192,34 +178,28 @@ def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale, O, GM, D
         cs = tl.arange(0, HSP)
         in_s = cs[None, :] < HS
         s = _shared_gates(z_row, live, R, HS, HSP)
-        gs = tl.load(gg_row + cs[None, :], mask=live[:, None] & in_s, other=0.0)
-        if MERGE:  # gs holds the gates: their gradient from the merge's
-            gates = gs.to(tl.float32)
-            gs = tl.zeros([BLOCK, HSP], tl.float32)
-            for i in range(HS):  # a loop, not unrolled: one head's tile live at a time
-                gi = _merge_head_backward(O, GM, DO, rows, live, i, _column(gates, i), N, sob, soh, son, sod, sdb, sdh,
-                                          sdn, sdd, HS + R, D, DC)
-                gs = tl.where(cs[None, :] == i, gi[:, None], gs)
-        gs = gs.to(tl.float32)
+        gates = tl.load(gg_row + cs[None, :], mask=live[:, None] & in_s, other=0.0).to(tl.float32)
+        gs = tl.zeros([BLOCK, HSP], tl.float32)  # the gates' gradient, from the merge's
+        for i in range(HS):  # a loop, not unrolled: one head's tile live at a time
+            gi = _merge_head_backward(O, GM, DO, rows, live, i, _column(gates, i), N, sob, soh, son, sod, sdb, sdh,
+                                      sdn, sdd, HS + R, D, DC)
+            gs = tl.where(cs[None, :] == i, gi[:, None], gs)
         g_mu0 = tl.sum(s * gs, 1)
         dot = tl.sum(s / HS * mu0[:, None] * gs, 1)
         tl.store(d_row + R + 2 + cs[None, :], (s * (mu0[:, None] * gs - dot[:, None])).to(DZ.dtype.element_ty),
                  mask=live[:, None] & in_s)
     elif HS == 1:
         g_mu0 = tl.load(GG + r64 * (HS + R), mask=live, other=0.0).to(tl.float32)
-        if MERGE:
-            g_mu0 = _merge_head_backward(O, GM, DO, rows, live, 0, g_mu0, N, sob, soh, son, sod, sdb, sdh, sdn, sdd,
-                                         HS + R, D, DC)
+        g_mu0 = _merge_head_backward(O, GM, DO, rows, live, 0, g_mu0, N, sob, soh, son, sod, sdb, sdh, sdn, sdd,
+                                     HS + R, D, DC)
     p = tl.load(P + r64[:, None] * R + cr[None, :], mask=keep, other=0.0).to(tl.float32)
     m = tl.load(M + r64[:, None] * R + cr[None, :], mask=keep, other=0.0).to(tl.float32)
-    g = tl.load(gg_row + HS + cr[None, :], mask=keep, other=0.0).to(tl.float32)
-    if MERGE:
-        gates = g
-        g = tl.zeros([BLOCK, RP], tl.float32)
-        for j in range(R):  # a loop, not unrolled: one head's tile live at a time
-            gj = _merge_head_backward(O, GM, DO, rows, live, HS + j, _column(gates, j), N, sob, soh, son, sod, sdb, sdh,
-                                      sdn, sdd, HS + R, D, DC)
-            g = tl.where(cr[None, :] == j, gj[:, None], g)
+    gates = tl.load(gg_row + HS + cr[None, :], mask=keep, other=0.0).to(tl.float32)
+    g = tl.zeros([BLOCK, RP], tl.float32)
+    for j in range(R):  # a loop, not unrolled: one head's tile live at a time
+        gj = _merge_head_backward(O, GM, DO, rows, live, HS + j, _column(gates, j), N, sob, soh, son, sod, sdb, sdh,
+                                  sdn, sdd, HS + R, D, DC)
+        g = tl.where(cr[None, :] == j, gj[:, None], g)
     kept = tl.maximum(tl.sum(m * p, 1), EPS)
     q = p / kept[:, None]
     gr = g * mu1[:, None]
@@ -237,31 +217,19 @@ def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale, O, GM, D
         tl.store(DZ + r64 * stride_dz + R + 1, (mu1 * (g_mu1 - centre)).to(DZ.dtype.element_ty), mask=live)
 
 
-def _meta(routed: int, shared: int, topk: int, dtype: torch.dtype, head_dim: int = 0) -> dict:
-    """The kernels' compile-time arguments and warps; ``head_dim > 0``: with the gated merge (``MERGE``: blocks of
-    32 tokens, 8 columns of a head at a time, 8 warps; compiled for sm_90, bf16 or float32, the two kernels then need
-    at most 64 registers a thread and spill nothing, ``tests/test_fused_routing.py``; with 16 columns they needed up
-    to 100 and the float32 forward spilled)."""
-    merge = head_dim > 0
+def _meta(routed: int, shared: int, topk: int, dtype: torch.dtype, head_dim: int) -> dict:
+    """The kernels' compile-time arguments and warps: blocks of 32 tokens, 8 columns of a head at a time, 8 warps
+    (compiled for sm_90, bf16 or float32, the two kernels then need at most 64 registers a thread and spill nothing,
+    ``tests/test_fused_routing.py``; with 16 columns they needed up to 100 and the float32 forward spilled)."""
     return dict(R=routed, HS=shared, K=topk, RP=max(2, triton.next_power_of_2(routed)),
-                HSP=max(2, triton.next_power_of_2(max(shared, 1))), BLOCK=MERGE_TOKENS if merge else BLOCK_TOKENS,
-                EPS=float(torch.finfo(dtype).eps), MERGE=merge, D=max(head_dim, 1),
-                DC=min(triton.next_power_of_2(max(head_dim, 1)), MERGE_COLUMNS), num_warps=8 if merge else 4)
-
-
-def _routing_only_forward(z: Tensor) -> tuple:
-    """The forward kernel's merge arguments (heads, merged output, N, the heads' 4 strides) when it routes only."""
-    return (z, z, 1, 0, 0, 0, 0)
-
-
-def _routing_only_backward(z: Tensor) -> tuple:
-    """The backward kernel's merge arguments (heads, merged gradient, heads' gradient, N, 8 strides), routing only."""
-    return (z, z, z, 1) + (0,) * 8
+                HSP=max(2, triton.next_power_of_2(max(shared, 1))), BLOCK=BLOCK_TOKENS,
+                EPS=float(torch.finfo(dtype).eps), D=head_dim,
+                DC=min(triton.next_power_of_2(head_dim), MERGE_COLUMNS), num_warps=8)
 
 
 def token_rows(logits: Tensor) -> Tensor:
     """The logits as rows ``[T, L]`` with a unit column stride: a view where the layout allows it (e.g. the routers'
-    columns of a wider GEMM output, which MoH's fused ``qkv`` projection gives), else a contiguous copy."""
+    columns of a wider GEMM output, e.g. a slice of a wider GEMM output), else a contiguous copy."""
     rows = logits.reshape(-1, logits.shape[-1])
     return rows if rows.stride(1) == 1 else rows.contiguous()
 
@@ -286,52 +254,8 @@ def _gates_dtype(logits: Tensor) -> torch.dtype:
     return torch.float32 if torch.is_autocast_enabled(logits.device.type) else logits.dtype
 
 
-class TritonRoute(torch.autograd.Function):
-    """:func:`~moh_vision.attention.fused_routing.fused_route` on the Triton kernels (``topk > 0``)."""
-
-    @staticmethod
-    def forward(ctx, logits: Tensor, routed: int, shared: int, topk: int, with_loss: bool, out_dtype: torch.dtype):
-        lead = logits.shape[:-1]
-        z = token_rows(logits)
-        T = z.shape[0]
-        gates, probs, mask, index, sums = _forward_outputs(z, routed, shared, topk, out_dtype)
-        _route_forward[(triton.cdiv(T, BLOCK_TOKENS),)](z, gates, probs, mask, index, sums, T, z.stride(0),
-                                                        *_routing_only_forward(z),
-                                                        **_meta(routed, shared, topk, out_dtype))
-        loss = _balance_loss(sums, routed, T, with_loss)
-        ctx.save_for_backward(z, probs, mask, sums)
-        ctx.layout, ctx.lead = (routed, shared, topk), lead
-        ctx.mark_non_differentiable(probs, mask, index)
-        ctx.set_materialize_grads(False)
-        return (gates.view(*lead, -1), probs.view(*lead, -1), mask.view(*lead, -1), index.view(*lead, -1), loss)
-
-    @staticmethod
-    def backward(ctx, grad_gates, _probs, _mask, _index, grad_loss):
-        z, probs, mask, sums = ctx.saved_tensors
-        routed, shared, topk = ctx.layout
-        T = z.shape[0]
-        if grad_gates is None:
-            grad_gates = z.new_zeros(T, shared + routed)
-        grad_gates = grad_gates.reshape(T, shared + routed).contiguous()
-        dtype = probs.dtype
-        aux = grad_loss is not None and grad_loss.dim() == 0
-        grad = z.new_empty(z.shape)  # contiguous, whatever the logits' row stride
-        _route_backward[(triton.cdiv(T, BLOCK_TOKENS),)](grad_gates, z, probs, mask, sums, grad_loss if aux else sums,
-                                                         grad, T, z.stride(0), float(routed) / T,
-                                                         *_routing_only_backward(z), AUX=aux,
-                                                         **_meta(routed, shared, topk, dtype))
-        return grad.view(*ctx.lead, -1), None, None, None, None, None
-
-
-def triton_route(logits: Tensor, routed: int, shared: int, topk: int, with_loss: bool) -> Tuple[Tensor, ...]:
-    """(gates, probs, mask, index, loss or an empty tensor), as ``torch.ops.moh_routing.route`` returns them.
-    Under autocast (low-precision logits) the gates and probabilities are float32, as autocast's softmax gives
-    them to the formulas."""
-    return TritonRoute.apply(logits, routed, shared, topk, with_loss, _gates_dtype(logits))
-
-
 class TritonRouteMerge(torch.autograd.Function):
-    """:func:`~moh_vision.attention.fused_routing.fused_route_merge` on the Triton kernels (``topk > 0``): the routing
+    """:func:`~moh_vision.ops.routing.route_merge_fused` on the Triton kernels (``topk > 0``): the routing
     and the gated merge of the heads ``[B, h, N, d]`` (any strides) in one kernel each way."""
 
     @staticmethod
@@ -343,7 +267,7 @@ class TritonRouteMerge(torch.autograd.Function):
         T = z.shape[0]
         merged = heads.new_empty(B, N, h * d)
         gates, probs, mask, index, sums = _forward_outputs(z, routed, shared, topk, out_dtype)
-        _route_forward[(triton.cdiv(T, MERGE_TOKENS),)](z, gates, probs, mask, index, sums, T, z.stride(0), heads,
+        _route_forward[(triton.cdiv(T, BLOCK_TOKENS),)](z, gates, probs, mask, index, sums, T, z.stride(0), heads,
                                                         merged, N, *heads.stride(),
                                                         **_meta(routed, shared, topk, out_dtype, d))
         loss = _balance_loss(sums, routed, T, with_loss)
@@ -366,7 +290,7 @@ class TritonRouteMerge(torch.autograd.Function):
         aux = grad_loss is not None and grad_loss.dim() == 0
         grad = z.new_empty(z.shape)  # contiguous, whatever the logits' row stride
         grad_heads = torch.empty_like(heads)  # o's own layout, as attention's backward expects
-        _route_backward[(triton.cdiv(T, MERGE_TOKENS),)](gates, z, probs, mask, sums, grad_loss if aux else sums, grad,
+        _route_backward[(triton.cdiv(T, BLOCK_TOKENS),)](gates, z, probs, mask, sums, grad_loss if aux else sums, grad,
                                                          T, z.stride(0), float(routed) / T, heads, grad_merged,
                                                          grad_heads, N, *heads.stride(), *grad_heads.stride(),
                                                          AUX=aux, **_meta(routed, shared, topk, probs.dtype, d))
@@ -375,6 +299,6 @@ class TritonRouteMerge(torch.autograd.Function):
 
 def triton_route_merge(heads: Tensor, logits: Tensor, routed: int, shared: int, topk: int,
                        with_loss: bool) -> Tuple[Tensor, ...]:
-    """(merged, gates, probs, mask, index, loss or an empty tensor), as ``torch.ops.moh_routing.route_merge`` returns
-    them; float32 gates under autocast, as :func:`triton_route`."""
+    """(merged, gates, probs, mask, index, loss or an empty tensor); float32 gates under autocast, as autocast's
+    softmax gives them to the formulas."""
     return TritonRouteMerge.apply(heads, logits, routed, shared, topk, with_loss, _gates_dtype(logits))

@@ -24,7 +24,7 @@ from typing import Tuple
 
 import torch
 
-from moh_vision.attention.triton_moh import tl, triton
+from .triton import tl, triton
 
 Tensor = torch.Tensor
 MAX_POOL, MAX_HEAD_DIM = 1024, 128
