@@ -1,5 +1,5 @@
 """tools/sample.py: class-conditional sampling from a trainer checkpoint, the ADM .npz, guidance,
-rank sharding, and the digits proxy metrics."""
+rank sharding, ADM's metrics and the digits proxy metrics."""
 import json
 from pathlib import Path
 
@@ -131,6 +131,28 @@ def test_ranks_split_batches_without_changing_the_samples(checkpoint, tmp_path):
         sampler.sample_batches(task, model, labels, range(rank, 3, 2), 0, cpu, _mkdir(tmp_path / "two"))
     images, merged_labels = sampler.merge_parts(tmp_path / "two", 3)
     assert np.array_equal(images, single[0]) and np.array_equal(merged_labels, single[1])
+
+
+def test_fid_ref_adds_adms_numbers_to_sample_json(checkpoint, tmp_path, tiny_inception):
+    np.savez(tmp_path / "ref.npz", arr_0=np.random.default_rng(0).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8))
+    summary = sampler.sample(options(f"ckpt={checkpoint}", "progress=false", "num_samples=8", "steps=2",
+                                     "batch_size=4", f"out={tmp_path / 'out'}", f"fid_ref={tmp_path / 'ref.npz'}",
+                                     f"inception_weights={tiny_inception}"))
+    from moh_vision.analysis import generative_metrics as adm
+    from moh_vision.analysis.inception import InceptionActivations
+
+    # the same numbers from the written samples.npz (the 2048-d FID, seconds on a CPU, is not computed twice)
+    inception = InceptionActivations(tiny_inception)
+    fake, real = inception(np.load(summary["files"]["npz"])["arr_0"]), inception(np.load(tmp_path / "ref.npz")["arr_0"])
+    found = {k[len("sample/"):]: v for k, v in summary["metrics"].items() if k.startswith("sample/")}
+    assert set(found) >= {"fid", "sfid", "inception_score", "precision", "recall"} and found["fid"] > 0
+    assert found["sfid"] == pytest.approx(adm.adm_metrics({"spatial": fake["spatial"]}, real)["sfid"], rel=1e-6)
+    assert found["inception_score"] == pytest.approx(adm.inception_score(fake["probs"]), rel=1e-6)
+    assert (found["precision"], found["recall"]) == adm.precision_recall(real["pool"], fake["pool"])
+    with pytest.raises(ConfigError, match="fid_ref=.*has no arr_0"):
+        np.savez(tmp_path / "bad.npz", images=np.zeros((2, 16, 16, 3), np.uint8))
+        sampler.check_metric_inputs(options("ckpt=x", f"fid_ref={tmp_path / 'bad.npz'}",
+                                            f"inception_weights={tiny_inception}"))
 
 
 def _mkdir(path: Path) -> Path:

@@ -37,10 +37,10 @@ OPTIONS = (
     Option("progress", True, boolean, "show a progress bar"),
     Option("grid_classes", 10, integer, "rows of samples.png: classes evenly spaced over all classes", minimum=1),
     Option("grid_per_class", 8, integer, "samples per row of samples.png", minimum=1),
-    Option("fid_ref", help="folder of real images or .npz (arr_0): FID, Inception Score, precision, recall"),
+    Option("fid_ref", help="ADM reference batch .npz or a folder of real images: ADM's FID, sFID, IS, precision, "
+           "recall (tools/evaluate_samples.py)"),
     Option("inception_weights", help="LOCAL torch-fidelity Inception weights "
            "(weights-inception-2015-12-05-6726825d.pth)"),
-    Option("fid_feature_layer", "2048", choices=("2048", "768", "192", "64"), help="Inception feature layer"),
     Option("metrics_batch_size", 64, integer, "images per Inception call", minimum=1),
     Option("digits_classifier", help="digits: the proxy-metric classifier (default: <run dir>/digits_classifier.pt)"),
 )

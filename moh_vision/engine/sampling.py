@@ -10,8 +10,8 @@ WORLD_SIZE-th batch, so the output does not depend on the number of ranks. Finis
 * ``samples.npz``: ``arr_0`` uint8 [N, H, W, 3], the input of ADM's evaluation suite (DiT's FID protocol);
 * ``labels.npy``: the class of every sample; ``samples.png``: a labelled grid (rows = classes);
 * ``sample.json``: what was sampled and the metrics: the digits proxies (``sample/class_acc``,
-  ``sample/fd_digits``) for digits checkpoints, and FID / Inception Score / precision / recall
-  (torch-fidelity, local Inception weights) with ``fid_ref`` and ``inception_weights``.
+  ``sample/fd_digits``) for digits checkpoints, and ADM's FID / sFID / Inception Score / precision / recall
+  (:mod:`moh_vision.analysis.adm_evaluation`, local Inception weights) with ``fid_ref`` and ``inception_weights``.
 
 :func:`sample` takes the options of ``tools/sample.py`` (a mapping with attribute access).
 """
@@ -40,6 +40,7 @@ from .run import rebuild_run, shared_output_dir, weights_of
 log = logging.getLogger(__name__)
 
 DEFAULT_OUT = "outputs/sample/%Y-%m-%d/%H-%M-%S"  # strftime pattern; under torchrun rank 0's time decides
+ADM_METRICS = ("fid", "sfid", "inception_score", "precision", "recall")
 OVERRIDABLE = ("steps", "sampler", "cfg_scale", "clip_denoised", "batch_size")
 
 
@@ -218,11 +219,22 @@ def check_metric_inputs(cfg: Mapping[str, Any]) -> None:
     """Fail before sampling, not after hours of it, when the metric inputs are wrong."""
     if cfg.fid_ref is None:
         return
-    from moh_vision.analysis.generative_metrics import check_inception_weights
+    from moh_vision.analysis.adm_evaluation import read_reference
+    from moh_vision.analysis.inception import check_inception_weights
 
-    check_inception_weights(cfg.inception_weights)
-    if not Path(str(cfg.fid_ref)).expanduser().exists():
-        raise ConfigError(f"fid_ref={cfg.fid_ref} does not exist; expected a folder of real images or an .npz")
+    check_inception_weights(cfg.inception_weights, option="inception_weights")
+    read_reference(cfg.fid_ref, side=None, option="fid_ref")
+
+
+def adm_sample_metrics(images: np.ndarray, cfg: Mapping[str, Any], device: torch.device) -> Dict[str, float]:
+    """ADM's FID, sFID, Inception Score, precision and recall of the samples against ``fid_ref``."""
+    from moh_vision.analysis.adm_evaluation import ArrayImages, evaluate_images, read_reference
+    from moh_vision.analysis.inception import InceptionActivations
+
+    reference = read_reference(cfg.fid_ref, side=images.shape[1], option="fid_ref")
+    inception = InceptionActivations(cfg.inception_weights, device, option="inception_weights")
+    found = evaluate_images(ArrayImages(images), reference, inception, int(cfg.metrics_batch_size), bool(cfg.progress))
+    return {name: found[name] for name in ADM_METRICS if name in found}
 
 
 def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
@@ -266,10 +278,7 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
             path = Path(str(cfg.digits_classifier or Path(info["checkpoint"]).parent.parent / "digits_classifier.pt"))
             metrics.update(digits_metrics(task, data, images, labels, path))
         if cfg.fid_ref is not None:
-            from moh_vision.analysis.generative_metrics import generative_metrics
-            found = generative_metrics(images, str(cfg.fid_ref), cfg.inception_weights, device,
-                                       batch_size=int(cfg.metrics_batch_size), feature_layer=str(cfg.fid_feature_layer))
-            metrics.update({f"sample/{k}": v for k, v in found.items()})
+            metrics.update({f"sample/{k}": v for k, v in adm_sample_metrics(images, cfg, device).items()})
         counts = np.bincount(labels, minlength=task.null_class)
         summary = {**info, **settings, "num_classes": task.null_class, "per_class_min": int(counts.min()),
                    "per_class_max": int(counts.max()), "image_shape": list(images.shape[1:]),
