@@ -1,9 +1,13 @@
 """Class-conditional samples from a trained DiT / MoH-DiT checkpoint, for grids and FID (``tools/sample.py``).
 
 The checkpoint carries the task/model/data/attention config; the model and task are rebuilt from it (EMA
-weights by default) and latents are decoded with the VAE of ``task.vae.path`` (or ``vae=``). Classes are
-balanced and sorted; batch ``k`` of ``batch_size`` samples uses seed ``(seed, k)``, and ranks take every
-WORLD_SIZE-th batch, so the output does not depend on the number of ranks. Finished batches are kept in
+weights by default) and latents are decoded with the VAE of ``task.vae.path`` (or ``vae=``). Class labels
+follow DiT's ``sample_ddp.py`` by default (``labels=random``): each batch draws its labels uniformly at random,
+so class counts vary as in the published FID-50K runs; ``labels=balanced`` gives every class ``N // C`` or one
+more samples, sorted by class. Batch ``k`` of ``batch_size`` samples draws its noise (and its random labels, from a separate
+stream) from seed ``(seed, k)``, and ranks take every WORLD_SIZE-th batch, so the output does not depend on the
+number of ranks. (DiT seeds one stream per rank, ``global_seed * world_size + rank``, which makes its labels and
+noise depend on the number of GPUs; per-batch seeds keep the same distribution and make an interrupted run resumable.) Finished batches are kept in
 ``out/.parts-<hash>/`` until the end, so an interrupted run resumes when rerun with the same settings and
 ``out``. Rank 0 writes:
 
@@ -40,6 +44,8 @@ from .run import rebuild_run, shared_output_dir, weights_of
 log = logging.getLogger(__name__)
 
 DEFAULT_OUT = "outputs/sample/%Y-%m-%d/%H-%M-%S"  # strftime pattern; under torchrun rank 0's time decides
+LABEL_MODES = ("random", "balanced")
+LABEL_STREAM = 0x1AB  # keeps the random labels' stream apart from the batch's noise stream
 ADM_METRICS = ("fid", "sfid", "inception_score", "precision", "recall")
 OVERRIDABLE = ("steps", "sampler", "cfg_scale", "clip_denoised", "batch_size")
 
@@ -52,6 +58,22 @@ def balanced_labels(num_samples: int, num_classes: int) -> torch.Tensor:
     return torch.sort(torch.arange(num_samples) % num_classes, stable=True).values
 
 
+def random_labels(num_samples: int, num_classes: int, batch_size: int, seed: int) -> torch.Tensor:
+    """DiT's ``sample_ddp.py`` labels: every batch of ``batch_size`` draws its own uniformly at random (batch ``k``
+    from the stream ``(seed, k)``, apart from its noise)."""
+    parts = [np.random.default_rng([LABEL_STREAM, int(seed), k]).integers(0, num_classes, min(batch_size, num_samples - i))
+             for k, i in enumerate(range(0, num_samples, batch_size))]
+    return torch.from_numpy(np.concatenate(parts)).long()
+
+
+def draw_labels(mode: str, num_samples: int, num_classes: int, batch_size: int, seed: int) -> torch.Tensor:
+    if mode not in LABEL_MODES:
+        raise ConfigError(f"labels={mode}: use {' or '.join(LABEL_MODES)}")
+    if mode == "balanced":
+        return balanced_labels(num_samples, num_classes)
+    return random_labels(num_samples, num_classes, batch_size, seed)
+
+
 def batch_seed(seed: int, k: int) -> int:
     return int(seed) * 1_000_003 + int(k)
 
@@ -59,6 +81,9 @@ def batch_seed(seed: int, k: int) -> int:
 def sample_count(cfg: Mapping[str, Any], num_classes: int) -> int:
     if cfg.num_samples is not None and cfg.per_class is not None:
         raise ConfigError("give num_samples= or per_class=, not both")
+    if cfg.per_class is not None and cfg.labels != "balanced":
+        raise ConfigError(f"per_class= asks for balanced classes, but labels={cfg.labels}: add labels=balanced, "
+                          f"or give num_samples= for randomly drawn labels")
     n = int(cfg.num_samples) if cfg.num_samples is not None else int(cfg.per_class or 8) * num_classes
     if n < 1:
         raise ConfigError(f"num_samples={n}: nothing to sample")
@@ -83,6 +108,11 @@ def shape_from_weights(weights: Dict[str, torch.Tensor], class_dropout_prob: flo
 
 def load_model(cfg: Mapping[str, Any], device: torch.device):
     """(task, model, data, checkpoint info) from ``cfg.ckpt``, with the sampling overrides applied."""
+    if cfg.ckpt is None:
+        raise ConfigError("ckpt= is required (a diffusion checkpoint written by train.py), or model=<preset> "
+                          "pretrained=<file | hub id | true> for released weights")
+    if cfg.pretrained:
+        raise ConfigError(f"pretrained={cfg.pretrained} goes with model=<preset> (released weights), not with ckpt=")
     run = rebuild_run(cfg.ckpt, with_data=False)
     state, used, container, task = run.state, run.path, run.config, run.task
     if group_name(container["task"]) != "diffusion":
@@ -99,6 +129,37 @@ def load_model(cfg: Mapping[str, Any], device: torch.device):
     apply_overrides(task, cfg)
     info = {"checkpoint": str(used), "step": state.get("step"), "model": container["model"]["name"],
             "weights": key, "attention": (container.get("attention") or {}).get("name") or "preset"}
+    return task, model.to(device).eval(), data, info
+
+
+# DiT's sample_ddp.py: 250 DDPM steps, guidance 1.5 on the first 3 latent channels (the defaults for released weights)
+RELEASED_SAMPLE = {"steps": "250", "sampler": "ddpm", "cfg_scale": 1.5, "guidance_channels": 3}
+
+
+def load_released_model(cfg: Mapping[str, Any], device: torch.device):
+    """(task, model, data, info) for released DiT / MoH-DiT weights (``model=<preset> pretrained=<weights>``): the
+    data shape comes from the weights, the sampling defaults from DiT's ``sample_ddp.py`` (:data:`RELEASED_SAMPLE`)."""
+    from moh_vision.tasks.diffusion import DiffusionTask
+    from .released import load_strictly, read_released
+
+    if cfg.ckpt is not None:
+        raise ConfigError("give ckpt=<train.py checkpoint> or model=<preset> pretrained=<weights>, not both")
+    if not cfg.pretrained:
+        raise ConfigError(f"model={cfg.model} needs pretrained=<file | hub id | true>: the released weights to sample")
+    path, weights = read_released(cfg.model, cfg.pretrained)
+    task = DiffusionTask(model={"name": cfg.model, "checkpoint_path": None, "init_from": None, "kwargs": {}},
+                         attention={"name": None, "aux_loss_weight": 0.0}, sample=RELEASED_SAMPLE,
+                         vae={"path": str(cfg.vae) if cfg.vae else None})
+    data = shape_from_weights(weights, task.class_dropout_prob)
+    if data.in_chans not in (1, 3) and not cfg.vae:
+        raise ConfigError(f"{cfg.model} makes {data.in_chans}-channel latents: give vae=<local AutoencoderKL dir> "
+                          f"(DiT: sd-vae-ft-ema) to decode them")
+    if data.in_chans <= 3:  # DiT guides 3 of its 4 latent channels; a pixel-space model: every channel
+        task.sample_cfg["guidance_channels"] = None
+    model = task.build_model(data)
+    load_strictly(model, weights, f"pretrained={cfg.pretrained} ({path})")
+    apply_overrides(task, cfg)
+    info = {"checkpoint": str(path), "step": None, "model": cfg.model, "weights": "released", "attention": "preset"}
     return task, model.to(device).eval(), data, info
 
 
@@ -165,10 +226,10 @@ def merge_parts(parts: Path, num_batches: int) -> Tuple[np.ndarray, np.ndarray]:
     return np.concatenate(arrays), np.concatenate(labels).astype(np.int64)
 
 
-def sample_images(task, model, num_samples: int, seed: int, device: torch.device, parts: Path, dist,
+def sample_images(task, model, labels: torch.Tensor, seed: int, device: torch.device, parts: Path, dist,
                   progress: bool = True, decode_batch_size: int = 32) -> Optional[Tuple[np.ndarray, np.ndarray]]:
-    """All ranks sample their batches; rank 0 returns (uint8 NHWC images, labels), others None."""
-    labels = balanced_labels(num_samples, task.null_class)
+    """All ranks sample their batches of ``labels``; rank 0 returns (uint8 NHWC images, labels), others None."""
+    num_samples = len(labels)
     size = int(task.sample_cfg["batch_size"])
     num_batches = (num_samples + size - 1) // size
     mine = list(range(dist.rank, num_batches, dist.world_size))
@@ -249,7 +310,7 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
             torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
             torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
         check_metric_inputs(cfg)
-        task, model, data, info = load_model(cfg, device)
+        task, model, data, info = (load_released_model if cfg.model else load_model)(cfg, device)
         if cfg.compile:  # the first call compiles; the other steps reuse it (a smaller last batch compiles once more)
             from moh_vision.attention.recorder import compile_model
             model = compile_model(model)
@@ -257,14 +318,16 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
             from moh_vision.data.latents import load_vae
             load_vae(task.vae_cfg["path"], device)  # fail now if missing; cached for decoding
         num_samples = sample_count(cfg, task.null_class)
-        settings = {"num_samples": num_samples, "seed": int(cfg.seed), "vae": task.vae_cfg["path"],
-                    **{k: task.sample_cfg[k] for k in (*OVERRIDABLE, "guidance_channels")}}
+        settings = {"num_samples": num_samples, "labels": cfg.labels, "seed": int(cfg.seed),
+                    "vae": task.vae_cfg["path"], **{k: task.sample_cfg[k] for k in (*OVERRIDABLE, "guidance_channels")}}
         parts = out / f".parts-{run_digest(info, settings)}"
         if dist.is_main:
             log.info("sampling %d images (%d classes) from %s [%s weights, step %s]: %s", num_samples,
                      task.null_class, info["checkpoint"], info["weights"], info["step"],
                      ", ".join(f"{k}={v}" for k, v in settings.items() if k != "num_samples"))
-        merged = sample_images(task, model, num_samples, int(cfg.seed), device, parts, dist, bool(cfg.progress),
+        labels = draw_labels(cfg.labels, num_samples, task.null_class, int(task.sample_cfg["batch_size"]),
+                             int(cfg.seed))
+        merged = sample_images(task, model, labels, int(cfg.seed), device, parts, dist, bool(cfg.progress),
                                int(cfg.decode_batch_size))
         if merged is None:
             return {}
