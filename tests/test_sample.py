@@ -83,7 +83,7 @@ def test_cli_writes_adm_npz_grid_labels_and_digits_metrics(checkpoint, tmp_path)
     assert (tmp_path / "samples.png").is_file() and not list(tmp_path.glob(".parts-*"))
     info = json.loads((tmp_path / "sample.json").read_text())
     assert info["weights"] == "model_ema" and info["step"] == 7 and info["model"] == "dit_tiny_2"
-    assert (info["cfg_scale"], info["steps"], info["sampler"], info["num_samples"]) == (2, 3, "ddim", 23)  # task default
+    assert (info["cfg_scale"], info["steps"], info["sampler"], info["num_samples"]) == (2, 3, "ddim", 23)  # task's
     assert info["labels"] == "random"
     assert info["guidance_channels"] is None and info["space"] == "pixel"
     assert 0 <= info["metrics"]["sample/class_acc"] <= 100 and info["metrics"]["sample/fd_digits"] > 0

@@ -19,7 +19,8 @@ from moh_vision.cli import Option, boolean, integer, run_tool
 
 OPTIONS = (
     Option("samples", required=True, help="samples .npz: arr_0 uint8 [N, H, W, 3]"),
-    Option("ref", required=True, help="ADM reference batch .npz (arr_0 + mu/sigma, mu_s/sigma_s) or a folder of images"),
+    Option("ref", required=True,
+           help="ADM reference batch .npz (arr_0 + mu/sigma, mu_s/sigma_s) or a folder of images"),
     Option("inception", required=True, help="LOCAL torch-fidelity Inception weights "
            "(weights-inception-2015-12-05-6726825d.pth)"),
     Option("batch_size", 64, integer, "images per Inception call", minimum=1),

@@ -40,7 +40,7 @@ DISTANCE_BLOCK = 1024  # rows of a pairwise distance block: 1024 x 50,000 float3
 
 def adm_metrics(samples: Activations, reference: Activations, neighbours: int = NEIGHBOURS,
                 split_size: int = IS_SPLIT_SIZE, device: Union[str, torch.device] = "cpu") -> Dict[str, float]:
-    """``fid``, ``sfid``, ``inception_score``, ``precision``, ``recall`` of the sample activations against the reference.
+    """``fid``, ``sfid``, ``inception_score``, ``precision`` and ``recall`` of the samples against the reference.
 
     ``samples`` holds ``pool`` [N, 2048], ``spatial`` [N, 2023] and ``probs`` [N, 1008] (the Inception classifier's
     softmax); ``reference`` holds ``pool`` and ``spatial`` of its images and may hold ``mu``, ``sigma``, ``mu_s``,
@@ -91,7 +91,7 @@ def check_stored_statistics(reference: Activations, owner: str = "the reference"
 
 def reference_statistics(reference: Activations, key: str, mean_key: str, cov_key: str
                          ) -> Optional[Tuple[np.ndarray, np.ndarray]]:
-    """The stored ``mean_key``/``cov_key`` (ADM's precedence), else the statistics of the ``key`` activations, else None."""
+    """The stored ``mean_key``/``cov_key`` (ADM's precedence), else the ``key`` activations' statistics, else None."""
     if mean_key in reference:
         return np.asarray(reference[mean_key], dtype=np.float64), np.asarray(reference[cov_key], dtype=np.float64)
     if key in reference:

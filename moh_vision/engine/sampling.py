@@ -4,12 +4,12 @@ The checkpoint carries the task/model/data/attention config; the model and task 
 weights by default) and latents are decoded with the VAE of ``task.vae.path`` (or ``vae=``). Class labels
 follow DiT's ``sample_ddp.py`` by default (``labels=random``): each batch draws its labels uniformly at random,
 so class counts vary as in the published FID-50K runs; ``labels=balanced`` gives every class ``N // C`` or one
-more samples, sorted by class. Batch ``k`` of ``batch_size`` samples draws its noise (and its random labels, from a separate
-stream) from seed ``(seed, k)``, and ranks take every WORLD_SIZE-th batch, so the output does not depend on the
-number of ranks. (DiT seeds one stream per rank, ``global_seed * world_size + rank``, which makes its labels and
-noise depend on the number of GPUs; per-batch seeds keep the same distribution and make an interrupted run resumable.) Finished batches are kept in
-``out/.parts-<hash>/`` until the end, so an interrupted run resumes when rerun with the same settings and
-``out``. Rank 0 writes:
+more samples, sorted by class. Batch ``k`` of ``batch_size`` samples draws its noise (and its random labels, from
+a separate stream) from seed ``(seed, k)``, and ranks take every WORLD_SIZE-th batch, so the output does not depend
+on the number of ranks. (DiT seeds one stream per rank, ``global_seed * world_size + rank``, which makes its labels
+and noise depend on the number of GPUs; per-batch seeds keep the same distribution and make an interrupted run
+resumable.) Finished batches are kept in ``out/.parts-<hash>/`` until the end, so an interrupted run resumes when
+rerun with the same settings and ``out``. Rank 0 writes:
 
 * ``samples.npz``: ``arr_0`` uint8 [N, H, W, 3], the input of ADM's evaluation suite (DiT's FID protocol);
 * ``labels.npy``: the class of every sample; ``samples.png``: a labelled grid (rows = classes);
@@ -61,8 +61,10 @@ def balanced_labels(num_samples: int, num_classes: int) -> torch.Tensor:
 def random_labels(num_samples: int, num_classes: int, batch_size: int, seed: int) -> torch.Tensor:
     """DiT's ``sample_ddp.py`` labels: every batch of ``batch_size`` draws its own uniformly at random (batch ``k``
     from the stream ``(seed, k)``, apart from its noise)."""
-    parts = [np.random.default_rng([LABEL_STREAM, int(seed), k]).integers(0, num_classes, min(batch_size, num_samples - i))
-             for k, i in enumerate(range(0, num_samples, batch_size))]
+    parts = []
+    for k, start in enumerate(range(0, num_samples, batch_size)):
+        stream = np.random.default_rng([LABEL_STREAM, int(seed), k])
+        parts.append(stream.integers(0, num_classes, min(batch_size, num_samples - start)))
     return torch.from_numpy(np.concatenate(parts)).long()
 
 
