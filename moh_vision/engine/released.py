@@ -1,21 +1,34 @@
-"""Released weights: ``eval.py`` / ``tools/sample.py model=<preset> pretrained=<weights>``.
+"""Released weights, evaluated as the papers evaluate them: ``eval.py model=<preset> pretrained=<weights>``.
 
 ``pretrained`` names the weights: a local file in any format :func:`moh_vision.checkpoints.read_weights` reads (the
 official releases included), a Hugging Face hub id (``owner/repo`` or ``hf-hub:owner/repo``, through the hub cache:
 :mod:`moh_vision.models.hub`), or ``true`` for where the preset's registered cfg says its weights live. They load
 strictly: a tensor that does not fit is a one-line error, never a re-initialised classifier.
+
+Top-1 follows timm's ``validate.py``: the validation images go through ``timm.data.create_transform`` with what
+``resolve_data_config`` reads from the model's pretrained cfg (test input size, crop_pct, crop mode, interpolation,
+mean, std), not the data config's own eval transform. Class indices are the sorted class-folder names (for
+ImageNet the standard wnid order). Under torchrun each rank takes every WORLD_SIZE-th image and the sums are
+all-reduced, so every image counts once.
 """
 from __future__ import annotations
 
+import logging
 import re
+import time
 from pathlib import Path
-from typing import Dict, Tuple
+from typing import Any, Dict, Tuple
 
 import torch
+from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from moh_vision.checkpoints import read_weights, state_dict_mismatch
 from moh_vision.errors import ConfigError
+from .distributed import cleanup, init_distributed, reduce_sums
+from .loggers import write_json
+
+log = logging.getLogger(__name__)
 
 HUB_ID = re.compile(r"^(hf-hub:)?[\w.-]+/[\w.-]+$")
 PRESET_WEIGHTS = ("true", "default")
@@ -58,3 +71,73 @@ def load_strictly(model: nn.Module, state: Dict[str, torch.Tensor], what: str, h
     if problem:
         raise ConfigError(f"{what} does not fit the model as built: {problem}{hint}")
     model.load_state_dict(state, strict=True)
+
+
+def timm_eval_transform(model: nn.Module):
+    """(transform, data config) as timm's validate.py builds them from the model's pretrained cfg."""
+    from timm.data import create_transform, resolve_data_config
+
+    config = resolve_data_config({}, model=model, use_test_size=True)
+    return create_transform(**config, is_training=False), config
+
+
+def evaluate_released(cfg: DictConfig, out_dir: Path, options) -> Dict[str, Any]:
+    """Top-1 / top-5 of released classification weights on ``data``'s validation images (all ranks)."""
+    from torch.utils.data import DataLoader
+
+    from moh_vision.config import build_data
+    from moh_vision.data.imagefolder import SkipBadImagesCollate
+    from moh_vision.data.sampler import HeldIndices
+    from moh_vision.models import build_model
+    from moh_vision.tasks.classification import ClassificationTask
+    from .fit_setup import amp_context
+
+    from moh_vision.config import TASK_MODEL_FAMILIES
+    from moh_vision.models import model_family
+
+    start = time.time()
+    model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
+    name, pretrained = model_cfg["name"], str(options.pretrained)
+    if model_cfg.get("checkpoint_path") or model_cfg.get("init_from"):
+        raise ConfigError("model.checkpoint_path / model.init_from start training runs; released weights go in "
+                          "pretrained=<file | hub id | true>")
+    if model_family(name) not in TASK_MODEL_FAMILIES["classification"]:
+        raise ConfigError(f"eval.py model=... pretrained=... evaluates image classifiers "
+                          f"({', '.join(TASK_MODEL_FAMILIES['classification'])}), not {name}; sample released DiT "
+                          f"weights with tools/sample.py model={name} pretrained=...")
+    if cfg.data is None:
+        raise ConfigError("released weights need data to evaluate on: data=imagenet data.root=<dir> "
+                          "(or data=imagefolder data.root=<dir>)")
+    dist = init_distributed(options.eval.device)
+    try:
+        data = build_data(OmegaConf.to_container(cfg.data, resolve=True))
+        if getattr(data, "in_chans", 3) != 3 or not hasattr(data.val, "transform"):
+            raise ConfigError(f"released weights are evaluated on RGB image folders (data=imagenet or "
+                              f"data=imagefolder), not {type(data).__name__}")
+        model = build_model(name, num_classes=data.num_classes, **dict(model_cfg.get("kwargs") or {}))
+        weights, state = read_released(name, pretrained)
+        load_strictly(model, state, f"pretrained={pretrained} ({weights})",
+                      f" (the data have {data.num_classes} classes)")
+        model = model.to(dist.device).eval()
+        transform, data_config = timm_eval_transform(model)
+        data.val.transform = transform
+        loader = DataLoader(data.val, batch_size=options.eval.batch_size, num_workers=options.eval.num_workers,
+                            sampler=HeldIndices(range(dist.rank, len(data.val), dist.world_size)),
+                            collate_fn=SkipBadImagesCollate(data_config["input_size"]))
+        if dist.is_main:
+            log.info("evaluating %s with %s on %d images of %s (%d ranks): %s", name, weights, len(data.val),
+                     data.root, dist.world_size, ", ".join(f"{k}={v}" for k, v in data_config.items()))
+        task = ClassificationTask(model=model_cfg, attention={}, aux_loss_weight=0.0)
+        sums = task.evaluate(model, loader, dist.device, amp=amp_context(options.eval.amp, dist.device))
+        metrics = task.finalize(reduce_sums(sums, dist, dist.device), prefix="val")
+        summary = {"model": name, "pretrained": pretrained, "weights_file": str(weights), "data_root": data.root,
+                   "params": sum(p.numel() for p in model.parameters()), "world_size": dist.world_size,
+                   "eval_transform": {k: list(v) if isinstance(v, tuple) else v for k, v in data_config.items()},
+                   **metrics, "wall_time_s": time.time() - start}
+        if dist.is_main:
+            write_json(out_dir / "summary.json", summary)
+            OmegaConf.save(cfg, out_dir / "config.yaml")
+            log.info("%s", ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+        return summary
+    finally:
+        cleanup(dist)
