@@ -145,8 +145,10 @@ def test_random_labels_are_uniform_drawn_per_batch_and_seeded():
     balanced = sampler.draw_labels("balanced", 23, NUM_CLASSES, 8, seed=0)
     assert balanced.tolist() == sorted(balanced.tolist()) and np.bincount(balanced).tolist() == [3, 3, 3] + [2] * 7
     with pytest.raises(ConfigError, match="per_class= asks for balanced classes"):
-        sampler.sample_count(options("ckpt=x", "per_class=2"), NUM_CLASSES)
-    assert sampler.sample_count(options("ckpt=x", "per_class=2", "labels=balanced"), NUM_CLASSES) == 20
+        sampler.label_mode(options("ckpt=x", "per_class=2", "labels=random"))
+    assert sampler.label_mode(options("ckpt=x", "per_class=2")) == "balanced"
+    assert sampler.label_mode(options("ckpt=x", "num_samples=20")) == "random"
+    assert sampler.label_mode(options("ckpt=x", "num_samples=20", "labels=balanced")) == "balanced"
 
 
 def test_released_weights_sample_with_dits_protocol(tmp_path):
@@ -230,7 +232,7 @@ def test_bad_requests_fail_before_sampling(checkpoint, tmp_path):
     with pytest.raises(ConfigError, match="need Inception weights"):
         sampler.check_metric_inputs(options("ckpt=x", f"fid_ref={tmp_path}"))
     with pytest.raises(ConfigError, match="not both"):
-        sampler.sample_count(options("ckpt=x", "num_samples=4", "per_class=2", "labels=balanced"), 10)
+        sampler.sample_count(options("ckpt=x", "num_samples=4", "per_class=2"), 10)
     _, task, _, _, _ = sampling(checkpoint, f"vae={tmp_path / 'no_vae'}")
     with pytest.raises(ConfigError, match="VAE path .* does not exist"):
         task.decode(torch.zeros(1, 1, 16, 16))

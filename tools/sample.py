@@ -5,8 +5,8 @@
     torchrun --nproc_per_node=8 tools/sample.py ckpt=last.pt num_samples=50000 cfg_scale=1.5 steps=250 \\
         guidance_channels=3 out=samples/xl_90 [fid_ref=VIRTUAL_imagenet256_labeled.npz inception_weights=...]
 
-Labels are drawn uniformly at random per batch, as DiT's sample_ddp.py draws them (labels=balanced: every class
-equally often). Writes ``samples.npz`` (ADM's evaluator input), ``labels.npy``, ``samples.png`` and
+Labels are drawn uniformly at random per batch, as DiT's sample_ddp.py draws them (per_class= or labels=balanced:
+every class equally often). Writes ``samples.npz`` (ADM's evaluator input), ``labels.npy``, ``samples.png`` and
 ``sample.json`` into ``out``; the samples do not depend on the number of ranks (:mod:`moh_vision.engine.sampling`).
 """
 from __future__ import annotations
@@ -24,10 +24,10 @@ OPTIONS = (
            "or true (where the preset's cfg says)"),
     Option("out", help="output directory (default: outputs/sample/<date>/<time>)"),
     Option("num_samples", type=integer, minimum=1, help="total (50000 for FID-50K)"),
-    Option("per_class", type=integer, minimum=1, help="or this many of every class, with labels=balanced "
-           "(8 x classes samples when neither is set)"),
-    Option("labels", "random", choices=("random", "balanced"),
-           help="random: uniform per batch (DiT's sample_ddp.py) | balanced: every class equally, sorted"),
+    Option("per_class", type=integer, minimum=1, help="or this many of every class (balanced labels; "
+           "8 x classes samples when neither is set)"),
+    Option("labels", choices=("random", "balanced"), help="random: uniform per batch, as DiT's sample_ddp.py "
+           "draws them (the default) | balanced: every class equally, sorted (the default with per_class=)"),
     Option("ema", True, boolean, "sample the EMA weights (false: the raw training weights)"),
     Option("seed", 0, integer, "batch k uses seed (seed, k)"),
     Option("batch_size", type=integer, minimum=1, help=f"samples per model call {KEEP}"),

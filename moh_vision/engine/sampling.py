@@ -3,8 +3,8 @@
 The checkpoint carries the task/model/data/attention config; the model and task are rebuilt from it (EMA
 weights by default) and latents are decoded with the VAE of ``task.vae.path`` (or ``vae=``). Class labels
 follow DiT's ``sample_ddp.py`` by default (``labels=random``): each batch draws its labels uniformly at random,
-so class counts vary as in the published FID-50K runs; ``labels=balanced`` gives every class ``N // C`` or one
-more samples, sorted by class. Batch ``k`` of ``batch_size`` samples draws its noise (and its random labels, from
+so class counts vary as in the published FID-50K runs; ``labels=balanced`` (the default with ``per_class=``) gives
+every class ``N // C`` or one more samples, sorted by class. Batch ``k`` of ``batch_size`` samples draws its noise (and its random labels, from
 a separate stream) from seed ``(seed, k)``, and ranks take every WORLD_SIZE-th batch, so the output does not depend
 on the number of ranks. (DiT seeds one stream per rank, ``global_seed * world_size + rank``, which makes its labels
 and noise depend on the number of GPUs; per-batch seeds keep the same distribution and make an interrupted run
@@ -68,6 +68,16 @@ def random_labels(num_samples: int, num_classes: int, batch_size: int, seed: int
     return torch.from_numpy(np.concatenate(parts)).long()
 
 
+def label_mode(cfg: Mapping[str, Any]) -> str:
+    """``labels=``, else balanced with ``per_class=`` and random (DiT's protocol) otherwise."""
+    if cfg.per_class is not None:
+        if cfg.labels == "random":
+            raise ConfigError("per_class= asks for balanced classes, but labels=random: drop one of them (random "
+                              "labels: give num_samples=)")
+        return "balanced"
+    return cfg.labels or "random"
+
+
 def draw_labels(mode: str, num_samples: int, num_classes: int, batch_size: int, seed: int) -> torch.Tensor:
     if mode not in LABEL_MODES:
         raise ConfigError(f"labels={mode}: use {' or '.join(LABEL_MODES)}")
@@ -83,9 +93,6 @@ def batch_seed(seed: int, k: int) -> int:
 def sample_count(cfg: Mapping[str, Any], num_classes: int) -> int:
     if cfg.num_samples is not None and cfg.per_class is not None:
         raise ConfigError("give num_samples= or per_class=, not both")
-    if cfg.per_class is not None and cfg.labels != "balanced":
-        raise ConfigError(f"per_class= asks for balanced classes, but labels={cfg.labels}: add labels=balanced, "
-                          f"or give num_samples= for randomly drawn labels")
     n = int(cfg.num_samples) if cfg.num_samples is not None else int(cfg.per_class or 8) * num_classes
     if n < 1:
         raise ConfigError(f"num_samples={n}: nothing to sample")
@@ -320,14 +327,14 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
             from moh_vision.data.latents import load_vae
             load_vae(task.vae_cfg["path"], device)  # fail now if missing; cached for decoding
         num_samples = sample_count(cfg, task.null_class)
-        settings = {"num_samples": num_samples, "labels": cfg.labels, "seed": int(cfg.seed),
+        settings = {"num_samples": num_samples, "labels": label_mode(cfg), "seed": int(cfg.seed),
                     "vae": task.vae_cfg["path"], **{k: task.sample_cfg[k] for k in (*OVERRIDABLE, "guidance_channels")}}
         parts = out / f".parts-{run_digest(info, settings)}"
         if dist.is_main:
             log.info("sampling %d images (%d classes) from %s [%s weights, step %s]: %s", num_samples,
                      task.null_class, info["checkpoint"], info["weights"], info["step"],
                      ", ".join(f"{k}={v}" for k, v in settings.items() if k != "num_samples"))
-        labels = draw_labels(cfg.labels, num_samples, task.null_class, int(task.sample_cfg["batch_size"]),
+        labels = draw_labels(settings["labels"], num_samples, task.null_class, int(task.sample_cfg["batch_size"]),
                              int(cfg.seed))
         merged = sample_images(task, model, labels, int(cfg.seed), device, parts, dist, bool(cfg.progress),
                                int(cfg.decode_batch_size))
