@@ -180,6 +180,21 @@ def test_at_299_px_the_activations_have_adm_widths(random_inception_weights):
     assert widths == {"pool": 2048, "spatial": 2023, "probs": 1008}
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_gives_the_cpu_numbers(random_inception_weights, activations):
+    """Inception in float32 (no TF32) and the neighbour distances on the GPU agree with the CPU's."""
+    samples, reference = activations
+    on_gpu, on_cpu = adm_metrics(samples, reference, device="cuda"), adm_metrics(samples, reference)
+    assert on_gpu == pytest.approx(on_cpu, rel=1e-6)
+    batch = images(0, n=4, size=64)
+    cpu, gpu = InceptionActivations(random_inception_weights)(batch), InceptionActivations(
+        random_inception_weights, "cuda")(batch)
+    assert torch.backends.cudnn.allow_tf32, "the caller's TF32 setting is restored"
+    for key in ("pool", "spatial", "probs"):
+        np.testing.assert_allclose(gpu[key], cpu[key], rtol=1e-3, atol=1e-4, err_msg=key)
+
+
 def test_npz_images_stream_what_np_load_reads(tmp_path):
     data = images(3, n=7)
     np.savez(tmp_path / "plain.npz", arr_0=data)

@@ -26,6 +26,7 @@ output op), which the conversion map above supports but which was not checked ag
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Union
 
@@ -57,6 +58,18 @@ def check_inception_weights(path: Union[str, os.PathLike, None], option: str = "
     return path
 
 
+@contextmanager
+def full_float32():
+    """No TF32 inside: cuDNN's default rounds convolution inputs to 10 mantissa bits on Ampere and later GPUs,
+    while the port was checked against TF's features in float32 (the setting is restored afterwards)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
 class InceptionActivations:
     """``pool`` [N, 2048], ``spatial`` [N, 7 * 17 * 17] and ``probs`` [N, 1008] of uint8 NHWC RGB images."""
 
@@ -79,7 +92,8 @@ class InceptionActivations:
     def __call__(self, images: np.ndarray) -> Dict[str, np.ndarray]:
         """Activations of one batch of uint8 [B, H, W, 3] images."""
         x = torch.from_numpy(np.ascontiguousarray(images)).to(self.device).permute(0, 3, 1, 2)
-        pool, logits = self.net(x)
+        with full_float32():
+            pool, logits = self.net(x)
         probs = torch.softmax(logits.double(), dim=-1)
         return {"pool": pool.cpu().numpy(), "spatial": self._spatial.cpu().numpy(), "probs": probs.cpu().numpy()}
 
