@@ -81,6 +81,36 @@ def timm_eval_transform(model: nn.Module):
     return create_transform(**config, is_training=False), config
 
 
+def check_released_classifier(model_cfg: Dict[str, Any], data_cfg: Any) -> None:
+    """``eval.py model=... pretrained=...`` names an image classifier, its weights only in ``pretrained``, and data."""
+    from moh_vision.config import TASK_MODEL_FAMILIES
+    from moh_vision.models import model_family
+
+    name, families = model_cfg["name"], TASK_MODEL_FAMILIES["classification"]
+    if model_cfg.get("checkpoint_path") or model_cfg.get("init_from"):
+        raise ConfigError("model.checkpoint_path / model.init_from start training runs; released weights go in "
+                          "pretrained=<file | hub id | true>")
+    if model_family(name) not in families:
+        raise ConfigError(f"eval.py model=... pretrained=... evaluates image classifiers ({', '.join(families)}), "
+                          f"not {name}; sample released DiT weights with tools/sample.py model={name} pretrained=...")
+    if data_cfg is None:
+        raise ConfigError("released weights need data to evaluate on: data=imagenet data.root=<dir> "
+                          "(or data=imagefolder data.root=<dir>)")
+
+
+def released_classifier(model_cfg: Dict[str, Any], pretrained: str, num_classes: int) -> Tuple[nn.Module, Path]:
+    """The preset with ``num_classes`` outputs and the released weights loaded strictly; their file."""
+    from moh_vision.models import build_model
+
+    kwargs = dict(model_cfg.get("kwargs") or {})
+    if kwargs.setdefault("num_classes", num_classes) != num_classes:
+        raise ConfigError(f"model.kwargs.num_classes={kwargs['num_classes']} but the data have {num_classes} classes")
+    model = build_model(model_cfg["name"], **kwargs)
+    weights, state = read_released(model_cfg["name"], pretrained)
+    load_strictly(model, state, f"pretrained={pretrained} ({weights})", f" (the data have {num_classes} classes)")
+    return model.eval(), weights
+
+
 def evaluate_released(cfg: DictConfig, out_dir: Path, options) -> Dict[str, Any]:
     """Top-1 / top-5 of released classification weights on ``data``'s validation images (all ranks)."""
     from torch.utils.data import DataLoader
@@ -88,39 +118,22 @@ def evaluate_released(cfg: DictConfig, out_dir: Path, options) -> Dict[str, Any]
     from moh_vision.config import build_data
     from moh_vision.data.imagefolder import SkipBadImagesCollate
     from moh_vision.data.sampler import HeldIndices
-    from moh_vision.models import build_model
     from moh_vision.tasks.classification import ClassificationTask
     from .fit_setup import amp_context
-
-    from moh_vision.config import TASK_MODEL_FAMILIES
-    from moh_vision.models import model_family
 
     start = time.time()
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     name, pretrained = model_cfg["name"], str(options.pretrained)
-    if model_cfg.get("checkpoint_path") or model_cfg.get("init_from"):
-        raise ConfigError("model.checkpoint_path / model.init_from start training runs; released weights go in "
-                          "pretrained=<file | hub id | true>")
-    if model_family(name) not in TASK_MODEL_FAMILIES["classification"]:
-        raise ConfigError(f"eval.py model=... pretrained=... evaluates image classifiers "
-                          f"({', '.join(TASK_MODEL_FAMILIES['classification'])}), not {name}; sample released DiT "
-                          f"weights with tools/sample.py model={name} pretrained=...")
-    if cfg.data is None:
-        raise ConfigError("released weights need data to evaluate on: data=imagenet data.root=<dir> "
-                          "(or data=imagefolder data.root=<dir>)")
+    check_released_classifier(model_cfg, cfg.data)
     dist = init_distributed(options.eval.device)
     try:
         data = build_data(OmegaConf.to_container(cfg.data, resolve=True))
         if getattr(data, "in_chans", 3) != 3 or not hasattr(data.val, "transform"):
             raise ConfigError(f"released weights are evaluated on RGB image folders (data=imagenet or "
                               f"data=imagefolder), not {type(data).__name__}")
-        model = build_model(name, num_classes=data.num_classes, **dict(model_cfg.get("kwargs") or {}))
-        weights, state = read_released(name, pretrained)
-        load_strictly(model, state, f"pretrained={pretrained} ({weights})",
-                      f" (the data have {data.num_classes} classes)")
-        model = model.to(dist.device).eval()
-        transform, data_config = timm_eval_transform(model)
-        data.val.transform = transform
+        model, weights = released_classifier(model_cfg, pretrained, data.num_classes)
+        model = model.to(dist.device)
+        data.val.transform, data_config = timm_eval_transform(model)
         loader = DataLoader(data.val, batch_size=options.eval.batch_size, num_workers=options.eval.num_workers,
                             sampler=HeldIndices(range(dist.rank, len(data.val), dist.world_size)),
                             collate_fn=SkipBadImagesCollate(data_config["input_size"]))
