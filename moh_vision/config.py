@@ -312,8 +312,12 @@ class EvalOptions:
 
 @dataclass
 class EvalConfig:
-    """``python eval.py``: a checkpoint and, optionally, other data."""
-    ckpt: str = option(MISSING, path="checkpoint")
+    """``python eval.py``: a checkpoint and, optionally, other data; or released weights (``model=<preset>
+    pretrained=<file | hub id | true>``) on ``data``."""
+    ckpt: Optional[str] = option(None, path="checkpoint", help="a checkpoint written by train.py")
+    model: Any = None
+    pretrained: Optional[str] = option(None, help="released weights of model=<preset>: a local file, a Hugging Face "
+                                                  "hub id (owner/repo) or true (those its registered cfg names)")
     data: Any = None
     logger: Any = MISSING
     eval: EvalOptions = field(default_factory=EvalOptions)
@@ -466,7 +470,7 @@ def _schemas_at(parts: Sequence[str]) -> List[type]:
     if parts and parts[0] in SCHEMAS:
         schemas, parts = list(SCHEMAS[parts[0]].values()), parts[1:]
     else:
-        schemas = [EvalConfig if parts and parts[0] in ("ckpt", "eval") else TrainConfig]
+        schemas = [EvalConfig if parts and parts[0] in ("ckpt", "eval", "pretrained") else TrainConfig]
     for part in parts:
         hints = [typing.get_type_hints(schema).get(part) for schema in schemas]
         schemas = [hint for hint in hints if dataclasses.is_dataclass(hint)]
@@ -523,11 +527,26 @@ def validate(cfg: DictConfig) -> Any:
     _check_fields(typed, "")
     if isinstance(getattr(typed, "data", None), CustomData):
         data_class(typed.data.name)
+    if isinstance(typed, EvalConfig):
+        check_eval_source(typed)
     if isinstance(typed, TrainConfig):
         check_attention(typed.attention)
         check_model(typed.model, typed.attention, typed.task.name)
         check_task_model(typed.task.name, typed.model.name)
     return typed
+
+
+def check_eval_source(run: EvalConfig) -> None:
+    """``eval.py`` evaluates a train.py checkpoint (``ckpt=``) or released weights (``model=`` with ``pretrained=``)."""
+    released = "model=<preset> pretrained=<file | hub id | true> data=<imagenet | imagefolder> data.root=<dir>"
+    if run.ckpt is None and run.pretrained is None:
+        raise ConfigError(f"ckpt is required: give ckpt=<a checkpoint written by train.py>, or {released} "
+                          f"for released weights")
+    if run.ckpt is not None and (run.pretrained is not None or run.model is not None):
+        raise ConfigError("give ckpt=<checkpoint> (its model travels inside it) or model=<preset> "
+                          "pretrained=<weights>, not both")
+    if run.pretrained is not None and run.model is None:
+        raise ConfigError(f"pretrained={run.pretrained} needs the model it belongs to: {released}")
 
 
 def _check_fields(obj: Any, prefix: str) -> None:

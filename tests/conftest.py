@@ -67,3 +67,41 @@ def train_in_process(monkeypatch, capsys):
 def eval_in_process(monkeypatch, capsys):
     """``eval_in_process(*words)`` runs ``python eval.py <words>`` in this process: (exit code, stderr)."""
     return entry_in_process("eval.py", monkeypatch, capsys)
+
+
+@pytest.fixture(scope="session")
+def random_inception_weights(tmp_path_factory):
+    """A randomly initialised torch-fidelity InceptionV3 saved as a local weights file: the real file is 91 MB and
+    must not be downloaded, and the metrics' plumbing does not depend on trained weights."""
+    from torch import nn
+
+    import torch_fidelity.feature_extractor_inceptionv3 as tf_inception
+
+    patch = pytest.MonkeyPatch()
+    patch.setattr(tf_inception, "load_state_dict_from_url", lambda *args, **kwargs: {})
+    patch.setattr(tf_inception.FeatureExtractorInceptionV3, "load_state_dict", lambda self, state, **kw: None)
+    try:
+        torch.manual_seed(0)
+        model = tf_inception.FeatureExtractorInceptionV3("inception-v3-compat", ["2048"])
+    finally:
+        patch.undo()
+    for module in model.modules():  # He init keeps activations O(1) through the ~90 layers
+        if isinstance(module, (nn.Conv2d, nn.Linear)):
+            nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
+    path = tmp_path_factory.mktemp("inception") / "random_inception.pth"
+    torch.save(model.state_dict(), path)
+    return path
+
+
+@pytest.fixture
+def tiny_inception(random_inception_weights, monkeypatch):
+    """The random Inception's weights file, with the network's input side cut from 299 to 75 px (the smallest it
+    takes: the spatial map is then 3 x 3, 63-d) so that a CPU test is fast; any download attempt fails the test."""
+    import torch_fidelity.feature_extractor_inceptionv3 as tf_inception
+
+    def download(*args, **kwargs):
+        raise AssertionError("torch-fidelity tried to download weights")
+
+    monkeypatch.setattr(tf_inception.FeatureExtractorInceptionV3, "INPUT_IMAGE_SIZE", 75)
+    monkeypatch.setattr(tf_inception, "load_state_dict_from_url", download)
+    return random_inception_weights

@@ -1,5 +1,5 @@
-"""tools/sample.py: class-conditional sampling from a trainer checkpoint, the ADM .npz, guidance,
-rank sharding, and the digits proxy metrics."""
+"""tools/sample.py: class-conditional sampling from a trainer checkpoint or released weights, DiT's random labels,
+the ADM .npz, guidance, rank sharding, ADM's metrics and the digits proxy metrics."""
 import json
 from pathlib import Path
 
@@ -61,7 +61,7 @@ def checkpoint(tmp_path_factory):
 
 
 def options(*words):
-    return parse_options(words, load_tool("sample").OPTIONS)[0]
+    return parse_options(words, load_tool("sample").OPTIONS)[0]  # ckpt= (or model= pretrained=) first
 
 
 def sampling(ckpt, *overrides):
@@ -78,12 +78,13 @@ def test_cli_writes_adm_npz_grid_labels_and_digits_metrics(checkpoint, tmp_path)
         arr = npz["arr_0"]
     assert arr.dtype == np.uint8 and arr.shape == (23, 16, 16, 3)  # grayscale digits repeated to RGB
     assert (arr[..., 0] == arr[..., 2]).all() and arr.std() > 0
-    labels = np.load(tmp_path / "labels.npy")
-    assert labels.tolist() == sorted(labels.tolist()) and np.bincount(labels).tolist() == [3, 3, 3] + [2] * 7
+    labels = np.load(tmp_path / "labels.npy")  # DiT's: drawn at random per batch of 8
+    assert labels.tolist() == sampler.random_labels(23, NUM_CLASSES, 8, seed=0).tolist()
     assert (tmp_path / "samples.png").is_file() and not list(tmp_path.glob(".parts-*"))
     info = json.loads((tmp_path / "sample.json").read_text())
     assert info["weights"] == "model_ema" and info["step"] == 7 and info["model"] == "dit_tiny_2"
-    assert (info["cfg_scale"], info["steps"], info["sampler"], info["num_samples"]) == (2, 3, "ddim", 23)  # task default
+    assert (info["cfg_scale"], info["steps"], info["sampler"], info["num_samples"]) == (2, 3, "ddim", 23)  # task's
+    assert info["labels"] == "random"
     assert info["guidance_channels"] is None and info["space"] == "pixel"
     assert 0 <= info["metrics"]["sample/class_acc"] <= 100 and info["metrics"]["sample/fd_digits"] > 0
 
@@ -125,12 +126,88 @@ def test_guidance_weights_and_seed_decide_the_samples(checkpoint, tmp_path):
 def test_ranks_split_batches_without_changing_the_samples(checkpoint, tmp_path):
     cfg, task, model, _, _ = sampling(checkpoint, "steps=2", "batch_size=4", "cfg_scale=2")
     cpu = torch.device("cpu")
-    single = sampler.sample_images(task, model, 10, 0, cpu, tmp_path / "one", DistInfo(), progress=False)
-    labels = sampler.balanced_labels(10, NUM_CLASSES)
+    labels = sampler.random_labels(10, NUM_CLASSES, 4, seed=0)
+    single = sampler.sample_images(task, model, labels, 0, cpu, tmp_path / "one", DistInfo(), progress=False)
     for rank in (1, 0):  # batches 0..2 of 4, 4, 2 samples; rank 0 takes 0 and 2, rank 1 takes 1
         sampler.sample_batches(task, model, labels, range(rank, 3, 2), 0, cpu, _mkdir(tmp_path / "two"))
     images, merged_labels = sampler.merge_parts(tmp_path / "two", 3)
     assert np.array_equal(images, single[0]) and np.array_equal(merged_labels, single[1])
+
+
+def test_random_labels_are_uniform_drawn_per_batch_and_seeded():
+    labels = sampler.random_labels(20_000, NUM_CLASSES, 250, seed=0)
+    counts = np.bincount(labels.numpy(), minlength=NUM_CLASSES)
+    assert np.abs(counts - 2000).max() < 5 * np.sqrt(20_000 * 0.1 * 0.9)  # each class 2000 +- 5 sd
+    assert torch.equal(sampler.random_labels(250, NUM_CLASSES, 250, seed=0), labels[:250]), \
+        "a batch's labels depend on the seed and the batch only (not on the total, the ranks or a resumed run)"
+    assert not torch.equal(labels[:250], labels[250:500]) and not torch.equal(
+        labels, sampler.random_labels(20_000, NUM_CLASSES, 250, seed=1))
+    balanced = sampler.draw_labels("balanced", 23, NUM_CLASSES, 8, seed=0)
+    assert balanced.tolist() == sorted(balanced.tolist()) and np.bincount(balanced).tolist() == [3, 3, 3] + [2] * 7
+    with pytest.raises(ConfigError, match="per_class= asks for balanced classes"):
+        sampler.label_mode(options("ckpt=x", "per_class=2", "labels=random"))
+    assert sampler.label_mode(options("ckpt=x", "per_class=2")) == "balanced"
+    assert sampler.label_mode(options("ckpt=x", "num_samples=20")) == "random"
+    assert sampler.label_mode(options("ckpt=x", "num_samples=20", "labels=balanced")) == "balanced"
+
+
+def test_released_weights_sample_with_dits_protocol(tmp_path):
+    """``model=<preset> pretrained=<file>``: DiT's release format (the EMA state dict), loaded strictly, sampled with
+    sample_ddp.py's defaults (250 DDPM steps, guidance 1.5 on 3 channels) unless overridden."""
+    import timm
+
+    torch.manual_seed(0)
+    source = timm.create_model("dit_tiny_2")
+    with torch.no_grad():
+        for p in source.parameters():
+            p.normal_(0, 0.05)
+    torch.save(source.state_dict(), tmp_path / "DiT-tiny.pt")
+    weights = f"pretrained={tmp_path / 'DiT-tiny.pt'}"
+    task, model, data, info = sampler.load_released_model(options("model=dit_tiny_2", weights), torch.device("cpu"))
+    assert all(torch.equal(v, source.state_dict()[k]) for k, v in model.state_dict().items())
+    assert (data.num_classes, data.in_chans, data.img_size) == (10, 1, 16) and info["weights"] == "released"
+    assert {k: task.sample_cfg[k] for k in sampler.RELEASED_SAMPLE} == {"steps": "250", "sampler": "ddpm",
+                                                                        "cfg_scale": 1.5, "guidance_channels": None}
+    # (DiT's 4-channel latents: guidance on the first 3, as sample_ddp.py does; one pixel channel: on it)
+    summary = sampler.sample(options("model=dit_tiny_2", weights, "num_samples=6", "steps=2", "batch_size=3",
+                                     f"out={tmp_path / 'out'}", "progress=false"))
+    assert np.load(summary["files"]["npz"])["arr_0"].shape == (6, 16, 16, 3)
+    assert (summary["steps"], summary["sampler"], summary["labels"]) == (2, "ddpm", "random")
+    # what cannot be sampled says so in one line
+    torch.save(timm.create_model("dit_tiny_2", in_channels=4).state_dict(), tmp_path / "latent.pt")
+    with pytest.raises(ConfigError, match="4-channel latents: give vae="):
+        sampler.load_released_model(options("model=dit_tiny_2", f"pretrained={tmp_path / 'latent.pt'}"), "cpu")
+    torch.save({**source.state_dict(), "extra.weight": torch.zeros(1)}, tmp_path / "other.pt")
+    with pytest.raises(ConfigError, match="does not fit the model as built"):
+        sampler.load_released_model(options("model=dit_tiny_2", f"pretrained={tmp_path / 'other.pt'}"), "cpu")
+    with pytest.raises(ConfigError, match="needs pretrained="):
+        sampler.load_released_model(options("model=dit_tiny_2"), "cpu")
+    with pytest.raises(ConfigError, match="not both"):
+        sampler.load_released_model(options("model=dit_tiny_2", weights, "ckpt=x.pt"), "cpu")
+    with pytest.raises(ConfigError, match="ckpt= is required"):
+        sampler.load_model(options(), "cpu")
+
+
+def test_fid_ref_adds_adms_numbers_to_sample_json(checkpoint, tmp_path, tiny_inception):
+    np.savez(tmp_path / "ref.npz", arr_0=np.random.default_rng(0).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8))
+    summary = sampler.sample(options(f"ckpt={checkpoint}", "progress=false", "num_samples=8", "steps=2",
+                                     "batch_size=4", f"out={tmp_path / 'out'}", f"fid_ref={tmp_path / 'ref.npz'}",
+                                     f"inception_weights={tiny_inception}"))
+    from moh_vision.analysis import generative_metrics as adm
+    from moh_vision.analysis.inception import InceptionActivations
+
+    # the same numbers from the written samples.npz (the 2048-d FID, seconds on a CPU, is not computed twice)
+    inception = InceptionActivations(tiny_inception)
+    fake, real = inception(np.load(summary["files"]["npz"])["arr_0"]), inception(np.load(tmp_path / "ref.npz")["arr_0"])
+    found = {k[len("sample/"):]: v for k, v in summary["metrics"].items() if k.startswith("sample/")}
+    assert set(found) >= {"fid", "sfid", "inception_score", "precision", "recall"} and found["fid"] > 0
+    assert found["sfid"] == pytest.approx(adm.adm_metrics({"spatial": fake["spatial"]}, real)["sfid"], rel=1e-6)
+    assert found["inception_score"] == pytest.approx(adm.inception_score(fake["probs"]), rel=1e-6)
+    assert (found["precision"], found["recall"]) == adm.precision_recall(real["pool"], fake["pool"])
+    with pytest.raises(ConfigError, match="fid_ref=.*has no arr_0"):
+        np.savez(tmp_path / "bad.npz", images=np.zeros((2, 16, 16, 3), np.uint8))
+        sampler.check_metric_inputs(options("ckpt=x", f"fid_ref={tmp_path / 'bad.npz'}",
+                                            f"inception_weights={tiny_inception}"))
 
 
 def _mkdir(path: Path) -> Path:

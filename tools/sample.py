@@ -5,8 +5,9 @@
     torchrun --nproc_per_node=8 tools/sample.py ckpt=last.pt num_samples=50000 cfg_scale=1.5 steps=250 \\
         guidance_channels=3 out=samples/xl_90 [fid_ref=VIRTUAL_imagenet256_labeled.npz inception_weights=...]
 
-Writes ``samples.npz`` (ADM's evaluator input), ``labels.npy``, ``samples.png`` and ``sample.json`` into
-``out``; the samples do not depend on the number of ranks (:mod:`moh_vision.engine.sampling`).
+Labels are drawn uniformly at random per batch, as DiT's sample_ddp.py draws them (per_class= or labels=balanced:
+every class equally often). Writes ``samples.npz`` (ADM's evaluator input), ``labels.npy``, ``samples.png`` and
+``sample.json`` into ``out``; the samples do not depend on the number of ranks (:mod:`moh_vision.engine.sampling`).
 """
 from __future__ import annotations
 
@@ -17,10 +18,16 @@ from moh_vision.engine.sampling import sample
 
 KEEP = "(default: the checkpoint's task.sample setting)"
 OPTIONS = (
-    Option("ckpt", required=True, help="a diffusion checkpoint written by train.py"),
+    Option("ckpt", help="a diffusion checkpoint written by train.py (or model= and pretrained=)"),
+    Option("model", help="released weights: the preset they belong to, e.g. dit_xl_2"),
+    Option("pretrained", help="with model=: a local weights file (e.g. DiT-XL-2-256x256.pt), a Hugging Face hub id "
+           "or true (where the preset's cfg says)"),
     Option("out", help="output directory (default: outputs/sample/<date>/<time>)"),
-    Option("num_samples", type=integer, minimum=1, help="total, balanced over classes"),
-    Option("per_class", type=integer, minimum=1, help="or this many of every class (8 when neither is set)"),
+    Option("num_samples", type=integer, minimum=1, help="total (50000 for FID-50K)"),
+    Option("per_class", type=integer, minimum=1, help="or this many of every class (balanced labels; "
+           "8 x classes samples when neither is set)"),
+    Option("labels", choices=("random", "balanced"), help="random: uniform per batch, as DiT's sample_ddp.py "
+           "draws them (the default) | balanced: every class equally, sorted (the default with per_class=)"),
     Option("ema", True, boolean, "sample the EMA weights (false: the raw training weights)"),
     Option("seed", 0, integer, "batch k uses seed (seed, k)"),
     Option("batch_size", type=integer, minimum=1, help=f"samples per model call {KEEP}"),
@@ -37,10 +44,10 @@ OPTIONS = (
     Option("progress", True, boolean, "show a progress bar"),
     Option("grid_classes", 10, integer, "rows of samples.png: classes evenly spaced over all classes", minimum=1),
     Option("grid_per_class", 8, integer, "samples per row of samples.png", minimum=1),
-    Option("fid_ref", help="folder of real images or .npz (arr_0): FID, Inception Score, precision, recall"),
+    Option("fid_ref", help="ADM reference batch .npz or a folder of real images: ADM's FID, sFID, IS, precision, "
+           "recall (tools/evaluate_samples.py)"),
     Option("inception_weights", help="LOCAL torch-fidelity Inception weights "
            "(weights-inception-2015-12-05-6726825d.pth)"),
-    Option("fid_feature_layer", "2048", choices=("2048", "768", "192", "64"), help="Inception feature layer"),
     Option("metrics_batch_size", 64, integer, "images per Inception call", minimum=1),
     Option("digits_classifier", help="digits: the proxy-metric classifier (default: <run dir>/digits_classifier.pt)"),
 )

@@ -1,142 +1,169 @@
-"""FID, Inception Score and precision/recall of generated images, with torch-fidelity and LOCAL
-Inception weights (never downloaded).
+"""The five numbers of ADM's evaluation suite (openai/guided-diffusion ``evaluations/evaluator.py``), computed from
+Inception activations, with ADM's definitions:
 
-The weights are torch-fidelity's port of the TF-slim Inception used by the original FID code,
-``weights-inception-2015-12-05-6726825d.pth`` (the URL is ``URL_INCEPTION_V3`` in
-``torch_fidelity.feature_extractor_inceptionv3``): fetch it once on a machine with network access and
-pass its path. Its FID agrees closely with the TF implementations, but numbers for papers come from
-ADM's evaluation suite run on the ``.npz`` that ``tools/sample.py`` writes (DiT's protocol), so
-report those when comparing with published values.
+* FID: the Frechet distance between Gaussians fitted to the samples' and the reference's pool_3 activations
+  (2048-d). The reference's statistics are its stored ``mu``/``sigma`` when it has them (ADM's reference batches
+  hold the whole training set's), else those of its own activations;
+* sFID: the same on the spatial features (mixed_6/conv, first 7 channels, 17 x 17 x 7 = 2023-d) against
+  ``mu_s``/``sigma_s``, else the reference activations' own;
+* Inception Score: ``exp(E_x KL(p(y|x) || p(y)))`` of the samples' softmax over consecutive splits of 5,000,
+  averaged over the splits (ADM reports the mean, no spread);
+* precision and recall: k-nearest-neighbour manifolds (k = 3) in pool_3 space. A point's ball has the radius of
+  its k-th nearest neighbour within its own set; precision is the share of samples inside some reference ball,
+  recall the share of reference points inside some sample ball. The reference set is the reference batch's
+  images (never the stored statistics).
 
-The offline digits proxies (class accuracy, Frechet distance of a digits classifier's features)
-live in :mod:`moh_vision.analysis.metrics`.
+Distances are squared Euclidean, as ADM compares them; ADM first tries them in float16 and falls back to float32,
+here they are float32 throughout (a sample within float16 round-off of a ball's edge may count otherwise).
+
+:func:`adm_metrics` takes the activations as mappings of arrays, so each number can be checked without Inception
+weights. The activations of images come from :mod:`moh_vision.analysis.inception`; ``tools/evaluate_samples.py``
+runs the whole evaluation on ADM's ``.npz`` files (:mod:`moh_vision.analysis.adm_evaluation`).
 """
 from __future__ import annotations
 
-import os
-from pathlib import Path
-from typing import Dict, Union
+from typing import Dict, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
 
+from moh_vision.analysis.metrics import frechet_distance
 from moh_vision.errors import ConfigError
 
-INCEPTION_FILE = "weights-inception-2015-12-05-6726825d.pth"
-_PROBE_KEY = "Conv2d_1a_3x3.conv.weight"  # a key every torch-fidelity InceptionV3 state dict has
+Activations = Mapping[str, np.ndarray]
+NEIGHBOURS = 3  # ADM's nhood_sizes=(3,)
+IS_SPLIT_SIZE = 5000
+# (activations key, reference mean key, reference covariance key) of each Frechet distance
+FRECHET_INPUTS = {"fid": ("pool", "mu", "sigma"), "sfid": ("spatial", "mu_s", "sigma_s")}
+DISTANCE_BLOCK = 1024  # rows of a pairwise distance block: 1024 x 50,000 float32 is 200 MB
 
 
-def check_inception_weights(path: Union[str, os.PathLike, None]) -> Path:
-    """The path of a readable torch-fidelity InceptionV3 state dict, or a one-line ConfigError."""
-    hint = (f"inception_weights= must name a local copy of torch-fidelity's {INCEPTION_FILE} "
-            f"(nothing is downloaded)")
-    if not path:
-        raise ConfigError(f"FID / IS / precision-recall need Inception weights; {hint}")
-    path = Path(str(path)).expanduser()
-    if not path.is_file():
-        raise ConfigError(f"inception_weights={path} does not exist; {hint}")
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as err:
-        raise ConfigError(f"inception_weights={path} is not a readable state dict ({type(err).__name__}); {hint}")
-    if not isinstance(state, dict) or _PROBE_KEY not in state:
-        raise ConfigError(f"inception_weights={path} is not a torch-fidelity InceptionV3 state dict; {hint}")
-    return path
+def adm_metrics(samples: Activations, reference: Activations, neighbours: int = NEIGHBOURS,
+                split_size: int = IS_SPLIT_SIZE, device: Union[str, torch.device] = "cpu") -> Dict[str, float]:
+    """``fid``, ``sfid``, ``inception_score``, ``precision`` and ``recall`` of the samples against the reference.
 
-
-class UInt8Images(Dataset):
-    """uint8 NHWC images (an array or an ``.npz``'s ``arr_0``) as the uint8 CHW tensors torch-fidelity reads."""
-
-    def __init__(self, images: np.ndarray):
-        if images.dtype != np.uint8 or images.ndim != 4 or images.shape[-1] not in (1, 3):
-            raise ConfigError(f"expected uint8 NHWC images with 1 or 3 channels, got {images.dtype} {images.shape}")
-        self.images = images
-
-    def __len__(self) -> int:
-        return len(self.images)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        x = torch.from_numpy(np.ascontiguousarray(self.images[i])).permute(2, 0, 1)
-        return x.expand(3, -1, -1).contiguous() if x.shape[0] == 1 else x
-
-
-class FolderImages(Dataset):
-    """Every image below a folder (recursively, sorted), center-cropped ADM-style to ``image_size``."""
-
-    def __init__(self, root: Path, image_size: int):
-        from moh_vision.data.imagefolder import IMG_EXTENSIONS
-
-        self.files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS
-                            and not any(part.startswith(".") for part in p.relative_to(root).parts))
-        self.image_size = image_size
-
-    def __len__(self) -> int:
-        return len(self.files)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        from moh_vision.data.imagefolder import load_image
-        from moh_vision.data.latents import center_crop_arr
-
-        arr = center_crop_arr(load_image(str(self.files[i]), "RGB"), self.image_size)
-        return torch.from_numpy(arr.copy()).permute(2, 0, 1)
-
-
-def reference_images(reference: Union[str, os.PathLike, np.ndarray], image_size: int) -> Dataset:
-    """Real images to compare with: a folder of images (cropped to ``image_size``), an ``.npz`` with
-    ``arr_0`` (uint8 NHWC, e.g. ADM's reference batches), or a uint8 NHWC array."""
-    if isinstance(reference, np.ndarray):
-        return UInt8Images(reference)
-    path = Path(str(reference)).expanduser()
-    if path.is_dir():
-        data = FolderImages(path, image_size)
-        if not len(data):
-            raise ConfigError(f"fid_ref={path} holds no images")
-        return data
-    if path.is_file() and path.suffix == ".npz":
-        with np.load(path) as npz:
-            if "arr_0" not in npz:
-                raise ConfigError(f"fid_ref={path} has no arr_0 (expected uint8 NHWC images, the ADM format)")
-            return UInt8Images(npz["arr_0"])
-    raise ConfigError(f"fid_ref={path} {'does not exist' if not path.exists() else 'is neither a folder nor an .npz'}; "
-                      f"expected a folder of real images or an .npz with arr_0 (uint8 NHWC)")
-
-
-def generative_metrics(samples: np.ndarray, reference: Union[str, os.PathLike, np.ndarray, Dataset, None],
-                       inception_weights: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
-                       batch_size: int = 64, fid: bool = True, isc: bool = True, prc: bool = True,
-                       feature_layer: str = "2048") -> Dict[str, float]:
-    """FID (samples vs reference), Inception Score (samples) and precision/recall (samples vs reference,
-    k = 3 nearest neighbours) of uint8 NHWC ``samples``.
-
-    ``feature_layer`` is the Inception feature FID and precision/recall use: ``"2048"`` (pool3, the
-    standard FID) or ``"768"``, ``"192"``, ``"64"`` (earlier layers; pytorch-fid's advice for fewer
-    samples than dimensions). ``reference`` may be None for the Inception Score alone. Returns
-    ``fid``, ``inception_score``, ``inception_score_std``, ``precision``, ``recall`` (those asked for).
+    ``samples`` holds ``pool`` [N, 2048], ``spatial`` [N, 2023] and ``probs`` [N, 1008] (the Inception classifier's
+    softmax); ``reference`` holds ``pool`` and ``spatial`` of its images and may hold ``mu``, ``sigma``, ``mu_s``,
+    ``sigma_s``, which then take precedence over its activations' statistics. A number whose inputs are missing
+    is left out; inconsistent inputs raise a one-line :class:`ConfigError`. Pairwise distances for precision and
+    recall are computed on ``device`` in blocks.
     """
-    import torch_fidelity
+    check_stored_statistics(reference)
+    out: Dict[str, float] = {}
+    for name, (key, mean_key, cov_key) in FRECHET_INPUTS.items():
+        theirs = reference_statistics(reference, key, mean_key, cov_key)
+        if key in samples and theirs is not None:
+            ours = statistics(_features(samples, key, "samples"))
+            _check_same_width(ours[0], theirs[0], f"samples' {key}", f"reference's {key} statistics")
+            out[name] = frechet_distance(*ours, *theirs)
+    if "probs" in samples:
+        out["inception_score"] = inception_score(samples["probs"], split_size)
+    if "pool" in samples and "pool" in reference:
+        ref, fake = _features(reference, "pool", "reference"), _features(samples, "pool", "samples")
+        _check_same_width(fake[0], ref[0], "samples' pool", "reference's pool")
+        out["precision"], out["recall"] = precision_recall(ref, fake, neighbours, device)
+    return out
 
-    if feature_layer not in ("64", "192", "768", "2048"):
-        raise ConfigError(f"feature_layer={feature_layer} is not an Inception feature; use 2048, 768, 192 or 64")
-    weights = check_inception_weights(inception_weights)
-    fake = UInt8Images(samples)
-    real = None  # the Inception Score alone needs no reference
-    if fid or prc:
-        if reference is None:
-            raise ConfigError("FID and precision/recall need reference images (fid_ref=<folder or .npz>)")
-        real = reference if isinstance(reference, Dataset) else reference_images(reference, samples.shape[1])
-    smallest = min(len(fake), len(real) if real is not None else len(fake))
-    if smallest < 2 or (prc and smallest < 4):
-        raise ConfigError(f"need at least {4 if prc else 2} samples and reference images "
-                          f"(got {len(fake)} and {len(real) if real is not None else 0})")
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is not None:
-        torch.cuda.set_device(device)
-    out = torch_fidelity.calculate_metrics(
-        input1=fake, input2=real, fid=fid, isc=isc, prc=prc, cuda=device.type == "cuda", batch_size=batch_size,
-        feature_extractor="inception-v3-compat", feature_extractor_weights_path=str(weights),
-        feature_layer_fid=feature_layer, feature_layer_prc=feature_layer,
-        isc_splits=min(10, len(fake)), cache=False, datasets_download=False, verbose=False, save_cpu_ram=True)
-    names = {"frechet_inception_distance": "fid", "inception_score_mean": "inception_score",
-             "inception_score_std": "inception_score_std", "precision": "precision", "recall": "recall"}
-    return {ours: float(out[theirs]) for theirs, ours in names.items() if theirs in out}
+
+# ---------------------------------------------------------------------------------------------
+# Frechet distances
+# ---------------------------------------------------------------------------------------------
+def statistics(activations: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
+    """Mean and covariance (rows are observations) in float64."""
+    if len(activations) < 2:
+        raise ConfigError(f"a covariance needs at least 2 activations, got {len(activations)}")
+    values = np.asarray(activations, dtype=np.float64)
+    return values.mean(axis=0), np.cov(values, rowvar=False)
+
+
+def check_stored_statistics(reference: Activations, owner: str = "the reference") -> None:
+    """Stored statistics come in pairs, a [D] mean with its [D, D] covariance; a one-line error otherwise."""
+    for _, mean, cov in FRECHET_INPUTS.values():
+        if (mean in reference) != (cov in reference):
+            held, missing = (mean, cov) if mean in reference else (cov, mean)
+            raise ConfigError(f"{owner} holds {held} but not {missing}; expected both or neither")
+        if mean in reference:
+            mean_shape, cov_shape = np.shape(reference[mean]), np.shape(reference[cov])
+            if len(mean_shape) != 1 or cov_shape != mean_shape * 2:
+                raise ConfigError(f"{owner}: {mean} {mean_shape} and {cov} {cov_shape} are not a [D] mean and its "
+                                  f"[D, D] covariance")
+
+
+def reference_statistics(reference: Activations, key: str, mean_key: str, cov_key: str
+                         ) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """The stored ``mean_key``/``cov_key`` (ADM's precedence), else the ``key`` activations' statistics, else None."""
+    if mean_key in reference:
+        return np.asarray(reference[mean_key], dtype=np.float64), np.asarray(reference[cov_key], dtype=np.float64)
+    if key in reference:
+        return statistics(_features(reference, key, "reference"))
+    return None
+
+
+def _features(activations: Activations, key: str, owner: str) -> np.ndarray:
+    values = np.asarray(activations[key])
+    if values.ndim != 2 or not np.issubdtype(values.dtype, np.floating):
+        raise ConfigError(f"the {owner}' {key} activations must be a float [N, D] array, got {values.dtype} "
+                          f"{values.shape}")
+    return values
+
+
+def _check_same_width(ours: np.ndarray, theirs: np.ndarray, our_name: str, their_name: str) -> None:
+    if ours.shape[-1] != theirs.shape[-1]:
+        raise ConfigError(f"the {our_name} activations are {ours.shape[-1]}-d but the {their_name} are "
+                          f"{theirs.shape[-1]}-d (different Inception layers or input sizes?)")
+
+
+# ---------------------------------------------------------------------------------------------
+# Inception Score
+# ---------------------------------------------------------------------------------------------
+def inception_score(probs: np.ndarray, split_size: int = IS_SPLIT_SIZE) -> float:
+    """ADM's Inception Score: consecutive splits of ``split_size`` rows (the last one may be shorter), each
+    ``exp(mean_i sum_y p_iy (log p_iy - log mean_j p_jy))``, averaged over the splits. A zero probability adds
+    nothing (the limit of ``p log p``), where ADM's ``0 * log 0`` would give NaN."""
+    probs = np.asarray(probs, dtype=np.float64)
+    if probs.ndim != 2 or len(probs) == 0 or (probs < 0).any():
+        raise ConfigError(f"probs must be non-negative softmax rows [N, classes], got shape {probs.shape}")
+    scores = []
+    for start in range(0, len(probs), split_size):
+        part = probs[start:start + split_size]
+        marginal = part.mean(axis=0, keepdims=True)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            terms = np.where(part > 0, part * (np.log(part) - np.log(marginal)), 0.0)
+        scores.append(np.exp(terms.sum(axis=1).mean()))
+    return float(np.mean(scores))
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision and recall: k-nearest-neighbour manifolds
+# ---------------------------------------------------------------------------------------------
+def precision_recall(reference: np.ndarray, samples: np.ndarray, neighbours: int = NEIGHBOURS,
+                     device: Union[str, torch.device] = "cpu") -> Tuple[float, float]:
+    """(share of samples inside the reference manifold, share of reference points inside the samples' manifold)."""
+    smallest = min(len(reference), len(samples))
+    if smallest <= neighbours:
+        raise ConfigError(f"precision and recall with k={neighbours} neighbours need more than {neighbours} samples "
+                          f"and reference images (got {len(samples)} and {len(reference)})")
+    ref = torch.as_tensor(np.asarray(reference), dtype=torch.float32, device=device)
+    fake = torch.as_tensor(np.asarray(samples), dtype=torch.float32, device=device)
+    precision = manifold_coverage(fake, ref, manifold_radii(ref, neighbours))
+    recall = manifold_coverage(ref, fake, manifold_radii(fake, neighbours))
+    return precision, recall
+
+
+def squared_distances(rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor:
+    """``|r_i - c_j|^2`` for every pair, as ``|r|^2 - 2 r.c + |c|^2`` (clamped at 0, as ADM does)."""
+    return (rows.square().sum(1, keepdim=True) - 2 * rows @ columns.T + columns.square().sum(1)).clamp_min(0)
+
+
+def manifold_radii(features: torch.Tensor, neighbours: int) -> torch.Tensor:
+    """Each point's squared distance to its ``neighbours``-th nearest point of the same set (itself, at distance
+    0, is the nearest: ADM takes index k of each sorted row)."""
+    radii = [squared_distances(block, features).topk(neighbours + 1, dim=1, largest=False).values[:, -1]
+             for block in features.split(DISTANCE_BLOCK)]
+    return torch.cat(radii)
+
+
+def manifold_coverage(points: torch.Tensor, centres: torch.Tensor, radii: torch.Tensor) -> float:
+    """The share of ``points`` within (``<=``) the radius of at least one centre."""
+    inside = [(squared_distances(block, centres) <= radii).any(dim=1) for block in points.split(DISTANCE_BLOCK)]
+    return float(torch.cat(inside).double().mean())

@@ -187,13 +187,17 @@ def weights_of(run: RebuiltRun, use_ema: bool, off_switch: str = "eval.use_ema=f
 def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     """Top-1/top-5 (or the diffusion task's metrics) of a checkpoint; its config travels inside it. The task's
     end-of-run work runs too (diffusion: a sample grid in ``samples/`` and the sample metrics), and which weights
-    were used (EMA or raw) is logged and recorded in ``summary.json``."""
+    were used (EMA or raw) is logged and recorded in ``summary.json``. Released weights (``model=<preset>
+    pretrained=...``): :mod:`moh_vision.engine.released`."""
     from moh_vision.engine.distributed import pick_device
 
     options: EvalConfig = validate(cfg)
-    run = rebuild_run(options.ckpt, cfg.data)
     out_dir = hydra_output_dir()
     out_dir.mkdir(parents=True, exist_ok=True)
+    if options.pretrained is not None:  # released weights, evaluated as timm's validate.py does
+        from .released import evaluate_released
+        return evaluate_released(cfg, out_dir, options)
+    run = rebuild_run(options.ckpt, cfg.data)
     device = pick_device(options.eval.device)
     data, task, container, state, used = run.data, run.task, run.config, run.state, run.path
     use_ema = options.eval.use_ema

@@ -1,17 +1,21 @@
 """Class-conditional samples from a trained DiT / MoH-DiT checkpoint, for grids and FID (``tools/sample.py``).
 
 The checkpoint carries the task/model/data/attention config; the model and task are rebuilt from it (EMA
-weights by default) and latents are decoded with the VAE of ``task.vae.path`` (or ``vae=``). Classes are
-balanced and sorted; batch ``k`` of ``batch_size`` samples uses seed ``(seed, k)``, and ranks take every
-WORLD_SIZE-th batch, so the output does not depend on the number of ranks. Finished batches are kept in
-``out/.parts-<hash>/`` until the end, so an interrupted run resumes when rerun with the same settings and
-``out``. Rank 0 writes:
+weights by default) and latents are decoded with the VAE of ``task.vae.path`` (or ``vae=``). Class labels
+follow DiT's ``sample_ddp.py`` by default (``labels=random``): each batch draws its labels uniformly at random,
+so class counts vary as in the published FID-50K runs; ``labels=balanced`` (the default with ``per_class=``) gives
+every class ``N // C`` or one more samples, sorted by class. Batch ``k`` of ``batch_size`` samples draws its noise (and its random labels, from
+a separate stream) from seed ``(seed, k)``, and ranks take every WORLD_SIZE-th batch, so the output does not depend
+on the number of ranks. (DiT seeds one stream per rank, ``global_seed * world_size + rank``, which makes its labels
+and noise depend on the number of GPUs; per-batch seeds keep the same distribution and make an interrupted run
+resumable.) Finished batches are kept in ``out/.parts-<hash>/`` until the end, so an interrupted run resumes when
+rerun with the same settings and ``out``. Rank 0 writes:
 
 * ``samples.npz``: ``arr_0`` uint8 [N, H, W, 3], the input of ADM's evaluation suite (DiT's FID protocol);
 * ``labels.npy``: the class of every sample; ``samples.png``: a labelled grid (rows = classes);
 * ``sample.json``: what was sampled and the metrics: the digits proxies (``sample/class_acc``,
-  ``sample/fd_digits``) for digits checkpoints, and FID / Inception Score / precision / recall
-  (torch-fidelity, local Inception weights) with ``fid_ref`` and ``inception_weights``.
+  ``sample/fd_digits``) for digits checkpoints, and ADM's FID / sFID / Inception Score / precision / recall
+  (:mod:`moh_vision.analysis.adm_evaluation`, local Inception weights) with ``fid_ref`` and ``inception_weights``.
 
 :func:`sample` takes the options of ``tools/sample.py`` (a mapping with attribute access).
 """
@@ -40,6 +44,9 @@ from .run import rebuild_run, shared_output_dir, weights_of
 log = logging.getLogger(__name__)
 
 DEFAULT_OUT = "outputs/sample/%Y-%m-%d/%H-%M-%S"  # strftime pattern; under torchrun rank 0's time decides
+LABEL_MODES = ("random", "balanced")
+LABEL_STREAM = 0x1AB  # keeps the random labels' stream apart from the batch's noise stream
+ADM_METRICS = ("fid", "sfid", "inception_score", "precision", "recall")
 OVERRIDABLE = ("steps", "sampler", "cfg_scale", "clip_denoised", "batch_size")
 
 
@@ -49,6 +56,34 @@ OVERRIDABLE = ("steps", "sampler", "cfg_scale", "clip_denoised", "batch_size")
 def balanced_labels(num_samples: int, num_classes: int) -> torch.Tensor:
     """``num_samples`` labels, each class ``N // C`` or one more times, sorted by class."""
     return torch.sort(torch.arange(num_samples) % num_classes, stable=True).values
+
+
+def random_labels(num_samples: int, num_classes: int, batch_size: int, seed: int) -> torch.Tensor:
+    """DiT's ``sample_ddp.py`` labels: every batch of ``batch_size`` draws its own uniformly at random (batch ``k``
+    from the stream ``(seed, k)``, apart from its noise)."""
+    parts = []
+    for k, start in enumerate(range(0, num_samples, batch_size)):
+        stream = np.random.default_rng([LABEL_STREAM, int(seed), k])
+        parts.append(stream.integers(0, num_classes, min(batch_size, num_samples - start)))
+    return torch.from_numpy(np.concatenate(parts)).long()
+
+
+def label_mode(cfg: Mapping[str, Any]) -> str:
+    """``labels=``, else balanced with ``per_class=`` and random (DiT's protocol) otherwise."""
+    if cfg.per_class is not None:
+        if cfg.labels == "random":
+            raise ConfigError("per_class= asks for balanced classes, but labels=random: drop one of them (random "
+                              "labels: give num_samples=)")
+        return "balanced"
+    return cfg.labels or "random"
+
+
+def draw_labels(mode: str, num_samples: int, num_classes: int, batch_size: int, seed: int) -> torch.Tensor:
+    if mode not in LABEL_MODES:
+        raise ConfigError(f"labels={mode}: use {' or '.join(LABEL_MODES)}")
+    if mode == "balanced":
+        return balanced_labels(num_samples, num_classes)
+    return random_labels(num_samples, num_classes, batch_size, seed)
 
 
 def batch_seed(seed: int, k: int) -> int:
@@ -82,6 +117,11 @@ def shape_from_weights(weights: Dict[str, torch.Tensor], class_dropout_prob: flo
 
 def load_model(cfg: Mapping[str, Any], device: torch.device):
     """(task, model, data, checkpoint info) from ``cfg.ckpt``, with the sampling overrides applied."""
+    if cfg.ckpt is None:
+        raise ConfigError("ckpt= is required (a diffusion checkpoint written by train.py), or model=<preset> "
+                          "pretrained=<file | hub id | true> for released weights")
+    if cfg.pretrained:
+        raise ConfigError(f"pretrained={cfg.pretrained} goes with model=<preset> (released weights), not with ckpt=")
     run = rebuild_run(cfg.ckpt, with_data=False)
     state, used, container, task = run.state, run.path, run.config, run.task
     if group_name(container["task"]) != "diffusion":
@@ -98,6 +138,37 @@ def load_model(cfg: Mapping[str, Any], device: torch.device):
     apply_overrides(task, cfg)
     info = {"checkpoint": str(used), "step": state.get("step"), "model": container["model"]["name"],
             "weights": key, "attention": (container.get("attention") or {}).get("name") or "preset"}
+    return task, model.to(device).eval(), data, info
+
+
+# DiT's sample_ddp.py: 250 DDPM steps, guidance 1.5 on the first 3 latent channels (the defaults for released weights)
+RELEASED_SAMPLE = {"steps": "250", "sampler": "ddpm", "cfg_scale": 1.5, "guidance_channels": 3}
+
+
+def load_released_model(cfg: Mapping[str, Any], device: torch.device):
+    """(task, model, data, info) for released DiT / MoH-DiT weights (``model=<preset> pretrained=<weights>``): the
+    data shape comes from the weights, the sampling defaults from DiT's ``sample_ddp.py`` (:data:`RELEASED_SAMPLE`)."""
+    from moh_vision.tasks.diffusion import DiffusionTask
+    from .released import load_strictly, read_released
+
+    if cfg.ckpt is not None:
+        raise ConfigError("give ckpt=<train.py checkpoint> or model=<preset> pretrained=<weights>, not both")
+    if not cfg.pretrained:
+        raise ConfigError(f"model={cfg.model} needs pretrained=<file | hub id | true>: the released weights to sample")
+    path, weights = read_released(cfg.model, cfg.pretrained)
+    task = DiffusionTask(model={"name": cfg.model, "checkpoint_path": None, "init_from": None, "kwargs": {}},
+                         attention={"name": None, "aux_loss_weight": 0.0}, sample=RELEASED_SAMPLE,
+                         vae={"path": str(cfg.vae) if cfg.vae else None})
+    data = shape_from_weights(weights, task.class_dropout_prob)
+    if data.in_chans not in (1, 3) and not cfg.vae:
+        raise ConfigError(f"{cfg.model} makes {data.in_chans}-channel latents: give vae=<local AutoencoderKL dir> "
+                          f"(DiT: sd-vae-ft-ema) to decode them")
+    if data.in_chans <= 3:  # DiT guides 3 of its 4 latent channels; a pixel-space model: every channel
+        task.sample_cfg["guidance_channels"] = None
+    model = task.build_model(data)
+    load_strictly(model, weights, f"pretrained={cfg.pretrained} ({path})")
+    apply_overrides(task, cfg)
+    info = {"checkpoint": str(path), "step": None, "model": cfg.model, "weights": "released", "attention": "preset"}
     return task, model.to(device).eval(), data, info
 
 
@@ -164,10 +235,10 @@ def merge_parts(parts: Path, num_batches: int) -> Tuple[np.ndarray, np.ndarray]:
     return np.concatenate(arrays), np.concatenate(labels).astype(np.int64)
 
 
-def sample_images(task, model, num_samples: int, seed: int, device: torch.device, parts: Path, dist,
+def sample_images(task, model, labels: torch.Tensor, seed: int, device: torch.device, parts: Path, dist,
                   progress: bool = True, decode_batch_size: int = 32) -> Optional[Tuple[np.ndarray, np.ndarray]]:
-    """All ranks sample their batches; rank 0 returns (uint8 NHWC images, labels), others None."""
-    labels = balanced_labels(num_samples, task.null_class)
+    """All ranks sample their batches of ``labels``; rank 0 returns (uint8 NHWC images, labels), others None."""
+    num_samples = len(labels)
     size = int(task.sample_cfg["batch_size"])
     num_batches = (num_samples + size - 1) // size
     mine = list(range(dist.rank, num_batches, dist.world_size))
@@ -218,11 +289,22 @@ def check_metric_inputs(cfg: Mapping[str, Any]) -> None:
     """Fail before sampling, not after hours of it, when the metric inputs are wrong."""
     if cfg.fid_ref is None:
         return
-    from moh_vision.analysis.generative_metrics import check_inception_weights
+    from moh_vision.analysis.adm_evaluation import read_reference
+    from moh_vision.analysis.inception import check_inception_weights
 
-    check_inception_weights(cfg.inception_weights)
-    if not Path(str(cfg.fid_ref)).expanduser().exists():
-        raise ConfigError(f"fid_ref={cfg.fid_ref} does not exist; expected a folder of real images or an .npz")
+    check_inception_weights(cfg.inception_weights, option="inception_weights")
+    read_reference(cfg.fid_ref, side=None, option="fid_ref")
+
+
+def adm_sample_metrics(images: np.ndarray, cfg: Mapping[str, Any], device: torch.device) -> Dict[str, float]:
+    """ADM's FID, sFID, Inception Score, precision and recall of the samples against ``fid_ref``."""
+    from moh_vision.analysis.adm_evaluation import ArrayImages, evaluate_images, read_reference
+    from moh_vision.analysis.inception import InceptionActivations
+
+    reference = read_reference(cfg.fid_ref, side=images.shape[1], option="fid_ref")
+    inception = InceptionActivations(cfg.inception_weights, device, option="inception_weights")
+    found = evaluate_images(ArrayImages(images), reference, inception, int(cfg.metrics_batch_size), bool(cfg.progress))
+    return {name: found[name] for name in ADM_METRICS if name in found}
 
 
 def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
@@ -237,7 +319,7 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
             torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
             torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
         check_metric_inputs(cfg)
-        task, model, data, info = load_model(cfg, device)
+        task, model, data, info = (load_released_model if cfg.model else load_model)(cfg, device)
         if cfg.compile:  # the first call compiles; the other steps reuse it (a smaller last batch compiles once more)
             from moh_vision.attention.recorder import compile_model
             model = compile_model(model)
@@ -245,14 +327,16 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
             from moh_vision.data.latents import load_vae
             load_vae(task.vae_cfg["path"], device)  # fail now if missing; cached for decoding
         num_samples = sample_count(cfg, task.null_class)
-        settings = {"num_samples": num_samples, "seed": int(cfg.seed), "vae": task.vae_cfg["path"],
-                    **{k: task.sample_cfg[k] for k in (*OVERRIDABLE, "guidance_channels")}}
+        settings = {"num_samples": num_samples, "labels": label_mode(cfg), "seed": int(cfg.seed),
+                    "vae": task.vae_cfg["path"], **{k: task.sample_cfg[k] for k in (*OVERRIDABLE, "guidance_channels")}}
         parts = out / f".parts-{run_digest(info, settings)}"
         if dist.is_main:
             log.info("sampling %d images (%d classes) from %s [%s weights, step %s]: %s", num_samples,
                      task.null_class, info["checkpoint"], info["weights"], info["step"],
                      ", ".join(f"{k}={v}" for k, v in settings.items() if k != "num_samples"))
-        merged = sample_images(task, model, num_samples, int(cfg.seed), device, parts, dist, bool(cfg.progress),
+        labels = draw_labels(settings["labels"], num_samples, task.null_class, int(task.sample_cfg["batch_size"]),
+                             int(cfg.seed))
+        merged = sample_images(task, model, labels, int(cfg.seed), device, parts, dist, bool(cfg.progress),
                                int(cfg.decode_batch_size))
         if merged is None:
             return {}
@@ -266,10 +350,7 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
             path = Path(str(cfg.digits_classifier or Path(info["checkpoint"]).parent.parent / "digits_classifier.pt"))
             metrics.update(digits_metrics(task, data, images, labels, path))
         if cfg.fid_ref is not None:
-            from moh_vision.analysis.generative_metrics import generative_metrics
-            found = generative_metrics(images, str(cfg.fid_ref), cfg.inception_weights, device,
-                                       batch_size=int(cfg.metrics_batch_size), feature_layer=str(cfg.fid_feature_layer))
-            metrics.update({f"sample/{k}": v for k, v in found.items()})
+            metrics.update({f"sample/{k}": v for k, v in adm_sample_metrics(images, cfg, device).items()})
         counts = np.bincount(labels, minlength=task.null_class)
         summary = {**info, **settings, "num_classes": task.null_class, "per_class_min": int(counts.min()),
                    "per_class_max": int(counts.max()), "image_shape": list(images.shape[1:]),

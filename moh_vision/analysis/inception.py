@@ -1,0 +1,117 @@
+"""Inception activations as ADM's evaluator reads them, from torch-fidelity's port of TensorFlow's 2015-12-05
+Inception (the graph ADM loads, ``classify_image_graph_def.pb``), with LOCAL weights: never downloaded.
+
+The weights file is torch-fidelity's ``weights-inception-2015-12-05-6726825d.pth`` (the URL is
+``URL_INCEPTION_V3`` in ``torch_fidelity.feature_extractor_inceptionv3``): fetch it once where there is a network
+and pass its path. What ADM reads from the TF graph and where it is in the port:
+
+* ``pool_3:0`` (2048-d): the port's ``2048`` feature (the 8 x 8 average pool after ``Mixed_7c``);
+* ``mixed_6/conv:0``, first 7 channels: the output of ``Mixed_6d.branch1x1``. torch-fidelity's weight conversion
+  (``utils/util_convert_inception_weights.py``) maps the graph's ``mixed_6/conv/conv2d_params`` and
+  ``mixed_6/conv/batchnorm`` to ``Mixed_6d.branch1x1.conv`` and ``.bn`` (the graph counts its mixed blocks from 0:
+  mixed..mixed_2 = 5b..5d, mixed_3 = 6a, so mixed_6 = 6d, not torchvision's 6e). In that graph the op named
+  ``mixed_6/conv`` is the layer's ReLU, after ``mixed_6/conv/Conv2D`` and ``mixed_6/conv/batchnorm``; the port's
+  ``BasicConv2d`` ends with the same ReLU, so its output is that tensor: [N, 192, 17, 17] at 299 px. The first 7
+  channels are flattened in TensorFlow's NHWC order (row, column, channel), as ADM's ``reshape`` of the NHWC
+  tensor does, so the features line up with the ``mu_s``/``sigma_s`` stored in ADM's reference batches;
+* ``softmax`` for the Inception Score: ADM multiplies pool_3 by ``softmax/logits/MatMul``'s weights without the
+  bias; the port's ``logits_unbiased`` is that product (1008 classes), softmaxed here in float64.
+
+Caveats: the port resizes to 299 x 299 with TF1's bilinear resize and scales to [-1, 1] as the graph does; its
+authors report features equal to TF's up to float round-off, not bit for bit, so the numbers agree with ADM's
+evaluator to round-off, not exactly (this was not measured here: TensorFlow and the graph are not installed).
+That ``mixed_6/conv`` is the ReLU output rests on the graph's naming convention (a layer's scope names its
+output op), which the conversion map above supports but which was not checked against the graph itself.
+"""
+from __future__ import annotations
+
+import os
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Union
+
+import numpy as np
+import torch
+
+from moh_vision.errors import ConfigError
+
+INCEPTION_FILE = "weights-inception-2015-12-05-6726825d.pth"
+SPATIAL_LAYER = "Mixed_6d.branch1x1"  # TF's mixed_6/conv (see the module docstring)
+SPATIAL_CHANNELS = 7
+_PROBE_KEY = "Conv2d_1a_3x3.conv.weight"  # a key every torch-fidelity InceptionV3 state dict has
+
+
+def check_inception_weights(path: Union[str, os.PathLike, None], option: str = "inception") -> Path:
+    """The path of a readable torch-fidelity InceptionV3 state dict, or a one-line ConfigError naming ``option``."""
+    hint = f"{option}= must name a local copy of torch-fidelity's {INCEPTION_FILE} (nothing is downloaded)"
+    if not path:
+        raise ConfigError(f"FID / sFID / IS / precision-recall need Inception weights; {hint}")
+    path = Path(str(path)).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"{option}={path} does not exist; {hint}")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise ConfigError(f"{option}={path} is not a readable state dict ({type(err).__name__}); {hint}")
+    if not isinstance(state, dict) or _PROBE_KEY not in state:
+        raise ConfigError(f"{option}={path} is not a torch-fidelity InceptionV3 state dict; {hint}")
+    return path
+
+
+@contextmanager
+def full_float32():
+    """No TF32 inside: cuDNN's default rounds convolution inputs to 10 mantissa bits on Ampere and later GPUs,
+    while the port was checked against TF's features in float32 (the setting is restored afterwards)."""
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+
+
+class InceptionActivations:
+    """``pool`` [N, 2048], ``spatial`` [N, 7 * 17 * 17] and ``probs`` [N, 1008] of uint8 NHWC RGB images."""
+
+    def __init__(self, weights: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
+                 option: str = "inception"):
+        from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
+
+        path = check_inception_weights(weights, option)
+        self.device = torch.device(device)
+        self.net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
+                                               feature_extractor_weights_path=str(path)).to(self.device)
+        self._spatial: Optional[torch.Tensor] = None
+        self.net.get_submodule(SPATIAL_LAYER).register_forward_hook(self._keep_spatial)
+
+    def _keep_spatial(self, module, inputs, output: torch.Tensor) -> None:
+        first = output[:, :SPATIAL_CHANNELS].permute(0, 2, 3, 1)  # NHWC, as the TF graph lays it out
+        self._spatial = first.reshape(len(output), -1).float()
+
+    @torch.no_grad()
+    def __call__(self, images: np.ndarray) -> Dict[str, np.ndarray]:
+        """Activations of one batch of uint8 [B, H, W, 3] images."""
+        x = torch.from_numpy(np.ascontiguousarray(images)).to(self.device).permute(0, 3, 1, 2)
+        with full_float32():
+            pool, logits = self.net(x)
+        probs = torch.softmax(logits.double(), dim=-1)
+        return {"pool": pool.cpu().numpy(), "spatial": self._spatial.cpu().numpy(), "probs": probs.cpu().numpy()}
+
+    def widths(self) -> Dict[str, int]:
+        """The width of each activation (one blank image through the network)."""
+        return {key: value.shape[1] for key, value in self(np.zeros((1, 8, 8, 3), dtype=np.uint8)).items()}
+
+    def of_batches(self, batches: Iterable[np.ndarray], total: int, desc: str = "Inception",
+                   progress: bool = True) -> Dict[str, np.ndarray]:
+        """The activations of every batch, concatenated, with a progress bar over the ``total`` images."""
+        from tqdm.auto import tqdm
+
+        parts: Dict[str, List[np.ndarray]] = {"pool": [], "spatial": [], "probs": []}
+        with tqdm(total=total, unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
+            for batch in batches:
+                for key, value in self(batch).items():
+                    parts[key].append(value)
+                bar.update(len(batch))
+        if not parts["pool"]:
+            raise ConfigError(f"{desc}: no images")
+        return {key: np.concatenate(values) for key, values in parts.items()}
