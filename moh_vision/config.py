@@ -108,6 +108,9 @@ class TrainerConfig:
     val_at_start: Any = option("auto", choices=("auto", True, False),
                                help="validate the initial weights (epoch -1); auto: when the model starts from weights")
     ckpt_every_steps: int = option(0, at_least=0, help="0: only at epoch ends")
+    ckpt_history_every_steps: int = option(0, at_least=0, help="a numbered checkpoints/step_<step>.pt every N steps")
+    ckpt_history_every_epochs: int = option(0, at_least=0, help="a numbered checkpoint at every Nth epoch end")
+    ckpt_keep: int = option(0, at_least=0, help="numbered checkpoints kept, the newest (0: all)")
     resume: str = option("auto", path="resume", help="auto: last.pt of this output dir; never; or a checkpoint")
     extend: bool = option(False, help="resume with options that change the training (more epochs, another lr): "
                           "the schedule is recomputed for the new length")

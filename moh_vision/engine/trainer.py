@@ -26,6 +26,7 @@ from moh_vision.attention import after_optimizer_step
 from moh_vision.errors import ConfigError, RunError
 from moh_vision.tasks.protocols import Data, EpochContext, Task
 from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, all_finite, write_routing_artifacts
+from .checkpoint_history import CheckpointHistory
 from .costs import RunCosts, StepClock, reset_peak_memory
 from .distributed import DistInfo, broadcast_object, reduce_sums
 from .fit_setup import FitParts, build_parts, flops_text, seed_everything, uses_cuda_graphs
@@ -81,6 +82,8 @@ class Trainer:
         self.optim_cfg, self.sched_cfg, self.config, self.seed = optim, sched, config, int(seed)
         self.device = dist.device
         self.ckpt_dir = self.out_dir / "checkpoints"
+        self.history = CheckpointHistory(self.ckpt_dir, cfg.ckpt_history_every_steps, cfg.ckpt_history_every_epochs,
+                                         cfg.ckpt_keep)
         # progress, saved in checkpoints
         self.step = 0
         self.epoch = 0
@@ -109,6 +112,9 @@ class Trainer:
         seed_everything(self.seed + self.dist.rank, self.cfg.deterministic, self.device)
         parts = self.parts = build_parts(self.cfg, self.optim_cfg, self.sched_cfg, self.dist, self.seed, task, data)
         self.costs = RunCosts(parts.flops, self.device, self.cfg.amp, self.dist.world_size)
+        if self.dist.is_main:  # what writes killed half-way left (this process holds the run directory)
+            for leftover in ckpt_io.remove_partial_writes(self.ckpt_dir):
+                log.warning("removed %s, left by a checkpoint write that was killed", leftover)
         self._resume()
         if self.dist.is_main:  # only now: a run that fails to set up must not overwrite a good run's config
             record_config(self.out_dir, self.config, self.step)
@@ -187,8 +193,9 @@ class Trainer:
             if self.step % self.cfg.log_every == 0 and window.steps:
                 self._log_window(window, bar)
                 window = StepWindow()
-            if self.cfg.ckpt_every_steps and self.step % self.cfg.ckpt_every_steps == 0:
-                self.save()
+            numbered = self.history.due_after_step(self.step)
+            if numbered or (self.cfg.ckpt_every_steps and self.step % self.cfg.ckpt_every_steps == 0):
+                self.save(numbered=numbered)
             if self.signals.requested(self.dist):
                 self.save()
                 self.signals.hand_over()
@@ -306,7 +313,7 @@ class Trainer:
         self.epoch += 1
         self.batch_in_epoch = 0
         self.meters = EpochMeters()
-        self.save()
+        self.save(numbered=self.history.due_after_epoch(self.epoch))
         if improved:
             self.save("best.pt")
 
@@ -338,14 +345,17 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # checkpoints
     # ------------------------------------------------------------------------------------------
-    def save(self, name: str = "last.pt") -> None:
-        """Write ``checkpoints/<name>`` (main rank; every rank joins the RNG gather)."""
+    def save(self, name: str = "last.pt", numbered: bool = False) -> None:
+        """Write ``checkpoints/<name>`` and, if ``numbered``, ``checkpoints/step_<step>.pt`` too (main rank; every
+        rank joins the RNG gather)."""
         state = self._state()
         if self.dist.is_main:
             path = self.ckpt_dir / name
             ckpt_io.atomic_save(state, path, keep_previous=name == "last.pt")
             if name == "last.pt":
                 self.last_good_checkpoint = str(path)
+            if numbered:
+                self.history.write(state, self.step)
 
     def _state(self) -> Dict[str, Any]:
         """The checkpoint. Under DDP, ``rng`` and ``meters`` (this epoch's sums so far) are lists with one
