@@ -111,6 +111,8 @@ class TrainerConfig:
     ckpt_history_every_steps: int = option(0, at_least=0, help="a numbered checkpoints/step_<step>.pt every N steps")
     ckpt_history_every_epochs: int = option(0, at_least=0, help="a numbered checkpoint at every Nth epoch end")
     ckpt_keep: int = option(0, at_least=0, help="numbered checkpoints kept, the newest (0: all)")
+    profile: Optional[str] = option(None, help="<first>:<last> optimizer steps (from 1): a torch.profiler trace and "
+                                    "the time by kind of work in <run dir>/profile/")
     resume: str = option("auto", path="resume", help="auto: last.pt of this output dir; never; or a checkpoint")
     extend: bool = option(False, help="resume with options that change the training (more epochs, another lr): "
                           "the schedule is recomputed for the new length")
@@ -506,6 +508,8 @@ def validate(cfg: DictConfig) -> Any:
     if isinstance(getattr(typed, "data", None), CustomData):
         data_class(typed.data.name)
     if isinstance(typed, TrainConfig):
+        from moh_vision.engine.profiling import parse_steps
+        parse_steps(typed.trainer.profile)
         check_attention(typed.attention)
         check_model(typed.model, typed.attention, typed.task.name)
         check_task_model(typed.task.name, typed.model.name)

@@ -30,7 +30,7 @@ FREE_TO_CHANGE = (
     "trainer.count_flops", "trainer.requeue_on_preempt", "trainer.throughput_warmup_steps",
     "trainer.max_nonfinite_in_a_row", "trainer.device", "trainer.compile", "trainer.compile_mode", "logger", "tag",
     "model.checkpoint_path", "model.init_from", "data.root", "task.sample", "task.vae",
-    "trainer.ckpt_history_every_steps", "trainer.ckpt_history_every_epochs", "trainer.ckpt_keep",
+    "trainer.ckpt_history_every_steps", "trainer.ckpt_history_every_epochs", "trainer.ckpt_keep", "trainer.profile",
 )
 
 

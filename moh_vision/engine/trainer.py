@@ -32,6 +32,7 @@ from .distributed import DistInfo, broadcast_object, reduce_sums
 from .fit_setup import FitParts, build_parts, flops_text, seed_everything, uses_cuda_graphs
 from .loggers import Loggers, write_json
 from .preemption import Preempted, StopSignals
+from .profiling import StepProfiler, parse_steps
 from .rng_state import capture_rng, restore_rng
 from .run_dir import config_changes, record_config
 
@@ -99,6 +100,7 @@ class Trainer:
         self.parts: Optional[FitParts] = None  # built by fit()
         self.costs: Optional[RunCosts] = None  # built by fit()
         self.signals = StopSignals()
+        self.profiler = StepProfiler(parse_steps(cfg.profile), self.out_dir, dist.device, dist.rank)
         self.lr = 0.0
         self.start_row: Dict[str, Any] = {}  # trainer.val_at_start's validation, as start/<metric>
         self.last_row: Optional[Dict[str, Any]] = None  # the last epoch row (summary.json's results)
@@ -122,7 +124,7 @@ class Trainer:
                      flops_text(parts.flops))
             log.info("costs: %s", self.costs.describe())
         start = time.time()
-        with self.signals:
+        with self.signals, self.profiler:
             parts.loaders.start_workers()
             self._validate_before_training()
             self._run()
@@ -157,7 +159,8 @@ class Trainer:
         micro = 0
         clock = StepClock(self.device)
         graphs = uses_cuda_graphs(self.cfg.compile, self.cfg.compile_mode, self.device)
-        for batch in clock.batches(loaders.train):
+        self.profiler.at_step(self.step)
+        for batch in clock.batches(self.profiler.batches(loaders.train)):
             if graphs:  # a new step: the previous one's graph outputs are used up (loss, metrics, routing read)
                 torch.compiler.cudagraph_mark_step_begin()
             last_micro = (micro + 1) % loaders.accum == 0
@@ -200,6 +203,7 @@ class Trainer:
                 self.save()
                 self.signals.hand_over()
                 raise Preempted(self.signals.received or "signal")
+            self.profiler.at_step(self.step)
             if self.step >= parts.total_steps:
                 break
         if bar is not None:
