@@ -72,7 +72,7 @@ class Trainer:
         dist: this process's rank, world size and device.
         loggers: where rows and images go.
         optim: the optimizer config (its fields are ``build_optimizer``'s keywords).
-        sched: the schedule config (its fields are ``Schedule``'s keywords, warm-up in epochs).
+        sched: the schedule config (``build_schedule``'s: timm's schedulers, lengths in epochs).
         config: the whole run config as a plain dict (saved into checkpoints and config.yaml).
         seed: the run's seed (each rank adds its rank).
     """
@@ -424,7 +424,8 @@ class Trainer:
         self.last_good_checkpoint = str(used)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", used, self.step, self.epoch, self.batch_in_epoch)
         if self.cfg.extend and self.dist.is_main:
-            old_lr, new_lr = parts.optimizer.param_groups[0]["lr"], parts.schedule.lr(self.step)
+            old_lr = max(group["lr"] for group in parts.optimizer.param_groups)
+            new_lr = parts.schedule.apply(parts.optimizer, self.step)
             log.warning("extended run: %d steps in all (schedule recomputed for them); the learning rate goes "
                         "from %.3g to %.3g at step %d", parts.total_steps, old_lr, new_lr, self.step)
 
