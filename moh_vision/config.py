@@ -257,6 +257,8 @@ class ImageFolderData:
     repeated_aug: Any = option("auto", help="auto: 3 with more than one process (DeiT), 1 in a single process")
     eval_crop_pct: Optional[float] = option(0.875, above=0.0, at_most=1.0)
     on_bad_image: str = option("skip", choices=("skip", "raise"))
+    index_cache: Optional[str] = option("auto", help="where the file index is kept between runs: auto "
+                                        "(~/.cache/moh_vision/file_index), a directory, or null (scan every time)")
 
 
 @dataclass

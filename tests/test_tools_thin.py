@@ -26,8 +26,9 @@ FORBIDDEN = {
 
 
 def test_every_tool_is_listed():
-    assert TOOLS == ["analyze_routing", "bench_attention", "bench_backbones", "bench_data", "bench_models",
-                     "convert_checkpoint", "convert_dense_to_moh", "extract_latents", "flops", "sample", "sweep_report"]
+    assert TOOLS == ["analyze_routing", "bench_attention", "bench_backbones", "bench_data", "bench_index",
+                     "bench_models", "convert_checkpoint", "convert_dense_to_moh", "extract_latents", "flops", "sample",
+                     "sweep_report"]
 
 
 @pytest.mark.parametrize("name", TOOLS)

@@ -31,6 +31,7 @@ FREE_TO_CHANGE = (
     "trainer.max_nonfinite_in_a_row", "trainer.device", "trainer.compile", "trainer.compile_mode", "logger", "tag",
     "model.checkpoint_path", "model.init_from", "data.root", "task.sample", "task.vae",
     "trainer.ckpt_history_every_steps", "trainer.ckpt_history_every_epochs", "trainer.ckpt_keep", "trainer.profile",
+    "data.index_cache",
 )
 
 # Options added after runs were saved without them, with the value that keeps the training as it was then: a config
