@@ -16,6 +16,8 @@
 * Comparing (:func:`state_dict_mismatch`): one line naming missing, unexpected and reshaped keys.
 * A run's training config (:func:`run_config`): from its directory or a checkpoint.
 * Writing any other file atomically (:func:`atomic_write`: sample arrays, latent shards' index, ...).
+* What a write killed half-way leaves (:func:`remove_partial_writes`), and whether a file is whole
+  (:func:`is_whole_checkpoint`: what keeping the newest readable checkpoint relies on).
 """
 from __future__ import annotations
 
@@ -23,8 +25,10 @@ import argparse
 import logging
 import os
 import pickle
+import re
 import tempfile
 import warnings
+import zipfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -89,6 +93,28 @@ def atomic_write(path: os.PathLike, write: Callable[[BinaryIO], None], keep_prev
                 from err
         raise
     return path
+
+
+PARTIAL_WRITE = re.compile(r"^\..+\.[A-Za-z0-9_]+\.tmp$")  # atomic_write's temporary files: .<name>.<random>.tmp
+
+
+def remove_partial_writes(folder: os.PathLike) -> List[Path]:
+    """Delete the temporary files of writes killed half-way (SIGKILL, a node lost) in ``folder``; what was removed.
+    :func:`atomic_write` removes its own on any error it survives, so only a dead process leaves one: call this
+    while no write can be under way there (a run holding its directory's lock, before its first save)."""
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except FileNotFoundError:
+        return removed
+    for entry in entries:
+        if entry.is_file(follow_symlinks=False) and PARTIAL_WRITE.match(entry.name):
+            try:
+                os.unlink(entry.path)
+            except FileNotFoundError:
+                continue
+            removed.append(Path(entry.path))
+    return removed
 
 
 def atomic_save(obj: Any, path: os.PathLike, keep_previous: bool = False) -> Path:
@@ -314,3 +340,20 @@ def check_checkpoint_file(path: Union[str, os.PathLike]) -> Optional[str]:
     if len(head) >= 9 and head[8:9] == b"{" and int.from_bytes(head[:8], "little") < path.stat().st_size:
         return None  # safetensors: an 8-byte header length, then the JSON header
     return "not a checkpoint (neither torch.save's format nor safetensors)" if head else "an empty file"
+
+
+def is_whole_checkpoint(path: Union[str, os.PathLike]) -> bool:
+    """Whether ``path`` is a checkpoint file that was written to its end: :func:`check_checkpoint_file`'s header
+    test and, for torch's zip format, a readable central directory (written last, so a truncated file lacks it).
+    Reads the file's header and its end, never the tensors."""
+    path = Path(path)
+    if check_checkpoint_file(path) is not None:
+        return False
+    try:
+        with open(path, "rb") as handle:
+            if handle.read(4) != b"PK\x03\x04":
+                return True  # legacy pickle or safetensors: the header test is all a cheap check can do
+        with zipfile.ZipFile(path) as archive:
+            return bool(archive.namelist())
+    except (OSError, zipfile.BadZipFile):
+        return False

@@ -108,6 +108,11 @@ class TrainerConfig:
     val_at_start: Any = option("auto", choices=("auto", True, False),
                                help="validate the initial weights (epoch -1); auto: when the model starts from weights")
     ckpt_every_steps: int = option(0, at_least=0, help="0: only at epoch ends")
+    ckpt_history_every_steps: int = option(0, at_least=0, help="a numbered checkpoints/step_<step>.pt every N steps")
+    ckpt_history_every_epochs: int = option(0, at_least=0, help="a numbered checkpoint at every Nth epoch end")
+    ckpt_keep: int = option(0, at_least=0, help="numbered checkpoints kept, the newest (0: all)")
+    profile: Optional[str] = option(None, help="<first>:<last> optimizer steps (from 1): a torch.profiler trace and "
+                                    "the time by kind of work in <run dir>/profile/")
     resume: str = option("auto", path="resume", help="auto: last.pt of this output dir; never; or a checkpoint")
     extend: bool = option(False, help="resume with options that change the training (more epochs, another lr): "
                           "the schedule is recomputed for the new length")
@@ -139,29 +144,73 @@ class KernelsConfig:
 
 @dataclass
 class OptimConfig:
-    name: str = option("adamw", choices=("adamw",))
+    name: str = option("adamw", help="any of timm's optimizers (timm.optim.list_optimizers()): adamw, lamb, sgd, ...")
     lr: float = option(2.0e-3, above=0.0)
     weight_decay: float = option(0.05, at_least=0.0, help="not on 1-D params, biases and the model's no-decay list")
-    betas: List[float] = option([0.9, 0.999])
-    eps: float = option(1.0e-8, above=0.0)
+    betas: List[float] = option([0.9, 0.999], help="optimizers with betas (the Adam family, lamb, ...)")
+    eps: float = option(1.0e-8, above=0.0, help="optimizers with eps")
+    momentum: float = option(0.9, at_least=0.0, help="optimizers with momentum (sgd: Nesterov, momentum, ...)")
+    layer_decay: Optional[float] = option(None, above=0.0, at_most=1.0,
+                                          help="lr x layer_decay per layer below the head (the model's group_matcher)")
     no_weight_decay_keywords: List[str] = option([], help="extra name fragments to exclude from weight decay")
+    kwargs: Dict[str, Any] = option({}, help="the optimizer's other arguments, e.g. {nesterov: false}")
 
 
 @dataclass
-class CosineSched:
-    name: str = option("cosine", choices=("cosine",))
-    warmup_epochs: float = option(2, at_least=0.0)
-    warmup_steps: int = option(0, at_least=0, help="optimizer steps of warm-up added to warmup_epochs")
-    warmup_lr: float = option(1.0e-6, at_least=0.0)
-    min_lr: float = option(1.0e-5, at_least=0.0)
-
-
-@dataclass
-class ConstantSched:
-    name: str = option("constant", choices=("constant",))
+class ScheduleOptions:
+    """What every schedule has: a linear warm-up from ``warmup_lr`` over ``warmup_epochs`` plus ``warmup_steps``
+    (timm's schedulers, stepped per optimizer step)."""
+    name: str = MISSING
     warmup_epochs: float = option(0, at_least=0.0)
     warmup_steps: int = option(0, at_least=0, help="optimizer steps of warm-up added to warmup_epochs")
     warmup_lr: float = option(1.0e-6, at_least=0.0)
+
+
+@dataclass
+class ConstantSched(ScheduleOptions):
+    name: str = option("constant", choices=("constant",))
+
+
+@dataclass
+class DecayingSched(ScheduleOptions):
+    """A decay to ``min_lr`` over the steps between the warm-up and the cool-down (``min_lr`` held)."""
+    min_lr: float = option(1.0e-5, at_least=0.0)
+    cooldown_epochs: float = option(0, at_least=0.0, help="epochs at min_lr at the end")
+
+
+@dataclass
+class CosineSched(DecayingSched):
+    name: str = option("cosine", choices=("cosine", "tanh"))
+    warmup_epochs: float = option(2, at_least=0.0)
+
+
+@dataclass
+class PolySched(DecayingSched):
+    name: str = option("poly", choices=("poly",))
+    power: float = option(1.0, above=0.0, help="1: linear")
+
+
+@dataclass
+class WsdSched(DecayingSched):
+    name: str = option("wsd", choices=("wsd",))
+    decay_fraction: float = option(0.2, above=0.0, at_most=1.0, help="share of the schedule after the warm-up spent "
+                                   "decaying (the rest stable)")
+    decay_fn: str = option("1-sqrt", choices=("1-sqrt", "linear", "cosine"))
+
+
+@dataclass
+class StepSched(ScheduleOptions):
+    name: str = option("step", choices=("step",))
+    decay_epochs: float = option(30, above=0.0, help="the rate x decay_rate every decay_epochs after the warm-up")
+    decay_rate: float = option(0.1, above=0.0)
+
+
+@dataclass
+class MultiStepSched(ScheduleOptions):
+    name: str = option("multistep", choices=("multistep",))
+    decay_milestones: List[float] = option([30, 60, 90], help="epochs after the warm-up where the rate x decay_rate "
+                                           "(timm's convention: from the optimizer step before each)")
+    decay_rate: float = option(0.1, above=0.0)
 
 
 @dataclass
@@ -227,6 +276,8 @@ class ImageFolderData:
     repeated_aug: Any = option("auto", help="auto: 3 with more than one process (DeiT), 1 in a single process")
     eval_crop_pct: Optional[float] = option(0.875, above=0.0, at_most=1.0)
     on_bad_image: str = option("skip", choices=("skip", "raise"))
+    index_cache: Optional[str] = option("auto", help="where the file index is kept between runs: auto "
+                                        "(~/.cache/moh_vision/file_index), a directory, or null (scan every time)")
 
 
 @dataclass
@@ -335,9 +386,10 @@ TASK_MODEL_FAMILIES = {"classification": ("transnext", "vit"), "diffusion": ("di
 SCHEMAS = {"data": {"digits": DigitsData, "imagefolder": ImageFolderData, "latents": LatentsData,
                     "custom": CustomData},
            "task": {"classification": ClassificationTask, "diffusion": DiffusionTask},
-           "sched": {"cosine": CosineSched, "constant": ConstantSched},
+           "sched": {"cosine": CosineSched, "constant": ConstantSched, "poly": PolySched, "wsd": WsdSched,
+                     "step": StepSched, "multistep": MultiStepSched},
            "logger": {"csv": CsvLogger, "none": NoneLogger, "wandb": WandbLogger},
-           "model": {"model": ModelConfig}, "optim": {"adamw": OptimConfig}, "trainer": {"default": TrainerConfig},
+           "model": {"model": ModelConfig}, "optim": {"optim": OptimConfig}, "trainer": {"default": TrainerConfig},
            "kernels": {"default": KernelsConfig}}
 
 
@@ -530,6 +582,10 @@ def validate(cfg: DictConfig) -> Any:
     if isinstance(typed, EvalConfig):
         check_eval_source(typed)
     if isinstance(typed, TrainConfig):
+        from moh_vision.engine.optim import check_optimizer
+        from moh_vision.engine.profiling import parse_steps
+        parse_steps(typed.trainer.profile)
+        check_optimizer(typed.optim.name)
         check_attention(typed.attention)
         check_model(typed.model, typed.attention, typed.task.name)
         check_task_model(typed.task.name, typed.model.name)

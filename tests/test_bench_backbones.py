@@ -144,22 +144,6 @@ def test_profile_lists_where_a_step_goes(tmp_path):
     assert "self time by kind" in text and "| gemm |" in text
 
 
-@pytest.mark.parametrize("name, kind", [
-    ("aten::addmm", "gemm"), ("sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x128x64", "gemm"),
-    ("sm80_xmma_fprop_implicit_gemm_indexed_tf32f32_tf32f32_f32_nhwckrsc_nhwc", "convolution"),
-    ("aten::convolution_backward", "convolution"), ("moh_aggregated::backward", "attention"),
-    ("pytorch_flash::flash_fwd_kernel", "attention"), ("triton_poi_fused_gelu_mul_3", "compiled_pointwise"),
-    ("## Call CompiledFxGraph f6zppxk724", "compiled_pointwise"), ("aten::native_layer_norm", "normalisation"),
-    ("aten::copy_", "copies"), ("Memcpy DtoD (Device -> Device)", "copies"),
-    ("cpp_fused_aggregated_attention_clamp_min_div_3", "compiled_pointwise"),
-    ("triton_poi_fused_convolution_backward_gelu_7", "compiled_pointwise"), ("aten::gelu", "other"),
-])
-def test_operators_are_sorted_into_kinds_of_work(name, kind):
-    from moh_vision.analysis.backbone_bench import op_category
-
-    assert op_category(name) == kind
-
-
 def test_components_land_in_the_record_beside_the_pairs(tmp_path):
     from moh_vision.analysis.backbone_bench import bench_backbones
 

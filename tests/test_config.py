@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 # The group option whose schema holds a field, and what that option needs to compose on its own.
 GROUP_SETUP = {
     "trainer": [], "optim": [], "model": [], "": [],
-    "sched": {"cosine": ["sched=cosine"], "constant": ["sched=constant"]},
+    "sched": {name: [f"sched={name}"] for name in ("cosine", "constant", "poly", "wsd", "step", "multistep")},
     "logger": {"csv": ["logger=csv"], "none": ["logger=none"], "wandb": ["logger=wandb"]},
     "data": {"digits": ["data=digits"], "imagefolder": ["data=imagefolder", "data.root={dir}"],
              "latents": ["experiment=latent_diffusion", "data.root={dir}"],

@@ -29,17 +29,17 @@ import json
 import statistics
 import sys
 from pathlib import Path
-from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from moh_vision.errors import ConfigError
 from moh_vision.ops import Kernels
-from .benchmark import (DTYPES, Spread, build_for_bench, interleave, machine_description, make_step, model_inputs,
-                        saved_tensor_bytes,
-                        kernels_text, paired_ratio, peak_memory, resolve_device, rounds_bar, synchronizer,
-                        where_measured)
+from .benchmark import (DTYPES, Spread, build_for_bench, interleave, kernels_text, machine_description, make_step,
+                        model_inputs, paired_ratio, peak_memory, resolve_device, rounds_bar, saved_tensor_bytes,
+                        synchronizer, where_measured)
+from .profile_kinds import counted_events, own_time_us, time_by_kind
 
 # Peers of about the same FLOPs (fvcore GFLOPs at 224 px: TransNeXt-Micro 2.7 vs PVTv2-b1 2.1,
 # TransNeXt-Tiny 5.7 vs Swin-T 4.5, TransNeXt-Small 10.3 vs Swin-S 8.7, TransNeXt-Base 18.4 vs Swin-B 15.4).
@@ -162,34 +162,10 @@ def time_pair(label: str, models: Dict[str, nn.Module], gflops_ratio: float, bat
     return row
 
 
-# Kinds of work an operator (CUDA: a kernel) does, by its name: the first pattern that matches names it. The
-# compiler's generated kernels come first (their names list the operators they fused, convolutions' epilogues
-# included), convolutions before GEMMs (cuDNN's convolutions are "implicit GEMM" kernels). "copies": copies,
-# fills, concatenations and gathers.
-OP_CATEGORIES = (
-    ("compiled_pointwise", r"^triton_(poi|red|per)_|cpp_fused|compiledfxgraph"),
-    ("convolution", r"conv|cudnn|fprop|dgrad|wgrad|winograd|depthwise"),
-    ("attention", r"aggregated|attention|flash|fmha|scaled_dot|sdpa|_attn"),
-    ("gemm", r"gemm|xmma|cutlass|cublas|^triton_tem_|^aten::(mm|addmm|bmm|baddbmm|addbmm|_addmm_activation)$"),
-    ("normalisation", r"layer_norm|batch_norm|group_norm|rms_norm"),
-    ("copies", r"copy|clone|contiguous|memcpy|memset|fill|^aten::(cat|stack|index|index_put_?)$"),
-)
-
-
-def op_category(name: str) -> str:
-    """The kind of work an operator or kernel named ``name`` does (:data:`OP_CATEGORIES`), else ``"other"``
-    (point-wise operators, reductions, autograd's bookkeeping). Names are single words, as the docs' figure
-    markers quote keys."""
-    import re
-
-    lowered = name.lower()
-    return next((kind for kind, pattern in OP_CATEGORIES if re.search(pattern, lowered)), "other")
-
-
 def top_ops(step: Callable[[], None], device: torch.device, count: int = 15) -> Dict[str, object]:
     """Where one profiled ``step``'s time goes, by self time (CUDA: the kernels' GPU time): the ``count``
     operators (CUDA: kernels) that take most (``ops``), all of them summed by kind (``by_kind``, ms:
-    :func:`op_category`) and in all (``total_ms``)."""
+    :func:`~moh_vision.analysis.profile_kinds.time_by_kind`) and in all (``total_ms``)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -197,15 +173,11 @@ def top_ops(step: Callable[[], None], device: torch.device, count: int = 15) -> 
     with profile(activities=activities) as prof:
         step()
         synchronizer(device)()
-    key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    events = sorted(prof.key_averages(), key=lambda e: getattr(e, key), reverse=True)
-    by_kind: Dict[str, float] = {}
-    for e in events:
-        if getattr(e, key) > 0:
-            kind = op_category(e.key)
-            by_kind[kind] = by_kind.get(kind, 0.0) + getattr(e, key) / 1e3
-    return {"ops": [{"name": e.key, "ms": getattr(e, key) / 1e3, "calls": e.count} for e in events[:count]],
-            "by_kind": dict(sorted(by_kind.items(), key=lambda kv: -kv[1])), "total_ms": sum(by_kind.values())}
+    averages = prof.key_averages()
+    events = sorted(counted_events(averages, device), key=lambda e: own_time_us(e, device), reverse=True)
+    by_kind = time_by_kind(averages, device)
+    return {"ops": [{"name": e.key, "ms": own_time_us(e, device) / 1e3, "calls": e.count} for e in events[:count]],
+            "by_kind": by_kind, "total_ms": sum(by_kind.values())}
 
 
 def top_ops_table(rows: Sequence[Dict]) -> str:

@@ -59,7 +59,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 
-from moh_vision.attention import (active_head_fraction, find_attention, flops_roles_of, record_routing,
+from moh_vision.attention import (active_head_fraction, flops_roles_of, record_routing,
                                   routed_layer_names, routed_modules)
 from moh_vision.ops import Kernels
 

@@ -38,8 +38,10 @@ import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset, default_collate
+from tqdm.auto import tqdm
 
 from ..errors import ConfigError
+from .file_index import Split, TreeWatch, as_split, built_once, cache_folder, cached_index
 from .transforms import (
     IMAGENET_DEFAULT_MEAN,
     IMAGENET_DEFAULT_STD,
@@ -121,16 +123,34 @@ def _is_image(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS)
 
 
-def _subfolders(folder: str) -> List[str]:
+def _subfolders(folder: str, watch: Optional[TreeWatch] = None) -> List[str]:
+    if watch is not None:
+        watch.note(folder)
     return sorted(e.name for e in os.scandir(folder) if e.is_dir() and not e.name.startswith("."))
 
 
-def _images_under(folder: str, relative_to: str) -> List[str]:
-    """Image files below ``folder`` (recursively, sorted), as paths relative to ``relative_to``."""
-    found = []
-    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
-        dirnames[:] = sorted(d for d in dirnames if not d.startswith("."))
-        found += [os.path.relpath(os.path.join(dirpath, f), relative_to) for f in sorted(filenames) if _is_image(f)]
+def _images_under(folder: str, relative_to: str, watch: Optional[TreeWatch] = None) -> List[str]:
+    """Image files below ``folder`` (recursively, following links; each folder's files sorted, then its sorted
+    sub-folders), as paths relative to ``relative_to``; ``watch`` notes every folder read."""
+    if watch is not None:
+        watch.note(folder)  # before reading it: a change after the read shows as a later modification time
+    files, folders = [], []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError as err:  # os.walk would skip it: images missing without a word
+        raise ConfigError(f"cannot read the folder {folder} ({err.strerror}); expected a readable tree of images") \
+            from None
+    for entry in entries:
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            folders.append(entry.name)
+        elif _is_image(entry.name):
+            files.append(entry.name)
+    prefix = os.path.relpath(folder, relative_to)
+    found = [os.path.join(prefix, name) if prefix != "." else name for name in sorted(files)]
+    for name in sorted(folders):
+        found += _images_under(os.path.join(folder, name), relative_to, watch)
     return found
 
 
@@ -140,10 +160,11 @@ def _require_dir(path: str, expected: str) -> None:
         raise ConfigError(f"{path} {what}; expected {expected}")
 
 
-def scan_class_folders(split_dir: str) -> Tuple[List[str], List[str], List[int]]:
-    """``(classes, image paths relative to split_dir, labels)`` of a class-folder tree."""
+def scan_class_folders(split_dir: str, watch: Optional[TreeWatch] = None) -> Tuple[List[str], List[str], List[int]]:
+    """``(classes, image paths relative to split_dir, labels)`` of a class-folder tree; ``watch`` notes every
+    folder read (:mod:`moh_vision.data.file_index`)."""
     _require_dir(split_dir, "a folder with one sub-folder of images per class")
-    classes = _subfolders(split_dir)
+    classes = _subfolders(split_dir, watch)
     if not classes:
         loose = [f for f in os.listdir(split_dir) if _is_image(f)]
         hint = f" (it holds {len(loose)} images directly)" if loose else ""
@@ -151,8 +172,8 @@ def scan_class_folders(split_dir: str) -> Tuple[List[str], List[str], List[int]]
     paths: List[str] = []
     labels: List[int] = []
     empty = []
-    for index, name in enumerate(classes):
-        found = _images_under(os.path.join(split_dir, name), split_dir)
+    for index, name in enumerate(tqdm(classes, desc=f"indexing {split_dir}", leave=False, disable=None)):
+        found = _images_under(os.path.join(split_dir, name), split_dir, watch)
         if not found:
             empty.append(name)
         paths += found
@@ -196,7 +217,8 @@ class ImageFileDataset(Dataset):
         if on_bad_image not in ("skip", "raise"):
             raise ConfigError(f"on_bad_image={on_bad_image!r}; expected 'skip' or 'raise'")
         self.root = root
-        self._paths = np.array([os.fsencode(p) for p in paths])
+        encoded = isinstance(paths, np.ndarray) and paths.dtype.kind == "S"  # as the file index keeps them
+        self._paths = paths if encoded else np.array([os.fsencode(p) for p in paths])
         self.targets = np.asarray(labels, dtype=np.int64)
         self.classes = list(classes)
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
@@ -305,9 +327,6 @@ def resolve_repeated_aug(value: Optional[Union[int, str]], world_size: Optional[
     return repeats
 
 
-Split = Tuple[str, List[str], List[int]]  # (folder, image paths relative to it, labels)
-
-
 class ImageFolderData:
     """Train/val class-folder tree with the TransNeXt / DeiT augmentation recipe.
 
@@ -339,6 +358,7 @@ class ImageFolderData:
         mean: Sequence[float] = IMAGENET_DEFAULT_MEAN,
         std: Sequence[float] = IMAGENET_DEFAULT_STD,
         on_bad_image: str = "skip",
+        index_cache: Optional[str] = "auto",
     ):
         if in_chans not in (1, 3):
             raise ConfigError(f"in_chans={in_chans}; image folders load as RGB (3) or grayscale (1)")
@@ -365,7 +385,9 @@ class ImageFolderData:
             self.img_size, self.in_chans, crop_pct=eval_crop_pct, interpolation=interpolation, mean=mean, std=std,
         )
 
-        classes, train_split, val_split = self._scan()
+        cache = cache_folder(index_cache)
+        classes, train_split, val_split = built_once(
+            lambda: cached_index(self._scan, self.root, f"{type(self).__name__}|{'/'.join(IMG_EXTENSIONS)}", cache))
         self.classes = classes
         self.class_to_idx = {name: i for i, name in enumerate(classes)}
         self.num_classes = len(classes)
@@ -388,13 +410,16 @@ class ImageFolderData:
             _require_dir(d, f"{os.path.basename(d)}/ inside {self.root}: {expected}")
         return train_dir, val_dir
 
-    def _scan(self) -> Tuple[List[str], Split, Split]:
-        """``(classes, train split, val split)``; checks that train and val have the same classes."""
+    def _scan(self, watch: Optional[TreeWatch] = None) -> Tuple[List[str], Split, Split]:
+        """``(classes, train split, val split)``; checks that train and val have the same classes. ``watch`` notes
+        every folder read (the file index's validity)."""
         train_dir, val_dir = self._split_dirs()
-        classes, train_paths, train_labels = scan_class_folders(train_dir)
-        val_classes, val_paths, val_labels = scan_class_folders(val_dir)
+        if watch is not None:
+            watch.note(self.root)  # train/ or val/ replaced
+        classes, train_paths, train_labels = scan_class_folders(train_dir, watch)
+        val_classes, val_paths, val_labels = scan_class_folders(val_dir, watch)
         _check_same_classes(classes, val_classes, train_dir, val_dir)
-        return classes, (train_dir, train_paths, train_labels), (val_dir, val_paths, val_labels)
+        return classes, as_split(train_dir, train_paths, train_labels), as_split(val_dir, val_paths, val_labels)
 
     # -- reporting ---------------------------------------------------------------------------------
 
@@ -419,6 +444,15 @@ class ImageFolderData:
 
     def __repr__(self) -> str:
         return self.describe()
+
+
+def _folders_down_to(root: str, folder: str) -> List[str]:
+    """``root`` and every folder from it down to ``folder`` (below it)."""
+    chain = [root]
+    relative = os.path.relpath(folder, root)
+    for part in relative.split(os.sep) if relative != "." else ():
+        chain.append(os.path.join(chain[-1], part))
+    return chain
 
 
 def _check_same_classes(train_classes, val_classes, train_dir: str, val_dir: str) -> None:
@@ -466,16 +500,19 @@ class ImageNetData(ImageFolderData):
             f"folder per wnid, or the ILSVRC layout {self.root}/ILSVRC/Data/CLS-LOC/{{train,val}}"
         )
 
-    def _scan(self) -> Tuple[List[str], Split, Split]:
+    def _scan(self, watch: Optional[TreeWatch] = None) -> Tuple[List[str], Split, Split]:
         base = self._base()
+        if watch is not None:  # the folders from the root down to base decide the layout found
+            for folder in _folders_down_to(self.root, base):
+                watch.note(folder)
         train_dir, val_dir = os.path.join(base, "train"), os.path.join(base, "val")
         _require_dir(val_dir, f"val/ next to {train_dir}, with one folder per wnid or the flat ILSVRC val images")
-        classes, train_paths, train_labels = scan_class_folders(train_dir)
-        if _subfolders(val_dir):
-            val_classes, val_paths, val_labels = scan_class_folders(val_dir)
+        classes, train_paths, train_labels = scan_class_folders(train_dir, watch)
+        if _subfolders(val_dir, watch):
+            val_classes, val_paths, val_labels = scan_class_folders(val_dir, watch)
             _check_same_classes(classes, val_classes, train_dir, val_dir)
         else:
-            val_paths, val_labels = self._flat_val(base, val_dir, classes)
+            val_paths, val_labels = self._flat_val(base, val_dir, classes, watch)
             present = sorted({classes[i] for i in val_labels})
             _check_same_classes(classes, present, train_dir, val_dir)
         if len(classes) != self.expected_classes:
@@ -483,11 +520,12 @@ class ImageNetData(ImageFolderData):
                 f"{train_dir} has {len(classes)} class folders; ImageNet-1K expects {self.expected_classes} "
                 f"(use data=imagefolder for other class counts)"
             )
-        return classes, (train_dir, train_paths, train_labels), (val_dir, val_paths, val_labels)
+        return classes, as_split(train_dir, train_paths, train_labels), as_split(val_dir, val_paths, val_labels)
 
-    def _flat_val(self, base: str, val_dir: str, classes: List[str]) -> Tuple[List[str], List[int]]:
+    def _flat_val(self, base: str, val_dir: str, classes: List[str], watch: Optional[TreeWatch] = None
+                  ) -> Tuple[List[str], List[int]]:
         """Labels of a flat ``val/`` from ``LOC_val_solution.csv``."""
-        images = _images_under(val_dir, val_dir)
+        images = _images_under(val_dir, val_dir, watch)
         if not images:
             raise ConfigError(f"{val_dir} holds no images; expected one folder per wnid or the flat ILSVRC val images")
         searched = list(dict.fromkeys(os.path.normpath(d) for d in (
@@ -499,6 +537,9 @@ class ImageNetData(ImageFolderData):
                 f"{val_dir} holds images without class folders and no {VAL_SOLUTION_CSV} was found in "
                 f"{', '.join(searched)}; expected that file, or val/ sorted into one folder per wnid"
             )
+        if watch is not None:  # the file, and where it was looked for
+            for path in [csv_path] + [d for d in searched if os.path.isdir(d)]:
+                watch.note(path)
         wnid_of = {}
         with open(csv_path, newline="") as f:
             for row in csv.reader(f):

@@ -1,7 +1,7 @@
 """What ``Trainer.fit`` builds before its first step, as plain functions of the config.
 
 ``build_parts`` returns the model and everything that trains it (``FitParts``): loaders whose order
-resumes mid-epoch (``Loaders``), AdamW and the schedule, AMP, the grad scaler, EMA, and the
+resumes mid-epoch (``Loaders``), the optimizer and the schedule (timm's), AMP, the grad scaler, EMA, and the
 compiled / DDP-wrapped model. Nothing here keeps state of its own.
 """
 from __future__ import annotations
@@ -23,7 +23,7 @@ from moh_vision.errors import ConfigError
 from moh_vision.tasks.protocols import Data, Task
 from .distributed import DistInfo
 from .ema import EMA
-from .optim import Schedule, build_optimizer
+from .optim import Schedule, build_optimizer, build_schedule
 
 log = logging.getLogger(__name__)
 
@@ -115,15 +115,6 @@ def build_loaders(cfg: Any, data: Data, dist: DistInfo, seed: int) -> Loaders:
                    per_rank_batch=per_rank_batch, accum=accum, steps_per_epoch=steps_per_epoch)
 
 
-def build_schedule(sched: Any, base_lr: float, total_steps: int, steps_per_epoch: int) -> Schedule:
-    """``sched``'s fields are ``Schedule``'s keywords, with the warm-up in epochs (``warmup_epochs``)
-    plus, where the schedule has the field, in steps (``warmup_steps``)."""
-    fields = dict(vars(sched))
-    epochs = float(fields.pop("warmup_epochs"))
-    fields["warmup_steps"] = int(round(epochs * steps_per_epoch)) + int(fields["warmup_steps"])
-    return Schedule(fields.pop("name"), base_lr, total_steps, **fields)
-
-
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the torch.compile modes that replay CUDA graphs
 
 
@@ -201,7 +192,7 @@ def build_parts(cfg: Any, optim: Any, sched: Any, dist: DistInfo, seed: int, tas
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
     optimizer = build_optimizer(model, **vars(optim))
-    schedule = build_schedule(sched, optim.lr, total_steps, loaders.steps_per_epoch)
+    schedule = build_schedule(sched, optimizer, total_steps, loaders.steps_per_epoch)
     ema = EMA(model, cfg.ema.decay, cfg.ema.warmup) if cfg.ema.enabled else None
     return FitParts(
         task=task, model_name=task.model_cfg["name"], model=model, train_model=wrap_model(model, cfg.compile, dist, cfg.compile_mode),

@@ -30,7 +30,13 @@ FREE_TO_CHANGE = (
     "trainer.count_flops", "trainer.requeue_on_preempt", "trainer.throughput_warmup_steps",
     "trainer.max_nonfinite_in_a_row", "trainer.device", "trainer.compile", "trainer.compile_mode", "logger", "tag",
     "model.checkpoint_path", "model.init_from", "data.root", "task.sample", "task.vae",
+    "trainer.ckpt_history_every_steps", "trainer.ckpt_history_every_epochs", "trainer.ckpt_keep", "trainer.profile",
+    "data.index_cache",
 )
+
+# Options added after runs were saved without them, with the value that keeps the training as it was then: a config
+# without one (a checkpoint of an earlier release) is compared as if it held that value.
+ADDED_LATER = {"optim.momentum": 0.9, "optim.layer_decay": None, "optim.kwargs": {}, "sched.cooldown_epochs": 0}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -139,7 +145,7 @@ def _free(key: str) -> bool:
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> List[str]:
     """The options that differ between a checkpoint's config and this run's and change the training
     trajectory (everything but :data:`FREE_TO_CHANGE`), as ``key: old -> new``."""
-    old, new = _flat(saved), _flat(current)
+    old, new = ({**ADDED_LATER, **_flat(config)} for config in (saved, current))
     keys = sorted(k for k in set(old) | set(new) if not _free(k) and old.get(k) != new.get(k))
     return [f"{k}: {_text(old.get(k))} -> {_text(new.get(k))}" for k in keys]
 

@@ -27,11 +27,13 @@ from moh_vision.errors import ConfigError, RunError
 from moh_vision.ops import Kernels, resolved
 from moh_vision.tasks.protocols import Data, EpochContext, Task
 from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, all_finite, write_routing_artifacts
+from .checkpoint_history import CheckpointHistory
 from .costs import RunCosts, StepClock, reset_peak_memory
 from .distributed import DistInfo, broadcast_object, reduce_sums
 from .fit_setup import FitParts, build_parts, flops_text, seed_everything, uses_cuda_graphs
 from .loggers import Loggers, write_json
 from .preemption import Preempted, StopSignals
+from .profiling import StepProfiler, parse_steps
 from .rng_state import capture_rng, restore_rng
 from .run_dir import config_changes, record_config
 
@@ -71,7 +73,7 @@ class Trainer:
         dist: this process's rank, world size and device.
         loggers: where rows and images go.
         optim: the optimizer config (its fields are ``build_optimizer``'s keywords).
-        sched: the schedule config (its fields are ``Schedule``'s keywords, warm-up in epochs).
+        sched: the schedule config (``build_schedule``'s: timm's schedulers, lengths in epochs).
         config: the whole run config as a plain dict (saved into checkpoints and config.yaml).
         seed: the run's seed (each rank adds its rank).
     """
@@ -82,6 +84,8 @@ class Trainer:
         self.optim_cfg, self.sched_cfg, self.config, self.seed = optim, sched, config, int(seed)
         self.device = dist.device
         self.ckpt_dir = self.out_dir / "checkpoints"
+        self.history = CheckpointHistory(self.ckpt_dir, cfg.ckpt_history_every_steps, cfg.ckpt_history_every_epochs,
+                                         cfg.ckpt_keep)
         # progress, saved in checkpoints
         self.step = 0
         self.epoch = 0
@@ -97,6 +101,7 @@ class Trainer:
         self.parts: Optional[FitParts] = None  # built by fit()
         self.costs: Optional[RunCosts] = None  # built by fit()
         self.signals = StopSignals()
+        self.profiler = StepProfiler(parse_steps(cfg.profile), self.out_dir, dist.device, dist.rank)
         self.lr = 0.0
         self.start_row: Dict[str, Any] = {}  # trainer.val_at_start's validation, as start/<metric>
         self.last_row: Optional[Dict[str, Any]] = None  # the last epoch row (summary.json's results)
@@ -110,6 +115,9 @@ class Trainer:
         seed_everything(self.seed + self.dist.rank, self.cfg.deterministic, self.device)
         parts = self.parts = build_parts(self.cfg, self.optim_cfg, self.sched_cfg, self.dist, self.seed, task, data)
         self.costs = RunCosts(parts.flops, self.device, self.cfg.amp, self.dist.world_size)
+        if self.dist.is_main:  # what writes killed half-way left (this process holds the run directory)
+            for leftover in ckpt_io.remove_partial_writes(self.ckpt_dir):
+                log.warning("removed %s, left by a checkpoint write that was killed", leftover)
         self._resume()
         if self.dist.is_main:  # only now: a run that fails to set up must not overwrite a good run's config
             record_config(self.out_dir, self.config, self.step)
@@ -117,7 +125,7 @@ class Trainer:
                      flops_text(parts.flops))
             log.info("costs: %s", self.costs.describe())
         start = time.time()
-        with self.signals:
+        with self.signals, self.profiler:
             parts.loaders.start_workers()
             self._validate_before_training()
             self._run()
@@ -152,7 +160,8 @@ class Trainer:
         micro = 0
         clock = StepClock(self.device)
         graphs = uses_cuda_graphs(self.cfg.compile, self.cfg.compile_mode, self.device)
-        for batch in clock.batches(loaders.train):
+        self.profiler.at_step(self.step)
+        for batch in clock.batches(self.profiler.batches(loaders.train)):
             if graphs:  # a new step: the previous one's graph outputs are used up (loss, metrics, routing read)
                 torch.compiler.cudagraph_mark_step_begin()
             last_micro = (micro + 1) % loaders.accum == 0
@@ -188,12 +197,14 @@ class Trainer:
             if self.step % self.cfg.log_every == 0 and window.steps:
                 self._log_window(window, bar)
                 window = StepWindow()
-            if self.cfg.ckpt_every_steps and self.step % self.cfg.ckpt_every_steps == 0:
-                self.save()
+            numbered = self.history.due_after_step(self.step)
+            if numbered or (self.cfg.ckpt_every_steps and self.step % self.cfg.ckpt_every_steps == 0):
+                self.save(numbered=numbered)
             if self.signals.requested(self.dist):
                 self.save()
                 self.signals.hand_over()
                 raise Preempted(self.signals.received or "signal")
+            self.profiler.at_step(self.step)
             if self.step >= parts.total_steps:
                 break
         if bar is not None:
@@ -307,7 +318,7 @@ class Trainer:
         self.epoch += 1
         self.batch_in_epoch = 0
         self.meters = EpochMeters()
-        self.save()
+        self.save(numbered=self.history.due_after_epoch(self.epoch))
         if improved:
             self.save("best.pt")
 
@@ -339,14 +350,17 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     # checkpoints
     # ------------------------------------------------------------------------------------------
-    def save(self, name: str = "last.pt") -> None:
-        """Write ``checkpoints/<name>`` (main rank; every rank joins the RNG gather)."""
+    def save(self, name: str = "last.pt", numbered: bool = False) -> None:
+        """Write ``checkpoints/<name>`` and, if ``numbered``, ``checkpoints/step_<step>.pt`` too (main rank; every
+        rank joins the RNG gather)."""
         state = self._state()
         if self.dist.is_main:
             path = self.ckpt_dir / name
             ckpt_io.atomic_save(state, path, keep_previous=name == "last.pt")
             if name == "last.pt":
                 self.last_good_checkpoint = str(path)
+            if numbered:
+                self.history.write(state, self.step)
 
     def _state(self) -> Dict[str, Any]:
         """The checkpoint. Under DDP, ``rng`` and ``meters`` (this epoch's sums so far) are lists with one
@@ -411,7 +425,8 @@ class Trainer:
         self.last_good_checkpoint = str(used)
         log.info("resumed from %s at step %d (epoch %d, batch %d)", used, self.step, self.epoch, self.batch_in_epoch)
         if self.cfg.extend and self.dist.is_main:
-            old_lr, new_lr = parts.optimizer.param_groups[0]["lr"], parts.schedule.lr(self.step)
+            old_lr = max(group["lr"] for group in parts.optimizer.param_groups)
+            new_lr = parts.schedule.apply(parts.optimizer, self.step)
             log.warning("extended run: %d steps in all (schedule recomputed for them); the learning rate goes "
                         "from %.3g to %.3g at step %d", parts.total_steps, old_lr, new_lr, self.step)
 

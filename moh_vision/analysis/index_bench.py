@@ -1,0 +1,74 @@
+"""How long an image-folder tree takes to index (:mod:`moh_vision.data.file_index`): a scan without the cache, the
+first start with it (the scan, and the index kept) and the next (the index read back and checked), each the whole
+``ImageFolderData`` construction a run's start-up waits for. ``tools/bench_index.py`` runs it on a generated tree
+of empty files (their names are all an index reads).
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, Optional
+
+from tqdm.auto import tqdm
+
+from moh_vision.checkpoints import atomic_write
+from .benchmark import Spread, machine_description
+
+SCAN_ONLY = dict(img_size=32, auto_augment=None, mixup=None, cutmix=None, re_prob=None, repeated_aug=1)
+
+
+def make_empty_tree(root: Path, classes: int, train_per_class: int, val_per_class: int) -> int:
+    """``root/{train,val}/class<c>/<i>.JPEG``, empty files as ImageNet names them; the number of files."""
+    count = 0
+    for split, per_class in (("train", train_per_class), ("val", val_per_class)):
+        for c in tqdm(range(classes), desc=f"generating {split}/", leave=False, disable=None):
+            folder = root / split / f"n{c:08d}"
+            folder.mkdir(parents=True)
+            for i in range(per_class):
+                (folder / f"n{c:08d}_{i}.JPEG").touch()
+            count += per_class
+    return count
+
+
+def _seconds(build) -> float:
+    start = time.perf_counter()
+    build()
+    return time.perf_counter() - start
+
+
+def time_index(root: Path, rounds: int, settle_s: float) -> Dict[str, Any]:
+    """Per round: a scan without the cache, then the first and the second start with a new cache folder; the
+    tree is left alone ``settle_s`` seconds first (an index of a tree that just changed is not kept)."""
+    from moh_vision.data.imagefolder import ImageFolderData
+
+    time.sleep(settle_s)
+    times: Dict[str, list] = {"scan_s": [], "first_s": [], "second_s": []}
+    for _ in tqdm(range(rounds), desc="rounds", leave=False, disable=None):
+        times["scan_s"].append(_seconds(lambda: ImageFolderData(str(root), index_cache=None, **SCAN_ONLY)))
+        with tempfile.TemporaryDirectory(prefix="index_cache_") as cache:
+            times["first_s"].append(_seconds(lambda: ImageFolderData(str(root), index_cache=cache, **SCAN_ONLY)))
+            if not list(Path(cache).glob("*.npz")):
+                raise RuntimeError(f"the index of {root} was not kept: is the tree changing?")
+            times["second_s"].append(_seconds(lambda: ImageFolderData(str(root), index_cache=cache, **SCAN_ONLY)))
+    return {key: Spread.of(values).as_dict() for key, values in times.items()}
+
+
+def bench_index(classes: int, train_per_class: int, val_per_class: int, rounds: int, root: Optional[str] = None,
+                out: Optional[str] = None, settle_s: float = 2.5) -> Dict[str, Any]:
+    """The record: the tree, the machine and :func:`time_index`'s seconds (median and quartiles), printed and, with
+    ``out``, written there (JSON). The generated tree lives in a temporary folder (under ``root`` when given) and is
+    removed afterwards."""
+    with tempfile.TemporaryDirectory(prefix="index_tree_", dir=root) as folder:
+        tree = Path(folder)
+        files = make_empty_tree(tree, classes, train_per_class, val_per_class)
+        record = {"machine": machine_description(), "files": files, "classes": classes,
+                  "train_per_class": train_per_class, "val_per_class": val_per_class, "rounds": rounds,
+                  **time_index(tree, rounds, settle_s)}
+    record["speedup_second_over_scan"] = record["scan_s"]["median"] / record["second_s"]["median"]
+    text = json.dumps(record, indent=1) + "\n"
+    print(text, end="")
+    if out:
+        atomic_write(out, lambda f: f.write(text.encode()), what="record")
+    return record
