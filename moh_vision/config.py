@@ -582,14 +582,32 @@ def validate(cfg: DictConfig) -> Any:
     if isinstance(typed, EvalConfig):
         check_eval_source(typed)
     if isinstance(typed, TrainConfig):
-        from moh_vision.engine.optim import check_optimizer
-        from moh_vision.engine.profiling import parse_steps
         parse_steps(typed.trainer.profile)
         check_optimizer(typed.optim.name)
         check_attention(typed.attention)
         check_model(typed.model, typed.attention, typed.task.name)
         check_task_model(typed.task.name, typed.model.name)
     return typed
+
+
+def parse_steps(text: Optional[str], key: str = "trainer.profile") -> Optional[Tuple[int, int]]:
+    """``"2:3"`` -> ``(2, 3)``; None or empty -> None; anything else a one-line :class:`ConfigError`."""
+    if text is None or str(text).strip() == "":
+        return None
+    first, sep, last = str(text).partition(":")
+    if sep and first.strip().isdigit() and last.strip().isdigit() and 1 <= int(first) <= int(last):
+        return int(first), int(last)
+    raise ConfigError(f"{key}={text}: expected <first>:<last>, optimizer steps counted from 1 with first <= last "
+                      f"(e.g. {key}=100:102)")
+
+
+def check_optimizer(name: str) -> None:
+    """``optim.name`` names one of timm's optimizers (``lookahead_<name>`` too), or a one-line error."""
+    from timm.optim import list_optimizers
+
+    words, known = name.lower().split("_"), list_optimizers()
+    if words[-1] not in known or len(words) > 2 or (len(words) == 2 and words[0] != "lookahead"):
+        raise ConfigError(f"optim.name={name} is unknown; timm's optimizers (or lookahead_<name>): {', '.join(known)}")
 
 
 def check_eval_source(run: EvalConfig) -> None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
@@ -21,6 +20,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from moh_vision.data import CACHE_ENV, cache_dir  # noqa: F401  (cache_dir: also this module's API)
 
 log = logging.getLogger(__name__)
 
@@ -78,18 +79,6 @@ class DigitsClassifier(nn.Module):
 # training below -> bump "version", so that cached classifiers of the old recipe are not reused.
 CLASSIFIER_SETTINGS = {"version": 1, "arch": "conv32-64-128", "epochs": 20, "seed": 0, "batch_size": 128,
                        "lr": 2e-3, "weight_decay": 1e-4, "augment": True, "data": "sklearn digits, val 0.2, split 0"}
-CACHE_ENV = "MOH_VISION_CACHE_DIR"
-
-
-def cache_dir() -> Path:
-    """Where cached artefacts (the digits classifier) live: ``$MOH_VISION_CACHE_DIR``, else
-    ``$XDG_CACHE_HOME/moh_vision``, else ``~/.cache/moh_vision``."""
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache")
-    return Path(base).expanduser() / "moh_vision"
-
-
 def classifier_key(img_size: int) -> str:
     """A short hash of everything that determines the trained classifier."""
     try:

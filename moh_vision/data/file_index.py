@@ -64,7 +64,7 @@ def cache_folder(index_cache: Optional[str]) -> Optional[Path]:
         return None
     if str(index_cache) != "auto":
         return Path(index_cache).expanduser()
-    from moh_vision.analysis.metrics import cache_dir  # the project's one cache folder (the digits classifier's too)
+    from moh_vision.data import cache_dir  # the project's one cache folder (the digits classifier's too)
     return cache_dir() / "file_index"
 
 

@@ -20,6 +20,7 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence
 import torch
 from torch import nn
 
+from moh_vision.config import check_optimizer
 from moh_vision.errors import ConfigError
 
 
@@ -57,15 +58,6 @@ def layer_decay_groups(model: nn.Module, weight_decay: float, layer_decay: float
     skip = sorted(no_decay_names(model, extra_keywords))
     return param_groups_layer_decay(model, weight_decay=weight_decay, layer_decay=layer_decay,
                                     no_weight_decay_list=[glob.escape(n) for n in skip])  # timm matches patterns
-
-
-def check_optimizer(name: str) -> None:
-    """``optim.name`` names one of timm's optimizers (``lookahead_<name>`` too), or a one-line error."""
-    from timm.optim import list_optimizers
-
-    words, known = name.lower().split("_"), list_optimizers()
-    if words[-1] not in known or len(words) > 2 or (len(words) == 2 and words[0] != "lookahead"):
-        raise ConfigError(f"optim.name={name} is unknown; timm's optimizers (or lookahead_<name>): {', '.join(known)}")
 
 
 def build_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.05,

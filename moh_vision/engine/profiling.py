@@ -27,23 +27,12 @@ from typing import Any, Dict, Iterable, Iterator, Optional, Tuple
 import torch
 
 from moh_vision.analysis.profile_kinds import time_by_kind
-from moh_vision.errors import ConfigError
+from moh_vision.config import parse_steps  # noqa: F401  (re-exported: the trainer and tests take it from here)
 
 log = logging.getLogger(__name__)
 
 DATA_WAIT = "data wait"  # the range around each fetch of the next batch
 _END = object()
-
-
-def parse_steps(text: Optional[str], key: str = "trainer.profile") -> Optional[Tuple[int, int]]:
-    """``"2:3"`` -> ``(2, 3)``; None or empty -> None; anything else a one-line :class:`ConfigError`."""
-    if text is None or str(text).strip() == "":
-        return None
-    first, sep, last = str(text).partition(":")
-    if sep and first.strip().isdigit() and last.strip().isdigit() and 1 <= int(first) <= int(last):
-        return int(first), int(last)
-    raise ConfigError(f"{key}={text}: expected <first>:<last>, optimizer steps counted from 1 with first <= last "
-                      f"(e.g. {key}=100:102)")
 
 
 def _under(event: Any, name: str) -> bool:
