@@ -37,11 +37,12 @@ def param_groups(model: nn.Module, weight_decay: float, extra_keywords: Sequence
 
 def build_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.05,
                     betas: Iterable[float] = (0.9, 0.999), eps: float = 1e-8,
-                    no_weight_decay_keywords: Sequence[str] = ()) -> torch.optim.Optimizer:
+                    no_weight_decay_keywords: Sequence[str] = (), **kernel: bool) -> torch.optim.Optimizer:
+    """AdamW; ``kernel``: its implementation (``fused=True`` or ``foreach=True``: device_settings.optimizer_kernel)."""
     if name != "adamw":
         raise ConfigError(f"optim.name={name} is unknown; available: adamw")
     groups = param_groups(model, weight_decay, no_weight_decay_keywords)
-    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps)
+    return torch.optim.AdamW(groups, lr=lr, betas=tuple(betas), eps=eps, **kernel)
 
 
 class Schedule:

@@ -27,6 +27,7 @@ from moh_vision.errors import ConfigError, RunError
 from moh_vision.tasks.protocols import Data, EpochContext, Task
 from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, all_finite, write_routing_artifacts
 from .costs import RunCosts, StepClock, reset_peak_memory
+from .device_settings import device_settings, optimizer_kernel_of
 from .distributed import DistInfo, broadcast_object, reduce_sums
 from .fit_setup import FitParts, build_parts, flops_text, seed_everything, uses_cuda_graphs
 from .loggers import Loggers, write_json
@@ -96,6 +97,7 @@ class Trainer:
         self.parts: Optional[FitParts] = None  # built by fit()
         self.costs: Optional[RunCosts] = None  # built by fit()
         self.signals = StopSignals()
+        self.settings: Dict[str, Any] = {}  # the device settings in effect (device_settings), for summary.json
         self.lr = 0.0
         self.start_row: Dict[str, Any] = {}  # trainer.val_at_start's validation, as start/<metric>
         self.last_row: Optional[Dict[str, Any]] = None  # the last epoch row (summary.json's results)
@@ -105,7 +107,12 @@ class Trainer:
     # the loop
     # ------------------------------------------------------------------------------------------
     def fit(self, task: Task, data: Data) -> Dict[str, Any]:
-        """Train (or resume training) ``task``'s model on ``data``; returns what summary.json holds."""
+        """Train (or resume training) ``task``'s model on ``data``; returns what summary.json holds. The device
+        settings (TF32, cuDNN benchmarking) hold while it runs."""
+        with device_settings(self.cfg.tf32, self.cfg.deterministic, self.device) as self.settings:
+            return self._fit(task, data)
+
+    def _fit(self, task: Task, data: Data) -> Dict[str, Any]:
         seed_everything(self.seed + self.dist.rank, self.cfg.deterministic, self.device)
         parts = self.parts = build_parts(self.cfg, self.optim_cfg, self.sched_cfg, self.dist, self.seed, task, data)
         self.costs = RunCosts(parts.flops, self.device, self.cfg.amp, self.dist.world_size)
@@ -465,6 +472,8 @@ class Trainer:
             "nonfinite_skipped": self.counters["nonfinite_skipped"],
             "skipped_images": self.counters["skipped_images"],
             "routing_warnings": list(self.routing_warnings),
+            **self.settings, "optimizer_impl": optimizer_kernel_of(parts.optimizer),
+            "grad_checkpointing": bool(self.cfg.grad_checkpointing),
         }
         summary.update({k: v for k, v in parts.flops.items() if k != "params"})
         summary.update(self.costs.summary(self.throughput.steady().slowest(self.dist),
