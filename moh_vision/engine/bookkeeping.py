@@ -16,7 +16,7 @@ import torch
 
 from moh_vision.analysis.routing_stats import RoutingMeter
 from .costs import StepTimes
-from .distributed import DistInfo, all_reduce_sum, reduce_sums
+from .distributed import DistInfo, reduce_sums
 from .loggers import Loggers
 
 log = logging.getLogger(__name__)
@@ -221,12 +221,6 @@ class _NotingLoader:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
-
-
-def all_finite(value: torch.Tensor, dist: DistInfo) -> bool:
-    """``value`` is finite on every rank."""
-    bad = torch.tensor([0.0 if torch.isfinite(value.detach()).all() else 1.0], device=dist.device)
-    return bool(all_reduce_sum(bad, dist).item() == 0)
 
 
 def write_routing_artifacts(routing: RoutingMeter, out_dir: Path, loggers: Loggers, epoch: int, step: int,
