@@ -32,7 +32,7 @@ from .device_settings import device_settings, optimizer_kernel_of
 from .distributed import DistInfo, broadcast_object, reduce_sums
 from .fit_setup import FitParts, build_parts, flops_text, seed_everything, uses_cuda_graphs
 from .loggers import Loggers, write_json
-from .preemption import Preempted, StopSignals
+from .preemption import Preempted, StopSignals, slurm_torchrun_warning
 from .rng_state import capture_rng, restore_rng
 from .run_dir import config_changes, record_config
 from .step_on_device import PendingSteps, SettledStep, gradient_norm, loss_for_backward, step_unless, takes_found_inf
@@ -126,6 +126,9 @@ class Trainer:
             log.info("%s | %s | %.2fM params | %s", parts.model_name, data.describe(), parts.params / 1e6,
                      flops_text(parts.flops))
             log.info("costs: %s", self.costs.describe())
+            launch_problem = slurm_torchrun_warning()
+            if launch_problem:
+                log.warning("%s", launch_problem)
         start = time.time()
         with self.signals:
             parts.loaders.start_workers()
