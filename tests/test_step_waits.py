@@ -3,8 +3,10 @@ tensor and at most one Python collective per optimizer step outside log interval
 waited on at a later step; in one process and with two gloo ranks. ``tests/step_waits.py`` counts; the first
 tests show it sees every kind of read and would fail the loop of the code before this one (22 reads a step).
 """
+import collections
 import json
 import sys
+import warnings
 
 import pytest
 import torch
@@ -83,6 +85,40 @@ def test_a_step_that_reads_fails_the_check(tmp_path):
     assert problems == [f"step {s}: host reads {{'__float__': 1}}" for s in (1, 2, 3)]
 
 
+class NaNLossAt(ClassificationTask):
+    """Classification whose loss is NaN at the given training calls (micro-batches), by a constant term: the
+    gradients stay finite, and only the skip decision keeps the step out."""
+
+    def __init__(self, calls):
+        super().__init__(model_config("plain_vit_nano"), ATTENTION_PRESET)
+        self.nan_calls, self.calls = set(calls), 0
+
+    def training_step(self, model, batch, device):
+        out = super().training_step(model, batch, device)
+        self.calls += 1
+        if self.calls in self.nan_calls:
+            out["loss"] = out["loss"] + float("nan")
+        return out
+
+
+@pytest.mark.parametrize("overrides", [{"grad_accum": 2}, {"amp": "fp16"}], ids=["grad_accum", "fp16"])
+def test_a_nan_micro_batch_skips_its_step_without_host_waits(tmp_path, overrides):
+    """With gradient accumulation, one NaN micro-batch (the 3rd: step 1's first) skips its whole step; with fp16
+    the grad scaler skips it. Either way it is counted once, the other steps train, and no step reads."""
+    tables, accum = [], overrides.get("grad_accum", 1)
+    task = NaNLossAt({3} if accum == 2 else {2})
+    cfg = trainer_config(epochs=1, max_steps=5, batch_size=32, log_every=LOG_EVERY, **overrides)
+    trainer = counting_trainer(Trainer, tables)(
+        cfg, tmp_path, DistInfo(), Loggers(tmp_path), optim=OptimConfig(), sched=ConstantSched(),
+        config={"attention": dict(ATTENTION_PRESET), "model": dict(task.model_cfg)})
+    summary = trainer.fit(task, DigitsData(img_size=16))
+    assert summary["steps"] == 5 and summary["nonfinite_skipped"] == 1 and trainer.counters["nonfinite_in_a_row"] == 0
+    optimizer = trainer.parts.optimizer
+    assert {float(state["step"]) for state in optimizer.state.values()} == {4.0}, "AdamW stepped the other four"
+    assert all(torch.isfinite(p).all() for p in trainer.parts.model.parameters())
+    assert waits_outside(tables[0], 1, 4, every=LOG_EVERY) == []
+
+
 def test_the_default_run_steps_without_host_waits(tmp_path, train_in_process, monkeypatch):
     tables = []
     monkeypatch.setattr(run_module, "Trainer", counting_trainer(Trainer, tables))
@@ -92,8 +128,7 @@ def test_the_default_run_steps_without_host_waits(tmp_path, train_in_process, mo
     assert sum(tables[0][str(LOG_EVERY)]["reads"].values()) > 0, "a log step reads, and the counter sees it"
 
 
-@pytest.mark.slow  # two torchrun processes: about a minute on a busy 2-core machine
-def test_two_gloo_ranks_step_without_host_waits(tmp_path):
+def test_two_gloo_ranks_step_without_host_waits(tmp_path):  # torchrun, two processes: 10 s on 2 quiet cores
     out = tmp_path / "waits.json"
     run_entry(str(REPO / "tests" / "step_waits.py"), str(out), str(REPO / "train.py"), *SHRUNK,
               "trainer.batch_size=32", f"hydra.run.dir={tmp_path / 'run'}",
@@ -104,3 +139,35 @@ def test_two_gloo_ranks_step_without_host_waits(tmp_path):
         flags = [c for s in range(1, STEPS) if s % LOG_EVERY for c in table[str(s)]["collectives"]]
         assert [c["name"] for c in flags] == ["all_reduce"] * len(flags) and len(flags) == 9, "the preemption flag"
     assert read_summary(tmp_path / "run")["steps"] == STEPS
+
+
+@pytest.mark.gpu
+def test_cuda_steps_do_not_synchronize(tmp_path, train_in_process, monkeypatch):
+    """On CUDA, torch's sync debug mode reports every operation that waits for the device, the ones no Python call
+    shows too (a nonzero, a masked index): none in a step outside log intervals. The run's records say TF32,
+    cuDNN benchmarking and fused AdamW."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    syncs = collections.defaultdict(list)
+
+    class Watching(Trainer):
+        def fit(self, task, data):
+            def note(message, *args, **kwargs):
+                if "synchroniz" in str(message):
+                    syncs[self.step].append(str(message).splitlines()[0])
+            previous = torch.cuda.get_sync_debug_mode()
+            with warnings.catch_warnings():
+                warnings.simplefilter("always")
+                warnings.showwarning = note
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return super().fit(task, data)
+                finally:
+                    torch.cuda.set_sync_debug_mode(previous)
+
+    monkeypatch.setattr(run_module, "Trainer", Watching)
+    assert train_in_process(*SHRUNK, "trainer.device=cuda", f"hydra.run.dir={tmp_path}")[0] == 0
+    assert {step: found for step, found in syncs.items() if 1 <= step < STEPS and step % LOG_EVERY} == {}
+    assert syncs[LOG_EVERY], "a log step synchronises, and the debug mode sees it"
+    summary = read_summary(tmp_path)
+    assert (summary["tf32"], summary["cudnn_benchmark"], summary["optimizer_impl"]) == (True, True, "fused")

@@ -25,7 +25,8 @@ log = logging.getLogger(__name__)
 class EpochMeters:
     """Sample-weighted sums of this epoch's training outputs on this rank (``loss``, ``ce``, ``aux``,
     every ``log/<name>``, and ``count``), its routing statistics and its step times (``times``). A new
-    epoch gets new meters."""
+    epoch gets new meters. The outputs come from the steps that were not skipped, read from the device at a
+    log interval (``step_on_device``)."""
 
     def __init__(self, state: Optional[Mapping[str, Any]] = None):
         """Empty meters, or those of a checkpoint's ``meters`` entry (a mid-epoch resume)."""

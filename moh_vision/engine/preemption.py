@@ -7,10 +7,10 @@ step waits for the other ranks.
 
 Under torchrun the signal must reach the workers: torchrun's agent forwards the signals it handles to them
 (``--signals-to-handle``, default SIGTERM, SIGINT, SIGHUP, SIGQUIT) and any other one kills the agent,
-leaving its workers to train on without a checkpoint. ``sbatch --signal=B:USR1`` therefore needs
-``torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1`` (torch >= 2.9); the first rank says
-so at the start when a SLURM job runs torchrun without it (:func:`slurm_torchrun_warning`). The agent sends a
-signal to each worker's process group: the loader workers a trainer forked get it too, and ignore it.
+leaving its workers to train on without a checkpoint (SIGUSR1 did, on torch 2.14.1). ``sbatch --signal=B:USR1``
+therefore needs ``torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``; the first rank says so at
+the start when a SLURM job runs torchrun without it (:func:`slurm_torchrun_warning`). The agent sends a signal to
+each worker's process group: the loader workers a trainer forked get it too, and ignore it.
 """
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ class Preempted(Exception):
 def torchrun_drops(signal_name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
     """Whether this process runs under torchrun whose agent does not forward ``signal_name`` (a signal sent to
     the agent then kills it, and never reaches this process). torchrun exports what its agent handles as
-    ``TORCHELASTIC_SIGNALS_TO_HANDLE`` (torch >= 2.9; before, the default set)."""
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE``; one that does not export it handles the default set."""
     environ = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" not in environ:
         return False

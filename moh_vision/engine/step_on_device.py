@@ -127,8 +127,9 @@ class PendingSteps:
         tensors: List[Tensor] = []
         tree = _split({"outs": kept, "grad_norm": grad_norm}, tensors)
         self.flags.append(skipped.reshape(1))
-        # one kernel; cat promotes to the widest floating type present, exact for bool, fp16, bf16 and fp32
-        self.vectors.append(torch.cat([t.reshape(-1) for t in tensors]))
+        # one kernel; cat promotes to the widest floating type present, exact for bool, fp16, bf16 and fp32 (the
+        # norm of no gradients is a CPU zero: moved, without a wait)
+        self.vectors.append(torch.cat([t.reshape(-1).to(skipped.device) for t in tensors]))
         self.layouts.append((index, tree, [(t.shape, t.dtype) for t in tensors]))
 
     def settle(self, dist: DistInfo) -> List[SettledStep]:
