@@ -116,7 +116,10 @@ class TrainerConfig:
     resume: str = option("auto", path="resume", help="auto: last.pt of this output dir; never; or a checkpoint")
     extend: bool = option(False, help="resume with options that change the training (more epochs, another lr): "
                           "the schedule is recomputed for the new length")
-    deterministic: bool = False
+    deterministic: bool = option(False, help="deterministic kernels; on CUDA also no cuDNN benchmarking")
+    tf32: bool = option(True, help="CUDA: fp32 matmuls and convolutions on TF32 tensor cores (DiT's train.py)")
+    grad_checkpointing: bool = option(False, help="recompute each block's activations in backward (the model's "
+                                      "set_grad_checkpointing): less memory, one more forward per step")
     max_nonfinite_in_a_row: int = option(10, at_least=1)
     requeue_on_preempt: bool = option(True, help="inside a plain sbatch job: scontrol requeue after preemption")
     progress: bool = True

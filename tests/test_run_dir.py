@@ -19,6 +19,7 @@ import yaml
 from PIL import Image
 
 from helpers import ATTENTION_PRESET, model_config, trainer_config
+from step_waits import counting_trainer, waits_outside
 from moh_vision import checkpoints as ckpt_io
 from moh_vision.config import ConstantSched, OptimConfig
 from moh_vision.engine.costs import MEASURED
@@ -46,13 +47,14 @@ def epoch_rows(out_dir: Path):
 # DDP: 2 gloo processes, in this test's own spawn
 # ----------------------------------------------------------------------------------------------
 class StopOnRank1(Trainer):
-    """A trainer whose rank 1 receives SIGTERM (as a preempted or dying worker does) after ``stop_at`` steps."""
+    """A trainer whose rank 1 receives SIGTERM (as a preempted or dying worker does) after ``signal_at`` steps:
+    every rank stops one step later (the flag's all-reduce is read a step after it was issued)."""
 
-    stop_at = 4
+    signal_at = 3
 
     def _optimizer_step(self, finite):
         norm = super()._optimizer_step(finite)
-        if self.dist.rank == 1 and self.step == self.stop_at:
+        if self.dist.rank == 1 and self.step == self.signal_at:
             self.signals.received = "SIGTERM"
         return norm
 
@@ -64,7 +66,24 @@ def _fit(out_dir, dist, task, data, trainer_class=Trainer, **overrides):
     out_dir.mkdir(exist_ok=True)
     trainer = trainer_class(cfg, out_dir, dist, Loggers(out_dir, enabled=dist.is_main), optim=OptimConfig(lr=1e-3),
                             sched=ConstantSched(warmup_epochs=0), config=config, seed=0)
-    return trainer.fit(task, data)
+    trainer.fit(task, data)
+    return trainer
+
+
+class NaNLossOnRank1(ClassificationTask):
+    """Classification whose loss is NaN on rank 1 alone at its 4th and 5th steps, by a constant term: its
+    gradients stay finite, and only the skip decision keeps the ranks' weights equal."""
+
+    def __init__(self, rank: int):
+        super().__init__(model_config("plain_vit_nano"), MOH)
+        self.rank, self.calls = rank, 0
+
+    def training_step(self, model, batch, device):
+        out = super().training_step(model, batch, device)
+        self.calls += 1
+        if self.rank == 1 and self.calls in (4, 5):
+            out["loss"] = out["loss"] + float("nan")
+        return out
 
 
 def _image_tree(root: Path) -> None:
@@ -96,7 +115,12 @@ def _ddp_worker(rank: int, world: int, init_file: str, out: str) -> None:
     try:
         digits = DigitsData(img_size=16)
         task = lambda: ClassificationTask(model_config("plain_vit_nano"), MOH)  # noqa: E731
-        _fit(out / "whole", dist, task(), digits)
+        tables = []
+        _fit(out / "whole", dist, task(), digits, trainer_class=counting_trainer(Trainer, tables))
+        (out / f"waits_rank{rank}.json").write_text(json.dumps(tables[0]))
+        nan = _fit(out / "nan_on_rank1", dist, NaNLossOnRank1(rank), digits, max_steps=6, ckpt_every_steps=0)
+        weights = sum(float(p.double().sum()) for p in nan.parts.model.parameters())
+        (out / f"nan_rank{rank}.json").write_text(json.dumps({"counters": nan.counters, "weights": weights}))
         try:
             _fit(out / "stopped", dist, task(), digits, trainer_class=StopOnRank1)
         except Preempted:
@@ -114,8 +138,9 @@ def _ddp_worker(rank: int, world: int, init_file: str, out: str) -> None:
 
 @pytest.fixture(scope="module")
 def ddp_runs(tmp_path_factory):
-    """Both ranks of: an uninterrupted epoch; the same epoch stopped at step 4 by SIGTERM on rank 1, then
-    resumed; two epochs on images of which 5 are unreadable."""
+    """Both ranks of: an uninterrupted epoch (its host reads and collectives counted per step); 6 steps of which
+    two have a NaN loss on rank 1; the same epoch stopped at step 4 by SIGTERM on rank 1, then resumed; two
+    epochs on images of which 5 are unreadable."""
     out = tmp_path_factory.mktemp("ddp")
     _image_tree(out / "images")
     torch.multiprocessing.spawn(_ddp_worker, args=(2, str(out / "init"), str(out)), nprocs=2, join=True)
@@ -129,6 +154,22 @@ def test_ddp_resumed_epoch_equals_the_uninterrupted_one(ddp_runs):
     assert resumed == whole, "every logged number of the resumed epoch (losses, routing, validation)"
     state = torch.load(ddp_runs / "mid_epoch.pt", weights_only=True)
     assert state["step"] == 4 and [m["sums"]["count"] for m in state["meters"]] == [4 * 64.0, 4 * 64.0]
+
+
+def test_ddp_steps_do_not_wait(ddp_runs):
+    """Outside log and checkpoint steps (every 2nd): no host read, and one collective a step (the preemption
+    flag), issued asynchronously and waited on at a later step."""
+    for rank in (0, 1):
+        table = json.loads((ddp_runs / f"waits_rank{rank}.json").read_text())
+        assert waits_outside(table, 1, 10, every=2) == [], rank
+        assert [len(table[str(s)]["collectives"]) for s in (1, 3, 5, 7, 9)] == [1] * 5
+
+
+def test_ddp_a_nan_loss_on_one_rank_skips_the_step_on_both(ddp_runs):
+    ranks = [json.loads((ddp_runs / f"nan_rank{rank}.json").read_text()) for rank in (0, 1)]
+    assert [r["counters"]["nonfinite_skipped"] for r in ranks] == [2, 2]
+    assert [r["counters"]["nonfinite_in_a_row"] for r in ranks] == [0, 0], "the 6th step went on"
+    assert ranks[0]["weights"] == ranks[1]["weights"]
 
 
 def test_ddp_skipped_files_are_named_once(ddp_runs):

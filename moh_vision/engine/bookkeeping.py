@@ -12,11 +12,10 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional
 
-import torch
 
 from moh_vision.analysis.routing_stats import RoutingMeter
 from .costs import StepTimes
-from .distributed import DistInfo, all_reduce_sum, reduce_sums
+from .distributed import DistInfo, reduce_sums
 from .loggers import Loggers
 
 log = logging.getLogger(__name__)
@@ -25,7 +24,8 @@ log = logging.getLogger(__name__)
 class EpochMeters:
     """Sample-weighted sums of this epoch's training outputs on this rank (``loss``, ``ce``, ``aux``,
     every ``log/<name>``, and ``count``), its routing statistics and its step times (``times``). A new
-    epoch gets new meters."""
+    epoch gets new meters. The outputs come from the steps that were not skipped, read from the device at a
+    log interval (``step_on_device``)."""
 
     def __init__(self, state: Optional[Mapping[str, Any]] = None):
         """Empty meters, or those of a checkpoint's ``meters`` entry (a mid-epoch resume)."""
@@ -221,12 +221,6 @@ class _NotingLoader:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.loader, name)
-
-
-def all_finite(value: torch.Tensor, dist: DistInfo) -> bool:
-    """``value`` is finite on every rank."""
-    bad = torch.tensor([0.0 if torch.isfinite(value.detach()).all() else 1.0], device=dist.device)
-    return bool(all_reduce_sum(bad, dist).item() == 0)
 
 
 def write_routing_artifacts(routing: RoutingMeter, out_dir: Path, loggers: Loggers, epoch: int, step: int,

@@ -3,11 +3,11 @@
 Time is measured on the host, with no synchronisation beyond the loop's own: ``StepClock`` reads the
 clock around ``next(loader)`` (the *data wait*: time blocked on the next batch) and once per optimizer
 step (the *step time*: everything between two steps, data wait, forward, backward, optimizer, logging
-and checkpoints included, so data wait <= step time). On CUDA the loop already waits for every step's
-loss and gradient norm (``all_finite``, the clipping norm); the clock also synchronises the device at
-the end of each logging window, so a window's sum is exact. Within a step, the optimizer's kernels can
-still run while the host waits for the next batch: on CUDA the data wait is an upper bound of the time
-the device sat idle, by at most that.
+and checkpoints included, so data wait <= step time). On CUDA a step never waits for the device
+(``step_on_device``): the host queues its kernels and moves on, so one step's host time is when it was
+queued, not when it ran; the clock synchronises the device at the end of each logging window, so a
+window's sum is exact. While the host waits for the next batch the device can still run queued kernels:
+on CUDA the data wait is an upper bound of the time the device sat idle.
 
 Under DDP every figure is the slowest rank's: one small tensor per window (and per epoch) is
 all-reduced with MAX.

@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader
 from moh_vision.data.sampler import EpochKeys, EpochSampler, HeldIndices, SeededItems, loader_options
 from moh_vision.errors import ConfigError
 from moh_vision.tasks.protocols import Data, Task
+from .device_settings import optimizer_kernel
 from .distributed import DistInfo
 from .ema import EMA
 from .optim import Schedule, build_optimizer, build_schedule
@@ -38,9 +39,8 @@ def seed_everything(seed: int, deterministic: bool, device: torch.device) -> Non
     torch.manual_seed(seed)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
-        if device.type == "cuda":
+        if device.type == "cuda":  # (cuDNN benchmarking is off too: device_settings)
             os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.backends.cudnn.benchmark = False
 
 
 def amp_context(amp: str, device: torch.device) -> AmpContext:
@@ -186,12 +186,14 @@ def build_parts(cfg: Any, optim: Any, sched: Any, dist: DistInfo, seed: int, tas
     if cfg.val_at_start not in ("auto", True, False):
         raise ConfigError(f"trainer.val_at_start={cfg.val_at_start!r}; allowed: auto, true, false")
     model = task.build_model(data).to(dist.device)
+    if cfg.grad_checkpointing:
+        model.set_grad_checkpointing(True)
     flops = count_model_flops(model, task, data) if cfg.count_flops and dist.is_main else {}
     loaders = build_loaders(cfg, data, dist, seed)
     total_steps = cfg.epochs * loaders.steps_per_epoch
     if cfg.max_steps:
         total_steps = min(total_steps, cfg.max_steps)
-    optimizer = build_optimizer(model, **vars(optim))
+    optimizer = build_optimizer(model, **vars(optim), kernel=optimizer_kernel(dist.device))
     schedule = build_schedule(sched, optimizer, total_steps, loaders.steps_per_epoch)
     ema = EMA(model, cfg.ema.decay, cfg.ema.warmup) if cfg.ema.enabled else None
     return FitParts(

@@ -63,19 +63,33 @@ def layer_decay_groups(model: nn.Module, weight_decay: float, layer_decay: float
 def build_optimizer(model: nn.Module, name: str = "adamw", lr: float = 1e-3, weight_decay: float = 0.05,
                     betas: Iterable[float] = (0.9, 0.999), eps: float = 1e-8, momentum: float = 0.9,
                     layer_decay: Optional[float] = None, no_weight_decay_keywords: Sequence[str] = (),
-                    kwargs: Optional[Mapping[str, Any]] = None) -> torch.optim.Optimizer:
+                    kwargs: Optional[Mapping[str, Any]] = None,
+                    kernel: Optional[Mapping[str, bool]] = None) -> torch.optim.Optimizer:
     """timm's optimizer ``name`` over :func:`param_groups` (or :func:`layer_decay_groups`); ``betas``, ``eps`` and
-    ``momentum`` go to the optimizers that take them, ``kwargs`` to the optimizer as given."""
+    ``momentum`` go to the optimizers that take them, ``kwargs`` to the optimizer as given, and ``kernel`` (its
+    implementation, ``fused=True`` or ``foreach=True``: device_settings.optimizer_kernel) where it takes it."""
     from timm.optim import create_optimizer_v2
 
     check_optimizer(name)
+    kwargs = {**{k: v for k, v in (kernel or {}).items() if k in _init_keywords(name)}, **dict(kwargs or {})}
     groups = (layer_decay_groups(model, weight_decay, layer_decay, no_weight_decay_keywords) if layer_decay is not None
               else param_groups(model, weight_decay, no_weight_decay_keywords))
     try:
         return create_optimizer_v2(model, opt=name, lr=lr, weight_decay=weight_decay, momentum=momentum,
-                                   param_group_fn=lambda _: groups, betas=tuple(betas), eps=eps, **dict(kwargs or {}))
+                                   param_group_fn=lambda _: groups, betas=tuple(betas), eps=eps, **kwargs)
     except TypeError as err:  # an argument the optimizer does not take
-        raise ConfigError(f"optim.name={name}: {err} (optim.kwargs={dict(kwargs or {})})") from None
+        raise ConfigError(f"optim.name={name}: {err} (optim.kwargs={kwargs})") from None
+
+
+def _init_keywords(name: str) -> set:
+    """The keyword arguments optimizer ``name``'s class takes (empty where timm cannot say)."""
+    import inspect
+
+    from timm.optim import get_optimizer_class
+    try:
+        return set(inspect.signature(get_optimizer_class(name.split("_")[-1])).parameters)
+    except (ValueError, TypeError):
+        return set()
 
 
 # ----------------------------------------------------------------------------------------------

@@ -14,9 +14,10 @@ import contextlib
 import functools
 import json
 import logging
+import math
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -26,16 +27,18 @@ from moh_vision.attention import after_optimizer_step
 from moh_vision.errors import ConfigError, RunError
 from moh_vision.ops import Kernels, resolved
 from moh_vision.tasks.protocols import Data, EpochContext, Task
-from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, all_finite, write_routing_artifacts
+from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, write_routing_artifacts
 from .checkpoint_history import CheckpointHistory
 from .costs import RunCosts, StepClock, reset_peak_memory
+from .device_settings import device_settings, optimizer_kernel_of
 from .distributed import DistInfo, broadcast_object, reduce_sums
 from .fit_setup import FitParts, build_parts, flops_text, seed_everything, uses_cuda_graphs
 from .loggers import Loggers, write_json
-from .preemption import Preempted, StopSignals
+from .preemption import Preempted, StopSignals, slurm_torchrun_warning
 from .profiling import StepProfiler, parse_steps
 from .rng_state import capture_rng, restore_rng
 from .run_dir import config_changes, record_config
+from .step_on_device import PendingSteps, SettledStep, gradient_norm, loss_for_backward, step_unless, takes_found_inf
 
 __all__ = ["NonFiniteLoss", "Preempted", "Trainer"]
 
@@ -93,6 +96,8 @@ class Trainer:
         self.best: Dict[str, Any] = {}
         self.counters = {"nonfinite_skipped": 0, "nonfinite_in_a_row": 0, "skipped_images": 0}
         self.meters = EpochMeters()
+        self.window = StepWindow()  # the steps since the last log row
+        self.pending = PendingSteps()  # steps taken and not yet read (step_on_device)
         self.throughput = Throughput(cfg.throughput_warmup_steps)
         self.skipped = SkippedFiles(announce=dist.is_main)
         self.steps_at_start = 0
@@ -100,7 +105,8 @@ class Trainer:
         # this process's fit
         self.parts: Optional[FitParts] = None  # built by fit()
         self.costs: Optional[RunCosts] = None  # built by fit()
-        self.signals = StopSignals()
+        self.signals = StopSignals(dist)
+        self.settings: Dict[str, Any] = {}  # the device settings in effect (device_settings), for summary.json
         self.profiler = StepProfiler(parse_steps(cfg.profile), self.out_dir, dist.device, dist.rank)
         self.lr = 0.0
         self.start_row: Dict[str, Any] = {}  # trainer.val_at_start's validation, as start/<metric>
@@ -111,7 +117,12 @@ class Trainer:
     # the loop
     # ------------------------------------------------------------------------------------------
     def fit(self, task: Task, data: Data) -> Dict[str, Any]:
-        """Train (or resume training) ``task``'s model on ``data``; returns what summary.json holds."""
+        """Train (or resume training) ``task``'s model on ``data``; returns what summary.json holds. The device
+        settings (TF32, cuDNN benchmarking) hold while it runs."""
+        with device_settings(self.cfg.tf32, self.cfg.deterministic, self.device) as self.settings:
+            return self._fit(task, data)
+
+    def _fit(self, task: Task, data: Data) -> Dict[str, Any]:
         seed_everything(self.seed + self.dist.rank, self.cfg.deterministic, self.device)
         parts = self.parts = build_parts(self.cfg, self.optim_cfg, self.sched_cfg, self.dist, self.seed, task, data)
         self.costs = RunCosts(parts.flops, self.device, self.cfg.amp, self.dist.world_size)
@@ -124,6 +135,9 @@ class Trainer:
             log.info("%s | %s | %.2fM params | %s", parts.model_name, data.describe(), parts.params / 1e6,
                      flops_text(parts.flops))
             log.info("costs: %s", self.costs.describe())
+            launch_problem = slurm_torchrun_warning()
+            if launch_problem:
+                log.warning("%s", launch_problem)
         start = time.time()
         with self.signals, self.profiler:
             parts.loaders.start_workers()
@@ -156,13 +170,13 @@ class Trainer:
             from tqdm.auto import tqdm
             bar = tqdm(total=loaders.steps_per_epoch, initial=self.batch_in_epoch // loaders.accum,
                        desc=f"epoch {self.epoch}", dynamic_ncols=True, leave=False)
-        window = StepWindow()
-        micro = 0
+        self.window = StepWindow()
+        micro, micros, loss_ok = 0, [], None  # micros, loss_ok: this optimizer step's loss dicts and finiteness
         clock = StepClock(self.device)
         graphs = uses_cuda_graphs(self.cfg.compile, self.cfg.compile_mode, self.device)
         self.profiler.at_step(self.step)
         for batch in clock.batches(self.profiler.batches(loaders.train)):
-            if graphs:  # a new step: the previous one's graph outputs are used up (loss, metrics, routing read)
+            if graphs:  # a new step: the previous one's graph outputs are used up (loss, metrics, routing copied)
                 torch.compiler.cudagraph_mark_step_begin()
             last_micro = (micro + 1) % loaders.accum == 0
             sync = contextlib.nullcontext() if last_micro or not self.dist.enabled else parts.train_model.no_sync()
@@ -172,85 +186,98 @@ class Trainer:
                 loss = out["loss"]
                 if loss is None:  # an all-unreadable batch: a zero loss keeps DDP ranks in step
                     loss = sum(p.reshape(-1)[0] * 0.0 for p in parts.model.parameters())
-                finite = all_finite(loss, self.dist)
-                if finite:
-                    scaled = loss / loaders.accum
-                    (parts.scaler.scale(scaled) if parts.scaler is not None else scaled).backward()
+                finite = torch.isfinite(loss.detach())
+                loss_ok = finite if loss_ok is None else loss_ok & finite
+                scaled = loss_for_backward(loss, finite, loaders.accum)
+                (parts.scaler.scale(scaled) if parts.scaler is not None else scaled).backward()
             micro += 1
             self.batch_in_epoch += 1
             self.skipped.note("train", batch, out["skipped"])
-            if finite and out["num_samples"]:
-                self.meters.add(out)
-            else:
-                self._nonfinite(loss)
+            micros.append({**out, "loss": loss})
             if not last_micro:
                 continue
-            grad_norm = self._optimizer_step(finite)
+            grad_norm, skipped = self._optimizer_step(loss_ok)
+            self.pending.add(self.step - 1, micros, grad_norm, skipped)
+            micros, loss_ok = [], None
             samples = int(out["num_samples"]) * loaders.accum * self.dist.world_size
             seconds, waited = clock.lap(sync=self.step % self.cfg.log_every == 0)  # a window ends: exact sums
             self.throughput.count(seconds, samples, waited)
-            for times in (window.times, self.meters.times):
+            for times in (self.window.times, self.meters.times):
                 times.add(seconds, waited, samples)
-            window.add(out, grad_norm)
             if bar is not None:
                 bar.update(1)
-            if self.step % self.cfg.log_every == 0 and window.steps:
-                self._log_window(window, bar)
-                window = StepWindow()
+            if self.step % self.cfg.log_every == 0:
+                self._settle()
+                if self.window.steps:
+                    self._log_window(self.window, bar)
+                    self.window = StepWindow()
             numbered = self.history.due_after_step(self.step)
             if numbered or (self.cfg.ckpt_every_steps and self.step % self.cfg.ckpt_every_steps == 0):
                 self.save(numbered=numbered)
-            if self.signals.requested(self.dist):
+            if self.signals.agreed():
                 self.save()
                 self.signals.hand_over()
                 raise Preempted(self.signals.received or "signal")
             self.profiler.at_step(self.step)
             if self.step >= parts.total_steps:
                 break
+        self._settle()  # the epoch's last steps, before its row
         if bar is not None:
             bar.close()
 
-    def _optimizer_step(self, finite: bool) -> Optional[float]:
-        """Clip, step (unless the loss or the gradients were non-finite), schedule, EMA. The gradient
-        norm before clipping if stepped (with AMP: unscaled), else None."""
+    def _optimizer_step(self, loss_ok: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Clip, step, schedule, EMA; the step is skipped where the loss (``loss_ok``: every micro-batch's was
+        finite) or the gradients are not finite. Returns the gradient norm before clipping (with AMP: unscaled)
+        and whether the step counts as skipped, both on the device: nothing here reads them (step_on_device)."""
         parts = self.parts
         self.lr = parts.schedule.apply(parts.optimizer, self.step)
         params = [p for p in parts.model.parameters() if p.grad is not None]
-        stepped = False
-        if finite:
-            if parts.scaler is not None:
-                parts.scaler.unscale_(parts.optimizer)
-            clip = self.cfg.clip_grad
-            norm = torch.nn.utils.clip_grad_norm_(params, clip if clip > 0 else float("inf"))
-            if parts.scaler is not None:
-                parts.scaler.step(parts.optimizer)  # skips by itself on inf grads (fp16 overflow)
-                parts.scaler.update()
-                stepped = True
-            elif torch.isfinite(norm):
+        if parts.scaler is not None:
+            parts.scaler.unscale_(parts.optimizer)
+        norm = gradient_norm(params, self.cfg.clip_grad)
+        if parts.scaler is not None:
+            parts.scaler.step(parts.optimizer)  # skips by itself on non-finite gradients (fp16 overflow, NaN loss)
+            parts.scaler.update()
+            skipped = ~loss_ok  # an overflow the scaler skipped is not counted, as a NaN loss is
+        else:
+            skipped = ~torch.isfinite(norm)  # a non-finite loss on any rank made every rank's gradients NaN
+            if takes_found_inf(parts.optimizer):
+                step_unless(parts.optimizer, skipped)
+            elif not bool(skipped):  # this optimizer cannot skip on a device flag: one host read a step
                 parts.optimizer.step()
-                stepped = True
-            else:
-                self._nonfinite(norm, where="gradient norm")
-        if stepped:
-            self.counters["nonfinite_in_a_row"] = 0
-            after_optimizer_step(parts.model)  # step-counted schedules (learned shared heads)
-            if parts.ema is not None:
-                parts.ema.update(parts.model)
+        if parts.ema is not None:  # every step, as timm's and DiT's loops do (a skipped step left the weights alone)
+            parts.ema.update(parts.model)
+        after_optimizer_step(parts.model)  # step-counted schedules (learned shared heads): skipped steps count, as for lr
         parts.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return float(norm) if stepped else None
+        return norm, skipped
 
-    def _nonfinite(self, loss: torch.Tensor, where: str = "loss") -> None:
+    def _settle(self) -> None:
+        """Read the steps taken since the last settle (one copy from the device: ``PendingSteps.settle``) and
+        count them: a skipped one as non-finite, the others into the epoch meters and the log window."""
+        for step in self.pending.settle(self.dist):
+            if step.skipped:
+                self._nonfinite(step)
+                continue
+            self.counters["nonfinite_in_a_row"] = 0
+            for out in step.outs:
+                if out["num_samples"]:
+                    self.meters.add(out)
+            self.window.add(step.outs[-1], step.grad_norm)
+
+    def _nonfinite(self, step: SettledStep) -> None:
         """Count a skipped step; stop after ``trainer.max_nonfinite_in_a_row`` in a row."""
+        bad_loss = next((float(out["loss"]) for out in step.outs if not math.isfinite(float(out["loss"]))), None)
+        where, value = ("loss", bad_loss) if bad_loss is not None else ("gradient norm", step.grad_norm)
         self.counters["nonfinite_skipped"] += 1
         self.counters["nonfinite_in_a_row"] += 1
-        log.warning("non-finite %s (%s) at step %d: step skipped (%d in a row)", where, float(loss.detach()),
-                    self.step, self.counters["nonfinite_in_a_row"])
-        self.loggers.log_step({"train/nonfinite_skipped": self.counters["nonfinite_skipped"]}, step=self.step)
+        log.warning("non-finite %s (%s) at step %d: step skipped (%d in a row)", where, value, step.index,
+                    self.counters["nonfinite_in_a_row"])
+        self.loggers.log_step({"train/nonfinite_skipped": self.counters["nonfinite_skipped"]}, step=step.index)
         if self.counters["nonfinite_in_a_row"] >= self.cfg.max_nonfinite_in_a_row:
             raise NonFiniteLoss(
-                f"stopping: {self.counters['nonfinite_in_a_row']} non-finite steps in a row, last at step {self.step} "
-                f"({where} = {float(loss.detach())}); last good checkpoint: {self.last_good_checkpoint or 'none yet'}")
+                f"stopping: {self.counters['nonfinite_in_a_row']} non-finite steps in a row, last at step {step.index} "
+                f"({where} = {value}); last good checkpoint: {self.last_good_checkpoint or 'none yet'}")
 
     def _log_window(self, window: StepWindow, bar) -> None:
         rates = self.costs.rates(window.times.slowest(self.dist), "train/")
@@ -293,6 +320,7 @@ class Trainer:
         """The epoch row (training averages, routing, validation, the task's end-of-epoch metrics,
         skipped images), routing files, ``last.pt`` and, when the primary metric improved, ``best.pt``."""
         parts = self.parts
+        self._settle()
         row: Dict[str, Any] = {"epoch": self.epoch, **self.meters.row(self.dist)}
         costs = self.costs.epoch_row(self.meters.times, self.dist)
         row.update(costs)
@@ -352,7 +380,8 @@ class Trainer:
     # ------------------------------------------------------------------------------------------
     def save(self, name: str = "last.pt", numbered: bool = False) -> None:
         """Write ``checkpoints/<name>`` and, if ``numbered``, ``checkpoints/step_<step>.pt`` too (main rank; every
-        rank joins the RNG gather)."""
+        rank joins the RNG gather), with every step so far counted."""
+        self._settle()
         state = self._state()
         if self.dist.is_main:
             path = self.ckpt_dir / name
@@ -481,6 +510,8 @@ class Trainer:
             "nonfinite_skipped": self.counters["nonfinite_skipped"],
             "skipped_images": self.counters["skipped_images"],
             "routing_warnings": list(self.routing_warnings),
+            **self.settings, "optimizer_impl": optimizer_kernel_of(parts.optimizer),
+            "grad_checkpointing": bool(self.cfg.grad_checkpointing),
         }
         summary.update({k: v for k, v in parts.flops.items() if k != "params"})
         summary.update(self.costs.summary(self.throughput.steady().slowest(self.dist),

@@ -1,0 +1,155 @@
+"""Count what makes a training step wait: host reads of tensors and Python-level collectives, per optimizer step.
+
+A *host read* is a call that turns a tensor into a host value: ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
+``float()``, ``int()``, ``bool()``, ``format()`` ... of a ``torch.Tensor`` (on CUDA each one waits for the device).
+They are counted by wrapping those methods of ``torch.Tensor``, which every tensor's Python-level call goes
+through; the reads that input loading makes of the loader's own host tensors (``torch.utils.data``,
+``moh_vision.data``) are left out, as the issue counted. A *collective* is a call of a ``torch.distributed``
+collective; each returned work handle records the step at which it was waited on. DDP's gradient all-reduce is
+not a Python call (its reducer issues it from C++) and is not counted.
+
+Counts are keyed by the trainer's ``step`` at the time of the call: key ``s`` holds what happens after the
+optimizer step that made the trainer's step ``s`` (logging, checkpoints) and the forward and backward of the
+next one.
+
+``python tests/step_waits.py <out.json> <script> <args...>`` runs ``<script>`` (train.py) with every Trainer it
+builds counted, and writes each process's counts to ``<out.json>`` (``.rank<r>`` appended under torchrun).
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import json
+import os
+import sys
+from typing import Any, Callable, Dict, Iterator, List
+
+import torch
+import torch.distributed as tdist
+
+READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__", "__complex__",
+         "__format__", "__array__")
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_object", "broadcast",
+               "broadcast_object_list", "reduce", "reduce_scatter", "reduce_scatter_tensor", "gather", "gather_object",
+               "scatter", "scatter_object_list", "all_to_all", "all_to_all_single", "barrier", "send", "recv",
+               "isend", "irecv", "monitored_barrier")
+INPUT_LOADING = (os.sep.join(("torch", "utils", "data", "")), os.sep.join(("moh_vision", "data", "")))
+
+
+class _Work:
+    """A collective's work handle that records the step at which it is waited on."""
+
+    def __init__(self, work: Any, waits: "StepWaits", entry: Dict[str, Any]):
+        self._work, self._waits, self._entry = work, waits, entry
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        self._entry["waited_at"] = self._waits.step()
+        return self._work.wait(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+class StepWaits:
+    """Host reads and collectives per value of ``step()`` (while :meth:`counting`)."""
+
+    def __init__(self, step: Callable[[], int]):
+        self.step = step
+        self.reads: Dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
+        self.collectives: Dict[int, List[Dict[str, Any]]] = collections.defaultdict(list)
+
+    @contextlib.contextmanager
+    def counting(self) -> Iterator["StepWaits"]:
+        originals = [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in READS]
+        originals += [(tdist, name, getattr(tdist, name)) for name in COLLECTIVES if hasattr(tdist, name)]
+        for owner, name, original in originals:
+            setattr(owner, name, (self._read if owner is torch.Tensor else self._collective)(name, original))
+        try:
+            yield self
+        finally:
+            for owner, name, original in originals:
+                setattr(owner, name, original)
+
+    def _read(self, name: str, original: Callable) -> Callable:
+        def read(tensor, *args, **kwargs):
+            if not _loading_input():
+                self.reads[self.step()][name] += 1
+            return original(tensor, *args, **kwargs)
+        return read
+
+    def _collective(self, name: str, original: Callable) -> Callable:
+        def collective(*args, **kwargs):
+            entry = {"name": name, "async": bool(kwargs.get("async_op")), "waited_at": None}
+            self.collectives[self.step()].append(entry)
+            work = original(*args, **kwargs)
+            return _Work(work, self, entry) if entry["async"] and work is not None else work
+        return collective
+
+    def table(self) -> Dict[str, Dict[str, Any]]:
+        """``{step: {"reads": {method: count}, "collectives": [{name, async, waited_at}]}}`` (JSON keys)."""
+        steps = sorted(set(self.reads) | set(self.collectives))
+        return {str(s): {"reads": dict(self.reads.get(s, {})), "collectives": list(self.collectives.get(s, []))}
+                for s in steps}
+
+
+def _loading_input() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if any(part in frame.f_code.co_filename for part in INPUT_LOADING):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def waits_outside(table: Dict[str, Dict[str, Any]], first: int, last: int, every: int) -> List[str]:
+    """What breaks the targets at the steps ``first``..``last`` that are not multiples of ``every`` (log
+    intervals may read): any host read; more than one collective; a collective not issued asynchronously,
+    or waited on at the step that issued it."""
+    problems = []
+    for step in range(first, last + 1):
+        if step % every == 0:
+            continue
+        counts = table.get(str(step), {"reads": {}, "collectives": []})
+        if counts["reads"]:
+            problems.append(f"step {step}: host reads {counts['reads']}")
+        calls = counts["collectives"]
+        if len(calls) > 1:
+            problems.append(f"step {step}: {len(calls)} collectives {[c['name'] for c in calls]}")
+        for call in calls:
+            if not call["async"]:
+                problems.append(f"step {step}: {call['name']} blocks (not async_op)")
+            elif call["waited_at"] == step:
+                problems.append(f"step {step}: {call['name']} waited on in the step that issued it")
+    return problems
+
+
+def counting_trainer(trainer_class: type, tables: List[Dict[str, Any]]) -> type:
+    """A subclass of ``trainer_class`` whose ``fit`` counts (:class:`StepWaits`), appending its table to ``tables``."""
+    class Counting(trainer_class):
+        def fit(self, task, data):
+            waits = StepWaits(lambda: self.step)
+            try:
+                with waits.counting():
+                    return super().fit(task, data)
+            finally:
+                tables.append(waits.table())
+    return Counting
+
+
+def main(out: str, script: str, *args: str) -> None:
+    import runpy
+
+    import moh_vision.engine.run as run
+    tables: List[Dict[str, Any]] = []
+    run.Trainer = counting_trainer(run.Trainer, tables)
+    sys.argv = [script, *args]
+    try:
+        runpy.run_path(script, run_name="__main__")
+    finally:
+        rank = os.environ.get("RANK")
+        with open(out + (f".rank{rank}" if rank is not None else ""), "w") as f:
+            json.dump(tables[-1] if tables else {}, f)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
