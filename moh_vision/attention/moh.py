@@ -142,14 +142,15 @@ class MoH(SharedPlusTopK, RoutedMixin):
         return start
 
     def after_optimizer_step(self) -> None:
-        """Learned shared heads: count the step; after ``learn_shared_steps`` of them freeze
-        ``top-h_s(shared_score)`` (noise-free) into ``shared_mask``."""
-        if not self.learned_shared or bool(self.shared_frozen):
+        """Learned shared heads: count the step; after ``learn_shared_steps`` freeze ``top-h_s(shared_score)``."""
+        if not self.learned_shared:
             return
-        with torch.no_grad():
-            self.shared_seen.add_(1)
-            self.shared_mask.copy_(top_mask(self.shared_score.detach(), self.shared_heads))
-            self.shared_frozen.fill_(bool(self.shared_seen >= self.learn_shared_steps))
+        with torch.no_grad():  # on the device: the training step never waits for the host
+            live = ~self.shared_frozen
+            self.shared_seen.add_(live.long())
+            self.shared_mask.copy_(torch.where(live, top_mask(self.shared_score.detach(), self.shared_heads),
+                                               self.shared_mask))
+            self.shared_frozen.copy_(self.shared_frozen | (self.shared_seen >= self.learn_shared_steps))
 
     # --- routing ---------------------------------------------------------------------------------
     def routers(self) -> Tuple[Tuple[str, nn.Linear], ...]:
