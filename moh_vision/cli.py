@@ -1,12 +1,10 @@
-"""Shared behaviour of the command-line entry points and tools: one argument style, one clear line for a
-user error, not a traceback.
+"""Shared behaviour of the command-line entry points and tools: one argument style, one clear line for a user error, not
+a traceback.
 
-Every tool takes ``key=value`` words, as ``train.py`` and ``eval.py`` do. A tool declares its options
-(:class:`Option`: name, type, default, help, allowed values) and calls :func:`run_tool`, which parses the
-words (:func:`parse_options`), prints the options for ``--help``/``-h``, and turns a
-:class:`~moh_vision.errors.ConfigError` (bad arguments or input) into ``error: <one line>`` and exit
-status 2, a :class:`~moh_vision.errors.RunError` into status 1.
-"""
+Every tool takes ``key=value`` words, as ``train.py`` and ``eval.py`` do. A tool declares its options (:class:`Option`:
+name, type, default, help, allowed values) and calls :func:`run_tool`, which parses the words (:func:`parse_options`),
+prints the options for ``--help``/``-h``, and turns a :class:`~moh_vision.errors.ConfigError` (bad arguments or input)
+into ``error: <one line>`` and exit status 2, a :class:`~moh_vision.errors.RunError` into status 1."""
 from __future__ import annotations
 
 import logging
@@ -34,10 +32,10 @@ def user_error_in(err: BaseException) -> Optional[Exception]:
 
 
 def run_cli(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``; a user error becomes one ``error:`` line on stderr and exit status 2 (1 for a RunError,
-    and for a failed read or write that names its cause: ``<path>: No space left on device``). A run that
-    stops on a RunError or fails with a traceback also records it (with the traceback) in its log file
-    (``train.log``), which a rejected configuration never creates."""
+    """``fn(*args)``; a user error becomes one ``error:`` line on stderr and exit status 2 (1 for a RunError, and for a
+    failed read or write that names its cause: ``<path>: No space left on device``). A run that stops on a RunError or
+    fails with a traceback also records it (with the traceback) in its log file (``train.log``), which a rejected
+    configuration never creates."""
     try:
         return fn(*args)
     except Exception as err:
@@ -53,8 +51,8 @@ def run_cli(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def _log_to_files(message: str, exc_info: Any = None) -> None:
-    """Write ``message`` (and a traceback) into the root logger's log files only: the console gets the
-    one ``error:`` line or Python's own traceback, not a second copy."""
+    """Write ``message`` (and a traceback) into the root logger's log files only: the console gets the one ``error:``
+    line or Python's own traceback, not a second copy."""
     record = logging.getLogger(__name__).makeRecord(__name__, logging.ERROR, __file__, 0, message, (), exc_info)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
@@ -124,8 +122,8 @@ def list_of(item: Callable[[str], Any], single: bool = False) -> Callable[[str],
 # ----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Option:
-    """One ``key=value`` option. A name ending in ``.*`` is a group: ``attention.<key>=<value>`` words are
-    collected (values parsed as YAML) into a dict under ``<name>_options`` (``attention_options``)."""
+    """One ``key=value`` option. A name ending in ``.*`` is a group: ``attention.<key>=<value>`` words are collected
+    (values parsed as YAML) into a dict under ``<name>_options`` (``attention_options``)."""
 
     name: str
     default: Any = None
@@ -207,9 +205,8 @@ def parse_options(argv: Sequence[str], options: Sequence[Option], doc: str = "",
                   passthrough: Sequence[str] = ()) -> Tuple[Options, List[str]]:
     """``key=value`` words -> (options, Hydra overrides whose key is one of ``passthrough`` or below it).
 
-    ``--help``/``-h`` prints the options and exits 0. Unknown keys, bad values and missing required options
-    raise a one-line :class:`ConfigError` naming the key, the value and what is allowed.
-    """
+    ``--help``/``-h`` prints the options and exits 0. Unknown keys, bad values and missing required options raise a
+    one-line :class:`ConfigError` naming the key, the value and what is allowed."""
     by_key: Dict[str, Option] = {}
     for option in options:
         for key in (option.name, *option.aliases):
@@ -247,8 +244,8 @@ def parse_options(argv: Sequence[str], options: Sequence[Option], doc: str = "",
 
 def run_tool(fn: Callable[..., Any], argv: Optional[Sequence[str]], options: Sequence[Option], doc: str = "",
              passthrough: Sequence[str] = ()) -> Any:
-    """Parse ``argv`` (default ``sys.argv[1:]``) and return ``fn(options)`` (``fn(options, overrides)`` for a
-    tool with ``passthrough`` keys); user errors exit as :func:`run_cli` says."""
+    """Parse ``argv`` (default ``sys.argv[1:]``) and return ``fn(options)`` (``fn(options, overrides)`` for a tool with
+    ``passthrough`` keys); user errors exit as :func:`run_cli` says."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     words = list(sys.argv[1:] if argv is None else argv)
 

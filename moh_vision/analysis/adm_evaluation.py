@@ -6,8 +6,7 @@ Inputs, in ADM's layout: the samples ``.npz`` holds ``arr_0``, uint8 [N, H, W, 3
 with ``arr_0``, or a folder of real images (center-cropped ADM-style to the samples' size). ``arr_0`` is read in
 batches, never whole (50,000 images of 256 px are 9.8 GB). Activations come from
 :class:`~moh_vision.analysis.inception.InceptionActivations`, the numbers from
-:func:`~moh_vision.analysis.generative_metrics.adm_metrics`.
-"""
+:func:`~moh_vision.analysis.generative_metrics.adm_metrics`."""
 from __future__ import annotations
 
 import json

@@ -1,28 +1,23 @@
-"""This codebase's backbones against timm peers of similar FLOPs, in one interleaved run
-(``tools/bench_backbones.py``).
+"""This codebase's backbones against timm peers of similar FLOPs, in one interleaved run (``tools/bench_backbones.py``).
 
-The architecture's promise is that a backbone costs what its peers of the same FLOPs cost (timm's Swin and
-PVTv2, measured in the same run). For each ``ours:peer`` pair both models are built at the same image
-size (ours through :func:`~moh_vision.analysis.benchmark.build_for_bench`, the peer through
-``timm.create_model``), and their steps run interleaved round by round
-(:func:`~moh_vision.analysis.benchmark.interleave`), so that "x peer" is a per-round ratio
+The architecture's promise is that a backbone costs what its peers of the same FLOPs cost (timm's Swin and PVTv2,
+measured in the same run). For each ``ours:peer`` pair both models are built at the same image size (ours through
+:func:`~moh_vision.analysis.benchmark.build_for_bench`, the peer through ``timm.create_model``), and their steps run
+interleaved round by round (:func:`~moh_vision.analysis.benchmark.interleave`), so that "x peer" is a per-round ratio
 (:func:`~moh_vision.analysis.benchmark.paired_ratio`), reported as median [quartiles]:
 
-* training: forward, loss, backward and an AdamW step (:func:`~moh_vision.analysis.benchmark.make_step`);
-  inference: eval mode, no gradients; images/s from the median step;
-* GFLOPs per image of both models with the project's one counter
-  (:func:`~moh_vision.analysis.flop_count.count_flops`: fvcore, one multiply-add = one flop, forward, one
-  image, dense-equivalent), and "per GFLOP": the time ratio over the GFLOPs ratio (1.0: ours costs what
-  its FLOPs predict from the peer's; above: ours is slower per flop);
-* saved MiB per image (:func:`saved_tensor_bytes`): the bytes autograd keeps for backward during one
-  eager training forward, each distinct storage counted once, parameters (their views and autocast's copies
-  of them) left out.
-  It does not depend on the machine and is what sets training memory on a GPU;
+* training: forward, loss, backward and an AdamW step (:func:`~moh_vision.analysis.benchmark.make_step`); inference:
+  eval mode, no gradients; images/s from the median step;
+* GFLOPs per image of both models with the project's one counter (:func:`~moh_vision.analysis.flop_count.count_flops`:
+  fvcore, one multiply-add = one flop, forward, one image, dense-equivalent), and "per GFLOP": the time ratio over the
+  GFLOPs ratio (1.0: ours costs what its FLOPs predict from the peer's; above: ours is slower per flop);
+* saved MiB per image (:func:`saved_tensor_bytes`): the bytes autograd keeps for backward during one eager training
+  forward, each distinct storage counted once, parameters (their views and autocast's copies of them) left out. It does
+  not depend on the machine and is what sets training memory on a GPU;
 * on CUDA, the training step's peak memory (:func:`~moh_vision.analysis.benchmark.peak_memory`).
 
-``compile=[False, True]`` times each pair eager and ``torch.compile``d in one invocation (the compiled
-rows use the same weights; compilation is left out of the timings, as in ``tools/bench_models.py``).
-"""
+``compile=[False, True]`` times each pair eager and ``torch.compile``d in one invocation (the compiled rows use the same
+weights; compilation is left out of the timings, as in ``tools/bench_models.py``)."""
 from __future__ import annotations
 
 import json
@@ -41,8 +36,8 @@ from .benchmark import (DTYPES, Spread, build_for_bench, interleave, kernels_tex
                         synchronizer, where_measured)
 from .profile_kinds import counted_events, own_time_us, time_by_kind
 
-# Peers of about the same FLOPs (fvcore GFLOPs at 224 px: TransNeXt-Micro 2.7 vs PVTv2-b1 2.1,
-# TransNeXt-Tiny 5.7 vs Swin-T 4.5, TransNeXt-Small 10.3 vs Swin-S 8.7, TransNeXt-Base 18.4 vs Swin-B 15.4).
+# Peers of about the same FLOPs (fvcore GFLOPs at 224 px: TransNeXt-Micro 2.7 vs PVTv2-b1 2.1, TransNeXt-Tiny 5.7 vs
+# Swin-T 4.5, TransNeXt-Small 10.3 vs Swin-S 8.7, TransNeXt-Base 18.4 vs Swin-B 15.4).
 PAIR_SETS: Dict[str, Tuple[str, ...]] = {
     "default": ("transnext_micro:pvt_v2_b1", "transnext_tiny:swin_tiny_patch4_window7_224"),
     "quick": ("transnext_nano:pvt_v2_b0",),  # tiny models for a smoke test (64 px)
@@ -60,8 +55,8 @@ MIB = 2 ** 20
 # Pairs and models
 # ----------------------------------------------------------------------------------------------
 def parse_pairs(specs: Iterable[str]) -> List[Tuple[str, str]]:
-    """``["ours:peer", "big", ...]`` -> ``[(ours, peer), ...]``; a set name (:data:`PAIR_SETS`) stands for its
-    pairs. Ours must be one of this package's models, the peer any timm model (a one-line ConfigError else)."""
+    """``["ours:peer", "big", ...]`` -> ``[(ours, peer), ...]``; a set name (:data:`PAIR_SETS`) stands for its pairs.
+    Ours must be one of this package's models, the peer any timm model (a one-line ConfigError else)."""
     from moh_vision.models.families import check_model_name, model_class
 
     pairs = []
@@ -82,8 +77,8 @@ def parse_pairs(specs: Iterable[str]) -> List[Tuple[str, str]]:
 
 
 def _at_size(model: nn.Module, img_size: int) -> nn.Module:
-    """``model`` with its ``pretrained_cfg`` input size set to ``img_size`` (what :func:`model_inputs` reads:
-    timm keeps the registered size there when a model is built at another one)."""
+    """``model`` with its ``pretrained_cfg`` input size set to ``img_size`` (what :func:`model_inputs` reads: timm keeps
+    the registered size there when a model is built at another one)."""
     channels = model.pretrained_cfg["input_size"][0]
     model.pretrained_cfg = {**model.pretrained_cfg, "input_size": (channels, img_size, img_size)}
     return model
@@ -118,8 +113,8 @@ def build_pair(ours: str, peer: str, img_size: int, device: torch.device,
 # What a model is: FLOPs, parameters, bytes saved for backward
 # ----------------------------------------------------------------------------------------------
 def describe(model: nn.Module, batch: int, device: torch.device, dtype: torch.dtype, saved: bool) -> Dict[str, object]:
-    """``gflops`` (and ``active_gflops``) per image, ``params_m`` and, with ``saved``, ``saved_mib_per_image``
-    of one eager training step of ``batch`` images (:func:`saved_tensor_bytes`)."""
+    """``gflops`` (and ``active_gflops``) per image, ``params_m`` and, with ``saved``, ``saved_mib_per_image`` of one
+    eager training step of ``batch`` images (:func:`saved_tensor_bytes`)."""
     from .flop_count import count_flops
 
     counted = count_flops(model, model.pretrained_cfg["input_size"])
@@ -142,8 +137,8 @@ def _per_gflop(ratio: Spread, gflops_ratio: float) -> Spread:
 
 def time_pair(label: str, models: Dict[str, nn.Module], gflops_ratio: float, batch: int, rounds: int, warmup: int,
               min_seconds: float, device: torch.device, dtype: torch.dtype) -> Dict[str, object]:
-    """Training and inference of ``models`` (ours, peer) interleaved round by round: per side its ms per step
-    and images/s, per mode the ratio ours/peer and that ratio per GFLOP; on CUDA the training peak memory."""
+    """Training and inference of ``models`` (ours, peer) interleaved round by round: per side its ms per step and
+    images/s, per mode the ratio ours/peer and that ratio per GFLOP; on CUDA the training peak memory."""
     row: Dict[str, object] = {"ours": {}, "peer": {}}
     for mode in MODES:
         steps = {side: make_step(m, batch, device, mode == "train", dtype) for side, m in models.items()}
@@ -163,8 +158,8 @@ def time_pair(label: str, models: Dict[str, nn.Module], gflops_ratio: float, bat
 
 
 def top_ops(step: Callable[[], None], device: torch.device, count: int = 15) -> Dict[str, object]:
-    """Where one profiled ``step``'s time goes, by self time (CUDA: the kernels' GPU time): the ``count``
-    operators (CUDA: kernels) that take most (``ops``), all of them summed by kind (``by_kind``, ms:
+    """Where one profiled ``step``'s time goes, by self time (CUDA: the kernels' GPU time): the ``count`` operators
+    (CUDA: kernels) that take most (``ops``), all of them summed by kind (``by_kind``, ms:
     :func:`~moh_vision.analysis.profile_kinds.time_by_kind`) and in all (``total_ms``)."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -197,9 +192,9 @@ def top_ops_table(rows: Sequence[Dict]) -> str:
 
 def arithmetic_rate(info: Dict[str, object], timings: Dict[str, object], device: torch.device,
                     dtype: torch.dtype) -> Dict[str, float]:
-    """The training step's achieved ``train_tflops`` (2 FLOPs a multiply-add, 3x the active forward: the
-    trainer's convention, :mod:`~moh_vision.analysis.device_peaks`) and, on a GPU of the peaks table,
-    ``train_utilisation`` against its dense peak for ``dtype``."""
+    """The training step's achieved ``train_tflops`` (2 FLOPs a multiply-add, 3x the active forward: the trainer's
+    convention, :mod:`~moh_vision.analysis.device_peaks`) and, on a GPU of the peaks table, ``train_utilisation``
+    against its dense peak for ``dtype``."""
     from .device_peaks import device_name, peak_tflops, run_precision, training_gflops_per_image
 
     out = {"train_tflops": training_gflops_per_image(info) * timings["train_img_s"] / 1e3}
@@ -243,9 +238,9 @@ def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, war
 # ----------------------------------------------------------------------------------------------
 def component_times(model_name: str, batch: int, rounds: int, device: torch.device,
                     dtype: torch.dtype) -> List[Dict[str, object]]:
-    """Forward + backward ms (median [quartiles], interleaved) of each aggregated stage's pieces of
-    ``model_name`` at ``batch``, under every implementation that runs on ``device``: the ConvGLU's 3x3 depthwise
-    convolution (``dwconv_<implementation>``: :mod:`~moh_vision.ops.depthwise`) and the aggregated attention
+    """Forward + backward ms (median [quartiles], interleaved) of each aggregated stage's pieces of ``model_name`` at
+    ``batch``, under every implementation that runs on ``device``: the ConvGLU's 3x3 depthwise convolution
+    (``dwconv_<implementation>``: :mod:`~moh_vision.ops.depthwise`) and the aggregated attention
     (``aggregated_<implementation>``: :mod:`~moh_vision.ops.aggregated`) on random inputs of the stage's shapes."""
     from moh_vision.ops import depthwise_conv, aggregated_attention
     from moh_vision.ops.aggregated import AGGREGATED
@@ -358,12 +353,11 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
                     out: Optional[str] = None, profile: bool = False, with_components: bool = False,
                     kernels: Optional[Kernels] = None) -> List[Dict]:
     """Time every ``ours:peer`` pair (default :data:`PAIR_SETS` ``default``; ``quick``: ``quick`` at
-    :data:`QUICK_SETTINGS`), print the table and return its rows; ``out`` also gets the table, and
-    ``<out>.json`` every number with the torch and timm versions, the machine and these settings. ``saved``
-    (default: on the CPU only) measures the bytes saved for backward per image; ``profile`` adds each model's
-    operators (CUDA: kernels) by self time in one training step (:func:`top_ops`); ``with_components`` each
-    TransNeXt's pieces timed alone (:func:`component_times`); ``kernels``: ours' kernels config (default all
-    ``auto``)."""
+    :data:`QUICK_SETTINGS`), print the table and return its rows; ``out`` also gets the table, and ``<out>.json`` every
+    number with the torch and timm versions, the machine and these settings. ``saved`` (default: on the CPU only)
+    measures the bytes saved for backward per image; ``profile`` adds each model's operators (CUDA: kernels) by self
+    time in one training step (:func:`top_ops`); ``with_components`` each TransNeXt's pieces timed alone
+    (:func:`component_times`); ``kernels``: ours' kernels config (default all ``auto``)."""
     import timm
 
     settings = {"pairs": list(pairs) if pairs else None, "batch": batch, "img_size": img_size, "rounds": rounds,

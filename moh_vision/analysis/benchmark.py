@@ -1,22 +1,19 @@
 """Timing that can tell: dense and MoH side by side in one process, a median and a spread per figure.
 
-Every benchmark of the project (``tools/bench_models.py``, ``tools/bench_kernels.py``,
-``tools/bench_backbones.py``) times its candidates with :func:`interleave`: after a warm-up, each *round* calls every candidate once (in an
-order that rotates from round to round, so no candidate always runs first or last), and each call
-is timed on its own. A slow phase of the machine then hits all candidates of a round alike, and the
-ratio of two candidates is taken *per round* (:func:`paired_ratio`), whose median and quartiles
-are what the tables report. Rounds continue until ``rounds`` are done and at least ``min_seconds``
-have passed, so short calls get many rounds.
+Every benchmark of the project (``tools/bench_models.py``, ``tools/bench_kernels.py``, ``tools/bench_backbones.py``)
+times its candidates with :func:`interleave`: after a warm-up, each *round* calls every candidate once (in an order that
+rotates from round to round, so no candidate always runs first or last), and each call is timed on its own. A slow phase
+of the machine then hits all candidates of a round alike, and the ratio of two candidates is taken *per round*
+(:func:`paired_ratio`), whose median and quartiles are what the tables report. Rounds continue until ``rounds`` are done
+and at least ``min_seconds`` have passed, so short calls get many rounds.
 
-Two of them are below: :func:`bench_models` (MoH models against their dense twins, images/s) and
-:func:`bench_kernels` (one model under several ``kernels`` configs: whether an implementation pays on the whole
-model's step, and what it saves).
+Two of them are below: :func:`bench_models` (MoH models against their dense twins, images/s) and :func:`bench_kernels`
+(one model under several ``kernels`` configs: whether an implementation pays on the whole model's step, and what it
+saves).
 
-Peak memory (:func:`peak_memory`): on CUDA the allocator's high-water mark of one call; on the CPU
-the peak of the bytes PyTorch's CPU allocator holds during one call, replayed from the profiler's
-individual allocation and free events (tensors only: Python objects and the allocator's own caches
-are not counted).
-"""
+Peak memory (:func:`peak_memory`): on CUDA the allocator's high-water mark of one call; on the CPU the peak of the bytes
+PyTorch's CPU allocator holds during one call, replayed from the profiler's individual allocation and free events
+(tensors only: Python objects and the allocator's own caches are not counted)."""
 from __future__ import annotations
 
 import contextlib
@@ -127,10 +124,10 @@ def _native_stderr_silenced() -> Iterator[None]:
 
 
 def launches(call: Callable[[], None], device: torch.device) -> Dict[str, float]:
-    """What one ``call`` hands the device, from the profiler. On CUDA: ``kernels`` launched and ``device_ms``,
-    the time they kept the GPU busy (their summed durations); a call whose wall time is well above
-    ``device_ms`` waits on the host's launches, not on the GPU. On the CPU: ``aten_ops``, the ATen operators
-    called at top level (each carries a fixed dispatch cost, which is what sets a small call's time)."""
+    """What one ``call`` hands the device, from the profiler. On CUDA: ``kernels`` launched and ``device_ms``, the time
+    they kept the GPU busy (their summed durations); a call whose wall time is well above ``device_ms`` waits on the
+    host's launches, not on the GPU. On the CPU: ``aten_ops``, the ATen operators called at top level (each carries a
+    fixed dispatch cost, which is what sets a small call's time)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -157,9 +154,9 @@ _MEASURED_CALL = "peak_memory: measured call"
 
 
 def _cpu_memory_trace(prof) -> Optional[tuple]:
-    """The CPU allocations (bytes > 0) and frees (bytes < 0) the profiler recorded as ``(time_ns,
-    address, bytes)`` in time order, and the ``(start, end)`` time of the ``_MEASURED_CALL`` range;
-    None where this torch does not expose its event tree."""
+    """The CPU allocations (bytes > 0) and frees (bytes < 0) the profiler recorded as ``(time_ns, address, bytes)`` in
+    time order, and the ``(start, end)`` time of the ``_MEASURED_CALL`` range; None where this torch does not expose its
+    event tree."""
     try:
         from torch._C._profiler import _EventType
         nodes = list(prof.profiler.kineto_results.experimental_event_tree())
@@ -179,13 +176,11 @@ def _cpu_memory_trace(prof) -> Optional[tuple]:
 def peak_memory(call: Callable[[], None], device: torch.device) -> Optional[int]:
     """Bytes held at the peak of one ``call`` above what was held before it (None if unmeasurable).
 
-    CPU: ``call`` runs twice under the profiler and the second run is measured by replaying every
-    allocation and free in time order. (The first run allocates what the second frees, e.g. a
-    training step's previous gradients: the profiler cannot size blocks allocated before it
-    started. Summing each op's *net* memory at the op's start instead would credit a backward node's
-    frees of its saved tensors before the gradients it allocates: several MB too little for paths
-    with large autograd nodes, such as masked MoH.)
-    """
+    CPU: ``call`` runs twice under the profiler and the second run is measured by replaying every allocation and free in
+    time order. (The first run allocates what the second frees, e.g. a training step's previous gradients: the profiler
+    cannot size blocks allocated before it started. Summing each op's *net* memory at the op's start instead would
+    credit a backward node's frees of its saved tensors before the gradients it allocates: several MB too little for
+    paths with large autograd nodes, such as masked MoH.)"""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -221,8 +216,8 @@ def peak_memory(call: Callable[[], None], device: torch.device) -> Optional[int]
 
 
 def _parameter_copy(tensor: torch.Tensor, held: Set[int]) -> bool:
-    """Whether ``tensor`` is (a view of) a cast of one parameter alone, as autocast makes of weights: a per-step
-    cost that does not grow with the batch."""
+    """Whether ``tensor`` is (a view of) a cast of one parameter alone, as autocast makes of weights: a per-step cost
+    that does not grow with the batch."""
     base = tensor._base if tensor._is_view() else tensor
     node = base.grad_fn
     if node is None or node.name() != "ToCopyBackward0":
@@ -233,12 +228,11 @@ def _parameter_copy(tensor: torch.Tensor, held: Set[int]) -> bool:
 
 
 def saved_tensor_bytes(call: Callable[[], object], parameters: Iterable[torch.Tensor] = ()) -> int:
-    """Bytes of the tensors autograd saves for backward while ``call()`` runs: each distinct storage once
-    (a tensor saved by several operators, or views of one storage, count once), at the storage's full
-    size; ``parameters``, tensors sharing their storage (``weight.t()``) and autocast's copies of them are
-    left out: the model holds the first anyway, and the copies are per step, not per image. Only a forward
-    saves; a backward without ``create_graph`` and an optimizer step add nothing, so ``call`` may be a
-    whole training step."""
+    """Bytes of the tensors autograd saves for backward while ``call()`` runs: each distinct storage once (a tensor
+    saved by several operators, or views of one storage, count once), at the storage's full size; ``parameters``,
+    tensors sharing their storage (``weight.t()``) and autocast's copies of them are left out: the model holds the first
+    anyway, and the copies are per step, not per image. Only a forward saves; a backward without ``create_graph`` and an
+    optimizer step add nothing, so ``call`` may be a whole training step."""
     held = {p.untyped_storage().data_ptr() for p in parameters}
     saved: Dict[int, int] = {}
 
@@ -286,8 +280,8 @@ QUICK_PAIRS = ("moh_dit_s_2_75:dit_s_2",)
 
 def build_for_bench(name: str, img_size: int, device: torch.device, attention: Optional[Dict] = None,
                     kernels: Optional[Kernels] = None) -> torch.nn.Module:
-    """Model ``name`` as registered (a preset keeps its own attention and heads), or with ``attention``
-    (``{"name": "moh", "activation_ratio": 0.5, ...}``) in every layer, running ``kernels``."""
+    """Model ``name`` as registered (a preset keeps its own attention and heads), or with ``attention`` (``{"name":
+    "moh", "activation_ratio": 0.5, ...}``) in every layer, running ``kernels``."""
     from moh_vision.models import build_model, model_family
 
     # DiT works on 256px images as 32x32 latents (1/8); TransNeXt and ViT on the images.
@@ -332,8 +326,8 @@ def time_candidates(models: Dict[Any, torch.nn.Module], base: Any, batch: int, r
                     min_seconds: float, device: torch.device, dtype: torch.dtype, label: str,
                     count_launches: bool = False) -> Dict[Any, Dict]:
     """Inference and training steps of every model interleaved round by round: per model its ms, images/s and the
-    per-round ratio to ``base``'s step (``x_base``), the training peak memory and, with ``count_launches``, what
-    one step of each mode launches (:func:`launches`)."""
+    per-round ratio to ``base``'s step (``x_base``), the training peak memory and, with ``count_launches``, what one
+    step of each mode launches (:func:`launches`)."""
     rows: Dict[Any, Dict] = {key: {} for key in models}
     for mode in ("infer", "train"):
         steps = {key: make_step(m, batch, device, mode == "train", dtype) for key, m in models.items()}
@@ -357,9 +351,9 @@ def bench_pair(moh: str, dense: str, batch: int, img_size: int, rounds: int, war
                device: torch.device, dtype: torch.dtype, attention: Optional[Dict] = None,
                kernels: Optional[Kernels] = None, compile_models: bool = False, compile_mode: str = "default",
                count_launches: bool = False) -> List[Dict]:
-    """The dense twin and the MoH model (with ``attention``, if given), both with ``kernels``, interleaved round
-    by round; ``compile_models``: each one ``torch.compile``d with ``compile_mode`` (as ``trainer.compile=true``),
-    its first call per mode (the compilation) left out of the timings."""
+    """The dense twin and the MoH model (with ``attention``, if given), both with ``kernels``, interleaved round by
+    round; ``compile_models``: each one ``torch.compile``d with ``compile_mode`` (as ``trainer.compile=true``), its
+    first call per mode (the compilation) left out of the timings."""
     label = moh if attention is None else f"{moh} ({attention_label(attention)})"
     models = {dense: build_for_bench(dense, img_size, device, kernels=kernels),
               label: build_for_bench(moh, img_size, device, attention, kernels)}
@@ -418,12 +412,12 @@ def bench_models(pairs: Optional[Sequence[str]] = None, batch: int = 2, img_size
                  out: Optional[str] = None, attention: Optional[Dict] = None, kernels: Optional[Kernels] = None,
                  compile_models: bool = False, compile_mode: str = "default",
                  count_launches: bool = False) -> List[Dict]:
-    """Images/s of each ``moh:dense`` pair (inference and training), print the table and return its rows;
-    ``out`` also gets the table, and every number goes to ``<out>.json``. ``quick``: one small pair at 64 px.
-    ``attention``: the MoH side's attention in every layer (e.g. ``transnext_micro:transnext_micro`` with
-    ``{"name": "moh", "activation_ratio": 0.5}``); None: as registered. ``kernels``: both models' kernels config.
-    ``compile_models``: every model ``torch.compile``d with ``compile_mode``. ``count_launches``: what each step
-    launches, two more columns (:func:`launches`)."""
+    """Images/s of each ``moh:dense`` pair (inference and training), print the table and return its rows; ``out`` also
+    gets the table, and every number goes to ``<out>.json``. ``quick``: one small pair at 64 px. ``attention``: the MoH
+    side's attention in every layer (e.g. ``transnext_micro:transnext_micro`` with ``{"name": "moh", "activation_ratio":
+    0.5}``); None: as registered. ``kernels``: both models' kernels config. ``compile_models``: every model
+    ``torch.compile``d with ``compile_mode``. ``count_launches``: what each step launches, two more columns
+    (:func:`launches`)."""
     from moh_vision.models import model_family
 
     if threads:
@@ -474,10 +468,9 @@ def bench_kernels(model: str, variants: Sequence[str] = ("auto", "reference"), b
                   device: str = "auto", dtype: str = "float32", threads: Optional[int] = None,
                   attention: Optional[Dict] = None, saved: bool = True, out: Optional[str] = None) -> List[Dict]:
     """``model`` (with ``attention``, if given) under each ``kernels`` variant (:func:`parse_kernels`), the same
-    weights, its inference and training steps interleaved round by round: ms, the per-round ratio to the first
-    variant (``x first``), the training peak memory and (``saved``) the MiB per image autograd keeps for backward
-    (:func:`saved_tensor_bytes`). What a record that keeps an implementation as a
-    default reads."""
+    weights, its inference and training steps interleaved round by round: ms, the per-round ratio to the first variant
+    (``x first``), the training peak memory and (``saved``) the MiB per image autograd keeps for backward
+    (:func:`saved_tensor_bytes`). What a record that keeps an implementation as a default reads."""
     from moh_vision.models import build_model, model_family
 
     if threads:

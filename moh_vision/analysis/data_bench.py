@@ -1,24 +1,20 @@
 """Loader benchmark: this project's image pipelines against timm's, on one JPEG tree, in one interleaved run.
 
-``tools/bench_data.py`` generates an ImageNet-like class-folder tree (:func:`make_jpeg_tree`: 500 x 375
-JPEGs of smooth colour fields, shapes and noise, about ImageNet's size on disk and decode time) and times
-one pass over each split with
+``tools/bench_data.py`` generates an ImageNet-like class-folder tree (:func:`make_jpeg_tree`: 500 x 375 JPEGs of smooth
+colour fields, shapes and noise, about ImageNet's size on disk and decode time) and times one pass over each split with
 
 * **moh_vision**: ``ImageFolderData`` (:mod:`moh_vision.data.imagefolder`, the TransNeXt recipe of
-  :mod:`moh_vision.data.transforms`) in the trainer's loaders: ``SeededItems`` over an ``EpochSampler``,
-  the unreadable-image collate, the trainer's loader options (:func:`~moh_vision.data.sampler.loader_options`);
-* **timm**: ``timm.data.ImageDataset`` in ``timm.data.create_loader`` (no prefetcher: a CPU loader), whose
-  transform ``timm.data.create_transform`` builds from the same recipe (RandAugment rand-m9-mstd0.5-inc1,
-  bicubic, random erasing 0.25 in pixel mode; eval: resize 256, crop 224). Its posterize gets the project's
-  fix (Pillow 13 refuses timm's 0-bit posterize, which the recipe draws: ``use_safe_posterize``), the one
-  change, so that it runs at all.
+  :mod:`moh_vision.data.transforms`) in the trainer's loaders: ``SeededItems`` over an ``EpochSampler``, the
+  unreadable-image collate, the trainer's loader options (:func:`~moh_vision.data.sampler.loader_options`);
+* **timm**: ``timm.data.ImageDataset`` in ``timm.data.create_loader`` (no prefetcher: a CPU loader), whose transform
+  ``timm.data.create_transform`` builds from the same recipe (RandAugment rand-m9-mstd0.5-inc1, bicubic, random erasing
+  0.25 in pixel mode; eval: resize 256, crop 224). Its posterize gets the project's fix (Pillow 13 refuses timm's 0-bit
+  posterize, which the recipe draws: ``use_safe_posterize``), the one change, so that it runs at all.
 
-Mixup is in neither: it mixes batches in the training step, not in the loader. Every pass is timed on
-its own and the candidates take turns (:func:`~moh_vision.analysis.benchmark.interleave`), each worker
-count's loaders kept (persistent workers) so that a pass times loading, not process start-up. With
-``workers=0`` the main process loads, on one thread: that is one worker's rate. The ratio moh_vision /
-timm is taken per round (median and quartiles).
-"""
+Mixup is in neither: it mixes batches in the training step, not in the loader. Every pass is timed on its own and the
+candidates take turns (:func:`~moh_vision.analysis.benchmark.interleave`), each worker count's loaders kept (persistent
+workers) so that a pass times loading, not process start-up. With ``workers=0`` the main process loads, on one thread:
+that is one worker's rate. The ratio moh_vision / timm is taken per round (median and quartiles)."""
 from __future__ import annotations
 
 import json
@@ -133,9 +129,9 @@ def timms(root: Path, split: str, bench: DataBench, workers: int) -> DataLoader:
 
 
 def one_pass(loader: DataLoader, images: Dict[str, int], name: str) -> Callable[[], None]:
-    """A call that loads every batch of one pass over ``loader`` and notes how many images it held. The
-    trainer's loader starts a new epoch each pass (new augmentations, as timm's loader draws), not the same
-    sample of augmentations again."""
+    """A call that loads every batch of one pass over ``loader`` and notes how many images it held. The trainer's loader
+    starts a new epoch each pass (new augmentations, as timm's loader draws), not the same sample of augmentations
+    again."""
     epochs = getattr(loader.sampler, "sampler", None)  # EpochKeys over an EpochSampler
 
     def call() -> None:
@@ -153,8 +149,8 @@ def _label(split: str, workers: int, loader: str) -> str:
 
 
 def measure(root: Path, bench: DataBench) -> List[dict]:
-    """One row per (split, workers): images/s of both loaders (median and quartiles over the rounds), per
-    worker, and the per-round ratio."""
+    """One row per (split, workers): images/s of both loaders (median and quartiles over the rounds), per worker, and
+    the per-round ratio."""
     builders = {"moh_vision": ours, "timm": timms}
     loaders = {_label(s, w, name): builders[name](root, s, bench, w)
                for s in bench.splits for w in bench.workers for name in LOADERS}
@@ -197,8 +193,8 @@ def data_table(rows: Sequence[dict], header: str) -> str:
 
 
 def bench_data(bench: DataBench, out: Optional[str] = None) -> dict:
-    """Make (or reuse) the tree, measure, print the table; with ``out``, write it (markdown) and the record
-    (``.json`` beside it). Returns the record."""
+    """Make (or reuse) the tree, measure, print the table; with ``out``, write it (markdown) and the record (``.json``
+    beside it). Returns the record."""
     import PIL
     import timm
 

@@ -2,50 +2,45 @@
 
 Convention (one for the whole project: ``summary.json``, ``tools/flops.py``, the README)
 -----------------------------------------------------------------------------------------
-* **fvcore's**: one fused multiply-add is one flop (so "GFLOPs" are GMACs, as in the TransNeXt,
-  DiT and MoH papers); forward pass only; one input (batch 1); the model in eval mode.
-* ``gflops`` (dense-equivalent): every head of every layer computed, as the official MoH code does. It counts the multiply-add work: ``linear``, convolutions, ``matmul`` /
-  ``bmm`` / ``einsum``, attention cores (``scaled_dot_product_attention``: ``QK^T`` and ``AV``,
-  which fvcore skips), plus fvcore's own per-element estimates for normalisation layers and
-  pooling. This is what papers publish; the routers' linear layers are included.
-* ``pointwise_gflops``: element-wise and reduction arithmetic (adds, gates, softmax, GELU,
-  L2-normalisation, top-k, ...) that the convention leaves out of ``gflops``. It is counted (one
-  flop per output element; reductions one per input element; softmax three per element) and
-  reported beside ``gflops``, so that no cost is hidden, but it is not part of it.
-* Ops that cost no arithmetic (views, copies, gathers, allocations; :data:`FREE_OPS`, each group
-  with its reason) count zero. Any other op is *unknown*: it is listed in ``uncounted_ops``, logged
-  as a warning, and fails the tests of every registered model family.
+* **fvcore's**: one fused multiply-add is one flop (so "GFLOPs" are GMACs, as in the TransNeXt, DiT and MoH papers);
+  forward pass only; one input (batch 1); the model in eval mode.
+* ``gflops`` (dense-equivalent): every head of every layer computed, as the official MoH code does. It counts the
+  multiply-add work: ``linear``, convolutions, ``matmul`` / ``bmm`` / ``einsum``, attention cores
+  (``scaled_dot_product_attention``: ``QK^T`` and ``AV``, which fvcore skips), plus fvcore's own per-element estimates
+  for normalisation layers and pooling. This is what papers publish; the routers' linear layers are included.
+* ``pointwise_gflops``: element-wise and reduction arithmetic (adds, gates, softmax, GELU, L2-normalisation, top-k, ...)
+  that the convention leaves out of ``gflops``. It is counted (one flop per output element; reductions one per input
+  element; softmax three per element) and reported beside ``gflops``, so that no cost is hidden, but it is not part of
+  it.
+* Ops that cost no arithmetic (views, copies, gathers, allocations; :data:`FREE_OPS`, each group with its reason) count
+  zero. Any other op is *unknown*: it is listed in ``uncounted_ops``, logged as a warning, and fails the tests of every
+  registered model family.
 
-Active GFLOPs (what the activated heads need)
----------------------------------------------
-A trace sees one input, so the data-dependent routing is counted from each routed layer's
-configuration: a layer with ``a`` of ``h`` heads active per token (MoH: ``shared_heads + topk``;
-MoA: ``topk`` experts) has active fraction ``f = a / h``, and
+Active GFLOPs (what the activated heads need) --------------------------------------------- A trace sees one input, so
+the data-dependent routing is counted from each routed layer's configuration: a layer with ``a`` of ``h`` heads active
+per token (MoH: ``shared_heads + topk``; MoA: ``topk`` experts) has active fraction ``f = a / h``, and
 
     active = dense - (1 - f) * per_head_query_work
 
-where *per-head query work* is the part that an exact sparse execution would do only for the selected
-(token, head) pairs:
+where *per-head query work* is the part that an exact sparse execution would do only for the selected (token, head)
+pairs:
 
 * the query projection (``q``, ``q_proj``, and the query rows of a fused ``qkv``; ``q_norm``);
-* the attention core of every query: the layer's own ``scaled_dot_product_attention`` /
-  ``matmul`` / ``bmm`` / ``einsum`` ops (``QK^T``, ``AV``; TransNeXt's local window, pooled
-  keys and learnable-token terms);
+* the attention core of every query: the layer's own ``scaled_dot_product_attention`` / ``matmul`` / ``bmm`` /
+  ``einsum`` ops (``QK^T``, ``AV``; TransNeXt's local window, pooled keys and learnable-token terms);
 * the output projection ``proj`` (head ``i`` contributes ``H_i W_O^i`` only where it is active).
 
-What does not scale: keys and values for every token and head (any query may attend to any key),
-the pooled features of aggregated attention (``sr``, ``norm``, pooling) and its position-bias MLP
-(``cpb_*``), the routers (``wg*``, ``w_gate``), and everything outside the attention (MLPs,
-embeddings, norms, heads). Which child of a layer is which is declared by the layer's kernel and
-variant (their ``flops_roles``: ``per_head``, ``query_rows`` or ``fixed``), and ``a`` is the
-variant's ``active_heads()``: nothing here knows a variant or a parameter name. A dense model's active GFLOPs equal
-its GFLOPs.
+What does not scale: keys and values for every token and head (any query may attend to any key), the pooled features of
+aggregated attention (``sr``, ``norm``, pooling) and its position-bias MLP (``cpb_*``), the routers (``wg*``,
+``w_gate``), and everything outside the attention (MLPs, embeddings, norms, heads). Which child of a layer is which is
+declared by the layer's kernel and variant (their ``flops_roles``: ``per_head``, ``query_rows`` or ``fixed``), and ``a``
+is the variant's ``active_heads()``: nothing here knows a variant or a parameter name. A dense model's active GFLOPs
+equal its GFLOPs.
 
 Extending: a custom op (``torch.library`` op or ``autograd.Function``, seen by the trace as
-``prim::PythonOp.<ClassName>``) gets a handle with :func:`register_op_handle`. The trace runs TransNeXt's
-aggregated attention as its ``fused`` operator (one node, counted by :func:`aggregated_attention_flops`) and every
-other op as its reference formula.
-"""
+``prim::PythonOp.<ClassName>``) gets a handle with :func:`register_op_handle`. The trace runs TransNeXt's aggregated
+attention as its ``fused`` operator (one node, counted by :func:`aggregated_attention_flops`) and every other op as its
+reference formula."""
 from __future__ import annotations
 
 import contextlib
@@ -115,9 +110,9 @@ def sdpa_flops(inputs, outputs) -> Counter:
 
 
 def aggregated_attention_flops(inputs, outputs) -> Counter:
-    """TransNeXt's ``moh_vision::aggregated_attention(q [B, h, N, d], k, v, k_pool [B, h, P, d], ..., local_weight
-    [B, h, N, L], ...)``: ``QK^T`` and ``AV`` over each query's ``L`` window keys and ``P`` pooled keys (what the
-    window copies' matmuls counted); biases, mask, softmax and the local weight's add point-wise."""
+    """TransNeXt's ``moh_vision::aggregated_attention(q [B, h, N, d], k, v, k_pool [B, h, P, d], ..., local_weight [B,
+    h, N, L], ...)``: ``QK^T`` and ``AV`` over each query's ``L`` window keys and ``P`` pooled keys (what the window
+    copies' matmuls counted); biases, mask, softmax and the local weight's add point-wise."""
     q, k_pool, local_weight = _shape(inputs[0]), _shape(inputs[3]), _shape(inputs[7])
     scores = math.prod(q[:-1]) * (local_weight[-1] + k_pool[-2])
     return Counter({"aggregated_attention": 2 * scores * q[-1],
@@ -125,8 +120,8 @@ def aggregated_attention_flops(inputs, outputs) -> Counter:
 
 
 def einsum_flops(inputs, outputs) -> Counter:
-    """``einsum``: one operand is a permutation (free) or a reduction (point-wise); two or more
-    operands are counted by fvcore (optimal contraction path, multiply-adds)."""
+    """``einsum``: one operand is a permutation (free) or a reduction (point-wise); two or more operands are counted by
+    fvcore (optimal contraction path, multiply-adds)."""
     from fvcore.nn.jit_handles import einsum_flop_jit
 
     operands = list(inputs[1].node().inputs())
@@ -140,10 +135,10 @@ def einsum_flops(inputs, outputs) -> Counter:
 
 
 def _import_fvcore() -> None:
-    """Import ``fvcore.nn`` without its import-time FutureWarning. Its ``__init__`` imports
-    ``focal_loss``, which calls ``torch.jit.script`` at import time, which recent torch deprecates:
-    every run that counted FLOPs printed the warning. We use no scripted fvcore loss, so exactly that
-    message is ignored, only during this import (later imports of fvcore.nn are cached no-ops)."""
+    """Import ``fvcore.nn`` without its import-time FutureWarning. Its ``__init__`` imports ``focal_loss``, which calls
+    ``torch.jit.script`` at import time, which recent torch deprecates: every run that counted FLOPs printed the
+    warning. We use no scripted fvcore loss, so exactly that message is ignored, only during this import (later imports
+    of fvcore.nn are cached no-ops)."""
     import warnings
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
@@ -242,9 +237,9 @@ _EXTRA_HANDLES: Dict[str, Handle] = {}
 
 
 def register_op_handle(op: str, handle: Handle) -> None:
-    """Count ``op`` (a traced op name: ``aten::...``, ``ns::custom_op``, ``prim::PythonOp.<Function>``)
-    with ``handle(inputs, outputs)``, which returns a number of multiply-adds or a ``Counter``; keys
-    starting with ``"pointwise."`` go to ``pointwise_gflops``."""
+    """Count ``op`` (a traced op name: ``aten::...``, ``ns::custom_op``, ``prim::PythonOp.<Function>``) with
+    ``handle(inputs, outputs)``, which returns a number of multiply-adds or a ``Counter``; keys starting with
+    ``"pointwise."`` go to ``pointwise_gflops``."""
     _EXTRA_HANDLES[op] = handle
 
 
@@ -269,8 +264,8 @@ def _analysis_class():
     from fvcore.nn.jit_analysis import JitModelAnalysis
 
     class FlopAnalysis(JitModelAnalysis):
-        """fvcore's analysis with this module's handles and free-op list (instead of fvcore's
-        defaults, which skip sdpa and silently ignore some ops that do cost, e.g. ``relu``)."""
+        """fvcore's analysis with this module's handles and free-op list (instead of fvcore's defaults, which skip sdpa
+        and silently ignore some ops that do cost, e.g. ``relu``)."""
 
         def __init__(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...]):
             super().__init__(model, inputs)
@@ -372,8 +367,8 @@ def _layer_flops(name: str, module: nn.Module, counts: Dict[str, Counter], notes
 # ----------------------------------------------------------------------------------------------
 # Tracing
 # ----------------------------------------------------------------------------------------------
-# What the trace runs: the aggregated attention as one operator (its window products would otherwise be point-wise
-# ops), everything else as its reference formula (what a kernel computes, in operators fvcore counts).
+# What the trace runs: the aggregated attention as one operator (its window products would otherwise be point-wise ops),
+# everything else as its reference formula (what a kernel computes, in operators fvcore counts).
 TRACED_KERNELS = Kernels(aggregated="fused", routing="reference", depthwise="reference", recompute="reference")
 
 
@@ -417,9 +412,8 @@ def _trace_inputs(model: nn.Module, x: torch.Tensor, model_kwargs: Dict[str, Any
 def flop_report(model: nn.Module, input_shape: Sequence[int],
                 model_kwargs: Optional[Dict[str, Any]] = None) -> FlopReport:
     """Trace one forward of ``model`` on a batch-1 input of ``input_shape`` (C, H, W) and count it (every head:
-    dense-equivalent). ``model_kwargs`` are the other forward inputs (DiT: ``{"t": ..., "y": ...}``), batch 1, moved
-    to the model's device.
-    """
+    dense-equivalent). ``model_kwargs`` are the other forward inputs (DiT: ``{"t": ..., "y": ...}``), batch 1, moved to
+    the model's device."""
     param = next(model.parameters())
     dtype = param.dtype if param.is_floating_point() else torch.float32
     generator = torch.Generator().manual_seed(0)
@@ -456,7 +450,7 @@ def flop_report(model: nn.Module, input_shape: Sequence[int],
 
 
 def count_flops(model: nn.Module, input_shape: Sequence[int], model_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """``params``, ``gflops`` (dense-equivalent), ``active_gflops``, ``pointwise_gflops`` and
-    ``routed_layers`` of one forward pass on one input of ``input_shape`` (C, H, W); the module
-    docstring defines each. ``uncounted_ops`` appears only if an op had no handle."""
+    """``params``, ``gflops`` (dense-equivalent), ``active_gflops``, ``pointwise_gflops`` and ``routed_layers`` of one
+    forward pass on one input of ``input_shape`` (C, H, W); the module docstring defines each. ``uncounted_ops`` appears
+    only if an op had no handle."""
     return flop_report(model, input_shape, model_kwargs).as_dict()

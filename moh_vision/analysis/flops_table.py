@@ -1,12 +1,10 @@
 """Parameters, dense-equivalent and active GFLOPs of registered models as one table (``tools/flops.py``).
 
-Counting convention and what "active" means: :mod:`moh_vision.analysis.flop_count`. A model is counted at its
-native resolution and input channels unless ``img_size`` (pixels) or ``in_chans`` say otherwise, or
-exactly as a training run built it (``run=``: its config decides model, attention, ``in_chans``,
-``img_size`` and ``model.kwargs``, so the numbers are the ones its ``summary.json`` reports).
-``published`` is the authors' figure where there is one (TransNeXt README, DiT paper Table 4, DeiT for
-the plain ViTs), shown only for a dense model at its native input.
-"""
+Counting convention and what "active" means: :mod:`moh_vision.analysis.flop_count`. A model is counted at its native
+resolution and input channels unless ``img_size`` (pixels) or ``in_chans`` say otherwise, or exactly as a training run
+built it (``run=``: its config decides model, attention, ``in_chans``, ``img_size`` and ``model.kwargs``, so the numbers
+are the ones its ``summary.json`` reports). ``published`` is the authors' figure where there is one (TransNeXt README,
+DiT paper Table 4, DeiT for the plain ViTs), shown only for a dense model at its native input."""
 from __future__ import annotations
 
 import csv
@@ -48,8 +46,8 @@ def is_dit(name: str) -> bool:
 
 
 def run_settings(path: str) -> Dict[str, Any]:
-    """What decides a run's FLOPs: ``model``, ``attention``, and the model kwargs its task passed
-    (input channels and size, ``model.kwargs``), as ``model_kwargs``."""
+    """What decides a run's FLOPs: ``model``, ``attention``, and the model kwargs its task passed (input channels and
+    size, ``model.kwargs``), as ``model_kwargs``."""
     cfg = run_config(path)
     model = (cfg.get("model") or {}).get("name")
     if not model:
@@ -69,8 +67,8 @@ def run_settings(path: str) -> Dict[str, Any]:
 
 def build(name: str, attention: Optional[Dict[str, Any]], img_size: Optional[int], device: str,
           in_chans: Optional[int] = None, model_kwargs: Optional[Dict[str, Any]] = None):
-    """(model, input shape, forward kwargs, input label) at ``img_size`` (pixels; None = native) with
-    ``in_chans`` input channels (None = the model's own); a run's ``model_kwargs`` go to the model as they are."""
+    """(model, input shape, forward kwargs, input label) at ``img_size`` (pixels; None = native) with ``in_chans`` input
+    channels (None = the model's own); a run's ``model_kwargs`` go to the model as they are."""
     from moh_vision.models.dit import DIT_PRESETS
 
     kwargs: Dict[str, Any] = dict(model_kwargs or {})
@@ -102,10 +100,9 @@ def build(name: str, attention: Optional[Dict[str, Any]], img_size: Optional[int
 
 
 def attention_label(model, attention: Optional[Dict[str, Any]]) -> str:
-    """``<attention> @<realised>`` for every variant: the number after ``@`` is always the realised share of
-    active heads (what the layers declare they activate, summed over layers); a requested
-    ``activation_ratio`` that rounds to another share follows as ``(requested <r>)``; ``(preset)``: the
-    model's own routing. Dense models get no ``@``."""
+    """``<attention> @<realised>`` for every variant: the number after ``@`` is always the realised share of active
+    heads (what the layers declare they activate, summed over layers); a requested ``activation_ratio`` that rounds to
+    another share follows as ``(requested <r>)``; ``(preset)``: the model's own routing. Dense models get no ``@``."""
     names = sorted({getattr(m, "attention_name", "?") for _, m in find_attention(model)})
     label = "/".join(names)
     fraction = active_head_fraction(model)
@@ -164,9 +161,9 @@ def format_table(rows: List[Dict[str, Any]], fmt: str = "md") -> str:
 def flops_table(models: Sequence[str] = (), attention: Optional[Dict[str, Any]] = None, img_size: Optional[int] = None,
                 in_chans: Optional[int] = None, run: Optional[str] = None, device: str = "cpu", fmt: str = "md",
                 out: Optional[str] = None) -> List[Dict[str, Any]]:
-    """Count ``models`` (``["all"]``: every registered model) or the model of ``run``, print the table (and
-    write it to ``out``) and return its rows. ``attention`` (a config group) replaces the models' own;
-    ``img_size`` and ``in_chans`` given beside ``run`` override the run's values."""
+    """Count ``models`` (``["all"]``: every registered model) or the model of ``run``, print the table (and write it to
+    ``out``) and return its rows. ``attention`` (a config group) replaces the models' own; ``img_size`` and ``in_chans``
+    given beside ``run`` override the run's values."""
     settings = run_settings(run) if run else {}
     models = list(models or settings.get("model") or [])
     if not models:

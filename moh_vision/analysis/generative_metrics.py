@@ -1,25 +1,24 @@
 """The five numbers of ADM's evaluation suite (openai/guided-diffusion ``evaluations/evaluator.py``), computed from
 Inception activations, with ADM's definitions:
 
-* FID: the Frechet distance between Gaussians fitted to the samples' and the reference's pool_3 activations
-  (2048-d). The reference's statistics are its stored ``mu``/``sigma`` when it has them (ADM's reference batches
-  hold the whole training set's), else those of its own activations;
+* FID: the Frechet distance between Gaussians fitted to the samples' and the reference's pool_3 activations (2048-d).
+  The reference's statistics are its stored ``mu``/``sigma`` when it has them (ADM's reference batches hold the whole
+  training set's), else those of its own activations;
 * sFID: the same on the spatial features (mixed_6/conv, first 7 channels, 17 x 17 x 7 = 2023-d) against
   ``mu_s``/``sigma_s``, else the reference activations' own;
-* Inception Score: ``exp(E_x KL(p(y|x) || p(y)))`` of the samples' softmax over consecutive splits of 5,000,
-  averaged over the splits (ADM reports the mean, no spread);
-* precision and recall: k-nearest-neighbour manifolds (k = 3) in pool_3 space. A point's ball has the radius of
-  its k-th nearest neighbour within its own set; precision is the share of samples inside some reference ball,
-  recall the share of reference points inside some sample ball. The reference set is the reference batch's
-  images (never the stored statistics).
+* Inception Score: ``exp(E_x KL(p(y|x) || p(y)))`` of the samples' softmax over consecutive splits of 5,000, averaged
+  over the splits (ADM reports the mean, no spread);
+* precision and recall: k-nearest-neighbour manifolds (k = 3) in pool_3 space. A point's ball has the radius of its k-th
+  nearest neighbour within its own set; precision is the share of samples inside some reference ball, recall the share
+  of reference points inside some sample ball. The reference set is the reference batch's images (never the stored
+  statistics).
 
-Distances are squared Euclidean, as ADM compares them; ADM first tries them in float16 and falls back to float32,
-here they are float32 throughout (a sample within float16 round-off of a ball's edge may count otherwise).
+Distances are squared Euclidean, as ADM compares them; ADM first tries them in float16 and falls back to float32, here
+they are float32 throughout (a sample within float16 round-off of a ball's edge may count otherwise).
 
 :func:`adm_metrics` takes the activations as mappings of arrays, so each number can be checked without Inception
-weights. The activations of images come from :mod:`moh_vision.analysis.inception`; ``tools/evaluate_samples.py``
-runs the whole evaluation on ADM's ``.npz`` files (:mod:`moh_vision.analysis.adm_evaluation`).
-"""
+weights. The activations of images come from :mod:`moh_vision.analysis.inception`; ``tools/evaluate_samples.py`` runs
+the whole evaluation on ADM's ``.npz`` files (:mod:`moh_vision.analysis.adm_evaluation`)."""
 from __future__ import annotations
 
 from typing import Dict, Mapping, Optional, Tuple, Union
@@ -44,10 +43,9 @@ def adm_metrics(samples: Activations, reference: Activations, neighbours: int = 
 
     ``samples`` holds ``pool`` [N, 2048], ``spatial`` [N, 2023] and ``probs`` [N, 1008] (the Inception classifier's
     softmax); ``reference`` holds ``pool`` and ``spatial`` of its images and may hold ``mu``, ``sigma``, ``mu_s``,
-    ``sigma_s``, which then take precedence over its activations' statistics. A number whose inputs are missing
-    is left out; inconsistent inputs raise a one-line :class:`ConfigError`. Pairwise distances for precision and
-    recall are computed on ``device`` in blocks.
-    """
+    ``sigma_s``, which then take precedence over its activations' statistics. A number whose inputs are missing is left
+    out; inconsistent inputs raise a one-line :class:`ConfigError`. Pairwise distances for precision and recall are
+    computed on ``device`` in blocks."""
     check_stored_statistics(reference)
     out: Dict[str, float] = {}
     for name, (key, mean_key, cov_key) in FRECHET_INPUTS.items():
@@ -117,9 +115,9 @@ def _check_same_width(ours: np.ndarray, theirs: np.ndarray, our_name: str, their
 # Inception Score
 # ---------------------------------------------------------------------------------------------
 def inception_score(probs: np.ndarray, split_size: int = IS_SPLIT_SIZE) -> float:
-    """ADM's Inception Score: consecutive splits of ``split_size`` rows (the last one may be shorter), each
-    ``exp(mean_i sum_y p_iy (log p_iy - log mean_j p_jy))``, averaged over the splits. A zero probability adds
-    nothing (the limit of ``p log p``), where ADM's ``0 * log 0`` would give NaN."""
+    """ADM's Inception Score: consecutive splits of ``split_size`` rows (the last one may be shorter), each ``exp(mean_i
+    sum_y p_iy (log p_iy - log mean_j p_jy))``, averaged over the splits. A zero probability adds nothing (the limit of
+    ``p log p``), where ADM's ``0 * log 0`` would give NaN."""
     probs = np.asarray(probs, dtype=np.float64)
     if probs.ndim != 2 or len(probs) == 0 or (probs < 0).any():
         raise ConfigError(f"probs must be non-negative softmax rows [N, classes], got shape {probs.shape}")
@@ -156,8 +154,8 @@ def squared_distances(rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor
 
 
 def manifold_radii(features: torch.Tensor, neighbours: int) -> torch.Tensor:
-    """Each point's squared distance to its ``neighbours``-th nearest point of the same set (itself, at distance
-    0, is the nearest: ADM takes index k of each sorted row)."""
+    """Each point's squared distance to its ``neighbours``-th nearest point of the same set (itself, at distance 0, is
+    the nearest: ADM takes index k of each sorted row)."""
     radii = [squared_distances(block, features).topk(neighbours + 1, dim=1, largest=False).values[:, -1]
              for block in features.split(DISTANCE_BLOCK)]
     return torch.cat(radii)

@@ -26,9 +26,8 @@ def save_class_grid(images: Tensor, labels: Tensor, path: os.PathLike, per_row: 
                     class_names: Optional[Sequence[str]] = None, cell: int = 64) -> Path:
     """Write a PNG with ``per_row`` samples of one class per row and the class name on the left.
 
-    ``images`` are in [-1, 1], ordered class by class (as ``labels.repeat_interleave`` makes them).
-    Small images are scaled up (nearest) to ``cell`` pixels so they can be read. Written atomically.
-    """
+    ``images`` are in [-1, 1], ordered class by class (as ``labels.repeat_interleave`` makes them). Small images are
+    scaled up (nearest) to ``cell`` pixels so they can be read. Written atomically."""
     arr = to_uint8(images)
     n, h, w, _ = arr.shape
     rows = (n + per_row - 1) // per_row

@@ -1,22 +1,21 @@
 """What a routed layer costs the host: operators dispatched, host time per call, and graphs under compile.
 
-On a GPU a small layer's time is set by how many kernels the host launches, not by the arithmetic; each
-ATen operator dispatched is (at most) one launch. :func:`count_ops` counts every operator dispatched below
-autograd (forward and backward, views included) with a ``TorchDispatchMode``, the same way for dense and
-MoH, so the counts measured on a CPU are the launches a GPU would see before any fusion; the "kernels" rows
-leave out the views (operators that alias their input, and ``_unsafe_view``), which launch nothing.
-With ``dtype=bfloat16`` (or ``float16``) every call runs under CPU autocast, as GPU training does.
-:func:`ops_report` puts dense and MoH side by side, the figures of ``tools/bench_models.py ops=true``:
+On a GPU a small layer's time is set by how many kernels the host launches, not by the arithmetic; each ATen operator
+dispatched is (at most) one launch. :func:`count_ops` counts every operator dispatched below autograd (forward and
+backward, views included) with a ``TorchDispatchMode``, the same way for dense and MoH, so the counts measured on a CPU
+are the launches a GPU would see before any fusion; the "kernels" rows leave out the views (operators that alias their
+input, and ``_unsafe_view``), which launch nothing. With ``dtype=bfloat16`` (or ``float16``) every call runs under CPU
+autocast, as GPU training does. :func:`ops_report` puts dense and MoH side by side, the figures of
+``tools/bench_models.py ops=true``:
 
-* one attention layer (dims 384 / 6 heads and 768 / 12, batch 8, 196 tokens), inference, and a training
-  forward+backward with the routing recorder open and the aux loss added, as the trainer runs it;
+* one attention layer (dims 384 / 6 heads and 768 / 12, batch 8, 196 tokens), inference, and a training forward+backward
+  with the routing recorder open and the aux loss added, as the trainer runs it;
 * each model pair, one inference call and one training forward+backward (recorder open, aux loss);
 * host time per layer call on a negligible input (``[1, 4, 192]``, 12 heads): the fixed cost of a call;
 * with ``graphs``, ``torch._dynamo.explain``: graphs and graph breaks of each model in eval and in training with the
   recorder open, and the frames compiled over three training steps with fresh recorders (1: no recompile).
 
-Every layer and model runs the default kernels (``auto``: on the CPU MoH's fused routing kernel).
-"""
+Every layer and model runs the default kernels (``auto``: on the CPU MoH's fused routing kernel)."""
 from __future__ import annotations
 
 import statistics
@@ -90,8 +89,8 @@ def inference_call(model: torch.nn.Module, inputs: Tuple) -> Callable[[], None]:
 
 def steady_count(model: torch.nn.Module, inputs: Tuple, train: bool,
                  dtype: Optional[torch.dtype] = None) -> Tuple[int, int]:
-    """Operators, and operators less views, of one call (under autocast to ``dtype``) after a first, uncounted
-    one (lazy initialisations, caches)."""
+    """Operators, and operators less views, of one call (under autocast to ``dtype``) after a first, uncounted one (lazy
+    initialisations, caches)."""
     model.train(train)
     inputs = tuple(t.clone().requires_grad_() if train and t.is_floating_point() else t for t in inputs)
     call = under_autocast(training_call(model, inputs) if train else inference_call(model, inputs), dtype)
@@ -103,8 +102,8 @@ def steady_count(model: torch.nn.Module, inputs: Tuple, train: bool,
 
 def count_rows(label: str, models: Dict[str, torch.nn.Module], inputs: Tuple,
                dtype: Optional[torch.dtype]) -> List[Dict]:
-    """``{label}, {mode} ops`` and ``{label}, {mode} kernels`` (operators less views), inference and training, for
-    each of ``models`` (``dense``, ``moh``)."""
+    """``{label}, {mode} ops`` and ``{label}, {mode} kernels`` (operators less views), inference and training, for each
+    of ``models`` (``dense``, ``moh``)."""
     rows = []
     for mode in ("infer", "train"):
         counts = {name: steady_count(m, inputs, mode == "train", dtype) for name, m in models.items()}
@@ -115,9 +114,9 @@ def count_rows(label: str, models: Dict[str, torch.nn.Module], inputs: Tuple,
 
 def host_us(layers: Dict[str, torch.nn.Module], x: Tensor, train: bool, calls: int = 100,
             rounds: int = 15, dtype: Optional[torch.dtype] = None) -> Dict[str, float]:
-    """Mean wall time (microseconds) of one call on ``x`` per layer, measured in ``rounds`` that alternate the
-    layers (load on the machine hits both alike): each layer's median over rounds, and ``ratio``, the median
-    over rounds of the second layer's time over the first's."""
+    """Mean wall time (microseconds) of one call on ``x`` per layer, measured in ``rounds`` that alternate the layers
+    (load on the machine hits both alike): each layer's median over rounds, and ``ratio``, the median over rounds of the
+    second layer's time over the first's."""
     xi = x.clone().requires_grad_() if train else x
     calls_of = {}
     for name, model in layers.items():
@@ -139,8 +138,8 @@ def host_us(layers: Dict[str, torch.nn.Module], x: Tensor, train: bool, calls: i
 
 
 def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
-    """``torch._dynamo.explain`` in eval (no grad) and in training (recorder open): graphs and breaks; and
-    the graphs compiled over three training steps with a fresh recorder each (1 when nothing recompiles)."""
+    """``torch._dynamo.explain`` in eval (no grad) and in training (recorder open): graphs and breaks; and the graphs
+    compiled over three training steps with a fresh recorder each (1 when nothing recompiles)."""
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
 
@@ -166,8 +165,8 @@ def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
 
 
 def layer_pair(attention: Dict, dim: int, heads: int) -> Dict[str, torch.nn.Module]:
-    """``{"dense": mha, "moh": attention}`` layers of width ``dim`` with ``heads`` heads (``attention``: a config
-    such as ``{"name": "moh", "activation_ratio": 0.75}``)."""
+    """``{"dense": mha, "moh": attention}`` layers of width ``dim`` with ``heads`` heads (``attention``: a config such
+    as ``{"name": "moh", "activation_ratio": 0.75}``)."""
     from moh_vision.attention import build_attention
     from moh_vision.models.build import NON_MODULE_KEYS
 
@@ -177,8 +176,8 @@ def layer_pair(attention: Dict, dim: int, heads: int) -> Dict[str, torch.nn.Modu
 
 
 def layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dict]:
-    """Per-layer figures, dense ``mha`` against ``attention`` (e.g. ``{"name": "moh", "activation_ratio": 0.75}``),
-    at :data:`LAYER_SHAPES` and on :data:`HOST_SHAPE`, under autocast to ``dtype``."""
+    """Per-layer figures, dense ``mha`` against ``attention`` (e.g. ``{"name": "moh", "activation_ratio": 0.75}``), at
+    :data:`LAYER_SHAPES` and on :data:`HOST_SHAPE`, under autocast to ``dtype``."""
     rows = []
     batch, tokens = LAYER_TOKENS
     for dim, heads in LAYER_SHAPES:
@@ -237,8 +236,8 @@ def ops_report(pairs: Sequence[Tuple[torch.nn.Module, torch.nn.Module, str]], at
 def bench_ops(pairs: Sequence[str], img_size: int = 64, attention: Optional[Dict] = None, graphs: bool = True,
               out: Optional[str] = None, dtype: str = "float32") -> List[Dict]:
     """``tools/bench_models.py ops=true``: :func:`ops_report` for ``moh:dense`` model pairs built at ``img_size``
-    (operator counts do not depend on it), every call under CPU autocast to ``dtype`` (``bfloat16``: as GPU runs
-    train); prints the table, and with ``out`` writes it and ``<out>.json``."""
+    (operator counts do not depend on it), every call under CPU autocast to ``dtype`` (``bfloat16``: as GPU runs train);
+    prints the table, and with ``out`` writes it and ``<out>.json``."""
     import json
     from pathlib import Path
 

@@ -5,12 +5,12 @@ Walking ImageNet's 1.28M files takes every process minutes on a network file sys
 * :func:`cached_index`: the index is kept in a cache folder (``data.index_cache``: ``auto`` is
   ``$MOH_VISION_CACHE_DIR/file_index``, else ``$XDG_CACHE_HOME/moh_vision/file_index``, else
   ``~/.cache/moh_vision/file_index``), keyed by the tree's path and valid while every folder the scan read keeps the
-  modification time it had (adding, removing or renaming an image changes its folder's; an image rewritten in
-  place changes nothing the index holds). Each folder's time is read before the folder is listed, and an index
-  whose folders changed less than :data:`SETTLE_S` seconds before the scan is not kept (a change inside the same
-  timestamp tick would not show on a coarse-grained file system).
-* :func:`built_once`: under ``torch.distributed`` rank 0 alone builds (or loads) it and sends it to the other ranks;
-  a bad tree is the same one-line error on every rank.
+  modification time it had (adding, removing or renaming an image changes its folder's; an image rewritten in place
+  changes nothing the index holds). Each folder's time is read before the folder is listed, and an index whose folders
+  changed less than :data:`SETTLE_S` seconds before the scan is not kept (a change inside the same timestamp tick would
+  not show on a coarse-grained file system).
+* :func:`built_once`: under ``torch.distributed`` rank 0 alone builds (or loads) it and sends it to the other ranks; a
+  bad tree is the same one-line error on every rank.
 """
 from __future__ import annotations
 
@@ -109,8 +109,8 @@ def _save(path: Path, index: Index, watch: TreeWatch) -> None:
 
 
 def cached_index(scan: Callable[[TreeWatch], Index], root: str, key: str, cache: Optional[Path]) -> Index:
-    """``scan(watch)``'s index of the tree at ``root``, from ``cache`` when it holds a current one, else scanned
-    and kept there (when the tree has settled)."""
+    """``scan(watch)``'s index of the tree at ``root``, from ``cache`` when it holds a current one, else scanned and
+    kept there (when the tree has settled)."""
     path = index_file(cache, root, key) if cache is not None else None
     found = _load(path) if path is not None else None
     if found is not None:

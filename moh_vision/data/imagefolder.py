@@ -5,27 +5,25 @@ Layout (the one torchvision's ``ImageFolder`` reads)::
     root/train/<class>/**/<image>.{jpg,jpeg,png,ppm,bmp,pgm,tif,tiff,webp}   (any case)
     root/val/<class>/**/<image>...
 
-Class indices are the sorted class-folder names (the torchvision order, so ImageNet wnids get the
-standard indices). Hidden files and folders (``.name``) are ignored. Everything is checked at
-construction; a problem raises ``ConfigError`` with one line naming the path and what was expected.
+Class indices are the sorted class-folder names (the torchvision order, so ImageNet wnids get the standard indices).
+Hidden files and folders (``.name``) are ignored. Everything is checked at construction; a problem raises
+``ConfigError`` with one line naming the path and what was expected.
 
 Batch format. ``collate_fn`` of a data module (used for train and val loaders) returns::
 
     (images: float32 [B', C, H, W], labels: int64 [B'], skipped: int)
 
 where ``B'`` = items in the batch minus ``skipped``, the number of unreadable images dropped from it
-(``on_bad_image="skip"``). ``B'`` can be odd, or 0 (then ``images`` is ``[0, C, H, W]``): skip such a
-step. ``skipped`` is an int (a :class:`SkippedImages`) that also names the dropped files in ``.files``
-(``(path, reason)`` pairs); it pickles, so it survives DataLoader worker processes. The trainer counts
-distinct files from it (an unreadable file is met again every epoch) and names them in ``train.log``.
-Each unreadable file is also logged once per process (the main
-process with ``num_workers=0``, else each worker; the trainer's workers live for the whole run) with
-a warning on ``logging.getLogger("moh_vision.data.imagefolder")``. ``on_bad_image="raise"`` raises
-``BadImageError`` naming the file instead.
+(``on_bad_image="skip"``). ``B'`` can be odd, or 0 (then ``images`` is ``[0, C, H, W]``): skip such a step. ``skipped``
+is an int (a :class:`SkippedImages`) that also names the dropped files in ``.files`` (``(path, reason)`` pairs); it
+pickles, so it survives DataLoader worker processes. The trainer counts distinct files from it (an unreadable file is
+met again every epoch) and names them in ``train.log``. Each unreadable file is also logged once per process (the main
+process with ``num_workers=0``, else each worker; the trainer's workers live for the whole run) with a warning on
+``logging.getLogger("moh_vision.data.imagefolder")``. ``on_bad_image="raise"`` raises ``BadImageError`` naming the file
+instead.
 
-Images are converted to RGB (``in_chans=3``) or L (``in_chans=1``): grayscale, CMYK, RGBA (alpha
-dropped, as torchvision's loader does), palette and 16-bit images all load.
-"""
+Images are converted to RGB (``in_chans=3``) or L (``in_chans=1``): grayscale, CMYK, RGBA (alpha dropped, as
+torchvision's loader does), palette and 16-bit images all load."""
 from __future__ import annotations
 
 import csv
@@ -106,8 +104,7 @@ def _to_mode(img: Image.Image, mode: str) -> Image.Image:
 def load_image(path: str, mode: str = "RGB") -> Image.Image:
     """Read and fully decode ``path`` into a PIL image of ``mode`` ("RGB" or "L").
 
-    Decoding happens here (not lazily in a transform), so truncated files fail in this call.
-    """
+    Decoding happens here (not lazily in a transform), so truncated files fail in this call."""
     with open(path, "rb") as f:
         img = Image.open(f)
         img.load()
@@ -161,8 +158,8 @@ def _require_dir(path: str, expected: str) -> None:
 
 
 def scan_class_folders(split_dir: str, watch: Optional[TreeWatch] = None) -> Tuple[List[str], List[str], List[int]]:
-    """``(classes, image paths relative to split_dir, labels)`` of a class-folder tree; ``watch`` notes every
-    folder read (:mod:`moh_vision.data.file_index`)."""
+    """``(classes, image paths relative to split_dir, labels)`` of a class-folder tree; ``watch`` notes every folder
+    read (:mod:`moh_vision.data.file_index`)."""
     _require_dir(split_dir, "a folder with one sub-folder of images per class")
     classes = _subfolders(split_dir, watch)
     if not classes:
@@ -200,9 +197,8 @@ def scan_class_folders(split_dir: str, watch: Optional[TreeWatch] = None) -> Tup
 class ImageFileDataset(Dataset):
     """``(transform(image), label)`` for image files under ``root``; a ``BadImage`` for unreadable ones.
 
-    Paths and labels are kept in numpy arrays rather than Python lists, so DataLoader workers forked
-    from the main process do not copy them page by page (refcount writes) over an epoch.
-    """
+    Paths and labels are kept in numpy arrays rather than Python lists, so DataLoader workers forked from the main
+    process do not copy them page by page (refcount writes) over an epoch."""
 
     def __init__(
         self,
@@ -254,8 +250,8 @@ class ImageFileDataset(Dataset):
 
 
 class SkippedImages(int):
-    """How many unreadable images were dropped from a batch: an ``int`` (the batch format's third item),
-    whose ``files`` are the ``(path, reason)`` pairs of those images."""
+    """How many unreadable images were dropped from a batch: an ``int`` (the batch format's third item), whose ``files``
+    are the ``(path, reason)`` pairs of those images."""
 
     def __new__(cls, files: Sequence[Tuple[str, str]] = ()):
         files = tuple((str(path), str(reason)) for path, reason in files)
@@ -273,8 +269,7 @@ class SkippedImages(int):
 class SkipBadImagesCollate:
     """Batch ``(image, label)`` items into ``(images, labels, skipped)``, dropping ``BadImage`` markers.
 
-    A top-level class (not a closure) so it pickles into spawned DataLoader workers.
-    """
+    A top-level class (not a closure) so it pickles into spawned DataLoader workers."""
 
     def __init__(self, image_shape: Tuple[int, int, int]):
         self.image_shape = tuple(image_shape)
@@ -310,11 +305,10 @@ def _world_size() -> int:
 def resolve_repeated_aug(value: Optional[Union[int, str]], world_size: Optional[int] = None) -> int:
     """Repeats per image and epoch. ``"auto"``: 3 when training runs in more than one process, else 1.
 
-    Repeated augmentation (DeiT's RASampler) places the 3 augmented copies of an image on different
-    processes and keeps ``len(dataset) // world`` indices per rank and epoch. In a single process the
-    copies land next to each other in the same batch and an epoch sees only a third of the distinct
-    images, which costs accuracy instead of adding it; so ``auto`` switches it off there. An explicit
-    integer is used as given (1 or 0/None = off)."""
+    Repeated augmentation (DeiT's RASampler) places the 3 augmented copies of an image on different processes and keeps
+    ``len(dataset) // world`` indices per rank and epoch. In a single process the copies land next to each other in the
+    same batch and an epoch sees only a third of the distinct images, which costs accuracy instead of adding it; so
+    ``auto`` switches it off there. An explicit integer is used as given (1 or 0/None = off)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         world = _world_size() if world_size is None else int(world_size)
         return REPEATED_AUG_MULTI_PROCESS if world > 1 else 1
@@ -330,14 +324,12 @@ def resolve_repeated_aug(value: Optional[Union[int, str]], world_size: Optional[
 class ImageFolderData:
     """Train/val class-folder tree with the TransNeXt / DeiT augmentation recipe.
 
-    The data-module contract: ``num_classes, in_chans, img_size, train, val, collate_fn, mixup,
-    repeated_aug, label_smoothing, describe()``. Every augmentation knob switches off with 0 / None
-    (``auto_augment``, ``color_jitter``, ``re_prob``, ``mixup``, ``cutmix``, ``label_smoothing``,
-    ``repeated_aug`` -> 1, ``eval_crop_pct`` -> squash resize without crop). ``repeated_aug="auto"``
-    (the default) is 3 with more than one process and 1 in a single one (:func:`resolve_repeated_aug`).
-    ``label_smoothing`` is built into ``mixup`` when that is on; the loss uses ``label_smoothing`` only
-    when ``mixup`` is None.
-    """
+    The data-module contract: ``num_classes, in_chans, img_size, train, val, collate_fn, mixup, repeated_aug,
+    label_smoothing, describe()``. Every augmentation knob switches off with 0 / None (``auto_augment``,
+    ``color_jitter``, ``re_prob``, ``mixup``, ``cutmix``, ``label_smoothing``, ``repeated_aug`` -> 1, ``eval_crop_pct``
+    -> squash resize without crop). ``repeated_aug="auto"`` (the default) is 3 with more than one process and 1 in a
+    single one (:func:`resolve_repeated_aug`). ``label_smoothing`` is built into ``mixup`` when that is on; the loss
+    uses ``label_smoothing`` only when ``mixup`` is None."""
 
     def __init__(
         self,
@@ -411,8 +403,8 @@ class ImageFolderData:
         return train_dir, val_dir
 
     def _scan(self, watch: Optional[TreeWatch] = None) -> Tuple[List[str], Split, Split]:
-        """``(classes, train split, val split)``; checks that train and val have the same classes. ``watch`` notes
-        every folder read (the file index's validity)."""
+        """``(classes, train split, val split)``; checks that train and val have the same classes. ``watch`` notes every
+        folder read (the file index's validity)."""
         train_dir, val_dir = self._split_dirs()
         if watch is not None:
             watch.note(self.root)  # train/ or val/ replaced
@@ -480,11 +472,11 @@ class ImageNetData(ImageFolderData):
     """ImageNet-1K with the TransNeXt recipe (the defaults of ``ImageFolderData``); checks 1000 classes.
 
     ``root`` may be either
-      * ``root/{train,val}/<wnid>/*.JPEG`` (the class-folder layout; what ``torchvision.datasets.ImageNet``
-        unpacks the ILSVRC2012 tars + devkit into, and what the common ``valprep.sh`` produces), or
-      * the ILSVRC layout of the Kaggle download: ``root/ILSVRC/Data/CLS-LOC/train/<wnid>/*.JPEG``,
-        a flat ``.../CLS-LOC/val/*.JPEG``, and ``root/LOC_val_solution.csv`` (``ImageId,PredictionString``,
-        the first word of the prediction string is the wnid). ``root`` may also point at ``CLS-LOC``.
+      * ``root/{train,val}/<wnid>/*.JPEG`` (the class-folder layout; what ``torchvision.datasets.ImageNet`` unpacks the
+        ILSVRC2012 tars + devkit into, and what the common ``valprep.sh`` produces), or
+      * the ILSVRC layout of the Kaggle download: ``root/ILSVRC/Data/CLS-LOC/train/<wnid>/*.JPEG``, a flat
+        ``.../CLS-LOC/val/*.JPEG``, and ``root/LOC_val_solution.csv`` (``ImageId,PredictionString``, the first word of
+        the prediction string is the wnid). ``root`` may also point at ``CLS-LOC``.
     """
 
     expected_classes = 1000

@@ -14,15 +14,14 @@ A shard is a plain ``torch.save`` dict (loads with ``weights_only=True``, memory
     source_index  int64 [n]                   position of the image in the sorted file list
     meta          dict                        the extraction settings, checked when a run resumes
 
-``index.json`` holds ``num_images``, ``num_classes``, ``class_names``, ``image_size`` (pixels),
-``latent_size``, ``latent_channels``, ``scale_factor``, ``vae_path``, ``flip``, ``shards``
-(``[{"file", "count"}]``) and ``skipped`` (unreadable source files).
+``index.json`` holds ``num_images``, ``num_classes``, ``class_names``, ``image_size`` (pixels), ``latent_size``,
+``latent_channels``, ``scale_factor``, ``vae_path``, ``flip``, ``shards`` (``[{"file", "count"}]``) and ``skipped``
+(unreadable source files).
 
-DiT encodes every image afresh each step and draws ``z ~ N(mean, std^2)`` from the encoder (plus a
-random flip); storing the distribution instead of one draw keeps that: :class:`LatentsData` draws a
-fresh flip and sample per item from torch's RNG, which the trainer seeds per (seed, epoch, index), so
-runs are reproducible and resume exactly. Items are ``z * scale_factor`` (0.18215 for the SD VAE).
-"""
+DiT encodes every image afresh each step and draws ``z ~ N(mean, std^2)`` from the encoder (plus a random flip); storing
+the distribution instead of one draw keeps that: :class:`LatentsData` draws a fresh flip and sample per item from
+torch's RNG, which the trainer seeds per (seed, epoch, index), so runs are reproducible and resume exactly. Items are
+``z * scale_factor`` (0.18215 for the SD VAE)."""
 from __future__ import annotations
 
 import json
@@ -52,8 +51,8 @@ def shard_name(k: int) -> str:
 # Image preprocessing and the VAE
 # --------------------------------------------------------------------------------------------------
 def center_crop_arr(image: Image.Image, image_size: int) -> np.ndarray:
-    """ADM's (and DiT's) center crop: halve with a box filter while the short side is >= 2x the
-    target, resize the short side to ``image_size`` (bicubic), crop the center. Returns uint8 HWC."""
+    """ADM's (and DiT's) center crop: halve with a box filter while the short side is >= 2x the target, resize the short
+    side to ``image_size`` (bicubic), crop the center. Returns uint8 HWC."""
     while min(image.size) >= 2 * image_size:
         image = image.resize(tuple(s // 2 for s in image.size), resample=Image.BOX)
     scale = image_size / min(image.size)
@@ -88,8 +87,7 @@ def _vae_location(path: os.PathLike) -> Tuple[Path, Optional[str]]:
 def load_vae(path: os.PathLike, device: Any = "cpu"):
     """A diffusers ``AutoencoderKL`` from a LOCAL directory (never downloads), in eval mode, frozen.
 
-    Loaded once per (path, device) and shared: do not modify the returned module.
-    """
+    Loaded once per (path, device) and shared: do not modify the returned module."""
     root, subfolder = _vae_location(path)
     return _load_vae_cached(str(root.resolve()), subfolder, str(torch.device(device)))
 
@@ -142,10 +140,9 @@ class LatentShards(Dataset):
     """``(latent * scale_factor, label)`` for chosen images of a latents directory.
 
     ``sample=True`` (training): a random flip copy and ``z = mean + std * eps`` from torch's global RNG.
-    ``sample=False`` (validation): the unflipped copy and ``eps`` from a generator seeded by the index,
-    so the validation set is fixed and reading it leaves the global RNG untouched.
-    ``posterior=False`` uses the mean instead of a draw. Shards are opened lazily in each process.
-    """
+    ``sample=False`` (validation): the unflipped copy and ``eps`` from a generator seeded by the index, so the
+    validation set is fixed and reading it leaves the global RNG untouched. ``posterior=False`` uses the mean instead of
+    a draw. Shards are opened lazily in each process."""
 
     def __init__(self, root: Path, shard_files: List[str], counts: np.ndarray, labels: np.ndarray,
                  items: np.ndarray, scale_factor: float, flip: bool, sample: bool, posterior: bool = True):
@@ -184,17 +181,16 @@ class LatentsData:
     """Data module over a latents directory (the trainer's data contract), ``data=latents data.root=<dir>``
     (``experiment=latent_diffusion`` sets the task and model that go with it).
 
-    ``img_size`` is the latent side (32 for 256 px), ``in_chans`` the latent channels (4).
-    Validation: ``val_size`` images spread evenly over the (class-sorted) set, read deterministically;
-    with ``val_holdout=false`` (default, as DiT trains on all of ImageNet train) they stay in the
-    training set and ``val/loss`` monitors the fit; ``val_holdout=true`` removes them from training.
+    ``img_size`` is the latent side (32 for 256 px), ``in_chans`` the latent channels (4). Validation: ``val_size``
+    images spread evenly over the (class-sorted) set, read deterministically; with ``val_holdout=false`` (default, as
+    DiT trains on all of ImageNet train) they stay in the training set and ``val/loss`` monitors the fit;
+    ``val_holdout=true`` removes them from training.
 
     Args:
-        root: the directory ``tools/extract_latents.py out=`` wrote.
-        flip: use the stored horizontal-flip copies (a random one per item, DiT's RandomHorizontalFlip).
-        sample_posterior: draw ``z ~ N(mean, std^2)`` per item (DiT); false uses the mean.
-        val_size: validation images (clipped to the number of images).
-        val_holdout: remove the validation images from training.
+        root: the directory ``tools/extract_latents.py out=`` wrote. flip: use the stored horizontal-flip copies (a
+        random one per item, DiT's RandomHorizontalFlip). sample_posterior: draw ``z ~ N(mean, std^2)`` per item (DiT);
+        false uses the mean. val_size: validation images (clipped to the number of images). val_holdout: remove the
+        validation images from training.
     """
 
     collate_fn = None

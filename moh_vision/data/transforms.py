@@ -1,29 +1,27 @@
 """Image transforms and batch mixing for classification: the TransNeXt / DeiT recipe, built with timm.
 
-Train (``build_train_transform``): RandomResizedCrop (scale 0.08-1, bicubic) -> horizontal flip ->
-RandAugment ``rand-m9-mstd0.5-inc1`` -> ToTensor -> Normalize -> RandomErasing (p 0.25, per-pixel
-noise, one box). timm turns colour jitter OFF whenever RandAugment is on, exactly as in the reference
-runs, so ``color_jitter=0.4`` only acts when ``auto_augment`` is switched off.
+Train (``build_train_transform``): RandomResizedCrop (scale 0.08-1, bicubic) -> horizontal flip -> RandAugment
+``rand-m9-mstd0.5-inc1`` -> ToTensor -> Normalize -> RandomErasing (p 0.25, per-pixel noise, one box). timm turns colour
+jitter OFF whenever RandAugment is on, exactly as in the reference runs, so ``color_jitter=0.4`` only acts when
+``auto_augment`` is switched off.
 
-Eval (``build_eval_transform``): resize the short side to ``floor(img_size / crop_pct)`` (bicubic),
-center crop ``img_size`` (224 / 0.875 = 256 -> 224). ``crop_pct=None`` (or 0) squashes the whole
-image to ``img_size x img_size`` instead, which is what TransNeXt does at 384 and above.
+Eval (``build_eval_transform``): resize the short side to ``floor(img_size / crop_pct)`` (bicubic), center crop
+``img_size`` (224 / 0.875 = 256 -> 224). ``crop_pct=None`` (or 0) squashes the whole image to ``img_size x img_size``
+instead, which is what TransNeXt does at 384 and above.
 
-Batch mixing (``build_mixup``): timm's ``Mixup`` in batch mode with label smoothing built in,
-returning soft targets ``[B, num_classes]`` whose rows sum to 1.
+Batch mixing (``build_mixup``): timm's ``Mixup`` in batch mode with label smoothing built in, returning soft targets
+``[B, num_classes]`` whose rows sum to 1.
 
 Every knob switches off with 0 / None / "" (see ``build_train_transform``).
 
-Posterize with 0 bits. timm's ``PosterizeIncreasing`` (the ``inc1`` RandAugment policy) keeps
-``4 - int(4 * m / 10)`` bits, i.e. 0 bits at the top magnitude (m >= 10, reached by ``mstd0.5``
-draws around m9). Pillow before 13 turned that into a black image; Pillow 13 raises ``ValueError``.
-The transforms built here replace timm's posterize with one that keeps the old result (0 bits or
-fewer: a black image), so the recipe behaves as in the reference runs with any Pillow.
+Posterize with 0 bits. timm's ``PosterizeIncreasing`` (the ``inc1`` RandAugment policy) keeps ``4 - int(4 * m / 10)``
+bits, i.e. 0 bits at the top magnitude (m >= 10, reached by ``mstd0.5`` draws around m9). Pillow before 13 turned that
+into a black image; Pillow 13 raises ``ValueError``. The transforms built here replace timm's posterize with one that
+keeps the old result (0 bits or fewer: a black image), so the recipe behaves as in the reference runs with any Pillow.
 
-Tensor conversion. timm's ``MaybeToTensor`` then ``Normalize`` copy an image's pixels five times;
-the transforms built here do the same arithmetic, in the same order, in two (``ToNormalizedTensor``:
-the same values, bit for bit, about 0.1 ms less per 224px image, 2% of a training image's loading).
-"""
+Tensor conversion. timm's ``MaybeToTensor`` then ``Normalize`` copy an image's pixels five times; the transforms built
+here do the same arithmetic, in the same order, in two (``ToNormalizedTensor``: the same values, bit for bit, about 0.1
+ms less per 224px image, 2% of a training image's loading)."""
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple
@@ -85,9 +83,8 @@ def normalization_for(
 ) -> Tuple[Tuple[float, ...], Tuple[float, ...]]:
     """Mean/std with one entry per channel.
 
-    For ``in_chans == 1`` a 3-entry mean/std (the ImageNet default) is averaged to one entry, so the
-    defaults keep working for grayscale models.
-    """
+    For ``in_chans == 1`` a 3-entry mean/std (the ImageNet default) is averaged to one entry, so the defaults keep
+    working for grayscale models."""
     mean, std = tuple(float(m) for m in mean), tuple(float(s) for s in std)
     if in_chans == 1 and len(mean) == 3 and len(std) == 3:
         mean, std = (sum(mean) / 3,), (sum(std) / 3,)
@@ -101,8 +98,8 @@ def normalization_for(
 
 
 def posterize_any_bits(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
-    """timm's posterize for any bit count: 8 or more keeps the image, 0 or fewer gives a black image
-    (what Pillow < 13 returned for 0 bits; Pillow 13 accepts only 1..8)."""
+    """timm's posterize for any bit count: 8 or more keeps the image, 0 or fewer gives a black image (what Pillow < 13
+    returned for 0 bits; Pillow 13 accepts only 1..8)."""
     bits_to_keep = int(bits_to_keep)
     if bits_to_keep >= 8:
         return img
@@ -112,8 +109,8 @@ def posterize_any_bits(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
 
 
 def use_safe_posterize(obj, seen=None) -> int:
-    """Swap timm's posterize for :func:`posterize_any_bits` in every augment op under ``obj`` (a Compose,
-    RandAugment, AutoAugment or AugMix); returns how many ops were changed."""
+    """Swap timm's posterize for :func:`posterize_any_bits` in every augment op under ``obj`` (a Compose, RandAugment,
+    AutoAugment or AugMix); returns how many ops were changed."""
     seen = set() if seen is None else seen
     if id(obj) in seen:
         return 0
@@ -131,8 +128,8 @@ def use_safe_posterize(obj, seen=None) -> int:
 
 class ToNormalizedTensor:
     """timm's ``MaybeToTensor`` then ``Normalize`` as one transform: an 8-bit PIL image (RGB or L) ->
-    ``(pixels / 255 - mean) / std``, float32 ``[C, H, W]``, computed in the pair's order (the same values, bit
-    for bit) with two copies of the pixels instead of five. Other inputs take the pair's own path."""
+    ``(pixels / 255 - mean) / std``, float32 ``[C, H, W]``, computed in the pair's order (the same values, bit for bit)
+    with two copies of the pixels instead of five. Other inputs take the pair's own path."""
 
     def __init__(self, mean: Sequence[float], std: Sequence[float]):
         self.stats = tuple(mean), tuple(std)
@@ -178,9 +175,8 @@ def build_train_transform(
     """PIL image (already in the model's mode, RGB or L) -> normalised float tensor ``[in_chans, S, S]``.
 
     ``auto_augment``: a timm augment string (``rand-...``, ``augmix-...``, ``v0``...) or None/"" for none.
-    ``color_jitter``: strength, or None/0 for none (ignored by timm while RandAugment is on).
-    ``re_prob``: random-erasing probability, None/0 for none.
-    """
+    ``color_jitter``: strength, or None/0 for none (ignored by timm while RandAugment is on). ``re_prob``:
+    random-erasing probability, None/0 for none."""
     mean, std = normalization_for(in_chans, mean, std)
     auto_augment = None if _off(auto_augment) else str(auto_augment)
     color_jitter = None if _off(color_jitter) else color_jitter
@@ -219,8 +215,7 @@ def build_eval_transform(
 ):
     """Resize short side to ``floor(img_size / crop_pct)``, center crop ``img_size``, normalise.
 
-    ``crop_pct=None`` (or 0) squashes the full image to ``img_size x img_size`` (no crop).
-    """
+    ``crop_pct=None`` (or 0) squashes the full image to ``img_size x img_size`` (no crop)."""
     mean, std = normalization_for(in_chans, mean, std)
     interpolation = _check_interpolation(interpolation)
     if interpolation == "random":  # a random eval resize makes no sense; timm's eval path rejects it
@@ -246,11 +241,10 @@ def build_eval_transform(
 class BatchMixup(Mixup):
     """timm ``Mixup`` in batch mode that also accepts odd and empty batches.
 
-    ``(x [B, C, H, W], y [B] int) -> (x mixed in place, soft targets [B, num_classes] float)``, rows of
-    the targets sum to 1 (label smoothing included). timm pairs sample ``i`` with ``B - 1 - i``; it
-    refuses odd batches, which appear here when unreadable images are dropped from a batch. With an odd
-    batch the middle sample is paired with itself, i.e. it stays unmixed, which is harmless.
-    """
+    ``(x [B, C, H, W], y [B] int) -> (x mixed in place, soft targets [B, num_classes] float)``, rows of the targets sum
+    to 1 (label smoothing included). timm pairs sample ``i`` with ``B - 1 - i``; it refuses odd batches, which appear
+    here when unreadable images are dropped from a batch. With an odd batch the middle sample is paired with itself,
+    i.e. it stays unmixed, which is harmless."""
 
     def __call__(self, x: torch.Tensor, target: torch.Tensor):
         if len(x) == 0:
@@ -278,9 +272,8 @@ def build_mixup(
 ) -> Optional[BatchMixup]:
     """``BatchMixup`` for the recipe, or None when both ``mixup`` and ``cutmix`` are off (0 / None).
 
-    ``mixup`` / ``cutmix`` are the Beta-distribution alphas; ``switch_prob`` is the chance of cutmix
-    when both are on; ``prob`` the chance of mixing a batch at all.
-    """
+    ``mixup`` / ``cutmix`` are the Beta-distribution alphas; ``switch_prob`` is the chance of cutmix when both are on;
+    ``prob`` the chance of mixing a batch at all."""
     mixup = 0.0 if _off(mixup) else float(mixup)
     cutmix = 0.0 if _off(cutmix) else float(cutmix)
     label_smoothing = 0.0 if _off(label_smoothing) else float(label_smoothing)

@@ -1,14 +1,13 @@
 """Gaussian diffusion (DDPM / improved DDPM as used by ADM and DiT): forward process, losses, samplers.
 
-Notation: ``x0`` clean data, ``x_t`` its noised version at step ``t`` (0-based, so ``t = 0`` is one
-step of noise), ``alphas_cumprod[t]`` = prod_{s <= t} (1 - beta_s). The model is called as
-``model(x_t, t, **model_kwargs)`` and predicts epsilon (or x0) in its first ``C`` output channels;
-with a learned variance it returns ``2C`` channels, the last ``C`` being ``v`` in [-1, 1] that
-interpolates the log variance between the posterior variance (v = -1) and beta_t (v = +1).
+Notation: ``x0`` clean data, ``x_t`` its noised version at step ``t`` (0-based, so ``t = 0`` is one step of noise),
+``alphas_cumprod[t]`` = prod_{s <= t} (1 - beta_s). The model is called as ``model(x_t, t, **model_kwargs)`` and
+predicts epsilon (or x0) in its first ``C`` output channels; with a learned variance it returns ``2C`` channels, the
+last ``C`` being ``v`` in [-1, 1] that interpolates the log variance between the posterior variance (v = -1) and beta_t
+(v = +1).
 
-A respaced process (fewer steps, see :mod:`.schedule`) carries a ``timestep_map``; every model call
-goes through it, so the model always sees the timesteps of the process it was trained on.
-"""
+A respaced process (fewer steps, see :mod:`.schedule`) carries a ``timestep_map``; every model call goes through it, so
+the model always sees the timesteps of the process it was trained on."""
 import math
 from typing import Callable, Dict, Iterator, Optional, Sequence, Union
 
@@ -43,13 +42,12 @@ class GaussianDiffusion:
     """A discrete Gaussian diffusion process defined by its ``betas`` (1-D, in (0, 1]).
 
     Args:
-        betas: per-step noise variances; kept as float64.
-        mean_type: what the model's first C channels predict, ``"eps"`` or ``"x0"``.
-        var_type: ``"learned_range"`` (2C outputs), ``"fixed_small"`` (posterior variance) or
+        betas: per-step noise variances; kept as float64. mean_type: what the model's first C channels predict,
+        ``"eps"`` or ``"x0"``. var_type: ``"learned_range"`` (2C outputs), ``"fixed_small"`` (posterior variance) or
             ``"fixed_large"`` (beta_t).
         loss_type: ``"mse"`` (MSE on the mean target, plus the VB term when the variance is
-            learned: DiT's hybrid loss), ``"rescaled_mse"`` (VB scaled by T/1000), ``"kl"`` (VB
-            only) or ``"rescaled_kl"`` (VB times T).
+            learned: DiT's hybrid loss), ``"rescaled_mse"`` (VB scaled by T/1000), ``"kl"`` (VB only) or
+            ``"rescaled_kl"`` (VB times T).
         timestep_map: original timestep of each step, for respaced processes; identity if None.
     """
 
@@ -178,8 +176,7 @@ class GaussianDiffusion:
                         model_kwargs: Optional[dict] = None) -> Dict[str, torch.Tensor]:
         """Run the model and return p(x_{t-1} | x_t): ``mean``, ``variance``, ``log_variance``, ``pred_xstart``.
 
-        ``clip_denoised`` clamps the x0 prediction to [-1, 1] (pixel-space data; leave it off for latents).
-        """
+        ``clip_denoised`` clamps the x0 prediction to [-1, 1] (pixel-space data; leave it off for latents)."""
         pred, var_values = self._split_output(self._call_model(model, x, t, model_kwargs), x)
         return self._p_from_output(pred, var_values, x, t, clip_denoised, denoised_fn)
 
@@ -192,8 +189,7 @@ class GaussianDiffusion:
     def _vb_bits(self, x0, x_t, t, pred, var_values) -> torch.Tensor:
         """One term of the variational bound per sample, in bits per dimension.
 
-        KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) for t > 0, the decoder NLL -log p(x0 | x_1) at t = 0.
-        """
+        KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) for t > 0, the decoder NLL -log p(x0 | x_1) at t = 0."""
         p = self._p_from_output(pred, var_values, x_t, t)
         true_mean, _, true_log_variance = self.q_posterior_mean_variance(x0, x_t, t)
         kl = mean_flat(normal_kl(true_mean, true_log_variance, p["mean"], p["log_variance"])) / math.log(2.0)
@@ -204,10 +200,9 @@ class GaussianDiffusion:
                         noise: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
         """Per-sample losses ([B] tensors) for one timestep per sample.
 
-        Returns ``loss`` and, with the MSE losses, ``mse``; ``vb`` is present whenever the variance is
-        learned (or the loss is a KL). In the hybrid loss the VB term sees a detached mean
-        prediction, so it trains only the variance channels and the MSE alone trains the mean.
-        """
+        Returns ``loss`` and, with the MSE losses, ``mse``; ``vb`` is present whenever the variance is learned (or the
+        loss is a KL). In the hybrid loss the VB term sees a detached mean prediction, so it trains only the variance
+        channels and the MSE alone trains the mean."""
         if noise is None:
             noise = torch.randn_like(x0)
         x_t = self.q_sample(x0, t, noise)
@@ -300,8 +295,7 @@ class GaussianDiffusion:
                generator: Optional[torch.Generator] = None) -> torch.Tensor:
         """Draw samples of ``shape`` with ``sampler`` ("ddpm" or "ddim"); returns the final x_0.
 
-        ``noise`` fixes the initial x_T; ``generator`` makes all random draws reproducible.
-        """
+        ``noise`` fixes the initial x_T; ``generator`` makes all random draws reproducible."""
         final = None
         for final in self.sample_loop_progressive(model_fn, shape, sampler, noise=noise, clip_denoised=clip_denoised,
                                                   denoised_fn=denoised_fn, model_kwargs=model_kwargs, device=device,
@@ -330,10 +324,9 @@ def create_diffusion(timestep_respacing: Union[str, int, Sequence[int], None] = 
                      rescale_learned_sigmas: bool = False) -> GaussianDiffusion:
     """A diffusion over ``diffusion_steps`` steps, respaced to ``timestep_respacing`` ("" keeps all).
 
-    Defaults are DiT's: linear betas, epsilon prediction, learned-range sigma, hybrid loss (MSE on
-    eps + VB). ``learn_sigma=False`` gives a fixed variance (large, or small with ``sigma_small``)
-    and a plain MSE. Train with ``timestep_respacing=""``; sample with e.g. ``"250"`` or ``"ddim50"``.
-    """
+    Defaults are DiT's: linear betas, epsilon prediction, learned-range sigma, hybrid loss (MSE on eps + VB).
+    ``learn_sigma=False`` gives a fixed variance (large, or small with ``sigma_small``) and a plain MSE. Train with
+    ``timestep_respacing=""``; sample with e.g. ``"250"`` or ``"ddim50"``."""
     betas = get_named_beta_schedule(noise_schedule, diffusion_steps)
     if timestep_respacing is None or timestep_respacing == "":
         timestep_respacing = [diffusion_steps]

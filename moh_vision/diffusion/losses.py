@@ -23,8 +23,7 @@ def approx_standard_normal_cdf(x: torch.Tensor) -> torch.Tensor:
 def discretized_gaussian_log_likelihood(x: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor) -> torch.Tensor:
     """Log-probability (nats) of data in [-1, 1] quantised to 256 levels under N(means, exp(log_scales)^2).
 
-    Each value owns the bin of width 2/255 around it; the two outermost bins extend to infinity.
-    """
+    Each value owns the bin of width 2/255 around it; the two outermost bins extend to infinity."""
     centered = x - means
     inv_std = torch.exp(-log_scales)
     cdf_plus = approx_standard_normal_cdf(inv_std * (centered + 1.0 / 255.0))

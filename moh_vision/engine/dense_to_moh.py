@@ -1,18 +1,16 @@
-"""Turn a dense TransNeXt / DiT / plain-ViT checkpoint into a MoH model of the same backbone, and measure the
-step-0 drop (``tools/convert_dense_to_moh.py``).
+"""Turn a dense TransNeXt / DiT / plain-ViT checkpoint into a MoH model of the same backbone, and measure the step-0
+drop (``tools/convert_dense_to_moh.py``).
 
 Every dense tensor is copied unchanged and the MoH routers start so that every active head has gate 1
-(:mod:`moh_vision.models.continue_tuning`): a model that keeps every head computes the dense function at
-step 0, and one that keeps fewer heads starts with those heads dropped. With data overrides
-(``data=digits``, ``data=imagenet data.root=...``) the training configs are composed with them, the dense
-model and the converted one are built exactly as ``train.py model.init_from=<ckpt>`` would, both are
-evaluated on the validation split and the drop is reported (classification: top-1/top-5 and loss;
-diffusion: the validation loss at fixed timesteps and noise).
+(:mod:`moh_vision.models.continue_tuning`): a model that keeps every head computes the dense function at step 0, and one
+that keeps fewer heads starts with those heads dropped. With data overrides (``data=digits``,
+``data=imagenet data.root=...``) the training configs are composed with them, the dense model and the converted one are
+built exactly as ``train.py model.init_from=<ckpt>`` would, both are evaluated on the validation split and the drop is
+reported (classification: top-1/top-5 and loss; diffusion: the validation loss at fixed timesteps and noise).
 
-Writes ``out`` (the converted model's state dict: load it with ``model.checkpoint_path=`` and the same
-model/attention, or train from the dense file directly with ``model.init_from=``) and ``<out>.json`` (what
-was copied, which layers start exactly dense, the evaluation).
-"""
+Writes ``out`` (the converted model's state dict: load it with ``model.checkpoint_path=`` and the same model/attention,
+or train from the dense file directly with ``model.init_from=``) and ``<out>.json`` (what was copied, which layers start
+exactly dense, the evaluation)."""
 from __future__ import annotations
 
 import contextlib
@@ -47,8 +45,8 @@ def has_own_routing(name: str) -> bool:
 
 def target_attention(model: str, attention: Optional[str], routing: Dict[str, Any], like: Optional[str],
                      model_kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """The ``attention`` config group the target is built with (as train.py would pass it): the variant's
-    YAML defaults, overridden by the routing options (``activation_ratio``, ``shared_heads``, ``topk``)."""
+    """The ``attention`` config group the target is built with (as train.py would pass it): the variant's YAML defaults,
+    overridden by the routing options (``activation_ratio``, ``shared_heads``, ``topk``)."""
     routing = {k: v for k, v in routing.items() if v is not None}
     if like:
         if routing:
@@ -144,9 +142,8 @@ def convert_dense_to_moh(dense: str, model: str, out: str, attention: Optional[s
                          compare_outputs: bool = False) -> Dict[str, Any]:
     """Convert ``dense`` into ``model`` (see the module docstring) and write ``out`` and ``<out>.json``.
 
-    Raises :class:`ConfigError` for bad arguments or an unreadable checkpoint, :class:`RunError` when the
-    checkpoint does not fit the model (nothing is written). Returns what ``<out>.json`` holds.
-    """
+    Raises :class:`ConfigError` for bad arguments or an unreadable checkpoint, :class:`RunError` when the checkpoint
+    does not fit the model (nothing is written). Returns what ``<out>.json`` holds."""
     start, model_kwargs = time.time(), dict(model_kwargs or {})
     target_cfg = target_attention(model, attention, dict(routing or {}), routing_like_preset, model_kwargs)
     ckpt = read_dense_checkpoint(dense, weights)

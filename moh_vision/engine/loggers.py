@@ -1,8 +1,7 @@
 """Where metrics go: ``metrics.csv`` always, plus wandb (``logger=wandb``).
 
-``logger=csv`` writes every logged training step and every epoch; ``logger=none`` writes only the
-epoch rows. Rank 0 alone logs.
-"""
+``logger=csv`` writes every logged training step and every epoch; ``logger=none`` writes only the epoch rows. Rank 0
+alone logs."""
 from __future__ import annotations
 
 import csv

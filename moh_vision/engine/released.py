@@ -7,10 +7,9 @@ strictly: a tensor that does not fit is a one-line error, never a re-initialised
 
 Top-1 follows timm's ``validate.py``: the validation images go through ``timm.data.create_transform`` with what
 ``resolve_data_config`` reads from the model's pretrained cfg (test input size, crop_pct, crop mode, interpolation,
-mean, std), not the data config's own eval transform. Class indices are the sorted class-folder names (for
-ImageNet the standard wnid order). Under torchrun each rank takes every WORLD_SIZE-th image and the sums are
-all-reduced, so every image counts once.
-"""
+mean, std), not the data config's own eval transform. Class indices are the sorted class-folder names (for ImageNet the
+standard wnid order). Under torchrun each rank takes every WORLD_SIZE-th image and the sums are all-reduced, so every
+image counts once."""
 from __future__ import annotations
 
 import logging

@@ -1,24 +1,23 @@
 """Class-conditional samples from a trained DiT / MoH-DiT checkpoint, for grids and FID (``tools/sample.py``).
 
-The checkpoint carries the task/model/data/attention config; the model and task are rebuilt from it (EMA
-weights by default) and latents are decoded with the VAE of ``task.vae.path`` (or ``vae=``). Class labels
-follow DiT's ``sample_ddp.py`` by default (``labels=random``): each batch draws its labels uniformly at random,
-so class counts vary as in the published FID-50K runs; ``labels=balanced`` (the default with ``per_class=``) gives
-every class ``N // C`` or one more samples, sorted by class. Batch ``k`` of ``batch_size`` samples draws its noise (and its random labels, from
-a separate stream) from seed ``(seed, k)``, and ranks take every WORLD_SIZE-th batch, so the output does not depend
-on the number of ranks. (DiT seeds one stream per rank, ``global_seed * world_size + rank``, which makes its labels
-and noise depend on the number of GPUs; per-batch seeds keep the same distribution and make an interrupted run
-resumable.) Finished batches are kept in ``out/.parts-<hash>/`` until the end, so an interrupted run resumes when
-rerun with the same settings and ``out``. Rank 0 writes:
+The checkpoint carries the task/model/data/attention config; the model and task are rebuilt from it (EMA weights by
+default) and latents are decoded with the VAE of ``task.vae.path`` (or ``vae=``). Class labels follow DiT's
+``sample_ddp.py`` by default (``labels=random``): each batch draws its labels uniformly at random, so class counts vary
+as in the published FID-50K runs; ``labels=balanced`` (the default with ``per_class=``) gives every class ``N // C`` or
+one more samples, sorted by class. Batch ``k`` of ``batch_size`` samples draws its noise (and its random labels, from a
+separate stream) from seed ``(seed, k)``, and ranks take every WORLD_SIZE-th batch, so the output does not depend on the
+number of ranks. (DiT seeds one stream per rank, ``global_seed * world_size + rank``, which makes its labels and noise
+depend on the number of GPUs; per-batch seeds keep the same distribution and make an interrupted run resumable.)
+Finished batches are kept in ``out/.parts-<hash>/`` until the end, so an interrupted run resumes when rerun with the
+same settings and ``out``. Rank 0 writes:
 
 * ``samples.npz``: ``arr_0`` uint8 [N, H, W, 3], the input of ADM's evaluation suite (DiT's FID protocol);
 * ``labels.npy``: the class of every sample; ``samples.png``: a labelled grid (rows = classes);
-* ``sample.json``: what was sampled and the metrics: the digits proxies (``sample/class_acc``,
-  ``sample/fd_digits``) for digits checkpoints, and ADM's FID / sFID / Inception Score / precision / recall
+* ``sample.json``: what was sampled and the metrics: the digits proxies (``sample/class_acc``, ``sample/fd_digits``) for
+  digits checkpoints, and ADM's FID / sFID / Inception Score / precision / recall
   (:mod:`moh_vision.analysis.adm_evaluation`, local Inception weights) with ``fid_ref`` and ``inception_weights``.
 
-:func:`sample` takes the options of ``tools/sample.py`` (a mapping with attribute access).
-"""
+:func:`sample` takes the options of ``tools/sample.py`` (a mapping with attribute access)."""
 from __future__ import annotations
 
 import hashlib
@@ -59,8 +58,8 @@ def balanced_labels(num_samples: int, num_classes: int) -> torch.Tensor:
 
 
 def random_labels(num_samples: int, num_classes: int, batch_size: int, seed: int) -> torch.Tensor:
-    """DiT's ``sample_ddp.py`` labels: every batch of ``batch_size`` draws its own uniformly at random (batch ``k``
-    from the stream ``(seed, k)``, apart from its noise)."""
+    """DiT's ``sample_ddp.py`` labels: every batch of ``batch_size`` draws its own uniformly at random (batch ``k`` from
+    the stream ``(seed, k)``, apart from its noise)."""
     parts = []
     for k, start in enumerate(range(0, num_samples, batch_size)):
         stream = np.random.default_rng([LABEL_STREAM, int(seed), k])
@@ -146,8 +145,8 @@ RELEASED_SAMPLE = {"steps": "250", "sampler": "ddpm", "cfg_scale": 1.5, "guidanc
 
 
 def load_released_model(cfg: Mapping[str, Any], device: torch.device):
-    """(task, model, data, info) for released DiT / MoH-DiT weights (``model=<preset> pretrained=<weights>``): the
-    data shape comes from the weights, the sampling defaults from DiT's ``sample_ddp.py`` (:data:`RELEASED_SAMPLE`)."""
+    """(task, model, data, info) for released DiT / MoH-DiT weights (``model=<preset> pretrained=<weights>``): the data
+    shape comes from the weights, the sampling defaults from DiT's ``sample_ddp.py`` (:data:`RELEASED_SAMPLE`)."""
     from moh_vision.tasks.diffusion import DiffusionTask
     from .released import load_strictly, read_released
 
@@ -210,8 +209,7 @@ def sample_batches(task, model, labels: torch.Tensor, batches: Iterable[int], se
                    parts: Path, bar=None, decode_batch_size: int = 32) -> None:
     """Sample, decode and store the given batches (skipping stored ones).
 
-    The VAE decodes ``decode_batch_size`` latents at a time (at 256 px it holds hundreds of MB per image).
-    """
+    The VAE decodes ``decode_batch_size`` latents at a time (at 256 px it holds hundreds of MB per image)."""
     from moh_vision.analysis.grids import to_uint8
 
     size = int(task.sample_cfg["batch_size"])

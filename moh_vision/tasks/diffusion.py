@@ -28,16 +28,15 @@ DEFAULT_VAE = dataclasses.asdict(VaeConfig())
 
 
 class DiffusionTask:
-    """DiT's training objective (epsilon MSE + variational bound with learned sigma, uniform t)
-    plus the routed layers' aux loss. Validation reports the same loss at fixed t and noise.
+    """DiT's training objective (epsilon MSE + variational bound with learned sigma, uniform t) plus the routed layers'
+    aux loss. Validation reports the same loss at fixed t and noise.
 
-    ``sample`` controls the grids (rows = classes) written every ``every_epochs`` epochs and at the
-    end, and the sample metrics (``sample/class_acc``, ``sample/fd_digits``) on ``eval_per_class``
-    samples per class when the data declare ``digit_metrics``.
+    ``sample`` controls the grids (rows = classes) written every ``every_epochs`` epochs and at the end, and the sample
+    metrics (``sample/class_acc``, ``sample/fd_digits``) on ``eval_per_class`` samples per class when the data declare
+    ``digit_metrics``.
 
-    A ``Task`` (``moh_vision.tasks.protocols``): ``model`` is the model config (``name``,
-    ``checkpoint_path``, ``init_from``, ``kwargs``), ``attention`` the attention config.
-    """
+    A ``Task`` (``moh_vision.tasks.protocols``): ``model`` is the model config (``name``, ``checkpoint_path``,
+    ``init_from``, ``kwargs``), ``attention`` the attention config."""
 
     name = "diffusion"
     primary_metric, primary_mode = "val/loss", "min"
@@ -81,8 +80,8 @@ class DiffusionTask:
                            **with_model_kwargs(derived, self.model_cfg["kwargs"], self.name))
 
     def _resolve_vae(self, data) -> None:
-        """Latent data need their VAE to decode samples: ``task.vae.path``, else the one the latents
-        were extracted with (recorded in their index) when it exists on this machine."""
+        """Latent data need their VAE to decode samples: ``task.vae.path``, else the one the latents were extracted with
+        (recorded in their index) when it exists on this machine."""
         scale_factor = capability(data, "scale_factor")
         if scale_factor is None:  # pixel data
             return
@@ -210,8 +209,8 @@ class DiffusionTask:
         return digits_sample_metrics(classifier, samples, labels, reference)
 
     def decode(self, x: Tensor) -> Tensor:
-        """Data space -> images in [-1, 1]: identity for pixel data; for latents the VAE decoder,
-        ``decode_batch_size`` at a time (a 256px decode is memory-hungry)."""
+        """Data space -> images in [-1, 1]: identity for pixel data; for latents the VAE decoder, ``decode_batch_size``
+        at a time (a 256px decode is memory-hungry)."""
         if not self.vae_cfg["path"]:
             return x
         from moh_vision.data.latents import load_vae
