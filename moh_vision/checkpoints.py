@@ -181,9 +181,7 @@ def run_config(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     raise ConfigError(f"{path} does not exist; expected a run directory or a checkpoint")
 
 
-# ----------------------------------------------------------------------------------------------
-# Reading any checkpoint file, and the weights inside it
-# ----------------------------------------------------------------------------------------------
+# -- Reading any checkpoint file, and the weights inside it ------------------------------------------------------------
 EMA_KEYS = ("model_ema", "ema", "state_dict_ema")  # ours, DiT's training script, timm
 MODEL_KEYS = ("model", "state_dict", "module")
 STRIP_PREFIXES = ("module.", "_orig_mod.")        # DistributedDataParallel, torch.compile

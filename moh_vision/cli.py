@@ -59,9 +59,7 @@ def _log_to_files(message: str, exc_info: Any = None) -> None:
             handler.handle(record)
 
 
-# ----------------------------------------------------------------------------------------------
-# Value types: a parser from text, and what it accepts (for --help and error lines)
-# ----------------------------------------------------------------------------------------------
+# -- Value types: a parser from text, and what it accepts (for --help and error lines) ---------------------------------
 def value_type(expects: str) -> Callable[[Callable[[str], Any]], Callable[[str], Any]]:
     def mark(parse: Callable[[str], Any]) -> Callable[[str], Any]:
         parse.expects = expects
@@ -117,9 +115,7 @@ def list_of(item: Callable[[str], Any], single: bool = False) -> Callable[[str],
     return parse
 
 
-# ----------------------------------------------------------------------------------------------
-# Options and parsing
-# ----------------------------------------------------------------------------------------------
+# -- Options and parsing -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Option:
     """One ``key=value`` option. A name ending in ``.*`` is a group: ``attention.<key>=<value>`` words are collected
@@ -255,9 +251,7 @@ def run_tool(fn: Callable[..., Any], argv: Optional[Sequence[str]], options: Seq
     return run_cli(call)
 
 
-# ----------------------------------------------------------------------------------------------
-# The configuration groups, as the command line composes them
-# ----------------------------------------------------------------------------------------------
+# -- The configuration groups, as the command line composes them -------------------------------------------------------
 def attention_config(name: Optional[str], options: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
     """The ``attention`` group as ``train.py attention=<name> attention.<key>=...`` composes it (None: none)."""
     if name is None:

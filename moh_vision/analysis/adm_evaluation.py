@@ -36,9 +36,7 @@ DEFINITIONS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# Image sources: batches of uint8 NHWC images
-# ---------------------------------------------------------------------------------------------
+# -- Image sources: batches of uint8 NHWC images -----------------------------------------------------------------------
 def check_images_shape(shape, dtype, what: str) -> None:
     if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3 or shape[0] == 0:
         raise ConfigError(f"{what} must be uint8 [N, H, W, 3] images (ADM's layout), got {dtype} {tuple(shape)}")
@@ -117,9 +115,7 @@ class FolderImages:
                             for f in self.files[start:start + batch_size]])
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading the inputs
-# ---------------------------------------------------------------------------------------------
+# -- Reading the inputs ------------------------------------------------------------------------------------------------
 @dataclass
 class Reference:
     images: Any  # an image source (ArrayImages, NpzImages, FolderImages)
@@ -154,9 +150,7 @@ def _existing_file(path: Union[str, Path], option: str, expected: str) -> Path:
     return where
 
 
-# ---------------------------------------------------------------------------------------------
-# The evaluation
-# ---------------------------------------------------------------------------------------------
+# -- The evaluation ----------------------------------------------------------------------------------------------------
 def evaluate_images(samples, reference: Reference, inception: InceptionActivations, batch_size: int = 64,
                     progress: bool = True) -> Dict[str, Any]:
     """ADM's five numbers of the sample images against the reference, and where each reference statistic came from."""

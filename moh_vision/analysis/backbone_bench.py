@@ -51,9 +51,7 @@ MODES = ("train", "infer")
 MIB = 2 ** 20
 
 
-# ----------------------------------------------------------------------------------------------
-# Pairs and models
-# ----------------------------------------------------------------------------------------------
+# -- Pairs and models --------------------------------------------------------------------------------------------------
 def parse_pairs(specs: Iterable[str]) -> List[Tuple[str, str]]:
     """``["ours:peer", "big", ...]`` -> ``[(ours, peer), ...]``; a set name (:data:`PAIR_SETS`) stands for its pairs.
     Ours must be one of this package's models, the peer any timm model (a one-line ConfigError else)."""
@@ -109,9 +107,7 @@ def build_pair(ours: str, peer: str, img_size: int, device: torch.device,
     return models
 
 
-# ----------------------------------------------------------------------------------------------
-# What a model is: FLOPs, parameters, bytes saved for backward
-# ----------------------------------------------------------------------------------------------
+# -- What a model is: FLOPs, parameters, bytes saved for backward ------------------------------------------------------
 def describe(model: nn.Module, batch: int, device: torch.device, dtype: torch.dtype, saved: bool) -> Dict[str, object]:
     """``gflops`` (and ``active_gflops``) per image, ``params_m`` and, with ``saved``, ``saved_mib_per_image`` of one
     eager training step of ``batch`` images (:func:`saved_tensor_bytes`)."""
@@ -128,9 +124,7 @@ def describe(model: nn.Module, batch: int, device: torch.device, dtype: torch.dt
     return info
 
 
-# ----------------------------------------------------------------------------------------------
-# Timing
-# ----------------------------------------------------------------------------------------------
+# -- Timing ------------------------------------------------------------------------------------------------------------
 def _per_gflop(ratio: Spread, gflops_ratio: float) -> Spread:
     return Spread(ratio.median / gflops_ratio, ratio.q1 / gflops_ratio, ratio.q3 / gflops_ratio, ratio.n)
 
@@ -233,9 +227,7 @@ def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, war
     return rows
 
 
-# ----------------------------------------------------------------------------------------------
-# Components: where a TransNeXt block's time may go, one piece at a time
-# ----------------------------------------------------------------------------------------------
+# -- Components: where a TransNeXt block's time may go, one piece at a time --------------------------------------------
 def component_times(model_name: str, batch: int, rounds: int, device: torch.device,
                     dtype: torch.dtype) -> List[Dict[str, object]]:
     """Forward + backward ms (median [quartiles], interleaved) of each aggregated stage's pieces of ``model_name`` at
@@ -308,9 +300,7 @@ def component_table(rows: Sequence[Dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ----------------------------------------------------------------------------------------------
-# The table and the record
-# ----------------------------------------------------------------------------------------------
+# -- The table and the record ------------------------------------------------------------------------------------------
 def _spread(d: Dict[str, float], digits: int) -> str:
     return Spread(**d).text(digits)
 

@@ -249,9 +249,7 @@ def saved_tensor_bytes(call: Callable[[], object], parameters: Iterable[torch.Te
 
 
 
-# ----------------------------------------------------------------------------------------------
-# Where a benchmark runs
-# ----------------------------------------------------------------------------------------------
+# -- Where a benchmark runs --------------------------------------------------------------------------------------------
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -271,9 +269,7 @@ def where_measured(device: torch.device) -> str:
     return f"cpu ({machine_description()}), {torch.get_num_threads()} threads"
 
 
-# ----------------------------------------------------------------------------------------------
-# Whole MoH models against their dense twins (``tools/bench_models.py``)
-# ----------------------------------------------------------------------------------------------
+# -- Whole MoH models against their dense twins (``tools/bench_models.py``) --------------------------------------------
 DEFAULT_PAIRS = ("moh_transnext_base_50:transnext_base", "moh_dit_xl_2_75:dit_xl_2", "moh_dit_b_2_75:dit_b_2")
 QUICK_PAIRS = ("moh_dit_s_2_75:dit_s_2",)
 
@@ -443,9 +439,7 @@ def bench_models(pairs: Optional[Sequence[str]] = None, batch: int = 2, img_size
     return rows
 
 
-# ----------------------------------------------------------------------------------------------
-# One model under several kernels configs (``tools/bench_kernels.py``)
-# ----------------------------------------------------------------------------------------------
+# -- One model under several kernels configs (``tools/bench_kernels.py``) ----------------------------------------------
 def kernels_text(kernels: Kernels) -> str:
     """``auto`` when every entry is ``auto``, else the entries that are not, ``routing=reference,...``."""
     changed = [f"{key}={value}" for key, value in kernels.as_dict().items() if value != "auto"]

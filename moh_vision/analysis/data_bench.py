@@ -58,9 +58,7 @@ QUICK_DATA = dict(classes=2, train_per_class=8, val_per_class=4, image_size=(160
                   workers=(0,), rounds=1)
 
 
-# ----------------------------------------------------------------------------------------------
-# The tree
-# ----------------------------------------------------------------------------------------------
+# -- The tree ----------------------------------------------------------------------------------------------------------
 def _jpeg_like(rng: np.random.Generator, size: Tuple[int, int]):
     """A photo-like image: a smooth colour field, a dozen filled shapes (edges) and sensor-like noise."""
     from PIL import Image, ImageDraw
@@ -97,9 +95,7 @@ def describe_tree(root: Path) -> Dict[str, int]:
             "val_images": len(files["val"]), "mean_jpeg_bytes": int(np.mean(sizes)) if sizes else 0}
 
 
-# ----------------------------------------------------------------------------------------------
-# The loaders
-# ----------------------------------------------------------------------------------------------
+# -- The loaders -------------------------------------------------------------------------------------------------------
 def ours(root: Path, split: str, bench: DataBench, workers: int) -> DataLoader:
     """The trainer's loader of ``split`` over ``ImageFolderData`` with the recipe (no mixup: the step does it)."""
     data = ImageFolderData(str(root), img_size=bench.img_size, repeated_aug=1, mixup=None, cutmix=None,
@@ -141,9 +137,7 @@ def one_pass(loader: DataLoader, images: Dict[str, int], name: str) -> Callable[
     return call
 
 
-# ----------------------------------------------------------------------------------------------
-# The run
-# ----------------------------------------------------------------------------------------------
+# -- The run -----------------------------------------------------------------------------------------------------------
 def _label(split: str, workers: int, loader: str) -> str:
     return f"{split}/{workers}/{loader}"
 

@@ -65,9 +65,7 @@ Handle = Callable[[List[Any], List[Any]], Any]
 POINTWISE_PREFIX = "pointwise."  # op-count keys under this prefix go to ``pointwise_gflops``
 
 
-# ----------------------------------------------------------------------------------------------
-# Shapes of traced values
-# ----------------------------------------------------------------------------------------------
+# -- Shapes of traced values -------------------------------------------------------------------------------------------
 def _shape(value) -> Optional[List[int]]:
     """Sizes of a traced tensor value, or None (not a tensor, or sizes unknown)."""
     try:
@@ -81,9 +79,7 @@ def _numel(value) -> int:
     return math.prod(shape) if shape is not None else 0
 
 
-# ----------------------------------------------------------------------------------------------
-# Multiply-add handles (counted in ``gflops``)
-# ----------------------------------------------------------------------------------------------
+# -- Multiply-add handles (counted in ``gflops``) ----------------------------------------------------------------------
 def matmul_flops(inputs, outputs) -> Counter:
     """``matmul`` / ``mm`` / ``bmm``: output elements x contraction length (any broadcasting)."""
     a = _shape(inputs[0])
@@ -166,9 +162,7 @@ def _fvcore_handles() -> Dict[str, Handle]:
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# Point-wise handles (counted in ``pointwise_gflops``)
-# ----------------------------------------------------------------------------------------------
+# -- Point-wise handles (counted in ``pointwise_gflops``) --------------------------------------------------------------
 def _per_output(name: str, scale: float = 1) -> Handle:
     def handle(inputs, outputs) -> Counter:
         return Counter({POINTWISE_PREFIX + name: scale * _numel(outputs[0])})
@@ -206,9 +200,7 @@ def _pointwise_handles() -> Dict[str, Handle]:
     return handles
 
 
-# ----------------------------------------------------------------------------------------------
-# Ops that cost no arithmetic, by reason
-# ----------------------------------------------------------------------------------------------
+# -- Ops that cost no arithmetic, by reason ----------------------------------------------------------------------------
 _FREE_GROUPS = {
     "metadata only (a view of the same memory, or a shape query)": (
         "view", "view_as", "reshape", "_reshape_alias", "flatten", "unflatten", "permute", "transpose", "t",
@@ -230,9 +222,7 @@ _FREE_GROUPS = {
 FREE_OPS: Dict[str, str] = {f"aten::{op}": reason for reason, ops in _FREE_GROUPS.items() for op in ops}
 
 
-# ----------------------------------------------------------------------------------------------
-# The handle table and its extension point
-# ----------------------------------------------------------------------------------------------
+# -- The handle table and its extension point --------------------------------------------------------------------------
 _EXTRA_HANDLES: Dict[str, Handle] = {}
 
 
@@ -276,9 +266,7 @@ def _analysis_class():
     return FlopAnalysis
 
 
-# ----------------------------------------------------------------------------------------------
-# Which parts of a routed attention layer scale with its active fraction
-# ----------------------------------------------------------------------------------------------
+# -- Which parts of a routed attention layer scale with its active fraction --------------------------------------------
 QUERY_WISE_OPS = ("scaled_dot_product_attention", "aggregated_attention", "matmul", "bmm", "einsum", "mm")  # the layer's own attention core
 
 
@@ -364,9 +352,7 @@ def _layer_flops(name: str, module: nn.Module, counts: Dict[str, Counter], notes
     return LayerFlops(name, heads, heads_active, _macs(total), scaled)
 
 
-# ----------------------------------------------------------------------------------------------
-# Tracing
-# ----------------------------------------------------------------------------------------------
+# -- Tracing -----------------------------------------------------------------------------------------------------------
 # What the trace runs: the aggregated attention as one operator (its window products would otherwise be point-wise ops),
 # everything else as its reference formula (what a kernel computes, in operators fvcore counts).
 TRACED_KERNELS = Kernels(aggregated="fused", routing="reference", depthwise="reference", recompute="reference")

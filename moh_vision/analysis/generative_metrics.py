@@ -63,9 +63,7 @@ def adm_metrics(samples: Activations, reference: Activations, neighbours: int = 
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Frechet distances
-# ---------------------------------------------------------------------------------------------
+# -- Frechet distances -------------------------------------------------------------------------------------------------
 def statistics(activations: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Mean and covariance (rows are observations) in float64."""
     if len(activations) < 2:
@@ -111,9 +109,7 @@ def _check_same_width(ours: np.ndarray, theirs: np.ndarray, our_name: str, their
                           f"{theirs.shape[-1]}-d (different Inception layers or input sizes?)")
 
 
-# ---------------------------------------------------------------------------------------------
-# Inception Score
-# ---------------------------------------------------------------------------------------------
+# -- Inception Score ---------------------------------------------------------------------------------------------------
 def inception_score(probs: np.ndarray, split_size: int = IS_SPLIT_SIZE) -> float:
     """ADM's Inception Score: consecutive splits of ``split_size`` rows (the last one may be shorter), each ``exp(mean_i
     sum_y p_iy (log p_iy - log mean_j p_jy))``, averaged over the splits. A zero probability adds nothing (the limit of
@@ -131,9 +127,7 @@ def inception_score(probs: np.ndarray, split_size: int = IS_SPLIT_SIZE) -> float
     return float(np.mean(scores))
 
 
-# ---------------------------------------------------------------------------------------------
-# Precision and recall: k-nearest-neighbour manifolds
-# ---------------------------------------------------------------------------------------------
+# -- Precision and recall: k-nearest-neighbour manifolds ---------------------------------------------------------------
 def precision_recall(reference: np.ndarray, samples: np.ndarray, neighbours: int = NEIGHBOURS,
                      device: Union[str, torch.device] = "cpu") -> Tuple[float, float]:
     """(share of samples inside the reference manifold, share of reference points inside the samples' manifold)."""

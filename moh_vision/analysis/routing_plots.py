@@ -51,9 +51,7 @@ def routed_layers(stats: Stats) -> List[str]:
     return [name for name, s in stats.items() if int(s.get("topk", 0)) > 0]
 
 
-# ----------------------------------------------------------------------------------------------
-# Head load: layers x heads
-# ----------------------------------------------------------------------------------------------
+# -- Head load: layers x heads -----------------------------------------------------------------------------------------
 def plot_head_load(stats: Stats, path: Path, key: str = "load", title: Optional[str] = None) -> Path:
     """Heatmap of ``stats[layer][key]`` (layers x heads; blank where a layer has fewer heads). Shared heads are marked
     ``s``; each row is annotated with its active heads per token."""
@@ -89,9 +87,7 @@ def plot_head_load(stats: Stats, path: Path, key: str = "load", title: Optional[
     return _save(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Router entropy per layer
-# ----------------------------------------------------------------------------------------------
+# -- Router entropy per layer ------------------------------------------------------------------------------------------
 def plot_router_entropy(stats: Stats, path: Path, title: Optional[str] = None) -> Path:
     """Mean router entropy (nats) of each routed layer, with the uniform-router maximum ``log(routed heads)`` as a tick:
     low bars = confident (or collapsed) routers."""
@@ -116,9 +112,7 @@ def plot_router_entropy(stats: Stats, path: Path, title: Optional[str] = None) -
     return _save(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Head utility ranking (MoA-style)
-# ----------------------------------------------------------------------------------------------
+# -- Head utility ranking (MoA-style) ----------------------------------------------------------------------------------
 def utility_ranking(stat: Mapping[str, Any]) -> List[Dict[str, Any]]:
     """One layer's routed heads ranked by how often they are selected (ties: by gate mass): ``[{"rank", "head",
     "selected", "selected_share", "gate_mass", "gate_share"}, ...]``. ``selected_share`` / ``gate_share`` are fractions
@@ -171,9 +165,7 @@ def plot_head_utility(stats: Stats, path: Path, title: Optional[str] = None) -> 
     return _save(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Per-token head choice over the token grid
-# ----------------------------------------------------------------------------------------------
+# -- Per-token head choice over the token grid -------------------------------------------------------------------------
 def _image_for_display(image: np.ndarray) -> np.ndarray:
     """[C, H, W] (any normalisation) -> [H, W] or [H, W, 3] in [0, 1]."""
     image = np.asarray(image, dtype=float)
@@ -231,9 +223,7 @@ def plot_token_heads(image: Optional[np.ndarray], layers: Sequence[Mapping[str, 
     return _save(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Shared heads: which heads each layer shares (learned or fixed)
-# ----------------------------------------------------------------------------------------------
+# -- Shared heads: which heads each layer shares (learned or fixed) ----------------------------------------------------
 def _per_epoch(stats: Mapping[str, Any]) -> Dict[str, Stats]:
     """``{epoch: {layer: stat}}`` from either that or one epoch's ``{layer: stat}``."""
     first = next(iter(stats.values()), None)

@@ -72,11 +72,7 @@ def _names(items: Sequence[str]) -> str:
     return ", ".join(items[:_SHOW]) + (f", ... ({len(items)} in all)" if len(items) > _SHOW else "")
 
 
-# --------------------------------------------------------------------------------------------------
-# Loading one image
-# --------------------------------------------------------------------------------------------------
-
-
+# -- Loading one image -------------------------------------------------------------------------------------------------
 class BadImageError(RuntimeError):
     """An image file that cannot be read or decoded (raised with ``on_bad_image="raise"``)."""
 
@@ -111,11 +107,7 @@ def load_image(path: str, mode: str = "RGB") -> Image.Image:
         return _to_mode(img, mode)
 
 
-# --------------------------------------------------------------------------------------------------
-# Scanning folders
-# --------------------------------------------------------------------------------------------------
-
-
+# -- Scanning folders --------------------------------------------------------------------------------------------------
 def _is_image(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS)
 
@@ -189,11 +181,7 @@ def scan_class_folders(split_dir: str, watch: Optional[TreeWatch] = None) -> Tup
     return classes, paths, labels
 
 
-# --------------------------------------------------------------------------------------------------
-# Dataset and collate
-# --------------------------------------------------------------------------------------------------
-
-
+# -- Dataset and collate -----------------------------------------------------------------------------------------------
 class ImageFileDataset(Dataset):
     """``(transform(image), label)`` for image files under ``root``; a ``BadImage`` for unreadable ones.
 
@@ -287,10 +275,7 @@ class SkipBadImagesCollate:
         return f"SkipBadImagesCollate(image_shape={self.image_shape})"
 
 
-# --------------------------------------------------------------------------------------------------
-# Data modules
-# --------------------------------------------------------------------------------------------------
-
+# -- Data modules ------------------------------------------------------------------------------------------------------
 REPEATED_AUG_MULTI_PROCESS = 3  # DeiT / TransNeXt: --repeated-aug with 3 repeats, on 8+ GPUs
 
 
@@ -461,10 +446,7 @@ def _check_same_classes(train_classes, val_classes, train_dir: str, val_dir: str
     )
 
 
-# --------------------------------------------------------------------------------------------------
-# ImageNet-1K
-# --------------------------------------------------------------------------------------------------
-
+# -- ImageNet-1K -------------------------------------------------------------------------------------------------------
 VAL_SOLUTION_CSV = "LOC_val_solution.csv"
 
 

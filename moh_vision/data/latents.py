@@ -47,9 +47,7 @@ def shard_name(k: int) -> str:
     return f"shard_{k:05d}.pt"
 
 
-# --------------------------------------------------------------------------------------------------
-# Image preprocessing and the VAE
-# --------------------------------------------------------------------------------------------------
+# -- Image preprocessing and the VAE -----------------------------------------------------------------------------------
 def center_crop_arr(image: Image.Image, image_size: int) -> np.ndarray:
     """ADM's (and DiT's) center crop: halve with a box filter while the short side is >= 2x the target, resize the short
     side to ``image_size`` (bicubic), crop the center. Returns uint8 HWC."""
@@ -104,9 +102,7 @@ def _load_vae_cached(root: str, subfolder: Optional[str], device: str):
     return vae.to(device).eval().requires_grad_(False)
 
 
-# --------------------------------------------------------------------------------------------------
-# Reading shards
-# --------------------------------------------------------------------------------------------------
+# -- Reading shards ----------------------------------------------------------------------------------------------------
 def read_index(root: os.PathLike) -> Dict[str, Any]:
     """The index of a finished extraction, with one-line errors for a missing, empty or partial directory."""
     root = Path(root).expanduser()

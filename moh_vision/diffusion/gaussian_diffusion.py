@@ -92,9 +92,7 @@ class GaussianDiffusion:
     def learn_sigma(self) -> bool:
         return self.var_type == "learned_range"
 
-    # -----------------------------------------------------------------------------------------
-    # Helpers
-    # -----------------------------------------------------------------------------------------
+    # -- Helpers -------------------------------------------------------------------------------------------------------
     @staticmethod
     def _extract(schedule: torch.Tensor, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """schedule[t] as a [B, 1, ..., 1] tensor on like's device, cast after indexing in float64."""
@@ -126,9 +124,7 @@ class GaussianDiffusion:
         return (self._extract(self.sqrt_recip_alphas_cumprod, t, x_t) * x_t - x0) \
             / self._extract(self.sqrt_recipm1_alphas_cumprod, t, x_t)
 
-    # -----------------------------------------------------------------------------------------
-    # Forward process and posterior
-    # -----------------------------------------------------------------------------------------
+    # -- Forward process and posterior ---------------------------------------------------------------------------------
     def q_mean_variance(self, x0, t):
         """Mean, variance and log variance of q(x_t | x0)."""
         mean = self._extract(self.sqrt_alphas_cumprod, t, x0) * x0
@@ -150,9 +146,7 @@ class GaussianDiffusion:
         log_variance = self._extract(self.posterior_log_variance_clipped, t, x_t)
         return mean, variance, log_variance
 
-    # -----------------------------------------------------------------------------------------
-    # Reverse process p(x_{t-1} | x_t)
-    # -----------------------------------------------------------------------------------------
+    # -- Reverse process p(x_{t-1} | x_t) ------------------------------------------------------------------------------
     def _p_from_output(self, pred, var_values, x, t, clip_denoised=False, denoised_fn=None) -> Dict[str, torch.Tensor]:
         if var_values is not None:
             min_log = self._extract(self.posterior_log_variance_clipped, t, x)
@@ -180,9 +174,7 @@ class GaussianDiffusion:
         pred, var_values = self._split_output(self._call_model(model, x, t, model_kwargs), x)
         return self._p_from_output(pred, var_values, x, t, clip_denoised, denoised_fn)
 
-    # -----------------------------------------------------------------------------------------
-    # Training
-    # -----------------------------------------------------------------------------------------
+    # -- Training ------------------------------------------------------------------------------------------------------
     def sample_timesteps(self, batch_size: int, device=None, generator=None) -> torch.Tensor:
         return uniform_timesteps(batch_size, self.num_timesteps, device=device, generator=generator)
 
@@ -224,9 +216,7 @@ class GaussianDiffusion:
             terms["loss"] = terms["mse"] + vb
         return terms
 
-    # -----------------------------------------------------------------------------------------
-    # Sampling
-    # -----------------------------------------------------------------------------------------
+    # -- Sampling ------------------------------------------------------------------------------------------------------
     @staticmethod
     def _randn_like(x, generator):
         return torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
@@ -315,9 +305,7 @@ def _infer_device(model) -> torch.device:
     return torch.device("cpu")
 
 
-# ---------------------------------------------------------------------------------------------
-# Factory (DiT's defaults)
-# ---------------------------------------------------------------------------------------------
+# -- Factory (DiT's defaults) ------------------------------------------------------------------------------------------
 def create_diffusion(timestep_respacing: Union[str, int, Sequence[int], None] = "", noise_schedule: str = "linear",
                      learn_sigma: bool = True, diffusion_steps: int = 1000, sigma_small: bool = False,
                      predict_xstart: bool = False, use_kl: bool = False,

@@ -110,9 +110,7 @@ class StepClock:
         return seconds, waited
 
 
-# ----------------------------------------------------------------------------------------------
-# Peak memory
-# ----------------------------------------------------------------------------------------------
+# -- Peak memory -------------------------------------------------------------------------------------------------------
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new CUDA allocator peak (the CPU's resident-set peak cannot be reset)."""
     if device.type == "cuda":
@@ -134,9 +132,7 @@ def peak_memory_source(device: torch.device) -> str:
     return "main process resident-set peak since it started (ru_maxrss)"
 
 
-# ----------------------------------------------------------------------------------------------
-# Rates and their text
-# ----------------------------------------------------------------------------------------------
+# -- Rates and their text ----------------------------------------------------------------------------------------------
 class RunCosts:
     """What a run's step times turn into: rates per window, epoch and run, and their console text.
 

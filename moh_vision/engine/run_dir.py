@@ -37,9 +37,7 @@ FREE_TO_CHANGE = (
 ADDED_LATER = {"optim.momentum": 0.9, "optim.layer_decay": None, "optim.kwargs": {}, "sched.cooldown_epochs": 0}
 
 
-# ----------------------------------------------------------------------------------------------
-# One run per directory
-# ----------------------------------------------------------------------------------------------
+# -- One run per directory ---------------------------------------------------------------------------------------------
 class RunLock:
     """``<run dir>/.run.lock``, holding the owner's pid, host and start time, while a run trains there
     (``with RunLock(dir):``). A second run on the directory stops with a :class:`ConfigError` naming the first; a lock
@@ -123,9 +121,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-# ----------------------------------------------------------------------------------------------
-# A resumed run's config
-# ----------------------------------------------------------------------------------------------
+# -- A resumed run's config --------------------------------------------------------------------------------------------
 def _flat(config: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for key, value in config.items():

@@ -49,9 +49,7 @@ ADM_METRICS = ("fid", "sfid", "inception_score", "precision", "recall")
 OVERRIDABLE = ("steps", "sampler", "cfg_scale", "clip_denoised", "batch_size")
 
 
-# ---------------------------------------------------------------------------------------------
-# What to sample
-# ---------------------------------------------------------------------------------------------
+# -- What to sample ----------------------------------------------------------------------------------------------------
 def balanced_labels(num_samples: int, num_classes: int) -> torch.Tensor:
     """``num_samples`` labels, each class ``N // C`` or one more times, sorted by class."""
     return torch.sort(torch.arange(num_samples) % num_classes, stable=True).values
@@ -98,9 +96,7 @@ def sample_count(cfg: Mapping[str, Any], num_classes: int) -> int:
     return n
 
 
-# ---------------------------------------------------------------------------------------------
-# Rebuilding the model from a training checkpoint
-# ---------------------------------------------------------------------------------------------
+# -- Rebuilding the model from a training checkpoint -------------------------------------------------------------------
 def shape_from_weights(weights: Dict[str, torch.Tensor], class_dropout_prob: float) -> SimpleNamespace:
     """Data shape of a DiT from its (official-layout) state dict, for when the data are not at hand."""
     try:
@@ -188,9 +184,7 @@ def apply_overrides(task, cfg: Mapping[str, Any]) -> None:
         task.vae_cfg = {**task.vae_cfg, "path": str(cfg.vae)}
 
 
-# ---------------------------------------------------------------------------------------------
-# Sampling (every rank) and merging (rank 0)
-# ---------------------------------------------------------------------------------------------
+# -- Sampling (every rank) and merging (rank 0) ------------------------------------------------------------------------
 def run_digest(info: Dict[str, Any], settings: Dict[str, Any]) -> str:
     text = json.dumps({**info, **settings}, sort_keys=True, default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
@@ -255,9 +249,7 @@ def sample_images(task, model, labels: torch.Tensor, seed: int, device: torch.de
     return merge_parts(parts, num_batches)
 
 
-# ---------------------------------------------------------------------------------------------
-# Outputs and metrics (rank 0)
-# ---------------------------------------------------------------------------------------------
+# -- Outputs and metrics (rank 0) --------------------------------------------------------------------------------------
 def to_float(images: np.ndarray) -> torch.Tensor:
     """uint8 NHWC -> float [-1, 1] NCHW (exactly invertible by ``to_uint8``)."""
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
