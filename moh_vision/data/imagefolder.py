@@ -13,14 +13,11 @@ Batch format. ``collate_fn`` of a data module (used for train and val loaders) r
 
     (images: float32 [B', C, H, W], labels: int64 [B'], skipped: int)
 
-where ``B'`` = items in the batch minus ``skipped``, the number of unreadable images dropped from it
-(``on_bad_image="skip"``). ``B'`` can be odd, or 0 (then ``images`` is ``[0, C, H, W]``): skip such a step. ``skipped``
-is an int (a :class:`SkippedImages`) that also names the dropped files in ``.files`` (``(path, reason)`` pairs); it
-pickles, so it survives DataLoader worker processes. The trainer counts distinct files from it (an unreadable file is
-met again every epoch) and names them in ``train.log``. Each unreadable file is also logged once per process (the main
-process with ``num_workers=0``, else each worker; the trainer's workers live for the whole run) with a warning on
-``logging.getLogger("moh_vision.data.imagefolder")``. ``on_bad_image="raise"`` raises ``BadImageError`` naming the file
-instead.
+where ``skipped`` counts the unreadable images dropped from the batch (``on_bad_image="skip"``), so ``B'`` can be odd,
+or 0 (``images`` is then ``[0, C, H, W]``: skip the step). ``skipped`` is an int (a :class:`SkippedImages`) whose
+``.files`` are the ``(path, reason)`` pairs; it pickles through DataLoader workers. The trainer counts distinct files
+from it and names them in ``train.log``; each process (the main one, or each worker) also logs a warning once per file
+on this module's logger. ``on_bad_image="raise"`` raises ``BadImageError`` naming the file instead.
 
 Images are converted to RGB (``in_chans=3``) or L (``in_chans=1``): grayscale, CMYK, RGBA (alpha dropped, as
 torchvision's loader does), palette and 16-bit images all load."""
@@ -168,16 +165,12 @@ def scan_class_folders(split_dir: str, watch: Optional[TreeWatch] = None) -> Tup
         paths += found
         labels += [index] * len(found)
     if not paths:
-        raise ConfigError(
-            f"{split_dir} holds no images in its {len(classes)} class folders; "
-            f"expected files ending in {'/'.join(IMG_EXTENSIONS)}"
-        )
+        raise ConfigError(f"{split_dir} holds no images in its {len(classes)} class folders; "
+                          f"expected files ending in {'/'.join(IMG_EXTENSIONS)}")
     if empty:
-        raise ConfigError(
-            f"class folder {os.path.join(split_dir, empty[0])} has no images"
-            f"{f' (nor do {len(empty) - 1} more: {_names(empty[1:])})' if len(empty) > 1 else ''}; "
-            f"expected at least one file ending in {'/'.join(IMG_EXTENSIONS)} per class folder"
-        )
+        raise ConfigError(f"class folder {os.path.join(split_dir, empty[0])} has no images"
+                          f"{f' (nor do {len(empty) - 1} more: {_names(empty[1:])})' if len(empty) > 1 else ''}; "
+                          f"expected at least one file ending in {'/'.join(IMG_EXTENSIONS)} per class folder")
     return classes, paths, labels
 
 
@@ -188,16 +181,8 @@ class ImageFileDataset(Dataset):
     Paths and labels are kept in numpy arrays rather than Python lists, so DataLoader workers forked from the main
     process do not copy them page by page (refcount writes) over an epoch."""
 
-    def __init__(
-        self,
-        root: str,
-        paths: Sequence[str],
-        labels: Sequence[int],
-        classes: Sequence[str],
-        transform=None,
-        mode: str = "RGB",
-        on_bad_image: str = "skip",
-    ):
+    def __init__(self, root: str, paths: Sequence[str], labels: Sequence[int], classes: Sequence[str], transform=None,
+                 mode: str = "RGB", on_bad_image: str = "skip"):
         if on_bad_image not in ("skip", "raise"):
             raise ConfigError(f"on_bad_image={on_bad_image!r}; expected 'skip' or 'raise'")
         self.root = root
@@ -312,31 +297,17 @@ class ImageFolderData:
     The data-module contract: ``num_classes, in_chans, img_size, train, val, collate_fn, mixup, repeated_aug,
     label_smoothing, describe()``. Every augmentation knob switches off with 0 / None (``auto_augment``,
     ``color_jitter``, ``re_prob``, ``mixup``, ``cutmix``, ``label_smoothing``, ``repeated_aug`` -> 1, ``eval_crop_pct``
-    -> squash resize without crop). ``repeated_aug="auto"`` (the default) is 3 with more than one process and 1 in a
-    single one (:func:`resolve_repeated_aug`). ``label_smoothing`` is built into ``mixup`` when that is on; the loss
-    uses ``label_smoothing`` only when ``mixup`` is None."""
+    -> squash resize without crop; ``repeated_aug="auto"``: :func:`resolve_repeated_aug`). ``label_smoothing`` is built
+    into ``mixup`` when that is on; the loss uses it only when ``mixup`` is None."""
 
-    def __init__(
-        self,
-        root: str,
-        img_size: int = 224,
-        in_chans: int = 3,
-        auto_augment: Optional[str] = "rand-m9-mstd0.5-inc1",
-        color_jitter: Optional[float] = 0.4,
-        interpolation: str = "bicubic",
-        re_prob: Optional[float] = 0.25,
-        mixup: Optional[float] = 0.8,
-        cutmix: Optional[float] = 1.0,
-        mixup_switch_prob: float = 0.5,
-        mixup_prob: float = 1.0,
-        label_smoothing: Optional[float] = 0.1,
-        repeated_aug: Optional[Union[int, str]] = "auto",
-        eval_crop_pct: Optional[float] = 0.875,
-        mean: Sequence[float] = IMAGENET_DEFAULT_MEAN,
-        std: Sequence[float] = IMAGENET_DEFAULT_STD,
-        on_bad_image: str = "skip",
-        index_cache: Optional[str] = "auto",
-    ):
+    def __init__(self, root: str, img_size: int = 224, in_chans: int = 3,
+                 auto_augment: Optional[str] = "rand-m9-mstd0.5-inc1", color_jitter: Optional[float] = 0.4,
+                 interpolation: str = "bicubic", re_prob: Optional[float] = 0.25, mixup: Optional[float] = 0.8,
+                 cutmix: Optional[float] = 1.0, mixup_switch_prob: float = 0.5, mixup_prob: float = 1.0,
+                 label_smoothing: Optional[float] = 0.1, repeated_aug: Optional[Union[int, str]] = "auto",
+                 eval_crop_pct: Optional[float] = 0.875, mean: Sequence[float] = IMAGENET_DEFAULT_MEAN,
+                 std: Sequence[float] = IMAGENET_DEFAULT_STD, on_bad_image: str = "skip",
+                 index_cache: Optional[str] = "auto"):
         if in_chans not in (1, 3):
             raise ConfigError(f"in_chans={in_chans}; image folders load as RGB (3) or grayscale (1)")
         if int(img_size) != img_size or img_size <= 0:
@@ -354,24 +325,19 @@ class ImageFolderData:
                             interpolation=interpolation, eval_crop_pct=eval_crop_pct)
 
         # Transforms and mixing first: a bad knob fails before the (possibly slow) folder scan.
-        self.train_transform = build_train_transform(
-            self.img_size, self.in_chans, auto_augment=auto_augment, color_jitter=color_jitter,
-            interpolation=interpolation, re_prob=re_prob, mean=mean, std=std,
-        )
-        self.eval_transform = build_eval_transform(
-            self.img_size, self.in_chans, crop_pct=eval_crop_pct, interpolation=interpolation, mean=mean, std=std,
-        )
-
+        self.train_transform = build_train_transform(self.img_size, self.in_chans, auto_augment=auto_augment,
+                                                     color_jitter=color_jitter, interpolation=interpolation,
+                                                     re_prob=re_prob, mean=mean, std=std)
+        self.eval_transform = build_eval_transform(self.img_size, self.in_chans, crop_pct=eval_crop_pct,
+                                                   interpolation=interpolation, mean=mean, std=std)
         cache = cache_folder(index_cache)
         classes, train_split, val_split = built_once(
             lambda: cached_index(self._scan, self.root, f"{type(self).__name__}|{'/'.join(IMG_EXTENSIONS)}", cache))
         self.classes = classes
         self.class_to_idx = {name: i for i, name in enumerate(classes)}
         self.num_classes = len(classes)
-        self.mixup = build_mixup(
-            self.num_classes, mixup=mixup, cutmix=cutmix, switch_prob=mixup_switch_prob,
-            label_smoothing=label_smoothing, prob=mixup_prob,
-        )
+        self.mixup = build_mixup(self.num_classes, mixup=mixup, cutmix=cutmix, switch_prob=mixup_switch_prob,
+                                 label_smoothing=label_smoothing, prob=mixup_prob)
         mode = "RGB" if self.in_chans == 3 else "L"
         self.train = ImageFileDataset(*train_split, classes, self.train_transform, mode, on_bad_image)
         self.val = ImageFileDataset(*val_split, classes, self.eval_transform, mode, on_bad_image)
@@ -405,19 +371,15 @@ class ImageFolderData:
         aug = r["auto_augment"] or "off"
         jitter = "off (RandAugment on)" if r["auto_augment"] and r["color_jitter"] else (r["color_jitter"] or "off")
         crop = r["eval_crop_pct"]
-        if crop:
-            eval_desc = f"resize {int(self.img_size / float(crop))} -> crop {self.img_size}"
-        else:
-            eval_desc = f"squash to {self.img_size}"
+        eval_desc = f"resize {int(self.img_size / float(crop))} -> crop {self.img_size}" if crop else \
+            f"squash to {self.img_size}"
         mix = (f"mixup {self.mixup.mixup_alpha} cutmix {self.mixup.cutmix_alpha} switch {self.mixup.switch_prob}"
                if self.mixup is not None else "mixup off")
-        return (
-            f"{type(self).__name__}: {self.root} | {self.num_classes} classes, {len(self.train)} train / "
-            f"{len(self.val)} val images | {self.in_chans}x{self.img_size}x{self.img_size} | "
-            f"train: aa {aug}, color jitter {jitter}, {r['interpolation']}, random erasing {r['re_prob'] or 0}, "
-            f"{mix}, label smoothing {self.label_smoothing}, repeated aug x{self.repeated_aug} | "
-            f"eval: {eval_desc} | bad images: {self.on_bad_image}"
-        )
+        return (f"{type(self).__name__}: {self.root} | {self.num_classes} classes, {len(self.train)} train / "
+                f"{len(self.val)} val images | {self.in_chans}x{self.img_size}x{self.img_size} | "
+                f"train: aa {aug}, color jitter {jitter}, {r['interpolation']}, random erasing {r['re_prob'] or 0}, "
+                f"{mix}, label smoothing {self.label_smoothing}, repeated aug x{self.repeated_aug} | "
+                f"eval: {eval_desc} | bad images: {self.on_bad_image}")
 
     def __repr__(self) -> str:
         return self.describe()
@@ -437,13 +399,9 @@ def _check_same_classes(train_classes, val_classes, train_dir: str, val_dir: str
         return
     only_train = sorted(set(train_classes) - set(val_classes))
     only_val = sorted(set(val_classes) - set(train_classes))
-    parts = ([f"only in train: {_names(only_train)}"] if only_train else []) + (
-        [f"only in val: {_names(only_val)}"] if only_val else []
-    )
-    raise ConfigError(
-        f"class folders of {train_dir} and {val_dir} differ ({'; '.join(parts)}); "
-        f"expected the same class folders in both"
-    )
+    parts = [f"only in {split}: {_names(names)}" for split, names in (("train", only_train), ("val", only_val)) if names]
+    raise ConfigError(f"class folders of {train_dir} and {val_dir} differ ({'; '.join(parts)}); "
+                      f"expected the same class folders in both")
 
 
 # -- ImageNet-1K -------------------------------------------------------------------------------------------------------
@@ -458,8 +416,7 @@ class ImageNetData(ImageFolderData):
         ILSVRC2012 tars + devkit into, and what the common ``valprep.sh`` produces), or
       * the ILSVRC layout of the Kaggle download: ``root/ILSVRC/Data/CLS-LOC/train/<wnid>/*.JPEG``, a flat
         ``.../CLS-LOC/val/*.JPEG``, and ``root/LOC_val_solution.csv`` (``ImageId,PredictionString``, the first word of
-        the prediction string is the wnid). ``root`` may also point at ``CLS-LOC``.
-    """
+        the prediction string is the wnid). ``root`` may also point at ``CLS-LOC``."""
 
     expected_classes = 1000
 
@@ -469,10 +426,8 @@ class ImageNetData(ImageFolderData):
                      os.path.join(self.root, "Data", "CLS-LOC")):
             if os.path.isdir(os.path.join(base, "train")):
                 return base
-        raise ConfigError(
-            f"no ImageNet train/ folder under {self.root}; expected {self.root}/train and {self.root}/val with one "
-            f"folder per wnid, or the ILSVRC layout {self.root}/ILSVRC/Data/CLS-LOC/{{train,val}}"
-        )
+        raise ConfigError(f"no ImageNet train/ folder under {self.root}; expected {self.root}/train and {self.root}/val "
+                          f"with one folder per wnid, or the ILSVRC layout {self.root}/ILSVRC/Data/CLS-LOC/{{train,val}}")
 
     def _scan(self, watch: Optional[TreeWatch] = None) -> Tuple[List[str], Split, Split]:
         base = self._base()
@@ -490,10 +445,8 @@ class ImageNetData(ImageFolderData):
             present = sorted({classes[i] for i in val_labels})
             _check_same_classes(classes, present, train_dir, val_dir)
         if len(classes) != self.expected_classes:
-            raise ConfigError(
-                f"{train_dir} has {len(classes)} class folders; ImageNet-1K expects {self.expected_classes} "
-                f"(use data=imagefolder for other class counts)"
-            )
+            raise ConfigError(f"{train_dir} has {len(classes)} class folders; ImageNet-1K expects "
+                              f"{self.expected_classes} (use data=imagefolder for other class counts)")
         return classes, as_split(train_dir, train_paths, train_labels), as_split(val_dir, val_paths, val_labels)
 
     def _flat_val(self, base: str, val_dir: str, classes: List[str], watch: Optional[TreeWatch] = None
@@ -507,10 +460,8 @@ class ImageNetData(ImageFolderData):
         csv_path = next((os.path.join(d, VAL_SOLUTION_CSV) for d in searched
                          if os.path.isfile(os.path.join(d, VAL_SOLUTION_CSV))), None)
         if csv_path is None:
-            raise ConfigError(
-                f"{val_dir} holds images without class folders and no {VAL_SOLUTION_CSV} was found in "
-                f"{', '.join(searched)}; expected that file, or val/ sorted into one folder per wnid"
-            )
+            raise ConfigError(f"{val_dir} holds images without class folders and no {VAL_SOLUTION_CSV} was found in "
+                              f"{', '.join(searched)}; expected that file, or val/ sorted into one folder per wnid")
         if watch is not None:  # the file, and where it was looked for
             for path in [csv_path] + [d for d in searched if os.path.isdir(d)]:
                 watch.note(path)
@@ -527,8 +478,6 @@ class ImageNetData(ImageFolderData):
             if wnid is None:
                 raise ConfigError(f"{os.path.join(val_dir, rel)} has no row in {csv_path}; expected one per val image")
             if wnid not in class_to_idx:
-                raise ConfigError(
-                    f"{csv_path} labels {image_id} as {wnid}, which is not a class folder of {base}/train"
-                )
+                raise ConfigError(f"{csv_path} labels {image_id} as {wnid}, which is not a class folder of {base}/train")
             labels.append(class_to_idx[wnid])
         return images, labels
