@@ -79,14 +79,9 @@ class DigitsImages(Dataset):
 
 
 class DigitsData:
-    """Data module over the digits (see the trainer's data contract: ``train``, ``val``, ``num_classes``, ...).
-
-    Args:
-        img_size: side the 8x8 digits are upsampled to. in_chans: 1 (grayscale) or 3 (the gray image repeated, for
-        3-channel models). val_fraction: share of each class held out for validation (fixed by ``split_seed``). augment:
-        random shift/rotation/scale for training images. normalize: ``"standard"`` ((x - 0.5) / 0.5 for classification)
-        or ``"symmetric"`` ([-1, 1], diffusion: same map).
-    """
+    """Data module over the digits (the trainer's data contract), normalised to [-1, 1]: ``img_size`` is the side the
+    8x8 digits are upsampled to, ``in_chans`` 1 or 3 (the gray image repeated), ``val_fraction`` the share of each class
+    held out (fixed by ``split_seed``), ``augment`` a random shift/rotation/scale of training images."""
 
     digit_metrics = True  # capability (moh_vision.tasks.protocols): samples scored by the digits classifier
 
@@ -103,8 +98,8 @@ class DigitsData:
             images = images.repeat(1, 3, 1, 1)
         train_idx, val_idx = stratified_split(labels, val_fraction, split_seed)
         self.num_classes, self.in_chans, self.img_size = 10, in_chans, img_size
-        self.train = DigitsImages(images[train_idx], labels[train_idx], 0.5, 0.5, augment,
-                                  max_shift, max_rotate, max_scale)
+        self.train = DigitsImages(images[train_idx], labels[train_idx], 0.5, 0.5, augment, max_shift, max_rotate,
+                                  max_scale)
         self.val = DigitsImages(images[val_idx], labels[val_idx], 0.5, 0.5, False)
         self.collate_fn = None
         self.mixup = None

@@ -137,11 +137,9 @@ def write_index(job: Extraction, classes: List[str], num_shards: int, vae_scale:
     """Wait for every shard (other ranks may still be encoding), then write ``index.json`` atomically."""
     out = Path(job.out)
     paths = [out / shard_name(k) for k in range(num_shards)]
-    announced = False
+    if not all(p.exists() for p in paths):
+        log.info("waiting for the other ranks' shards ...")
     while not all(p.exists() for p in paths):
-        if not announced:
-            log.info("waiting for the other ranks' shards ...")
-            announced = True
         time.sleep(wait_s)
     shards, skipped, shape = [], [], None
     for p in paths:

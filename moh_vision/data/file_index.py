@@ -2,16 +2,14 @@
 
 Walking ImageNet's 1.28M files takes every process minutes on a network file system; a run needs the index once:
 
-* :func:`cached_index`: the index is kept in a cache folder (``data.index_cache``: ``auto`` is
-  ``$MOH_VISION_CACHE_DIR/file_index``, else ``$XDG_CACHE_HOME/moh_vision/file_index``, else
-  ``~/.cache/moh_vision/file_index``), keyed by the tree's path and valid while every folder the scan read keeps the
-  modification time it had (adding, removing or renaming an image changes its folder's; an image rewritten in place
-  changes nothing the index holds). Each folder's time is read before the folder is listed, and an index whose folders
-  changed less than :data:`SETTLE_S` seconds before the scan is not kept (a change inside the same timestamp tick would
-  not show on a coarse-grained file system).
+* :func:`cached_index`: the index is kept in a cache folder (``data.index_cache``: ``auto`` is ``file_index`` in the
+  project's cache folder, :func:`~moh_vision.analysis.metrics.cache_dir`), keyed by the tree's path and valid while
+  every folder the scan read keeps the modification time it had (adding, removing or renaming an image changes its
+  folder's; rewriting one changes nothing the index holds). Each folder's time is read before the folder is listed, and
+  an index whose folders changed less than :data:`SETTLE_S` seconds before the scan is not kept (a change inside the
+  same timestamp tick would not show on a coarse-grained file system).
 * :func:`built_once`: under ``torch.distributed`` rank 0 alone builds (or loads) it and sends it to the other ranks; a
-  bad tree is the same one-line error on every rank.
-"""
+  bad tree is the same one-line error on every rank."""
 from __future__ import annotations
 
 import hashlib

@@ -83,9 +83,8 @@ def _vae_location(path: os.PathLike) -> Tuple[Path, Optional[str]]:
 
 
 def load_vae(path: os.PathLike, device: Any = "cpu"):
-    """A diffusers ``AutoencoderKL`` from a LOCAL directory (never downloads), in eval mode, frozen.
-
-    Loaded once per (path, device) and shared: do not modify the returned module."""
+    """A diffusers ``AutoencoderKL`` from a LOCAL directory (never downloads), in eval mode, frozen; loaded once per
+    (path, device) and shared: do not modify the returned module."""
     root, subfolder = _vae_location(path)
     return _load_vae_cached(str(root.resolve()), subfolder, str(torch.device(device)))
 
@@ -95,8 +94,7 @@ def _load_vae_cached(root: str, subfolder: Optional[str], device: str):
     from diffusers import AutoencoderKL
 
     try:
-        vae = AutoencoderKL.from_pretrained(root, subfolder=subfolder, local_files_only=True,
-                                            low_cpu_mem_usage=False)
+        vae = AutoencoderKL.from_pretrained(root, subfolder=subfolder, local_files_only=True, low_cpu_mem_usage=False)
     except (OSError, ValueError) as err:
         raise ConfigError(f"could not load the VAE from {root}: {err}") from err
     return vae.to(device).eval().requires_grad_(False)
@@ -177,17 +175,12 @@ class LatentsData:
     """Data module over a latents directory (the trainer's data contract), ``data=latents data.root=<dir>``
     (``experiment=latent_diffusion`` sets the task and model that go with it).
 
-    ``img_size`` is the latent side (32 for 256 px), ``in_chans`` the latent channels (4). Validation: ``val_size``
-    images spread evenly over the (class-sorted) set, read deterministically; with ``val_holdout=false`` (default, as
-    DiT trains on all of ImageNet train) they stay in the training set and ``val/loss`` monitors the fit;
-    ``val_holdout=true`` removes them from training.
-
-    Args:
-        root: the directory ``tools/extract_latents.py out=`` wrote. flip: use the stored horizontal-flip copies (a
-        random one per item, DiT's RandomHorizontalFlip). sample_posterior: draw ``z ~ N(mean, std^2)`` per item (DiT);
-        false uses the mean. val_size: validation images (clipped to the number of images). val_holdout: remove the
-        validation images from training.
-    """
+    ``root``: the directory ``tools/extract_latents.py out=`` wrote. ``img_size`` is the latent side (32 for 256 px),
+    ``in_chans`` the latent channels (4). ``flip``: a random one of the stored horizontal-flip copies per item (DiT's
+    RandomHorizontalFlip); ``sample_posterior``: draw ``z ~ N(mean, std^2)`` per item (DiT), else the mean. Validation:
+    ``val_size`` images (at most all) spread evenly over the (class-sorted) set, read deterministically; they stay in
+    the training set (``val_holdout=false``: DiT trains on all of ImageNet train, ``val/loss`` monitors the fit) unless
+    ``val_holdout=true``."""
 
     collate_fn = None
     mixup = None
@@ -199,8 +192,7 @@ class LatentsData:
     def __init__(self, root: str, flip: bool = True, sample_posterior: bool = True, val_size: int = 1000,
                  val_holdout: bool = False):
         self.root = Path(str(root)).expanduser()
-        index = read_index(self.root)
-        self.index = index
+        self.index = index = read_index(self.root)
         shards = [s for s in index["shards"] if s["count"] > 0]
         files, counts = [s["file"] for s in shards], np.array([s["count"] for s in shards], dtype=np.int64)
         labels = np.concatenate([load_shard(self.root / f)["labels"].numpy() for f in files]).astype(np.int64)

@@ -28,12 +28,7 @@ class EpochSampler(Sampler[int]):
         self.rank, self.world, self.repeats = rank, world_size, max(1, int(repeats))
         self.drop_last = drop_last
         self.epoch, self.start = 0, 0
-        if self.repeats > 1:
-            self.per_rank = size // world_size
-        elif drop_last:
-            self.per_rank = size // world_size
-        else:
-            self.per_rank = math.ceil(size / world_size)
+        self.per_rank = size // world_size if self.repeats > 1 or drop_last else math.ceil(size / world_size)
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = int(epoch), int(start)
@@ -91,12 +86,9 @@ Key = Union[int, Tuple[int, int]]  # an index (of the current ``epoch``) or an (
 
 
 class SeededItems(Dataset):
-    """Wraps a dataset so each item's random augmentation depends only on (seed, epoch, index).
-
-    DataLoader workers draw from their own RNG streams, which shift when a run resumes mid-epoch; seeding
-    python/numpy/torch per item makes augmentation independent of which worker loads an item and of where the run
-    restarted. Items are asked for by index (in the epoch set on ``epoch``) or by ``(epoch, index)`` key
-    (:class:`EpochKeys`)."""
+    """Wraps a dataset so each item's random augmentation depends only on (seed, epoch, index): python, numpy and torch
+    are seeded per item, whichever worker loads it and wherever the run restarted. Items are asked for by index (in the
+    epoch set on ``epoch``) or by ``(epoch, index)`` key (:class:`EpochKeys`)."""
 
     def __init__(self, dataset: Dataset, seed: int = 0):
         self.dataset, self.seed, self.epoch = dataset, int(seed), 0
