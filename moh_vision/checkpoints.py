@@ -15,11 +15,11 @@
 * A run's training config (:func:`run_config`): from its directory or a checkpoint.
 * Writing any other file atomically (:func:`atomic_write`: sample arrays, latent shards' index, ...).
 * What a write killed half-way leaves (:func:`remove_partial_writes`), and whether a file is whole
-  (:func:`is_whole_checkpoint`: what keeping the newest readable checkpoint relies on).
-"""
+  (:func:`is_whole_checkpoint`: what keeping the newest readable checkpoint relies on)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import pickle
@@ -77,10 +77,8 @@ def atomic_write(path: os.PathLike, write: Callable[[BinaryIO], None], keep_prev
         _fsync_dir(path.parent)
     except BaseException as err:
         if tmp is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
         if isinstance(err, (OSError, RuntimeError)):  # torch's zip writer reports a full disk as RuntimeError
             cause = os_error_in(err)  # the operating system's reason, not the zip writer's
             if cause is None:
@@ -136,9 +134,8 @@ def load_checkpoint_file(path: os.PathLike) -> Dict[str, Any]:
 def load_with_fallback(path: os.PathLike) -> Tuple[Dict[str, Any], Path]:
     """Load ``path``; if it is truncated or corrupt, warn naming it and use its ``.prev`` twin."""
     path = Path(path)
-    candidates = [path, previous_path(path)]
     errors = []
-    for cand in candidates:
+    for cand in (path, previous_path(path)):
         if not cand.exists():
             continue
         try:

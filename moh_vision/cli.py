@@ -15,20 +15,14 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from moh_vision.errors import ConfigError, RunError, os_error_line
+from moh_vision.errors import ConfigError, RunError, error_in_chain, os_error_line
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 def user_error_in(err: BaseException) -> Optional[Exception]:
     """The ConfigError/RunError behind ``err`` (Hydra's instantiate wraps errors raised by constructors)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, (ConfigError, RunError)):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
+    return error_in_chain(err, lambda e: isinstance(e, (ConfigError, RunError)))
 
 
 def run_cli(fn: Callable[..., Any], *args: Any) -> Any:

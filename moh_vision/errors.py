@@ -6,7 +6,7 @@ read-only, permission denied, a file where a directory should be."""
 from __future__ import annotations
 
 import errno
-from typing import Optional
+from typing import Callable, Optional
 
 
 class ConfigError(ValueError):
@@ -18,16 +18,21 @@ class RunError(RuntimeError):
     what was kept."""
 
 
-def os_error_in(err: Optional[BaseException]) -> Optional[OSError]:
-    """The operating system's error behind ``err``: itself, or one it was raised from or while handling (torch's
-    checkpoint writer reports a full disk as a RuntimeError raised while handling the OSError)."""
+def error_in_chain(err: Optional[BaseException], wanted: Callable[[BaseException], bool]) -> Optional[BaseException]:
+    """The first ``wanted`` error of ``err``'s chain: itself, then the one it was raised from or while handling, ..."""
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, OSError) and err.errno is not None:
+        if wanted(err):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None
+
+
+def os_error_in(err: Optional[BaseException]) -> Optional[OSError]:
+    """The operating system's error behind ``err`` (torch's checkpoint writer reports a full disk as a RuntimeError
+    raised while handling the OSError)."""
+    return error_in_chain(err, lambda e: isinstance(e, OSError) and e.errno is not None)
 
 
 def storage_problem(err: OSError) -> str:
