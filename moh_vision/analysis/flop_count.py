@@ -1,46 +1,36 @@
 """FLOP counting: dense-equivalent and active GFLOPs of a model, built on fvcore.
 
-Convention (one for the whole project: ``summary.json``, ``tools/flops.py``, the README)
------------------------------------------------------------------------------------------
+Convention (one for the whole project: ``summary.json``, ``tools/flops.py``, the README):
+
 * **fvcore's**: one fused multiply-add is one flop (so "GFLOPs" are GMACs, as in the TransNeXt, DiT and MoH papers);
   forward pass only; one input (batch 1); the model in eval mode.
-* ``gflops`` (dense-equivalent): every head of every layer computed, as the official MoH code does. It counts the
-  multiply-add work: ``linear``, convolutions, ``matmul`` / ``bmm`` / ``einsum``, attention cores
-  (``scaled_dot_product_attention``: ``QK^T`` and ``AV``, which fvcore skips), plus fvcore's own per-element estimates
-  for normalisation layers and pooling. This is what papers publish; the routers' linear layers are included.
-* ``pointwise_gflops``: element-wise and reduction arithmetic (adds, gates, softmax, GELU, L2-normalisation, top-k, ...)
-  that the convention leaves out of ``gflops``. It is counted (one flop per output element; reductions one per input
-  element; softmax three per element) and reported beside ``gflops``, so that no cost is hidden, but it is not part of
-  it.
-* Ops that cost no arithmetic (views, copies, gathers, allocations; :data:`FREE_OPS`, each group with its reason) count
-  zero. Any other op is *unknown*: it is listed in ``uncounted_ops``, logged as a warning, and fails the tests of every
-  registered model family.
+* ``gflops`` (dense-equivalent, what papers publish): every head of every layer computed, as the official MoH code does:
+  ``linear``, convolutions, ``matmul`` / ``bmm`` / ``einsum``, attention cores (``scaled_dot_product_attention``'s
+  ``QK^T`` and ``AV``, which fvcore skips), the routers, and fvcore's per-element estimates for normalisation and
+  pooling.
+* ``pointwise_gflops``: element-wise and reduction arithmetic (adds, gates, softmax, GELU, L2-normalisation, top-k), one
+  flop per output element (reductions: per input element; softmax: three), reported beside ``gflops``, not in it.
+* Ops that cost no arithmetic (:data:`FREE_OPS`, each group with its reason) count zero. Any other op is listed in
+  ``uncounted_ops``, logged as a warning, and fails the tests of every registered model family.
 
-Active GFLOPs (what the activated heads need) --------------------------------------------- A trace sees one input, so
-the data-dependent routing is counted from each routed layer's configuration: a layer with ``a`` of ``h`` heads active
-per token (MoH: ``shared_heads + topk``; MoA: ``topk`` experts) has active fraction ``f = a / h``, and
+Active GFLOPs (what the activated heads need). A trace sees one input, so the data-dependent routing is counted from
+each routed layer's configuration: a layer with ``a`` of ``h`` heads active per token (MoH: ``shared_heads + topk``;
+MoA: ``topk`` experts) has active fraction ``f = a / h``, and ``active = dense - (1 - f) * per_head_query_work``, the
+work an exact sparse execution would do only for the selected (token, head) pairs:
 
-    active = dense - (1 - f) * per_head_query_work
-
-where *per-head query work* is the part that an exact sparse execution would do only for the selected (token, head)
-pairs:
-
-* the query projection (``q``, ``q_proj``, and the query rows of a fused ``qkv``; ``q_norm``);
+* the query projection (``q``, ``q_proj``, the query rows of a fused ``qkv``; ``q_norm``);
 * the attention core of every query: the layer's own ``scaled_dot_product_attention`` / ``matmul`` / ``bmm`` /
   ``einsum`` ops (``QK^T``, ``AV``; TransNeXt's local window, pooled keys and learnable-token terms);
 * the output projection ``proj`` (head ``i`` contributes ``H_i W_O^i`` only where it is active).
 
-What does not scale: keys and values for every token and head (any query may attend to any key), the pooled features of
-aggregated attention (``sr``, ``norm``, pooling) and its position-bias MLP (``cpb_*``), the routers (``wg*``,
-``w_gate``), and everything outside the attention (MLPs, embeddings, norms, heads). Which child of a layer is which is
-declared by the layer's kernel and variant (their ``flops_roles``: ``per_head``, ``query_rows`` or ``fixed``), and ``a``
-is the variant's ``active_heads()``: nothing here knows a variant or a parameter name. A dense model's active GFLOPs
-equal its GFLOPs.
+Keys and values (any query may attend to any key), aggregated attention's pooled features (``sr``, ``norm``, pooling)
+and position-bias MLP (``cpb_*``), the routers and everything outside the attention do not scale. Which child of a layer
+is which is declared by the layer's kernel and variant (``flops_roles``: ``per_head``, ``query_rows`` or ``fixed``), and
+``a`` is the variant's ``active_heads()``: nothing here knows a variant or a parameter name. A dense model's active
+GFLOPs equal its GFLOPs.
 
-Extending: a custom op (``torch.library`` op or ``autograd.Function``, seen by the trace as
-``prim::PythonOp.<ClassName>``) gets a handle with :func:`register_op_handle`. The trace runs TransNeXt's aggregated
-attention as its ``fused`` operator (one node, counted by :func:`aggregated_attention_flops`) and every other op as its
-reference formula."""
+Extending: a custom op (a ``torch.library`` op, or an ``autograd.Function`` traced as ``prim::PythonOp.<ClassName>``)
+gets a handle with :func:`register_op_handle`."""
 from __future__ import annotations
 
 import contextlib
@@ -82,8 +72,7 @@ def _numel(value) -> int:
 # -- Multiply-add handles (counted in ``gflops``) ----------------------------------------------------------------------
 def matmul_flops(inputs, outputs) -> Counter:
     """``matmul`` / ``mm`` / ``bmm``: output elements x contraction length (any broadcasting)."""
-    a = _shape(inputs[0])
-    out = _shape(outputs[0])
+    a, out = _shape(inputs[0]), _shape(outputs[0])
     return Counter({"matmul": math.prod(out) * a[-1]})
 
 
@@ -131,10 +120,8 @@ def einsum_flops(inputs, outputs) -> Counter:
 
 
 def _import_fvcore() -> None:
-    """Import ``fvcore.nn`` without its import-time FutureWarning. Its ``__init__`` imports ``focal_loss``, which calls
-    ``torch.jit.script`` at import time, which recent torch deprecates: every run that counted FLOPs printed the
-    warning. We use no scripted fvcore loss, so exactly that message is ignored, only during this import (later imports
-    of fvcore.nn are cached no-ops)."""
+    """Import ``fvcore.nn`` without the FutureWarning of its ``focal_loss`` (``torch.jit.script`` at import time, which
+    recent torch deprecates; a loss we do not use): only that message, only during this import."""
     import warnings
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
@@ -190,13 +177,9 @@ SOFTMAX_OPS = ("softmax", "_softmax", "log_softmax", "_log_softmax")
 
 
 def _pointwise_handles() -> Dict[str, Handle]:
-    handles: Dict[str, Handle] = {}
-    for op in ELEMENTWISE_OPS:
-        handles[f"aten::{op}"] = _per_output(op.strip("_"))
-    for op in REDUCTION_OPS:
-        handles[f"aten::{op}"] = _per_input(op)
-    for op in SOFTMAX_OPS:
-        handles[f"aten::{op}"] = _per_input("softmax", 3)  # exp, sum, divide per element
+    handles: Dict[str, Handle] = {f"aten::{op}": _per_output(op.strip("_")) for op in ELEMENTWISE_OPS}
+    handles.update({f"aten::{op}": _per_input(op) for op in REDUCTION_OPS})
+    handles.update({f"aten::{op}": _per_input("softmax", 3) for op in SOFTMAX_OPS})  # exp, sum, divide per element
     return handles
 
 
@@ -267,7 +250,8 @@ def _analysis_class():
 
 
 # -- Which parts of a routed attention layer scale with its active fraction --------------------------------------------
-QUERY_WISE_OPS = ("scaled_dot_product_attention", "aggregated_attention", "matmul", "bmm", "einsum", "mm")  # the layer's own attention core
+# the layer's own attention core
+QUERY_WISE_OPS = ("scaled_dot_product_attention", "aggregated_attention", "matmul", "bmm", "einsum", "mm")
 
 
 def active_heads(module: nn.Module) -> Tuple[int, int]:
@@ -311,13 +295,9 @@ class FlopReport:
         return self.flops - sum(layer.dense - layer.active for layer in self.layers)
 
     def as_dict(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {
-            "params": self.params,
-            "gflops": self.flops / 1e9,
-            "active_gflops": self.active_flops / 1e9,
-            "pointwise_gflops": self.pointwise / 1e9,
-            "routed_layers": self.routed_layers,
-        }
+        out: Dict[str, Any] = {"params": self.params, "gflops": self.flops / 1e9,
+                               "active_gflops": self.active_flops / 1e9, "pointwise_gflops": self.pointwise / 1e9,
+                               "routed_layers": self.routed_layers}
         if self.active_head_fraction is not None:
             out["active_head_fraction"] = self.active_head_fraction
         if self.uncounted_ops:
@@ -342,8 +322,7 @@ def _layer_flops(name: str, module: nn.Module, counts: Dict[str, Counter], notes
         if role == "per_head":
             scaled += macs
         elif role == "query_rows":
-            q_rows = module.num_heads * module.head_dim
-            scaled += macs * q_rows / child.out_features
+            scaled += macs * (module.num_heads * module.head_dim) / child.out_features
         elif role != "fixed" and macs:
             notes.append(f"{name}.{child_name}: no flops role declared by {type(module).__name__}, counted as not "
                          f"scaling")
@@ -435,7 +414,8 @@ def flop_report(model: nn.Module, input_shape: Sequence[int],
     return report
 
 
-def count_flops(model: nn.Module, input_shape: Sequence[int], model_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+def count_flops(model: nn.Module, input_shape: Sequence[int],
+                model_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
     """``params``, ``gflops`` (dense-equivalent), ``active_gflops``, ``pointwise_gflops`` and ``routed_layers`` of one
     forward pass on one input of ``input_shape`` (C, H, W); the module docstring defines each. ``uncounted_ops`` appears
     only if an op had no handle."""
