@@ -1,29 +1,25 @@
 """This codebase's backbones against timm peers of similar FLOPs, in one interleaved run (``tools/bench_backbones.py``).
 
-The architecture's promise is that a backbone costs what its peers of the same FLOPs cost (timm's Swin and PVTv2,
-measured in the same run). For each ``ours:peer`` pair both models are built at the same image size (ours through
-:func:`~moh_vision.analysis.benchmark.build_for_bench`, the peer through ``timm.create_model``), and their steps run
-interleaved round by round (:func:`~moh_vision.analysis.benchmark.interleave`), so that "x peer" is a per-round ratio
-(:func:`~moh_vision.analysis.benchmark.paired_ratio`), reported as median [quartiles]:
+The architecture's promise is that a backbone costs what its peers of the same FLOPs cost (timm's Swin and PVTv2). For
+each ``ours:peer`` pair both models are built at the same image size (ours through
+:func:`~moh_vision.analysis.benchmark.build_for_bench`, the peer through ``timm.create_model``) and their steps run
+interleaved round by round (:mod:`~moh_vision.analysis.benchmark`), so "x peer" is a per-round ratio, reported as median
+[quartiles]:
 
-* training: forward, loss, backward and an AdamW step (:func:`~moh_vision.analysis.benchmark.make_step`); inference:
-  eval mode, no gradients; images/s from the median step;
-* GFLOPs per image of both models with the project's one counter (:func:`~moh_vision.analysis.flop_count.count_flops`:
-  fvcore, one multiply-add = one flop, forward, one image, dense-equivalent), and "per GFLOP": the time ratio over the
-  GFLOPs ratio (1.0: ours costs what its FLOPs predict from the peer's; above: ours is slower per flop);
-* saved MiB per image (:func:`saved_tensor_bytes`): the bytes autograd keeps for backward during one eager training
-  forward, each distinct storage counted once, parameters (their views and autocast's copies of them) left out. It does
-  not depend on the machine and is what sets training memory on a GPU;
-* on CUDA, the training step's peak memory (:func:`~moh_vision.analysis.benchmark.peak_memory`).
+* training: forward, loss, backward and an AdamW step; inference: eval mode, no gradients; images/s from the median
+  step;
+* GFLOPs per image with the project's one counter (:func:`~moh_vision.analysis.flop_count.count_flops`), and "per
+  GFLOP": the time ratio over the GFLOPs ratio (1.0: ours costs what its FLOPs predict from the peer's);
+* saved MiB per image (:func:`saved_tensor_bytes`): what autograd keeps for backward in one eager training forward, the
+  parameters left out; it does not depend on the machine and sets training memory on a GPU;
+* on CUDA, the training step's peak memory.
 
-``compile=[False, True]`` times each pair eager and ``torch.compile``d in one invocation (the compiled rows use the same
-weights; compilation is left out of the timings, as in ``tools/bench_models.py``)."""
+``compile=[False, True]`` times each pair eager and ``torch.compile``d in one invocation (same weights, compilation left
+out of the timings)."""
 from __future__ import annotations
 
-import json
 import statistics
 import sys
-from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -33,7 +29,7 @@ from moh_vision.errors import ConfigError
 from moh_vision.ops import Kernels
 from .benchmark import (DTYPES, Spread, build_for_bench, interleave, kernels_text, machine_description, make_step,
                         model_inputs, paired_ratio, peak_memory, resolve_device, rounds_bar, saved_tensor_bytes,
-                        synchronizer, where_measured)
+                        synchronizer, where_measured, write_record)
 from .profile_kinds import counted_events, own_time_us, time_by_kind
 
 # Peers of about the same FLOPs (fvcore GFLOPs at 224 px: TransNeXt-Micro 2.7 vs PVTv2-b1 2.1, TransNeXt-Tiny 5.7 vs
@@ -66,11 +62,10 @@ def parse_pairs(specs: Iterable[str]) -> List[Tuple[str, str]]:
         if len(parts) != 2 or not all(parts):
             raise ConfigError(f"pairs wants ours:peer (e.g. {PAIR_SETS['default'][0]}) or one of "
                               f"{', '.join(PAIR_SETS)}; got '{spec}'")
-        ours, peer = parts
-        check_model_name(ours)
-        check_model_name(peer)
-        model_class(ours)  # ours must be a moh-vision model (a one-line error names them)
-        pairs.append((ours, peer))
+        for name in parts:
+            check_model_name(name)
+        model_class(parts[0])  # ours must be a moh-vision model (a one-line error names them)
+        pairs.append(tuple(parts))
     return pairs
 
 
@@ -388,12 +383,7 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
               "resolved": {"pairs": [f"{a}:{b}" for a, b in chosen], "batch": batch, "img_size": img_size,
                            "rounds": rounds, "warmup": warmup, "saved": saved}, "rows": rows}
 
-    def write() -> None:  # after the pairs, and again after each model's pieces: a run cut short keeps the rest
-        if out:
-            Path(out).write_text(table)
-            Path(out).with_suffix(".json").write_text(json.dumps(record, indent=1))
-
-    write()
+    write_record(out, table, record)  # now, and again after each model's pieces: a run cut short keeps the rest
     for name in dict.fromkeys(ours for ours, _ in chosen) if with_components else ():
         record.setdefault("components", {})[name] = pieces = component_times(name, batch, rounds, where, torch_dtype)
         table += "\n" + component_table(pieces, (
@@ -401,6 +391,6 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
             f"of {rounds} interleaved rounds; dwconv_<kernel>: the ConvGLU's depthwise convolution, aggregated_<kernel>: "
             "the aggregated attention, under each implementation that runs on this device (kernels.depthwise, "
             "kernels.aggregated)"))
-        write()
+        write_record(out, table, record)
     print(table)
     return rows

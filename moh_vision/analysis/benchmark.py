@@ -1,19 +1,11 @@
 """Timing that can tell: dense and MoH side by side in one process, a median and a spread per figure.
 
 Every benchmark of the project (``tools/bench_models.py``, ``tools/bench_kernels.py``, ``tools/bench_backbones.py``)
-times its candidates with :func:`interleave`: after a warm-up, each *round* calls every candidate once (in an order that
-rotates from round to round, so no candidate always runs first or last), and each call is timed on its own. A slow phase
-of the machine then hits all candidates of a round alike, and the ratio of two candidates is taken *per round*
-(:func:`paired_ratio`), whose median and quartiles are what the tables report. Rounds continue until ``rounds`` are done
-and at least ``min_seconds`` have passed, so short calls get many rounds.
-
-Two of them are below: :func:`bench_models` (MoH models against their dense twins, images/s) and :func:`bench_kernels`
-(one model under several ``kernels`` configs: whether an implementation pays on the whole model's step, and what it
-saves).
-
-Peak memory (:func:`peak_memory`): on CUDA the allocator's high-water mark of one call; on the CPU the peak of the bytes
-PyTorch's CPU allocator holds during one call, replayed from the profiler's individual allocation and free events
-(tensors only: Python objects and the allocator's own caches are not counted)."""
+times its candidates with :func:`interleave`: after a warm-up, each *round* calls every candidate once, in an order that
+rotates from round to round, each call timed on its own. A slow phase of the machine then hits all candidates of a round
+alike, and the ratio of two candidates is taken *per round* (:func:`paired_ratio`), whose median and quartiles the
+tables report. Here: :func:`bench_models` (MoH models against their dense twins) and :func:`bench_kernels` (one model
+under several ``kernels`` configs: whether an implementation pays on the whole model's step, and what it saves)."""
 from __future__ import annotations
 
 import contextlib
@@ -61,15 +53,13 @@ class Spread:
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
 def interleave(calls: Dict[str, Callable[[], None]], rounds: int = 15, warmup: int = 2, min_seconds: float = 0.0,
                device: torch.device = torch.device("cpu"), clock: Callable[[], float] = time.perf_counter,
                progress: Optional[Callable[[int], None]] = None) -> Dict[str, List[float]]:
-    """Seconds of every call of every candidate, ``rounds`` (or more, see ``min_seconds``) per candidate."""
+    """Seconds of every call of every candidate: ``rounds`` rounds, and more until ``min_seconds`` have passed."""
     sync = synchronizer(device)
     names = list(calls)
     for name in names:
@@ -124,10 +114,9 @@ def _native_stderr_silenced() -> Iterator[None]:
 
 
 def launches(call: Callable[[], None], device: torch.device) -> Dict[str, float]:
-    """What one ``call`` hands the device, from the profiler. On CUDA: ``kernels`` launched and ``device_ms``, the time
-    they kept the GPU busy (their summed durations); a call whose wall time is well above ``device_ms`` waits on the
-    host's launches, not on the GPU. On the CPU: ``aten_ops``, the ATen operators called at top level (each carries a
-    fixed dispatch cost, which is what sets a small call's time)."""
+    """What one ``call`` hands the device, from the profiler. On CUDA: ``kernels`` launched and ``device_ms``, their
+    summed durations (a call whose wall time is well above it waits on the host's launches). On the CPU: ``aten_ops``,
+    the ATen operators called at top level (each a fixed dispatch cost, which sets a small call's time)."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -174,13 +163,13 @@ def _cpu_memory_trace(prof) -> Optional[tuple]:
 
 
 def peak_memory(call: Callable[[], None], device: torch.device) -> Optional[int]:
-    """Bytes held at the peak of one ``call`` above what was held before it (None if unmeasurable).
+    """Bytes held at the peak of one ``call`` above what was held before it (None if unmeasurable): on CUDA the
+    allocator's high-water mark; on the CPU, tensors only, from the profiler's allocation and free events.
 
     CPU: ``call`` runs twice under the profiler and the second run is measured by replaying every allocation and free in
-    time order. (The first run allocates what the second frees, e.g. a training step's previous gradients: the profiler
-    cannot size blocks allocated before it started. Summing each op's *net* memory at the op's start instead would
-    credit a backward node's frees of its saved tensors before the gradients it allocates: several MB too little for
-    paths with large autograd nodes, such as masked MoH.)"""
+    time order (the first run allocates what the second frees, e.g. a training step's previous gradients, which the
+    profiler cannot size otherwise; summing each op's *net* memory would credit a backward node's frees of its saved
+    tensors before the gradients it allocates)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -395,7 +384,7 @@ def models_table(rows: Sequence[Dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(out: Optional[str], table: str, record: Dict) -> None:
+def write_record(out: Optional[str], table: str, record: Dict) -> None:
     """The table to ``out`` and the record (every number) to ``out``'s ``.json`` sibling."""
     if out:
         Path(out).write_text(table)
@@ -435,7 +424,7 @@ def bench_models(pairs: Optional[Sequence[str]] = None, batch: int = 2, img_size
               f"median [quartiles]")
     table = models_table(rows, header)
     print(table)
-    _write(out, table, {"header": header, "torch": torch.__version__, "kernels": kernels.as_dict(), "rows": rows})
+    write_record(out, table, {"header": header, "torch": torch.__version__, "kernels": kernels.as_dict(), "rows": rows})
     return rows
 
 
@@ -464,7 +453,7 @@ def bench_kernels(model: str, variants: Sequence[str] = ("auto", "reference"), b
     """``model`` (with ``attention``, if given) under each ``kernels`` variant (:func:`parse_kernels`), the same
     weights, its inference and training steps interleaved round by round: ms, the per-round ratio to the first variant
     (``x first``), the training peak memory and (``saved``) the MiB per image autograd keeps for backward
-    (:func:`saved_tensor_bytes`). What a record that keeps an implementation as a default reads."""
+    (:func:`saved_tensor_bytes`): what a record that keeps an implementation as a default reads."""
     from moh_vision.models import build_model, model_family
 
     if threads:
@@ -502,6 +491,6 @@ def bench_kernels(model: str, variants: Sequence[str] = ("auto", "reference"), b
                      f"{r['train_ms']['median']:.1f} | {_spread(r['train_x_base'])} | {peak} | {kept} |")
     table = "\n".join(lines) + "\n"
     print(table)
-    _write(out, table, {"header": header, "torch": torch.__version__, "machine": where_measured(where),
+    write_record(out, table, {"header": header, "torch": torch.__version__, "machine": where_measured(where),
                         "rows": rows})
     return rows

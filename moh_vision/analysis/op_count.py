@@ -1,7 +1,7 @@
 """What a routed layer costs the host: operators dispatched, host time per call, and graphs under compile.
 
 On a GPU a small layer's time is set by how many kernels the host launches, not by the arithmetic; each ATen operator
-dispatched is (at most) one launch. :func:`count_ops` counts every operator dispatched below autograd (forward and
+dispatched is (at most) one launch. :func:`steady_count` counts every operator dispatched below autograd (forward and
 backward, views included) with a ``TorchDispatchMode``, the same way for dense and MoH, so the counts measured on a CPU
 are the launches a GPU would see before any fusion; the "kernels" rows leave out the views (operators that alias their
 input, and ``_unsafe_view``), which launch nothing. With ``dtype=bfloat16`` (or ``float16``) every call runs under CPU
@@ -41,13 +41,6 @@ class _Counter(TorchDispatchMode):
         self.count += 1
         self.views += func.is_view or func is torch.ops.aten._unsafe_view.default  # a reshape autograd sees as new
         return func(*args, **(kwargs or {}))
-
-
-def count_ops(call: Callable[[], object]) -> int:
-    """ATen operators that ``call()`` dispatches (forward and backward, below autograd)."""
-    with _Counter() as counter:
-        call()
-    return counter.count
 
 
 def under_autocast(call: Callable[[], None], dtype: Optional[torch.dtype]) -> Callable[[], None]:
@@ -238,10 +231,7 @@ def bench_ops(pairs: Sequence[str], img_size: int = 64, attention: Optional[Dict
     """``tools/bench_models.py ops=true``: :func:`ops_report` for ``moh:dense`` model pairs built at ``img_size``
     (operator counts do not depend on it), every call under CPU autocast to ``dtype`` (``bfloat16``: as GPU runs train);
     prints the table, and with ``out`` writes it and ``<out>.json``."""
-    import json
-    from pathlib import Path
-
-    from .benchmark import DTYPES, build_for_bench
+    from .benchmark import DTYPES, build_for_bench, write_record
 
     built = []
     for pair in pairs:
@@ -251,8 +241,5 @@ def bench_ops(pairs: Sequence[str], img_size: int = 64, attention: Optional[Dict
     layer_attention = {"name": "moh", "activation_ratio": 0.75, **(attention or {})}
     rows, table = ops_report(built, layer_attention, graphs=graphs, dtype=DTYPES[dtype])
     print(table)
-    if out:
-        Path(out).write_text(table)
-        Path(out).with_suffix(".json").write_text(json.dumps({"torch": torch.__version__, "img_size": img_size,
-                                                              "dtype": dtype, "rows": rows}, indent=1))
+    write_record(out, table, {"torch": torch.__version__, "img_size": img_size, "dtype": dtype, "rows": rows})
     return rows
