@@ -39,17 +39,14 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class GaussianDiffusion:
-    """A discrete Gaussian diffusion process defined by its ``betas`` (1-D, in (0, 1]).
+    """A discrete Gaussian diffusion process defined by its ``betas`` (per-step noise variances in (0, 1], kept as
+    float64).
 
-    Args:
-        betas: per-step noise variances; kept as float64. mean_type: what the model's first C channels predict,
-        ``"eps"`` or ``"x0"``. var_type: ``"learned_range"`` (2C outputs), ``"fixed_small"`` (posterior variance) or
-            ``"fixed_large"`` (beta_t).
-        loss_type: ``"mse"`` (MSE on the mean target, plus the VB term when the variance is
-            learned: DiT's hybrid loss), ``"rescaled_mse"`` (VB scaled by T/1000), ``"kl"`` (VB only) or
-            ``"rescaled_kl"`` (VB times T).
-        timestep_map: original timestep of each step, for respaced processes; identity if None.
-    """
+    ``mean_type``: what the model's first C channels predict, ``"eps"`` or ``"x0"``. ``var_type``: ``"learned_range"``
+    (2C outputs), ``"fixed_small"`` (posterior variance) or ``"fixed_large"`` (beta_t). ``loss_type``: ``"mse"`` (MSE on
+    the mean target, plus the VB term when the variance is learned: DiT's hybrid loss), ``"rescaled_mse"`` (VB scaled by
+    T/1000), ``"kl"`` (VB only) or ``"rescaled_kl"`` (VB times T). ``timestep_map``: the original timestep of each step,
+    for respaced processes (None: identity)."""
 
     def __init__(self, betas, mean_type: str = "eps", var_type: str = "learned_range", loss_type: str = "mse",
                  timestep_map: Optional[Sequence[int]] = None):
@@ -168,8 +165,7 @@ class GaussianDiffusion:
 
     def p_mean_variance(self, model, x, t, clip_denoised: bool = False, denoised_fn: Optional[Callable] = None,
                         model_kwargs: Optional[dict] = None) -> Dict[str, torch.Tensor]:
-        """Run the model and return p(x_{t-1} | x_t): ``mean``, ``variance``, ``log_variance``, ``pred_xstart``.
-
+        """Run the model and return p(x_{t-1} | x_t): ``mean``, ``variance``, ``log_variance``, ``pred_xstart``;
         ``clip_denoised`` clamps the x0 prediction to [-1, 1] (pixel-space data; leave it off for latents)."""
         pred, var_values = self._split_output(self._call_model(model, x, t, model_kwargs), x)
         return self._p_from_output(pred, var_values, x, t, clip_denoised, denoised_fn)
@@ -179,9 +175,8 @@ class GaussianDiffusion:
         return uniform_timesteps(batch_size, self.num_timesteps, device=device, generator=generator)
 
     def _vb_bits(self, x0, x_t, t, pred, var_values) -> torch.Tensor:
-        """One term of the variational bound per sample, in bits per dimension.
-
-        KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) for t > 0, the decoder NLL -log p(x0 | x_1) at t = 0."""
+        """One term of the variational bound per sample, in bits per dimension: KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} |
+        x_t)) for t > 0, the decoder NLL -log p(x0 | x_1) at t = 0."""
         p = self._p_from_output(pred, var_values, x_t, t)
         true_mean, _, true_log_variance = self.q_posterior_mean_variance(x0, x_t, t)
         kl = mean_flat(normal_kl(true_mean, true_log_variance, p["mean"], p["log_variance"])) / math.log(2.0)
@@ -283,9 +278,8 @@ class GaussianDiffusion:
     def sample(self, model_fn, shape, model_kwargs: Optional[dict] = None, sampler: str = "ddpm", noise=None,
                clip_denoised: bool = False, denoised_fn=None, eta: float = 0.0, progress: bool = False, device=None,
                generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Draw samples of ``shape`` with ``sampler`` ("ddpm" or "ddim"); returns the final x_0.
-
-        ``noise`` fixes the initial x_T; ``generator`` makes all random draws reproducible."""
+        """Draw samples of ``shape`` with ``sampler`` ("ddpm" or "ddim"); returns the final x_0. ``noise`` fixes the
+        initial x_T; ``generator`` makes all random draws reproducible."""
         final = None
         for final in self.sample_loop_progressive(model_fn, shape, sampler, noise=noise, clip_denoised=clip_denoised,
                                                   denoised_fn=denoised_fn, model_kwargs=model_kwargs, device=device,

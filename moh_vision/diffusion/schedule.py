@@ -46,12 +46,9 @@ def betas_for_alpha_bar(num_timesteps: int, alpha_bar, max_beta: float = 0.999) 
 def space_timesteps(num_timesteps: int, section_counts: Union[str, int, Sequence[int]]) -> List[int]:
     """The sorted original timesteps kept when a ``num_timesteps`` process is sampled with fewer steps.
 
-    ``section_counts`` is one of
-      * ``"250"`` or ``250``: 250 steps evenly spread over the whole process (first and last kept);
-      * ``"10,15,20"`` or ``[10, 15, 20]``: the process is cut into equal sections and each section is strided to its
-        own count;
-      * ``"ddim50"``: the DDIM paper's integer stride ``range(0, T, k)`` giving exactly 50 steps.
-    """
+    ``section_counts``: ``"250"`` or ``250`` spreads 250 steps evenly over the whole process (first and last kept);
+    ``"10,15,20"`` or ``[10, 15, 20]`` cuts the process into equal sections, each strided to its own count; ``"ddim50"``
+    is the DDIM paper's integer stride ``range(0, T, k)`` giving exactly 50 steps."""
     if isinstance(section_counts, str):
         spec = section_counts.strip()
         if spec.startswith("ddim"):
@@ -76,9 +73,8 @@ def space_timesteps(num_timesteps: int, section_counts: Union[str, int, Sequence
             raise ConfigError(f"timestep_respacing={section_counts!r}: cannot take {count} steps from a section "
                               f"of {size} (of {num_timesteps} in all)")
         stride = (size - 1) / (count - 1) if count > 1 else 1
-        # A running float position rounded at each step (not round(j * stride)): the accumulated sum rounds differently
-        # for some counts (21, 23, 31, ... of 1000), and checkpoints sampled with DiT's respacing must see exactly the
-        # same timesteps here.
+        # A running float position rounded at each step, as in DiT's respacing (round(j * stride) differs for some
+        # counts: 21, 23, 31, ... of 1000)
         position = 0.0
         for _ in range(count):
             kept.append(start + round(position))
