@@ -6,22 +6,18 @@ The weights file is torch-fidelity's ``weights-inception-2015-12-05-6726825d.pth
 reads from the TF graph and where it is in the port:
 
 * ``pool_3:0`` (2048-d): the port's ``2048`` feature (the 8 x 8 average pool after ``Mixed_7c``);
-* ``mixed_6/conv:0``, first 7 channels: the output of ``Mixed_6d.branch1x1``. torch-fidelity's weight conversion
-  (``utils/util_convert_inception_weights.py``) maps the graph's ``mixed_6/conv/conv2d_params`` and
-  ``mixed_6/conv/batchnorm`` to ``Mixed_6d.branch1x1.conv`` and ``.bn`` (the graph counts its mixed blocks from 0:
-  mixed..mixed_2 = 5b..5d, mixed_3 = 6a, so mixed_6 = 6d, not torchvision's 6e). In that graph the op named
-  ``mixed_6/conv`` is the layer's ReLU, after ``mixed_6/conv/Conv2D`` and ``mixed_6/conv/batchnorm``; the port's
-  ``BasicConv2d`` ends with the same ReLU, so its output is that tensor: [N, 192, 17, 17] at 299 px. The first 7
-  channels are flattened in TensorFlow's NHWC order (row, column, channel), as ADM's ``reshape`` of the NHWC tensor
-  does, so the features line up with the ``mu_s``/``sigma_s`` stored in ADM's reference batches;
+* ``mixed_6/conv:0``, first 7 channels: the output of ``Mixed_6d.branch1x1``. torch-fidelity's weight conversion maps
+  the graph's ``mixed_6/conv/conv2d_params`` and ``mixed_6/conv/batchnorm`` there (the graph counts its mixed blocks
+  from 0, so mixed_6 = 6d, not torchvision's 6e); the op named ``mixed_6/conv`` is the layer's ReLU, which the port's
+  ``BasicConv2d`` ends with too: [N, 192, 17, 17] at 299 px. The 7 channels are flattened in TensorFlow's NHWC order,
+  as ADM's ``reshape`` does, so the features line up with the ``mu_s``/``sigma_s`` of ADM's reference batches;
 * ``softmax`` for the Inception Score: ADM multiplies pool_3 by ``softmax/logits/MatMul``'s weights without the bias;
   the port's ``logits_unbiased`` is that product (1008 classes), softmaxed here in float64.
 
 Caveats: the port resizes to 299 x 299 with TF1's bilinear resize and scales to [-1, 1] as the graph does; its authors
-report features equal to TF's up to float round-off, not bit for bit, so the numbers agree with ADM's evaluator to
-round-off, not exactly (this was not measured here: TensorFlow and the graph are not installed). That ``mixed_6/conv``
-is the ReLU output rests on the graph's naming convention (a layer's scope names its output op), which the conversion
-map above supports but which was not checked against the graph itself."""
+report features equal to TF's up to float round-off, so the numbers agree with ADM's evaluator to round-off (not
+measured here: TensorFlow and the graph are not installed). That ``mixed_6/conv`` is the ReLU output rests on the
+graph's naming convention (a layer's scope names its output op), not on a check against the graph itself."""
 from __future__ import annotations
 
 import os

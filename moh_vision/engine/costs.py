@@ -2,25 +2,20 @@
 
 Time is measured on the host, with no synchronisation beyond the loop's own: ``StepClock`` reads the clock around
 ``next(loader)`` (the *data wait*: time blocked on the next batch) and once per optimizer step (the *step time*:
-everything between two steps, data wait, forward, backward, optimizer, logging and checkpoints included, so data wait <=
-step time). On CUDA the loop already waits for every step's loss and gradient norm (``all_finite``, the clipping norm);
-the clock also synchronises the device at the end of each logging window, so a window's sum is exact. Within a step, the
-optimizer's kernels can still run while the host waits for the next batch: on CUDA the data wait is an upper bound of
-the time the device sat idle, by at most that.
-
-Under DDP every figure is the slowest rank's: one small tensor per window (and per epoch) is all-reduced with MAX.
+everything between two steps, data wait, logging and checkpoints included). On CUDA the loop already waits for every
+step's loss and gradient norm, and the clock synchronises the device at the end of each logging window, so a window's
+sum is exact; the data wait is an upper bound of the device's idle time (the optimizer's kernels may still run while the
+host waits). Under DDP every figure is the slowest rank's (one small all-reduce with MAX per window and per epoch).
 
 Rates (:meth:`RunCosts.rates`, the same keys in a logging window ``train/...``, an epoch row ``epoch/...`` and
 ``summary.json``): ``step_ms`` and ``data_wait_ms`` per optimizer step, ``data_wait_share`` (their ratio; at least
 :data:`INPUT_BOUND_SHARE` reads as input-bound), ``images_per_sec``, ``tflops`` (training FLOPs per image x images/s, 2
-FLOPs per multiply-add: :mod:`moh_vision.analysis.device_peaks`) and ``utilisation`` (``tflops`` over the peak of every
-device of the run at its precision). Without a FLOP count there is no ``tflops``; without a known peak (every CPU) no
-``utilisation``.
+FLOPs per multiply-add: :mod:`moh_vision.analysis.device_peaks`; absent without a FLOP count) and ``utilisation``
+(``tflops`` over the peak of every device of the run at its precision; absent without a known peak, as on every CPU).
 
 Peak memory (``peak_memory_mb``): on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``), reset at the start
-of every training epoch; on the CPU the main process's resident-set peak (``getrusage``'s ``ru_maxrss``), which the
-operating system keeps since the process started and never resets (data-loader workers are other processes and not
-counted)."""
+of every training epoch; on the CPU the main process's resident-set peak since it started (``getrusage``'s
+``ru_maxrss``, never reset; data-loader workers are other processes and not counted)."""
 from __future__ import annotations
 
 import sys
@@ -53,8 +48,7 @@ def slowest(values: Sequence[float], dist: DistInfo) -> List[float]:
 
 @dataclass
 class StepTimes:
-    """Seconds of optimizer steps, the part of them spent waiting for batches, the steps and their images (all
-    ranks')."""
+    """Seconds of optimizer steps, the part spent waiting for batches, the steps and their images (all ranks')."""
 
     seconds: float = 0.0
     data_wait: float = 0.0
@@ -136,11 +130,9 @@ def peak_memory_source(device: torch.device) -> str:
 class RunCosts:
     """What a run's step times turn into: rates per window, epoch and run, and their console text.
 
-    Args:
-        flops: the FLOP report of one forward (``FitParts.flops``; empty when not counted). device: this process's
-        device. amp: ``trainer.amp`` (which matrix units the peak is the one of). world_size: processes, one device each
-        (utilisation is against all of their peaks).
-    """
+    ``flops``: the FLOP report of one forward (``FitParts.flops``; empty when not counted); ``amp``: ``trainer.amp``
+    (which matrix units the peak is the one of); ``world_size``: processes, one device each (utilisation is against all
+    of their peaks)."""
 
     def __init__(self, flops: Mapping[str, Any], device: torch.device, amp: str, world_size: int):
         self.device, self.world_size = device, world_size
@@ -187,10 +179,8 @@ class RunCosts:
         """The run's FLOPs per training image and the peak its utilisation is measured against, in words."""
         work = ("FLOPs not counted: no TFLOP/s" if self.gflops_per_image is None else
                 f"{self.gflops_per_image:.4g} GFLOPs per training image (3 x the active forward, 2 per multiply-add)")
-        if self.peak_tflops:
-            peak = f"{self.device_name}: {self.peak_tflops:g} TFLOP/s dense {self.precision} peak"
-        else:
-            peak = f"{self.device_name}: no {self.precision} peak known, utilisation not reported"
+        peak = (f"{self.device_name}: {self.peak_tflops:g} TFLOP/s dense {self.precision} peak" if self.peak_tflops
+                else f"{self.device_name}: no {self.precision} peak known, utilisation not reported")
         return f"{work}; {peak}"
 
     def text(self, values: Mapping[str, Any], prefix: str) -> str:

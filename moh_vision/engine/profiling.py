@@ -121,10 +121,8 @@ class StepProfiler:
         if self.profile is None and not first - 1 <= step < last or step + 1 == self.step_under_way:
             return  # outside the window, or called again before the step under way (a new epoch's start)
         if self.profile is None:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profile = torch.profiler.profile(activities=activities)
+            kinds = torch.profiler.ProfilerActivity
+            self.profile = torch.profiler.profile(activities=[kinds.CPU] + [kinds.CUDA] * (self.device.type == "cuda"))
             self.profile.start()
             self.first_recorded, self.started_at = step + 1, time.perf_counter()
         elif step >= last:

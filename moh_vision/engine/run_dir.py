@@ -100,10 +100,7 @@ class RunLock:
         if where == host and isinstance(pid, int) and not _alive(pid):
             log.warning("taking over the lock of a run that is gone (pid %d on %s, started %s): %s", pid, where,
                         owner.get("started", "?"), self.path)
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
+            self.path.unlink(missing_ok=True)
             return
         who = f"pid {pid} on {where}, started {owner.get('started', '?')}" if owner else "an unreadable lock"
         check = "" if where == host else "; if that run is gone, delete the lock"

@@ -1,15 +1,12 @@
 """Class-conditional samples from a trained DiT / MoH-DiT checkpoint, for grids and FID (``tools/sample.py``).
 
-The checkpoint carries the task/model/data/attention config; the model and task are rebuilt from it (EMA weights by
-default) and latents are decoded with the VAE of ``task.vae.path`` (or ``vae=``). Class labels follow DiT's
-``sample_ddp.py`` by default (``labels=random``): each batch draws its labels uniformly at random, so class counts vary
-as in the published FID-50K runs; ``labels=balanced`` (the default with ``per_class=``) gives every class ``N // C`` or
-one more samples, sorted by class. Batch ``k`` of ``batch_size`` samples draws its noise (and its random labels, from a
-separate stream) from seed ``(seed, k)``, and ranks take every WORLD_SIZE-th batch, so the output does not depend on the
-number of ranks. (DiT seeds one stream per rank, ``global_seed * world_size + rank``, which makes its labels and noise
-depend on the number of GPUs; per-batch seeds keep the same distribution and make an interrupted run resumable.)
-Finished batches are kept in ``out/.parts-<hash>/`` until the end, so an interrupted run resumes when rerun with the
-same settings and ``out``. Rank 0 writes:
+The model and task are rebuilt from the checkpoint's config (EMA weights by default); latents are decoded with the VAE of
+``task.vae.path`` (or ``vae=``). Labels follow DiT's ``sample_ddp.py`` by default (``labels=random``: each batch draws
+its labels uniformly at random, so class counts vary as in the published FID-50K runs); ``labels=balanced`` (the default
+with ``per_class=``) gives every class ``N // C`` or one more samples, sorted by class. Batch ``k`` draws its noise (and
+its random labels, from a separate stream) from seed ``(seed, k)`` and ranks take every WORLD_SIZE-th batch, so the
+output does not depend on the number of ranks (DiT's per-rank seeds make it depend on them). Finished batches are kept
+in ``out/.parts-<hash>/`` until the end: a rerun with the same settings and ``out`` resumes. Rank 0 writes:
 
 * ``samples.npz``: ``arr_0`` uint8 [N, H, W, 3], the input of ADM's evaluation suite (DiT's FID protocol);
 * ``labels.npy``: the class of every sample; ``samples.png``: a labelled grid (rows = classes);
@@ -78,9 +75,8 @@ def label_mode(cfg: Mapping[str, Any]) -> str:
 def draw_labels(mode: str, num_samples: int, num_classes: int, batch_size: int, seed: int) -> torch.Tensor:
     if mode not in LABEL_MODES:
         raise ConfigError(f"labels={mode}: use {' or '.join(LABEL_MODES)}")
-    if mode == "balanced":
-        return balanced_labels(num_samples, num_classes)
-    return random_labels(num_samples, num_classes, batch_size, seed)
+    return balanced_labels(num_samples, num_classes) if mode == "balanced" else \
+        random_labels(num_samples, num_classes, batch_size, seed)
 
 
 def batch_seed(seed: int, k: int) -> int:
@@ -194,16 +190,11 @@ def part_path(parts: Path, k: int) -> Path:
     return parts / f"batch_{k:06d}.npz"
 
 
-def save_part(path: Path, images: np.ndarray, labels: np.ndarray) -> None:
-    atomic_write(path, lambda f: np.savez(f, images=images, labels=labels))
-
-
 @torch.no_grad()
 def sample_batches(task, model, labels: torch.Tensor, batches: Iterable[int], seed: int, device: torch.device,
                    parts: Path, bar=None, decode_batch_size: int = 32) -> None:
-    """Sample, decode and store the given batches (skipping stored ones).
-
-    The VAE decodes ``decode_batch_size`` latents at a time (at 256 px it holds hundreds of MB per image)."""
+    """Sample, decode and store the given batches (skipping stored ones); the VAE decodes ``decode_batch_size`` latents
+    at a time (at 256 px it holds hundreds of MB per image)."""
     from moh_vision.analysis.grids import to_uint8
 
     size = int(task.sample_cfg["batch_size"])
@@ -213,7 +204,7 @@ def sample_batches(task, model, labels: torch.Tensor, batches: Iterable[int], se
         if not path.exists():
             latents = task.sample(model, chunk, device, seed=batch_seed(seed, k))
             images = np.concatenate([to_uint8(task.decode(x)) for x in latents.split(decode_batch_size)])
-            save_part(path, images, chunk.numpy())
+            atomic_write(path, lambda f: np.savez(f, images=images, labels=chunk.numpy()))
         if bar is not None:
             bar.update(len(chunk))
 
@@ -244,9 +235,7 @@ def sample_images(task, model, labels: torch.Tensor, seed: int, device: torch.de
     if bar is not None:
         bar.close()
     barrier(dist)
-    if not dist.is_main:
-        return None
-    return merge_parts(parts, num_batches)
+    return merge_parts(parts, num_batches) if dist.is_main else None
 
 
 # -- Outputs and metrics (rank 0) --------------------------------------------------------------------------------------
