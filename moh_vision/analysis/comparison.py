@@ -1,15 +1,7 @@
 """The statistics behind a comparison's verdict (``tools/sweep_report.py``): each arm against a reference arm (the dense
-one) by Welch's difference of means, and whether each run had converged.
-
-* :func:`welch_difference`: ``mean(arm) - mean(reference)`` with its two-sided confidence interval, Student's t with the
-  Welch-Satterthwaite degrees of freedom (the arms' variances are not assumed equal).
-* :func:`verdict`: that interval read against an equivalence margin ``m`` (in the metric's units): ``within margin``
-  when the whole interval lies inside ``[-m, m]``; ``better by d`` / ``worse by d`` when it lies wholly beyond ``+m`` or
-  ``-m`` (in the metric's good direction); ``inconclusive`` otherwise (the interval straddles ``-m`` or ``+m``: more
-  seeds would decide it).
-* :func:`convergence`: one run's metric history (one value per evaluation): ``best`` against ``final`` within ``tol``
-  and the least-squares trend over the last ``window`` evaluations within ``flat_tol``.
-"""
+one) by Welch's difference of means (:func:`welch_difference`: the arms' variances are not assumed equal) read against
+an equivalence margin (:func:`verdict`: an interval that straddles the margin is inconclusive, more seeds would decide
+it), and whether each run had converged (:func:`convergence`)."""
 from __future__ import annotations
 
 import math
@@ -39,15 +31,14 @@ def welch_difference(arm: Sequence[float], reference: Sequence[float], confidenc
     point ``[diff, diff]`` and ``dof`` is nan."""
     a, r = _clean(arm), _clean(reference)
     nan = float("nan")
+    out = {"diff": nan, "se": nan, "dof": nan, "low": nan, "high": nan, "n": len(a), "n_ref": len(r)}
     if not a or not r:
-        return {"diff": nan, "se": nan, "dof": nan, "low": nan, "high": nan, "n": len(a), "n_ref": len(r)}
-    diff = statistics.fmean(a) - statistics.fmean(r)
-    out = {"diff": diff, "se": nan, "dof": nan, "low": nan, "high": nan, "n": len(a), "n_ref": len(r)}
+        return out
+    out["diff"] = diff = statistics.fmean(a) - statistics.fmean(r)
     if len(a) < 2 or len(r) < 2:
         return out
     va, vr = statistics.variance(a) / len(a), statistics.variance(r) / len(r)
-    se = math.sqrt(va + vr)
-    out["se"] = se
+    out["se"] = se = math.sqrt(va + vr)
     if se == 0.0:
         out["low"] = out["high"] = diff
         return out
@@ -101,16 +92,8 @@ def convergence(history: Sequence[float], higher_better: bool = True, tol: float
 def history_from_rows(rows: Sequence[Dict[str, str]], metric: str) -> list:
     """A metric's values per evaluation from ``metrics.csv`` rows (as ``csv.DictReader`` gives them): the rows that
     carry it, in step order, the evaluation before training (``epoch`` < 0) left out."""
-    out = []
-    for row in rows:
-        value = row.get(metric)
-        if value in (None, ""):
-            continue
-        epoch = row.get("epoch")
-        if epoch not in (None, "") and float(epoch) < 0:
-            continue
-        out.append(float(value))
-    return out
+    return [float(row[metric]) for row in rows if row.get(metric) not in (None, "")
+            and (row.get("epoch") in (None, "") or float(row["epoch"]) >= 0)]
 
 
 def reference_arm(arms: Dict[str, float], requested: Optional[str] = None) -> Optional[str]:

@@ -11,13 +11,12 @@ colour fields, shapes and noise, about ImageNet's size on disk and decode time) 
   0.25 in pixel mode; eval: resize 256, crop 224). Its posterize gets the project's fix (Pillow 13 refuses timm's 0-bit
   posterize, which the recipe draws: ``use_safe_posterize``), the one change, so that it runs at all.
 
-Mixup is in neither: it mixes batches in the training step, not in the loader. Every pass is timed on its own and the
-candidates take turns (:func:`~moh_vision.analysis.benchmark.interleave`), each worker count's loaders kept (persistent
-workers) so that a pass times loading, not process start-up. With ``workers=0`` the main process loads, on one thread:
-that is one worker's rate. The ratio moh_vision / timm is taken per round (median and quartiles)."""
+Mixup is in neither (it mixes batches in the training step). The candidates take turns
+(:func:`~moh_vision.analysis.benchmark.interleave`) with persistent workers, so a pass times loading, not process
+start-up; ``workers=0`` loads in the main process on one thread (one worker's rate). The ratio moh_vision / timm is
+taken per round (median and quartiles)."""
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -27,7 +26,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from moh_vision.analysis.benchmark import Spread, interleave, machine_description
+from moh_vision.analysis.benchmark import Spread, interleave, machine_description, write_record
 from moh_vision.data.imagefolder import ImageFolderData
 from moh_vision.data.sampler import EpochKeys, EpochSampler, SeededItems, loader_options
 from moh_vision.data.transforms import RECIPE_RE_COUNT, RECIPE_RE_MODE, use_safe_posterize
@@ -113,10 +112,8 @@ def timms(root: Path, split: str, bench: DataBench, workers: int) -> DataLoader:
     from timm.data import ImageDataset, create_loader
 
     training = split == "train"
-    if training:
-        recipe = dict(RECIPE, re_mode=RECIPE_RE_MODE, re_count=RECIPE_RE_COUNT)
-    else:
-        recipe = dict(interpolation=RECIPE["interpolation"], crop_pct=EVAL_CROP_PCT)
+    recipe = dict(RECIPE, re_mode=RECIPE_RE_MODE, re_count=RECIPE_RE_COUNT) if training else \
+        dict(interpolation=RECIPE["interpolation"], crop_pct=EVAL_CROP_PCT)
     loader = create_loader(ImageDataset(str(root / split)), input_size=(3, bench.img_size, bench.img_size),
                            batch_size=bench.batch, is_training=training, use_prefetcher=False, num_workers=workers,
                            persistent_workers=workers > 0, **recipe)
@@ -208,7 +205,5 @@ def bench_data(bench: DataBench, out: Optional[str] = None) -> dict:
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(bench).items()}
     record = {"header": header, "machine": machine_description(), "torch": torch.__version__,
               "timm": timm.__version__, "pillow": PIL.__version__, "settings": settings, "tree": tree, "rows": rows}
-    if out:
-        Path(out).write_text(table + "\n")
-        Path(out).with_suffix(".json").write_text(json.dumps(record, indent=1))
+    write_record(out, table + "\n", record)
     return record

@@ -7,17 +7,12 @@ seed excepted: ``+experiment/compare=moh_50`` gives arm ``moh_50`` (the ``experi
 full attention config, so two MoH arms with the same ratio but other heads are never merged. Per arm: mean and standard
 deviation over seeds of the metric, active GFLOPs, GFLOPs, parameters and measured training images/s.
 
-The verdict (:mod:`moh_vision.analysis.comparison`): each arm against the reference arm (the dense one, activation ratio
-1.0, unless ``reference=`` names another), the difference of means with its 95% interval (Welch) and whether it lies
-within ``margin`` (default 0.5, in the metric's units: points of top-1). Convergence: per job, from its ``metrics.csv``,
-best against final value of the metric and the trend of its last five evaluations; a run that had not reached its
-plateau is flagged in the table and printed.
+The verdict (:mod:`moh_vision.analysis.comparison`): each arm against the reference arm (the dense one unless
+``reference=`` names another) within ``margin`` (default 0.5, in the metric's units: points of top-1). Convergence: per
+job, from its ``metrics.csv``; a run that had not reached its plateau is flagged in the table and printed.
 
-:func:`write_sweep_report` writes ``sweep_report.md``, ``sweep_report.csv``, ``sweep_report.json`` (rows, verdicts,
-every job's value and convergence, the settings) and ``sweep_report.png`` (the metric against the activation ratio,
-against active GFLOPs and against images/s, one labelled point per arm with error bars of one standard deviation over
-seeds in both directions, and every seed's own value as a small dot). Each attention type has one colour in every panel
-(mha blue, moh green, moa orange, preset purple) and each model one marker."""
+:func:`write_sweep_report` writes ``sweep_report.md``, ``.csv``, ``.json`` (rows, verdicts, every job's value and
+convergence, the settings) and ``.png`` (:func:`make_figure`)."""
 from __future__ import annotations
 
 import csv
@@ -50,11 +45,8 @@ def _overrides(job_dir: Path) -> Optional[Dict[str, str]]:
     path = job_dir / ".hydra" / "overrides.yaml"
     if not path.is_file():
         return None
-    out = {}
-    for item in yaml.safe_load(path.read_text()) or []:
-        key, _, value = str(item).partition("=")
-        out[key] = value
-    return out
+    pairs = (str(item).partition("=") for item in yaml.safe_load(path.read_text()) or [])
+    return {key: value for key, _, value in pairs}
 
 
 def _config_signature(cfg: Dict[str, Any]) -> str:
@@ -73,7 +65,7 @@ def load_jobs(root: Path) -> List[Dict[str, Any]]:
             cfg = run_config(job_dir)
         except ConfigError:  # a job without its config: grouped by its summary alone
             cfg = {}
-        attention = (cfg.get("attention") or {})
+        attention = cfg.get("attention") or {}
         jobs.append({
             "dir": str(job_dir.relative_to(root)),
             "model": (cfg.get("model") or {}).get("name") or summary.get("model"),
@@ -213,10 +205,8 @@ def add_verdicts(rows: List[Dict[str, Any]], jobs: List[Dict[str, Any]], metric:
         members = [j for j in jobs if j["arm"] == arm and j.get("convergence") is not None]
         row["converged"] = f"{sum(j['convergence']['converged'] for j in members)}/{len(members)}" if members else ""
         diff = comparison.welch_difference(values[arm], values[ref]) if ref and arm != ref else None
-        row["vs_ref diff"] = diff["diff"] if diff else float("nan")
-        row["vs_ref low"] = diff["low"] if diff else float("nan")
-        row["vs_ref high"] = diff["high"] if diff else float("nan")
-        row["vs_ref dof"] = diff["dof"] if diff else float("nan")
+        for key in ("diff", "low", "high", "dof"):
+            row[f"vs_ref {key}"] = diff[key] if diff else float("nan")
         row["verdict"] = "reference" if arm == ref else \
             comparison.verdict(diff["diff"], diff["low"], diff["high"], margin, higher) if diff else ""
     return ref
@@ -298,15 +288,12 @@ def write_json(rows: List[Dict[str, Any]], jobs: List[Dict[str, Any]], metric: s
     def plain(v: Any) -> Any:
         return None if isinstance(v, float) and math.isnan(v) else v
 
-    data = {
-        "metric": metric, **settings,
-        "arms": [{k: plain(v) for k, v in r.items()} for r in rows],
-        # the same by arm name, keys without spaces: what a doc's figure marker addresses (docs/bench/README.md)
-        "by_arm": {r["arm"]: {k.replace(" ", "_"): plain(v) for k, v in r.items()} for r in rows},
-        "jobs": [{"arm": j["arm"], "seed": j["seed"], "dir": j["dir"], metric: plain(j["summary"].get(metric)),
-                  "convergence": {k: plain(v) for k, v in j["convergence"].items()} if j.get("convergence") else None}
-                 for j in jobs],
-    }
+    data = {"metric": metric, **settings, "arms": [{k: plain(v) for k, v in r.items()} for r in rows],
+            # the same by arm name, keys without spaces: what a doc's figure marker addresses (docs/bench/README.md)
+            "by_arm": {r["arm"]: {k.replace(" ", "_"): plain(v) for k, v in r.items()} for r in rows},
+            "jobs": [{"arm": j["arm"], "seed": j["seed"], "dir": j["dir"], metric: plain(j["summary"].get(metric)),
+                      "convergence": {k: plain(v) for k, v in j["convergence"].items()} if j.get("convergence")
+                      else None} for j in jobs]}
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -321,8 +308,8 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not math.isnan(value)
 
 
-# One colour per attention type in every panel (matplotlib's colour cycle restarts per panel and skips nothing, so a
-# family without points in one panel used to shift the colours of the others there).
+# One colour per attention type in every panel (matplotlib's colour cycle would restart per panel, shifted by a family
+# without points there) and one marker per model.
 ATTENTION_COLORS = {"mha": "tab:blue", "moh": "tab:green", "moa": "tab:orange", "preset": "tab:purple"}
 SPARE_COLORS = ("tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
 MODEL_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">")
@@ -341,8 +328,9 @@ def family_styles(rows: List[Dict[str, Any]]) -> Dict[str, Dict[str, str]]:
 
 
 def make_figure(rows: List[Dict[str, Any]], metric: str, jobs: Sequence[Dict[str, Any]] = ()):
-    """The report's figure: the metric against the activation ratio, active GFLOPs and images/s; with ``jobs``, every
-    seed's own value as a small dot beside its arm's mean (a stalled seed shows)."""
+    """The report's figure: the metric against the activation ratio, active GFLOPs and images/s, one labelled point per
+    arm with error bars of one standard deviation over seeds (colour: the attention type, marker: the model); with
+    ``jobs``, every seed's own value as a small dot beside its arm's mean (a stalled seed shows)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -445,8 +433,7 @@ def write_sweep_report(root: Path, metric: Optional[str] = None, extra: Sequence
     # the other sample metrics of a diffusion sweep (sample/fd_digits beside sample/class_acc) come along
     group = metric.split("/", 1)[0] + "/" if metric.startswith("sample/") else None
     siblings = sorted({k for j in jobs for k in j["summary"] if group and k.startswith(group) and k != metric})
-    metrics = [metric] + [m for m in [*siblings, *extra] if m != metric]
-    metrics = list(dict.fromkeys(metrics))
+    metrics = list(dict.fromkeys([metric, *siblings, *extra]))
     rows = aggregate(jobs, metrics)
     add_convergence(jobs, root, metric)
     ref = add_verdicts(rows, jobs, metric, margin, reference)
