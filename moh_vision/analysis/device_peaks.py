@@ -2,22 +2,15 @@
 
 Conventions (the ones torchtitan and nanoGPT's MFU use):
 
-* **2 FLOPs per multiply-add.** The project's GFLOPs (``gflops``, ``active_gflops``: fvcore's convention,
-  :mod:`moh_vision.analysis.flop_count`) count one multiply-add as one; vendors state their peaks in FLOP/s with a
-  multiply-add as two. So a TFLOP/s figure here is ``2 x`` multiply-adds per second, and utilisation is a ratio of like
-  to like.
-* **Training = 3 x the forward** (the backward computes the gradients of both the inputs and the weights: twice the
-  forward), per image, from the **active** count: a MoH layer is charged for the heads a token uses (``active_gflops``),
-  as the FLOPs table and ``summary.json`` count it. Point-wise work (``pointwise_gflops``) is left out, as the peaks are
-  those of the matrix units.
-* **Dense peaks** (without 2:4 structured sparsity), from the vendors' datasheets and architecture whitepapers, in
-  TFLOP/s: bf16 / fp16 on the tensor cores with fp32 accumulation (what PyTorch uses; the GeForce cards run at half the
-  fp16-accumulate rate their box states), tf32 on the tensor cores, and fp32 without them. A precision the device lacks
-  (bf16 or tf32 before Ampere) has no peak: the run's utilisation is then not reported rather than reported against the
-  wrong unit.
-
-On a CPU there is no peak (vendors state none that PyTorch's kernels can be held to): utilisation is absent there,
-TFLOP/s is still reported."""
+* **2 FLOPs per multiply-add.** The project's GFLOPs (fvcore's convention, :mod:`moh_vision.analysis.flop_count`) count
+  a multiply-add as one; vendors' peaks count it as two, so a TFLOP/s figure here is ``2 x`` multiply-adds per second.
+* **Training = 3 x the forward** (the backward computes the gradients of both the inputs and the weights), per image,
+  from the **active** count (``active_gflops``: a MoH layer is charged for the heads a token uses). Point-wise work is
+  left out, as the peaks are those of the matrix units.
+* **Dense peaks** (without 2:4 structured sparsity), from the vendors' datasheets, in TFLOP/s: bf16 / fp16 on the tensor
+  cores with fp32 accumulation (what PyTorch uses; the GeForce cards run at half the fp16-accumulate rate their box
+  states), tf32 on the tensor cores, and fp32 without them. A precision the device lacks (bf16 or tf32 before Ampere)
+  has no peak, and a CPU has none: utilisation is then not reported (TFLOP/s still is)."""
 from __future__ import annotations
 
 import platform

@@ -2,20 +2,18 @@
 
 On a GPU a small layer's time is set by how many kernels the host launches, not by the arithmetic; each ATen operator
 dispatched is (at most) one launch. :func:`steady_count` counts every operator dispatched below autograd (forward and
-backward, views included) with a ``TorchDispatchMode``, the same way for dense and MoH, so the counts measured on a CPU
-are the launches a GPU would see before any fusion; the "kernels" rows leave out the views (operators that alias their
-input, and ``_unsafe_view``), which launch nothing. With ``dtype=bfloat16`` (or ``float16``) every call runs under CPU
-autocast, as GPU training does. :func:`ops_report` puts dense and MoH side by side, the figures of
-``tools/bench_models.py ops=true``:
+backward) with a ``TorchDispatchMode``, the same way for dense and MoH, so the counts measured on a CPU are the launches
+a GPU would see before any fusion; the "kernels" rows leave out the views (operators that alias their input, and
+``_unsafe_view``), which launch nothing. With ``dtype=bfloat16`` (or ``float16``) every call runs under CPU autocast, as
+GPU training does. :func:`ops_report` puts dense and MoH side by side (``tools/bench_models.py ops=true``), every layer
+and model with the default kernels (all ``auto``):
 
 * one attention layer (dims 384 / 6 heads and 768 / 12, batch 8, 196 tokens), inference, and a training forward+backward
   with the routing recorder open and the aux loss added, as the trainer runs it;
 * each model pair, one inference call and one training forward+backward (recorder open, aux loss);
 * host time per layer call on a negligible input (``[1, 4, 192]``, 12 heads): the fixed cost of a call;
 * with ``graphs``, ``torch._dynamo.explain``: graphs and graph breaks of each model in eval and in training with the
-  recorder open, and the frames compiled over three training steps with fresh recorders (1: no recompile).
-
-Every layer and model runs the default kernels (``auto``: on the CPU MoH's fused routing kernel)."""
+  recorder open, and the frames compiled over three training steps with fresh recorders (1: no recompile)."""
 from __future__ import annotations
 
 import statistics

@@ -45,8 +45,7 @@ class ClassificationTask:
         self.kernels = dict(kernels) if kernels else None
         weight = self.attention_cfg["aux_loss_weight"] if aux_loss_weight is None else aux_loss_weight
         self.aux_loss_weight = float(weight)
-        self.mixup = None
-        self.label_smoothing = 0.0
+        self.mixup, self.label_smoothing = None, 0.0
 
     # --- setup ----------------------------------------------------------------------------------
     def build_model(self, data) -> nn.Module:
