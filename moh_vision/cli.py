@@ -114,7 +114,6 @@ def list_of(item: Callable[[str], Any], single: bool = False) -> Callable[[str],
 class Option:
     """One ``key=value`` option. A name ending in ``.*`` is a group: ``attention.<key>=<value>`` words are collected
     (values parsed as YAML) into a dict under ``<name>_options`` (``attention_options``)."""
-
     name: str
     default: Any = None
     type: Callable[[str], Any] = text

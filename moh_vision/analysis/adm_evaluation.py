@@ -99,7 +99,6 @@ class FolderImages:
 
     def __init__(self, root: Path, side: int):
         from moh_vision.data.imagefolder import IMG_EXTENSIONS
-
         self.files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS
                             and not any(part.startswith(".") for part in p.relative_to(root).parts))
         if not self.files:
@@ -109,7 +108,6 @@ class FolderImages:
     def batches(self, batch_size: int) -> Iterator[np.ndarray]:
         from moh_vision.data.imagefolder import load_image
         from moh_vision.data.latents import center_crop_arr
-
         for start in range(0, len(self.files), batch_size):
             yield np.stack([center_crop_arr(load_image(str(f), "RGB"), self.side)
                             for f in self.files[start:start + batch_size]])
@@ -186,7 +184,6 @@ def evaluate_samples(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     """``tools/evaluate_samples.py``: read, evaluate, print and write the JSON (``cfg.out``; default: beside the
     samples)."""
     from moh_vision.checkpoints import atomic_write
-
     samples = read_samples(cfg["samples"])
     reference = read_reference(cfg["ref"], side=samples.shape[1])
     inception = InceptionActivations(cfg["inception"], auto_device(cfg["device"]))

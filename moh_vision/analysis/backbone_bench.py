@@ -52,7 +52,6 @@ def parse_pairs(specs: Iterable[str]) -> List[Tuple[str, str]]:
     """``["ours:peer", "big", ...]`` -> ``[(ours, peer), ...]``; a set name (:data:`PAIR_SETS`) stands for its pairs.
     Ours must be one of this package's models, the peer any timm model (a one-line ConfigError else)."""
     from moh_vision.models.families import check_model_name, model_class
-
     pairs = []
     for spec in specs:
         if spec in PAIR_SETS:
@@ -80,7 +79,6 @@ def _at_size(model: nn.Module, img_size: int) -> nn.Module:
 def build_peer(name: str, img_size: int, device: torch.device) -> nn.Module:
     """timm's ``name`` at ``img_size`` (passed where the model takes it: PVTv2 runs at any size without it)."""
     import timm
-
     try:
         model = timm.create_model(name, img_size=img_size)
     except TypeError as err:
@@ -107,7 +105,6 @@ def describe(model: nn.Module, batch: int, device: torch.device, dtype: torch.dt
     """``gflops`` (and ``active_gflops``) per image, ``params_m`` and, with ``saved``, ``saved_mib_per_image`` of one
     eager training step of ``batch`` images (:func:`saved_tensor_bytes`)."""
     from .flop_count import count_flops
-
     counted = count_flops(model, model.pretrained_cfg["input_size"])
     info: Dict[str, object] = {"gflops": counted["gflops"], "active_gflops": counted["active_gflops"],
                                "params_m": counted["params"] / 1e6}
@@ -151,7 +148,6 @@ def top_ops(step: Callable[[], None], device: torch.device, count: int = 15) -> 
     (CUDA: kernels) that take most (``ops``), all of them summed by kind (``by_kind``, ms:
     :func:`~moh_vision.analysis.profile_kinds.time_by_kind`) and in all (``total_ms``)."""
     from torch.profiler import ProfilerActivity, profile
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     step()
     with profile(activities=activities) as prof:
@@ -185,7 +181,6 @@ def arithmetic_rate(info: Dict[str, object], timings: Dict[str, object], device:
     convention, :mod:`~moh_vision.analysis.device_peaks`) and, on a GPU of the peaks table, ``train_utilisation``
     against its dense peak for ``dtype``."""
     from .device_peaks import device_name, peak_tflops, run_precision, training_gflops_per_image
-
     out = {"train_tflops": training_gflops_per_image(info) * timings["train_img_s"] / 1e3}
     amp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "none")
     peak = peak_tflops(device_name(device), run_precision(amp)) if device.type == "cuda" else None
@@ -199,7 +194,6 @@ def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, war
                saved: bool, profile: bool = False, kernels: Optional[Kernels] = None) -> List[Dict[str, object]]:
     """One row per entry of ``compile_modes`` (False: eager, True: ``torch.compile``d with ``compile_mode``)."""
     from moh_vision.attention.recorder import compile_model
-
     models = build_pair(ours, peer, img_size, device, kernels)
     info = {side: describe(m, batch, device, dtype, saved) for side, m in models.items()}
     gflops_ratio = info["ours"]["gflops"] / info["peer"]["gflops"]
@@ -234,7 +228,6 @@ def component_times(model_name: str, batch: int, rounds: int, device: torch.devi
     from moh_vision.ops.depthwise import DEPTHWISE
 
     import timm
-
     with torch.device("meta"):  # only its shapes
         model = timm.create_model(model_name)
     rows = []
@@ -272,7 +265,6 @@ def component_times(model_name: str, batch: int, rounds: int, device: torch.devi
 def _stages(model: nn.Module) -> List[Tuple[int, int, int, int, int, int, int]]:
     """(H, W, dim, ConvGLU hidden width, heads, pooled tokens, window) of each aggregated stage's first block."""
     from moh_vision.models.transnext import TransNeXtAggregatedAttention
-
     out = []
     for index in range(4):
         block = getattr(model, f"block{index + 1}")[0]
@@ -344,7 +336,6 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
     time in one training step (:func:`top_ops`); ``with_components`` each TransNeXt's pieces timed alone
     (:func:`component_times`); ``kernels``: ours' kernels config (default all ``auto``)."""
     import timm
-
     settings = {"pairs": list(pairs) if pairs else None, "batch": batch, "img_size": img_size, "rounds": rounds,
                 "warmup": warmup, "min_seconds": min_seconds, "device": device, "dtype": dtype, "threads": threads,
                 "compile": list(compile_modes), "compile_mode": compile_mode, "saved": saved, "quick": quick,

@@ -29,7 +29,6 @@ from moh_vision.ops import Kernels, resolved
 @dataclass
 class Spread:
     """Median and quartiles of a sample."""
-
     median: float
     q1: float
     q3: float
@@ -86,7 +85,6 @@ def rounds_bar(total: int, desc: str) -> Iterator[Callable[[int], None]]:
     """A progress bar over the timed rounds on stderr (a whole-model benchmark runs for minutes): yields the
     ``progress`` callback :func:`interleave` takes."""
     from tqdm.auto import tqdm
-
     bar = tqdm(total=total, desc=desc, unit="round", leave=False, file=sys.stderr)
     try:
         yield lambda done: bar.update(done - bar.n)
@@ -118,7 +116,6 @@ def launches(call: Callable[[], None], device: torch.device) -> Dict[str, float]
     summed durations (a call whose wall time is well above it waits on the host's launches). On the CPU: ``aten_ops``,
     the ATen operators called at top level (each a fixed dispatch cost, which sets a small call's time)."""
     from torch.profiler import ProfilerActivity, profile
-
     cuda = device.type == "cuda"
     activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
     with _native_stderr_silenced(), profile(activities=[activity]) as prof:
@@ -404,7 +401,6 @@ def bench_models(pairs: Optional[Sequence[str]] = None, batch: int = 2, img_size
     ``torch.compile``d with ``compile_mode``. ``count_launches``: what each step launches, two more columns
     (:func:`launches`)."""
     from moh_vision.models import model_family
-
     if threads:
         torch.set_num_threads(threads)
     where, torch_dtype = resolve_device(device), DTYPES[dtype]
@@ -455,7 +451,6 @@ def bench_kernels(model: str, variants: Sequence[str] = ("auto", "reference"), b
     (``x first``), the training peak memory and (``saved``) the MiB per image autograd keeps for backward
     (:func:`saved_tensor_bytes`): what a record that keeps an implementation as a default reads."""
     from moh_vision.models import build_model, model_family
-
     if threads:
         torch.set_num_threads(threads)
     where, torch_dtype = resolve_device(device), DTYPES[dtype]

@@ -39,7 +39,6 @@ LOADERS = ("moh_vision", "timm")
 @dataclass
 class DataBench:
     """What one run measures (``tools/bench_data.py``'s options)."""
-
     root: Optional[str] = None  # the tree: made here if it has no train/ (default: a temporary directory)
     classes: int = 4
     train_per_class: int = 48
@@ -61,7 +60,6 @@ QUICK_DATA = dict(classes=2, train_per_class=8, val_per_class=4, image_size=(160
 def _jpeg_like(rng: np.random.Generator, size: Tuple[int, int]):
     """A photo-like image: a smooth colour field, a dozen filled shapes (edges) and sensor-like noise."""
     from PIL import Image, ImageDraw
-
     width, height = size
     img = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)).resize(size, Image.BICUBIC)
     draw = ImageDraw.Draw(img)
@@ -110,7 +108,6 @@ def ours(root: Path, split: str, bench: DataBench, workers: int) -> DataLoader:
 def timms(root: Path, split: str, bench: DataBench, workers: int) -> DataLoader:
     """timm's loader and transform of ``split`` with the same recipe."""
     from timm.data import ImageDataset, create_loader
-
     training = split == "train"
     recipe = dict(RECIPE, re_mode=RECIPE_RE_MODE, re_count=RECIPE_RE_COUNT) if training else \
         dict(interpolation=RECIPE["interpolation"], crop_pct=EVAL_CROP_PCT)
@@ -188,7 +185,6 @@ def bench_data(bench: DataBench, out: Optional[str] = None) -> dict:
     beside it). Returns the record."""
     import PIL
     import timm
-
     with tempfile.TemporaryDirectory(prefix="bench_data_") as scratch:
         root = Path(bench.root) if bench.root else Path(scratch)
         if not (root / "train").is_dir():  # an existing tree (a real one too) is read, never written to

@@ -29,7 +29,6 @@ PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
 @dataclass(frozen=True)
 class DevicePeak:
     """Dense peak TFLOP/s of one GPU model per precision (None: the device has no such unit)."""
-
     name: str
     pattern: str  # searched in torch.cuda.get_device_name() (case-insensitive); the first match wins
     bf16: Optional[float]

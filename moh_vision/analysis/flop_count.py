@@ -108,7 +108,6 @@ def einsum_flops(inputs, outputs) -> Counter:
     """``einsum``: one operand is a permutation (free) or a reduction (point-wise); two or more operands are counted by
     fvcore (optimal contraction path, multiply-adds)."""
     from fvcore.nn.jit_handles import einsum_flop_jit
-
     operands = list(inputs[1].node().inputs())
     if len(operands) > 1:
         return Counter({"einsum": einsum_flop_jit(inputs, outputs)})
@@ -262,7 +261,6 @@ def active_heads(module: nn.Module) -> Tuple[int, int]:
 @dataclass
 class LayerFlops:
     """One routed attention layer: dense multiply-adds, the part that scales, and the active count."""
-
     name: str
     num_heads: int
     active_heads: int

@@ -70,7 +70,6 @@ def build(name: str, attention: Optional[Dict[str, Any]], img_size: Optional[int
     """(model, input shape, forward kwargs, input label) at ``img_size`` (pixels; None = native) with ``in_chans`` input
     channels (None = the model's own); a run's ``model_kwargs`` go to the model as they are."""
     from moh_vision.models.dit import DIT_PRESETS
-
     kwargs: Dict[str, Any] = dict(model_kwargs or {})
     channels, size = ("in_channels", "input_size") if is_dit(name) else ("in_chans", "img_size")
     if in_chans is not None:

@@ -71,7 +71,6 @@ class InceptionActivations:
     def __init__(self, weights: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
                  option: str = "inception"):
         from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
-
         path = check_inception_weights(weights, option)
         self.device = torch.device(device)
         self.net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
@@ -100,7 +99,6 @@ class InceptionActivations:
                    progress: bool = True) -> Dict[str, np.ndarray]:
         """The activations of every batch, concatenated, with a progress bar over the ``total`` images."""
         from tqdm.auto import tqdm
-
         parts: Dict[str, List[np.ndarray]] = {"pool": [], "spatial": [], "probs": []}
         with tqdm(total=total, unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
             for batch in batches:

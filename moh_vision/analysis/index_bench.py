@@ -41,7 +41,6 @@ def time_index(root: Path, rounds: int, settle_s: float) -> Dict[str, Any]:
     """Per round: a scan without the cache, then the first and the second start with a new cache folder; the tree is
     left alone ``settle_s`` seconds first (an index of a tree that just changed is not kept)."""
     from moh_vision.data.imagefolder import ImageFolderData
-
     time.sleep(settle_s)
     times: Dict[str, list] = {"scan_s": [], "first_s": [], "second_s": []}
     for _ in tqdm(range(rounds), desc="rounds", leave=False, disable=None):

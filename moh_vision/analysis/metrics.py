@@ -107,7 +107,6 @@ def train_digits_classifier(img_size: int, epochs: int = CLASSIFIER_SETTINGS["ep
     from tqdm.auto import tqdm
 
     from moh_vision.data.digits import DigitsData
-
     data = DigitsData(img_size=img_size, in_chans=1, augment=True)
     g = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
@@ -159,7 +158,6 @@ def load_or_train_classifier(path: Optional[Path], img_size: int) -> DigitsClass
     tools/sample.py), else the cached one (see the module docstring), else a freshly trained one that is cached.
     ``path``, when given and missing, receives a copy. All writes are atomic."""
     from moh_vision.checkpoints import atomic_save
-
     path = Path(path) if path is not None else None
     model = _load_classifier(path, img_size) if path is not None else None
     if model is not None:

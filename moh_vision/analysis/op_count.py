@@ -135,7 +135,6 @@ def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
     from torch._dynamo.utils import counters
 
     from moh_vision.attention import record_routing
-
     out: Dict[str, int] = {}
     for mode in ("eval", "train"):
         model.train(mode == "train")
@@ -160,7 +159,6 @@ def layer_pair(attention: Dict, dim: int, heads: int) -> Dict[str, torch.nn.Modu
     as ``{"name": "moh", "activation_ratio": 0.75}``)."""
     from moh_vision.attention import build_attention
     from moh_vision.models.build import NON_MODULE_KEYS
-
     options = {k: v for k, v in attention.items() if k not in NON_MODULE_KEYS}
     return {"dense": build_attention("mha", dim, heads),
             "moh": build_attention(attention["name"], dim, heads, **options)}
@@ -190,7 +188,6 @@ def model_rows(moh: torch.nn.Module, dense: torch.nn.Module, label: str, batch: 
     """Whole-model operator counts (inference, training; under autocast to ``dtype``) and, with ``graphs``,
     :func:`graph_counts`."""
     from .benchmark import model_inputs
-
     inputs = model_inputs(dense, batch)
     rows = count_rows(label, {"dense": dense, "moh": moh}, inputs, dtype)
     if graphs:
@@ -230,7 +227,6 @@ def bench_ops(pairs: Sequence[str], img_size: int = 64, attention: Optional[Dict
     (operator counts do not depend on it), every call under CPU autocast to ``dtype`` (``bfloat16``: as GPU runs train);
     prints the table, and with ``out`` writes it and ``<out>.json``."""
     from .benchmark import DTYPES, build_for_bench, write_record
-
     built = []
     for pair in pairs:
         moh, _, dense = pair.partition(":")

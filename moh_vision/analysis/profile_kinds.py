@@ -44,9 +44,8 @@ def counted_events(events: Iterable, device: torch.device) -> List:
     copies; a CPU operator's device time is its kernels', already there), on the CPU the operators. Ranges of
     ``record_function`` (user annotations: ``ProfilerStep#``, ``Optimizer.step``, ...) are left out: their own time is
     the host's work between operators. Works on ``prof.events()`` and on ``prof.key_averages()``."""
-    if device.type == "cuda":
-        return [e for e in events if e.device_type in DEVICE_KINDS and not e.is_user_annotation]
-    return [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_user_annotation]
+    kinds = DEVICE_KINDS if device.type == "cuda" else (torch.autograd.DeviceType.CPU,)
+    return [e for e in events if e.device_type in kinds and not e.is_user_annotation]
 
 
 def own_time_us(event, device: torch.device) -> float:

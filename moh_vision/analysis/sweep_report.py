@@ -91,9 +91,7 @@ def job_ratio(attention: Dict[str, Any], summary: Dict[str, Any]) -> float:
 
 
 def _short(key: str, value: str) -> str:
-    if key in ARM_GROUP_KEYS:
-        return value
-    return f"{key.lstrip('+').split('.')[-1]}={value}"
+    return value if key in ARM_GROUP_KEYS else f"{key.lstrip('+').split('.')[-1]}={value}"
 
 
 def assign_arms(jobs: List[Dict[str, Any]]) -> None:
@@ -402,7 +400,6 @@ def _seed_point(job: Dict[str, Any], key: str, metric: str):
 
 def plot(rows: List[Dict[str, Any]], metric: str, path: Path, jobs: Sequence[Dict[str, Any]] = ()) -> None:
     import matplotlib.pyplot as plt
-
     fig = make_figure(rows, metric, jobs)
     fig.savefig(path, dpi=120)
     plt.close(fig)

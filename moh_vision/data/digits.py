@@ -16,7 +16,6 @@ from moh_vision.errors import ConfigError
 def load_digits_tensors(img_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """All digits as float images in [0, 1], shape [N, 1, img_size, img_size], and int labels."""
     from sklearn.datasets import load_digits
-
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     if img_size != 8:
@@ -82,7 +81,6 @@ class DigitsData:
     """Data module over the digits (the trainer's data contract), normalised to [-1, 1]: ``img_size`` is the side the
     8x8 digits are upsampled to, ``in_chans`` 1 or 3 (the gray image repeated), ``val_fraction`` the share of each class
     held out (fixed by ``split_seed``), ``augment`` a random shift/rotation/scale of training images."""
-
     digit_metrics = True  # capability (moh_vision.tasks.protocols): samples scored by the digits classifier
 
     def __init__(self, img_size: int = 32, in_chans: int = 1, val_fraction: float = 0.2, split_seed: int = 0,

@@ -32,7 +32,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass(frozen=True)
 class Extraction:
     """What to encode and how; ``data`` is a class-folder tree (``<data>/train/<class>/*`` or ``<data>/<class>/*``)."""
-
     data: str
     vae: str
     out: str

@@ -93,7 +93,6 @@ def _load(path: Path) -> Optional[Index]:
 
 def _save(path: Path, index: Index, watch: TreeWatch) -> None:
     from moh_vision.checkpoints import atomic_write
-
     classes, train, val = index
     arrays = {"classes": np.array(classes, dtype=str),
               "watched": np.array([os.fsencode(p) for p in watch.mtimes]),
@@ -126,7 +125,6 @@ def built_once(build: Callable[[], T]) -> T:
     """``build()`` on rank 0 alone under ``torch.distributed`` (in one process: here), its result sent to the other
     ranks; a :class:`ConfigError` is raised on every rank with rank 0's message."""
     import torch.distributed as tdist
-
     if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
         return build()
     payload: List[Optional[Tuple[str, object]]] = [None]

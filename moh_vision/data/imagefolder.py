@@ -37,28 +37,13 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError
 from .file_index import Split, TreeWatch, as_split, built_once, cache_folder, cached_index
-from .transforms import (
-    IMAGENET_DEFAULT_MEAN,
-    IMAGENET_DEFAULT_STD,
-    build_eval_transform,
-    build_mixup,
-    build_train_transform,
-)
+from .transforms import (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, build_eval_transform, build_mixup,
+                         build_train_transform)
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "IMG_EXTENSIONS",
-    "BadImage",
-    "BadImageError",
-    "SkippedImages",
-    "ImageFileDataset",
-    "ImageFolderData",
-    "ImageNetData",
-    "SkipBadImagesCollate",
-    "load_image",
-    "scan_class_folders",
-]
+__all__ = ["IMG_EXTENSIONS", "BadImage", "BadImageError", "SkippedImages", "ImageFileDataset", "ImageFolderData",
+           "ImageNetData", "SkipBadImagesCollate", "load_image", "scan_class_folders"]
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _SHOW = 5  # how many names an error message lists before "..."
@@ -77,7 +62,6 @@ class BadImageError(RuntimeError):
 @dataclass(frozen=True)
 class BadImage:
     """What the dataset returns in place of ``(image, label)`` for an unreadable file (skip mode)."""
-
     path: str
     reason: str
 
@@ -266,7 +250,6 @@ REPEATED_AUG_MULTI_PROCESS = 3  # DeiT / TransNeXt: --repeated-aug with 3 repeat
 
 def _world_size() -> int:
     import torch.distributed as tdist
-
     if tdist.is_available() and tdist.is_initialized():
         return tdist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -417,7 +400,6 @@ class ImageNetData(ImageFolderData):
       * the ILSVRC layout of the Kaggle download: ``root/ILSVRC/Data/CLS-LOC/train/<wnid>/*.JPEG``, a flat
         ``.../CLS-LOC/val/*.JPEG``, and ``root/LOC_val_solution.csv`` (``ImageId,PredictionString``, the first word of
         the prediction string is the wnid). ``root`` may also point at ``CLS-LOC``."""
-
     expected_classes = 1000
 
     def _base(self) -> str:

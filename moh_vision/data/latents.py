@@ -92,7 +92,6 @@ def load_vae(path: os.PathLike, device: Any = "cpu"):
 @lru_cache(maxsize=2)
 def _load_vae_cached(root: str, subfolder: Optional[str], device: str):
     from diffusers import AutoencoderKL
-
     try:
         vae = AutoencoderKL.from_pretrained(root, subfolder=subfolder, local_files_only=True, low_cpu_mem_usage=False)
     except (OSError, ValueError) as err:
@@ -181,7 +180,6 @@ class LatentsData:
     ``val_size`` images (at most all) spread evenly over the (class-sorted) set, read deterministically; they stay in
     the training set (``val_holdout=false``: DiT trains on all of ImageNet train, ``val/loss`` monitors the fit) unless
     ``val_holdout=true``."""
-
     collate_fn = None
     mixup = None
     repeated_aug = 1

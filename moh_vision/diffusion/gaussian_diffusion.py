@@ -122,12 +122,6 @@ class GaussianDiffusion:
             / self._extract(self.sqrt_recipm1_alphas_cumprod, t, x_t)
 
     # -- Forward process and posterior ---------------------------------------------------------------------------------
-    def q_mean_variance(self, x0, t):
-        """Mean, variance and log variance of q(x_t | x0)."""
-        mean = self._extract(self.sqrt_alphas_cumprod, t, x0) * x0
-        variance = self._extract(1.0 - self.alphas_cumprod, t, x0)
-        return mean, variance, torch.log(variance)
-
     def q_sample(self, x0: torch.Tensor, t: torch.Tensor, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Draw x_t ~ q(x_t | x0) = N(sqrt(ab_t) x0, (1 - ab_t) I), using ``noise`` if given."""
         if noise is None:

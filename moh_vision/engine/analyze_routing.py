@@ -66,7 +66,6 @@ def log_to_wandb(mode: str, container: Dict[str, Any], state: Dict[str, Any], ou
     (resumed by the id its checkpoint recorded), or, for a run that had none, a new run of job type ``routing_analysis``
     in its project and group. Returns the run id, or None when wandb is off or unusable."""
     from moh_vision.config import WandbLogger as WandbOptions
-
     saved = dict(container["logger"])
     if mode == "none" or (mode == "auto" and saved["name"] != "wandb"):
         return None

@@ -49,7 +49,6 @@ def slowest(values: Sequence[float], dist: DistInfo) -> List[float]:
 @dataclass
 class StepTimes:
     """Seconds of optimizer steps, the part spent waiting for batches, the steps and their images (all ranks')."""
-
     seconds: float = 0.0
     data_wait: float = 0.0
     steps: int = 0
@@ -121,9 +120,8 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def peak_memory_source(device: torch.device) -> str:
-    if device.type == "cuda":
-        return "CUDA allocator peak, reset every epoch (torch.cuda.max_memory_allocated)"
-    return "main process resident-set peak since it started (ru_maxrss)"
+    return "CUDA allocator peak, reset every epoch (torch.cuda.max_memory_allocated)" if device.type == "cuda" else \
+        "main process resident-set peak since it started (ru_maxrss)"
 
 
 # -- Rates and their text ----------------------------------------------------------------------------------------------

@@ -103,7 +103,6 @@ def build_pair(model: str, attention: Dict[str, Any], model_kwargs: Dict[str, An
 def evaluate(task, data, model: torch.nn.Module, device: torch.device, batch_size: int,
              limit: Optional[int]) -> Dict[str, float]:
     from torch.utils.data import DataLoader, Subset
-
     val = data.val if not limit else Subset(data.val, range(min(int(limit), len(data.val))))
     loader = DataLoader(val, batch_size=batch_size, shuffle=False, collate_fn=data.collate_fn)
     sums = task.evaluate(model.to(device).eval(), loader, device, amp=contextlib.nullcontext)

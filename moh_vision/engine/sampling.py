@@ -141,7 +141,6 @@ def load_released_model(cfg: Mapping[str, Any], device: torch.device):
     shape comes from the weights, the sampling defaults from DiT's ``sample_ddp.py`` (:data:`RELEASED_SAMPLE`)."""
     from moh_vision.tasks.diffusion import DiffusionTask
     from .released import load_strictly, read_released
-
     if cfg.ckpt is not None:
         raise ConfigError("give ckpt=<train.py checkpoint> or model=<preset> pretrained=<weights>, not both")
     if not cfg.pretrained:
@@ -196,7 +195,6 @@ def sample_batches(task, model, labels: torch.Tensor, batches: Iterable[int], se
     """Sample, decode and store the given batches (skipping stored ones); the VAE decodes ``decode_batch_size`` latents
     at a time (at 256 px it holds hundreds of MB per image)."""
     from moh_vision.analysis.grids import to_uint8
-
     size = int(task.sample_cfg["batch_size"])
     for k in batches:
         path = part_path(parts, k)
@@ -247,7 +245,6 @@ def to_float(images: np.ndarray) -> torch.Tensor:
 def write_grid(images: np.ndarray, labels: np.ndarray, path: Path, num_classes: int, grid_classes: int,
                per_class: int, class_names=None) -> Path:
     from moh_vision.analysis.grids import save_class_grid
-
     rows = np.unique(np.linspace(0, num_classes - 1, min(grid_classes, num_classes)).round().astype(int))
     rows = [c for c in rows if (labels == c).any()]
     per_row = max(1, min([per_class] + [int((labels == c).sum()) for c in rows]))
@@ -258,7 +255,6 @@ def write_grid(images: np.ndarray, labels: np.ndarray, path: Path, num_classes: 
 
 def digits_metrics(task, data, images: np.ndarray, labels: np.ndarray, classifier_path: Path) -> Dict[str, float]:
     from moh_vision.analysis.metrics import digits_sample_metrics, load_or_train_classifier, real_digits
-
     classifier = load_or_train_classifier(classifier_path, data.img_size)
     reference, _ = real_digits(data.val)
     return digits_sample_metrics(classifier, to_float(images), torch.from_numpy(labels), reference)
@@ -279,7 +275,6 @@ def adm_sample_metrics(images: np.ndarray, cfg: Mapping[str, Any], device: torch
     """ADM's FID, sFID, Inception Score, precision and recall of the samples against ``fid_ref``."""
     from moh_vision.analysis.adm_evaluation import ArrayImages, evaluate_images, read_reference
     from moh_vision.analysis.inception import InceptionActivations
-
     reference = read_reference(cfg.fid_ref, side=images.shape[1], option="fid_ref")
     inception = InceptionActivations(cfg.inception_weights, device, option="inception_weights")
     found = evaluate_images(ArrayImages(images), reference, inception, int(cfg.metrics_batch_size), bool(cfg.progress))
@@ -288,7 +283,6 @@ def adm_sample_metrics(images: np.ndarray, cfg: Mapping[str, Any], device: torch
 
 def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     from moh_vision.analysis.grids import save_adm_npz
-
     start = time.time()
     dist = init_distributed(cfg.device)
     try:

@@ -32,7 +32,6 @@ class ClassificationTask:
     A ``Task`` (``moh_vision.tasks.protocols``): ``model`` is the model config (``name``, ``checkpoint_path``,
     ``init_from``, ``kwargs``), ``attention`` the attention config, ``kernels`` the kernels config (None: every op
     ``auto``)."""
-
     name = "classification"
     primary_metric, primary_mode = "val/acc1", "max"
     flops_kwargs = None  # the images are the model's only input

@@ -35,7 +35,6 @@ class DiffusionTask:
     ``init_from``, ``kwargs``), ``attention`` the attention config. ``sample`` controls the grids (rows = classes) written
     every ``every_epochs`` epochs and at the end, and the sample metrics (``sample/class_acc``, ``sample/fd_digits``) on
     ``eval_per_class`` samples per class when the data declare ``digit_metrics``."""
-
     name = "diffusion"
     primary_metric, primary_mode = "val/loss", "min"
     # set from the data and the task's options, never by model.kwargs

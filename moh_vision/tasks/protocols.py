@@ -24,7 +24,6 @@ class Data(Protocol):
     ``train`` and ``val`` are map-style datasets of ``(image, label)`` pairs (or whatever ``collate_fn`` turns into the
     task's batches). The trainer builds the loaders itself (samplers that resume mid-epoch, one seeded generator per
     loader), so data hand over datasets, not loaders."""
-
     train: Dataset
     val: Dataset
     num_classes: int
@@ -64,7 +63,6 @@ class EpochContext:
     Built by the trainer after validation; ``model_for_eval`` is the EMA model when the run keeps one, else the trained
     model without its DDP/compile wrapper. ``log_image(key, path, caption=...)`` sends an image file to the loggers at
     this step."""
-
     epoch: int
     step: int
     last_epoch: bool
@@ -83,7 +81,6 @@ class Task(Protocol):
     reads the name (checkpoints record it) and whether the model starts from other weights
     (``trainer.val_at_start=auto``). ``primary_metric`` (a key of the epoch row) decides ``best.pt``: higher is better
     when ``primary_mode`` is ``"max"``, lower when ``"min"``."""
-
     name: str
     primary_metric: str
     primary_mode: str
