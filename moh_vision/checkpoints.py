@@ -1,21 +1,13 @@
 """Checkpoint I/O, all of it: the trainer, ``eval.py``, the models' loaders and every tool use this module.
 
-* Writing (:func:`atomic_save`): a checkpoint is a dict of tensors and plain Python types only (loads with
-  ``weights_only=True``). It goes to a temporary file in the same directory, is fsynced, then renamed over the target,
-  so a crash or a full disk never leaves a half-written ``last.pt``; the previous one is kept as ``last.prev.pt`` and
-  used when ``last.pt`` turns out to be unreadable (:func:`load_with_fallback`).
-* Reading any file (:func:`load_file`): tensors-only loading with one-line errors for a missing, truncated, corrupt or
-  foreign file; ``argparse.Namespace`` is accepted (the official TransNeXt / MoH / DiT training scripts pickle their
-  arguments into the files they release); ``trust_pickle`` loads anything (only for files the user vouches for);
-  ``.safetensors`` too.
-* Finding the weights in it (:func:`find_weights`, :func:`read_weights`): our trainer's checkpoints (``model`` /
-  ``model_ema``), DiT's (``model`` / ``ema``), timm's (``state_dict`` / ``state_dict_ema``), plain state dicts;
-  ``module.`` (DDP) and ``_orig_mod.`` (``torch.compile``) prefixes stripped.
-* Comparing (:func:`state_dict_mismatch`): one line naming missing, unexpected and reshaped keys.
-* A run's training config (:func:`run_config`): from its directory or a checkpoint.
-* Writing any other file atomically (:func:`atomic_write`: sample arrays, latent shards' index, ...).
-* What a write killed half-way leaves (:func:`remove_partial_writes`), and whether a file is whole
-  (:func:`is_whole_checkpoint`: what keeping the newest readable checkpoint relies on)."""
+A checkpoint is a dict of tensors and plain Python types only (loads with ``weights_only=True``). :func:`atomic_save`
+and :func:`atomic_write` write a fsynced temporary file and rename it over the target, so a crash or a full disk never
+leaves a half-written ``last.pt``; the previous one is kept as ``last.prev.pt`` for :func:`load_with_fallback`.
+:func:`load_file` reads any file (``.safetensors`` too) with one-line errors for a missing, truncated, corrupt or foreign
+one, and accepts ``argparse.Namespace`` (the official TransNeXt / MoH / DiT scripts pickle their arguments into their
+releases); :func:`find_weights` finds the weights in ours (``model`` / ``model_ema``), DiT's (``model`` / ``ema``),
+timm's (``state_dict`` / ``state_dict_ema``) and plain state dicts, with DDP's and ``torch.compile``'s prefixes
+stripped."""
 from __future__ import annotations
 
 import argparse

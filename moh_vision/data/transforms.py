@@ -8,15 +8,10 @@ Eval (``build_eval_transform``): resize the short side to ``floor(img_size / cro
 ``img_size`` (224 / 0.875 = 256 -> 224). ``crop_pct=None`` (or 0) squashes the whole image to ``img_size x img_size``
 instead, which is what TransNeXt does at 384 and above.
 
-Batch mixing (``build_mixup``): timm's ``Mixup`` in batch mode with label smoothing built in, returning soft targets
-``[B, num_classes]`` whose rows sum to 1. Every knob switches off with 0 / None / "".
-
-Posterize with 0 bits. timm's ``PosterizeIncreasing`` (the ``inc1`` policy) keeps 0 bits at the top magnitude (m >= 10,
-reached by ``mstd0.5`` draws around m9): Pillow before 13 made that a black image, Pillow 13 raises ``ValueError``. The
-transforms built here keep the black image (:func:`posterize_any_bits`), as in the reference runs.
-
-Tensor conversion: :class:`ToNormalizedTensor` does timm's ``MaybeToTensor`` + ``Normalize`` arithmetic bit for bit with
-two copies of the pixels instead of five."""
+Batch mixing: :func:`build_mixup`. Every knob switches off with 0 / None / "". timm's ``PosterizeIncreasing`` (the
+``inc1`` policy) keeps 0 bits at the top magnitude (m >= 10, reached by ``mstd0.5`` draws around m9), which Pillow 13
+refuses: the transforms built here give the black image older Pillows gave (:func:`posterize_any_bits`), as in the
+reference runs."""
 from __future__ import annotations
 
 from typing import Optional, Sequence, Tuple

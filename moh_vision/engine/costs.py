@@ -1,21 +1,15 @@
-"""Where a run's time goes: data wait and step time, achieved TFLOP/s and utilisation, peak memory.
+"""Where a run's time goes: data wait and step time, achieved TFLOP/s and utilisation, peak memory (each figure's
+definition and how to read it: ``docs/training.md``).
 
-Time is measured on the host, with no synchronisation beyond the loop's own: ``StepClock`` reads the clock around
-``next(loader)`` (the *data wait*: time blocked on the next batch) and once per optimizer step (the *step time*:
-everything between two steps, data wait, logging and checkpoints included). On CUDA the loop already waits for every
-step's loss and gradient norm, and the clock synchronises the device at the end of each logging window, so a window's
-sum is exact; the data wait is an upper bound of the device's idle time (the optimizer's kernels may still run while the
-host waits). Under DDP every figure is the slowest rank's (one small all-reduce with MAX per window and per epoch).
-
-Rates (:meth:`RunCosts.rates`, the same keys in a logging window ``train/...``, an epoch row ``epoch/...`` and
-``summary.json``): ``step_ms`` and ``data_wait_ms`` per optimizer step, ``data_wait_share`` (their ratio; at least
-:data:`INPUT_BOUND_SHARE` reads as input-bound), ``images_per_sec``, ``tflops`` (training FLOPs per image x images/s, 2
-FLOPs per multiply-add: :mod:`moh_vision.analysis.device_peaks`; absent without a FLOP count) and ``utilisation``
-(``tflops`` over the peak of every device of the run at its precision; absent without a known peak, as on every CPU).
-
-Peak memory (``peak_memory_mb``): on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``), reset at the start
-of every training epoch; on the CPU the main process's resident-set peak since it started (``getrusage``'s
-``ru_maxrss``, never reset; data-loader workers are other processes and not counted)."""
+``StepClock`` reads the host clock around ``next(loader)`` (the *data wait*) and once per optimizer step (the *step
+time*: everything between two steps, data wait, logging and checkpoints included), with no synchronisation beyond the
+loop's own; on CUDA it synchronises the device at the end of each logging window, so a window's sum is exact. Under DDP
+every figure is the slowest rank's (one small all-reduce with MAX per window and per epoch). :meth:`RunCosts.rates`
+gives the same keys for a logging window (``train/...``), an epoch row (``epoch/...``) and ``summary.json``: ``tflops``
+counts 2 FLOPs per multiply-add (:mod:`moh_vision.analysis.device_peaks`) and is absent without a FLOP count,
+``utilisation`` is absent without a known peak (every CPU), and a data wait of :data:`INPUT_BOUND_SHARE` of the step
+or more reads as input-bound. Peak memory: the CUDA allocator's peak, reset every training epoch, or the main process's
+resident-set peak since it started (``ru_maxrss``)."""
 from __future__ import annotations
 
 import sys

@@ -1,16 +1,12 @@
 """Turn a dense TransNeXt / DiT / plain-ViT checkpoint into a MoH model of the same backbone, and measure the step-0
 drop (``tools/convert_dense_to_moh.py``).
 
-Every dense tensor is copied unchanged and the MoH routers start so that every active head has gate 1
-(:mod:`moh_vision.models.continue_tuning`): a model that keeps every head computes the dense function at step 0, and one
-that keeps fewer heads starts with those heads dropped. With data overrides (``data=digits``,
-``data=imagenet data.root=...``) the training configs are composed with them, the dense model and the converted one are
-built exactly as ``train.py model.init_from=<ckpt>`` would, both are evaluated on the validation split and the drop is
-reported (classification: top-1/top-5 and loss; diffusion: the validation loss at fixed timesteps and noise).
-
-Writes ``out`` (the converted model's state dict: load it with ``model.checkpoint_path=`` and the same model/attention,
-or train from the dense file directly with ``model.init_from=``) and ``<out>.json`` (what was copied, which layers start
-exactly dense, the evaluation)."""
+Every dense tensor is copied unchanged and the routers start so that every active head has gate 1
+(:mod:`moh_vision.models.continue_tuning`): keeping every head computes the dense function at step 0, keeping fewer
+starts with those heads dropped. With data overrides (``data=digits``, ``data=imagenet data.root=...``) both models are
+built as ``train.py model.init_from=<ckpt>`` would and evaluated on the validation split (classification: top-1/top-5
+and loss; diffusion: the validation loss at fixed timesteps and noise). Writes ``out`` (the converted state dict, for
+``model.checkpoint_path=``) and ``<out>.json`` (what was copied, which layers start exactly dense, the evaluation)."""
 from __future__ import annotations
 
 import contextlib

@@ -1,18 +1,11 @@
 """``trainer.profile=<first>:<last>``: a ``torch.profiler`` profile of optimizer steps ``first`` to ``last`` (counted
-from 1, as the logs count them) of a real run, written into ``<run dir>/profile/``:
-
-* ``trace_steps<first>-<last>_rank<r>.json``: the Chrome / Perfetto trace (open it in https://ui.perfetto.dev or
-  ``chrome://tracing``), CPU operators and, on CUDA, the kernels; each optimizer step is a range ``optimizer step <n>``
-  and each wait for the loader's next batch a range ``data wait``;
-* ``time_by_kind_steps<first>-<last>_rank<r>.md`` / ``.json``: where the steps' wall time went, by kind of work
-  (:mod:`moh_vision.analysis.profile_kinds`: GEMM, attention, convolution, elementwise, copies, communication, ...), the
-  data wait, and the rest.
-
-On the CPU the kinds are the operators' own host time and the rest is the host's time between operators (Python, the
-framework); on CUDA the kinds are the kernels' device time and the rest is the device's idle time (wall time less the
-kernels', which may overlap on several streams). Data wait is host time; operators that run inside it (the loader's own
-work with ``trainer.num_workers=0``) count as data wait, not as their kind. A profiled window that spans an epoch's end
-includes the validation. Every rank writes its own files."""
+from 1, as the logs count them) of a real run, written into ``<run dir>/profile/`` (how to read it:
+``docs/training.md``): the Chrome / Perfetto trace ``trace_steps<first>-<last>_rank<r>.json`` (each optimizer step a
+range ``optimizer step <n>``, each wait for the next batch a range ``data wait``) and
+``time_by_kind_steps<first>-<last>_rank<r>.md`` / ``.json``, the steps' wall time by kind of work
+(:mod:`moh_vision.analysis.profile_kinds`: the operators' host time on the CPU, the kernels' device time on CUDA), the
+data wait (operators inside it count as data wait) and the rest (host time between operators, or device idle time).
+Every rank writes its own files."""
 from __future__ import annotations
 
 import contextlib

@@ -1,15 +1,11 @@
 """Released weights, evaluated as the papers evaluate them: ``eval.py model=<preset> pretrained=<weights>``.
 
-``pretrained`` names the weights: a local file in any format :func:`moh_vision.checkpoints.read_weights` reads (the
-official releases included), a Hugging Face hub id (``owner/repo`` or ``hf-hub:owner/repo``, through the hub cache:
-:mod:`moh_vision.models.hub`), or ``true`` for where the preset's registered cfg says its weights live. They load
-strictly: a tensor that does not fit is a one-line error, never a re-initialised classifier.
-
-Top-1 follows timm's ``validate.py``: the validation images go through ``timm.data.create_transform`` with what
-``resolve_data_config`` reads from the model's pretrained cfg (test input size, crop_pct, crop mode, interpolation,
-mean, std), not the data config's own eval transform. Class indices are the sorted class-folder names (for ImageNet the
-standard wnid order). Under torchrun each rank takes every WORLD_SIZE-th image and the sums are all-reduced, so every
-image counts once."""
+``pretrained`` is a local file in any format :func:`moh_vision.checkpoints.read_weights` reads, a Hugging Face hub id
+(``owner/repo`` or ``hf-hub:owner/repo``, through :mod:`moh_vision.models.hub`'s cache), or ``true`` for the weights the
+preset's registered cfg names. They load strictly: a tensor that does not fit is a one-line error, never a
+re-initialised classifier. Top-1 follows timm's ``validate.py``: the images go through ``timm.data.create_transform``
+with what ``resolve_data_config`` reads from the model's pretrained cfg, not the data config's eval transform. Under
+torchrun each rank takes every WORLD_SIZE-th image and the sums are all-reduced."""
 from __future__ import annotations
 
 import logging
