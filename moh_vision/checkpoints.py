@@ -3,11 +3,11 @@
 A checkpoint is a dict of tensors and plain Python types only (loads with ``weights_only=True``). :func:`atomic_save`
 and :func:`atomic_write` write a fsynced temporary file and rename it over the target, so a crash or a full disk never
 leaves a half-written ``last.pt``; the previous one is kept as ``last.prev.pt`` for :func:`load_with_fallback`.
-:func:`load_file` reads any file (``.safetensors`` too) with one-line errors for a missing, truncated, corrupt or foreign
-one, and accepts ``argparse.Namespace`` (the official TransNeXt / MoH / DiT scripts pickle their arguments into their
-releases); :func:`find_weights` finds the weights in ours (``model`` / ``model_ema``), DiT's (``model`` / ``ema``),
-timm's (``state_dict`` / ``state_dict_ema``) and plain state dicts, with DDP's and ``torch.compile``'s prefixes
-stripped."""
+:func:`load_file` reads any file (``.safetensors`` too) with one-line errors for a missing, truncated, corrupt or
+foreign one, and accepts ``argparse.Namespace`` (the official TransNeXt / MoH / DiT scripts pickle their arguments into
+their releases); :func:`find_weights` finds the weights in ours (``model`` / ``model_ema``), DiT's (``model`` /
+``ema``), timm's (``state_dict`` / ``state_dict_ema``) and plain state dicts, with DDP's and ``torch.compile``'s
+prefixes stripped."""
 from __future__ import annotations
 
 import argparse
@@ -178,10 +178,9 @@ SAFE_GLOBALS = (argparse.Namespace,)               # what released training chec
 
 
 def load_file(path: Union[str, os.PathLike], trust_pickle: bool = False) -> Any:
-    """The object saved in ``path`` (on CPU), or a :class:`ConfigError` that says in one line why not.
-
-    Tensors, plain Python types and ``argparse.Namespace`` load safely (``weights_only=True``); ``trust_pickle=True``
-    loads any pickled object (run only on files you trust)."""
+    """The object saved in ``path`` (on CPU), or a :class:`ConfigError` that says in one line why not. Tensors, plain
+    Python types and ``argparse.Namespace`` load safely (``weights_only=True``); ``trust_pickle=True`` loads any pickled
+    object (run only on files you trust)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
@@ -212,10 +211,9 @@ def load_file(path: Union[str, os.PathLike], trust_pickle: bool = False) -> Any:
 
 
 def find_weights(obj: Any, prefer: str = "auto", source: str = "checkpoint") -> Tuple[Dict[str, torch.Tensor], str]:
-    """The state dict inside a loaded checkpoint and where it was (e.g. ``"['model_ema']"``).
-
-    ``prefer``: ``auto`` takes EMA weights when present (what DiT releases and timm's loader prefers), ``ema`` requires
-    them, ``model`` takes the raw weights. Wrapper prefixes are stripped."""
+    """The state dict inside a loaded checkpoint and where it was (e.g. ``"['model_ema']"``). ``prefer``: ``auto`` takes
+    EMA weights when present (what DiT releases and timm's loader prefers), ``ema`` requires them, ``model`` takes the
+    raw weights. Wrapper prefixes are stripped."""
     if prefer not in ("auto", "ema", "model"):
         raise ConfigError(f"weights='{prefer}' is unknown; use auto, ema or model")
     if not isinstance(obj, Mapping):

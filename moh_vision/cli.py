@@ -193,7 +193,6 @@ def help_text(options: Sequence[Option], doc: str = "", passthrough: Sequence[st
 def parse_options(argv: Sequence[str], options: Sequence[Option], doc: str = "",
                   passthrough: Sequence[str] = ()) -> Tuple[Options, List[str]]:
     """``key=value`` words -> (options, Hydra overrides whose key is one of ``passthrough`` or below it).
-
     ``--help``/``-h`` prints the options and exits 0. Unknown keys, bad values and missing required options raise a
     one-line :class:`ConfigError` naming the key, the value and what is allowed."""
     by_key: Dict[str, Option] = {}

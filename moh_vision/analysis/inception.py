@@ -9,8 +9,8 @@ reads from the TF graph and where it is in the port:
 * ``mixed_6/conv:0``, first 7 channels: the output of ``Mixed_6d.branch1x1``. torch-fidelity's weight conversion maps
   the graph's ``mixed_6/conv/conv2d_params`` and ``mixed_6/conv/batchnorm`` there (the graph counts its mixed blocks
   from 0, so mixed_6 = 6d, not torchvision's 6e); the op named ``mixed_6/conv`` is the layer's ReLU, which the port's
-  ``BasicConv2d`` ends with too: [N, 192, 17, 17] at 299 px. The 7 channels are flattened in TensorFlow's NHWC order,
-  as ADM's ``reshape`` does, so the features line up with the ``mu_s``/``sigma_s`` of ADM's reference batches;
+  ``BasicConv2d`` ends with too: [N, 192, 17, 17] at 299 px. The 7 channels are flattened in TensorFlow's NHWC order, as
+  ADM's ``reshape`` does, so the features line up with the ``mu_s``/``sigma_s`` of ADM's reference batches;
 * ``softmax`` for the Inception Score: ADM multiplies pool_3 by ``softmax/logits/MatMul``'s weights without the bias;
   the port's ``logits_unbiased`` is that product (1008 classes), softmaxed here in float64.
 

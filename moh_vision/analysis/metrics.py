@@ -25,10 +25,9 @@ Tensor = torch.Tensor
 
 
 def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma2: np.ndarray) -> float:
-    """``|mu1 - mu2|^2 + tr(S1 + S2 - 2 (S1 S2)^(1/2))`` between two Gaussians (the FID formula).
-
-    ``S1 S2`` is similar to the symmetric ``S1^(1/2) S2 S1^(1/2)``, so the trace of its square root is the sum of the
-    square roots of that matrix's eigenvalues: no complex round-off, no dependence on ``scipy.linalg.sqrtm``."""
+    """``|mu1 - mu2|^2 + tr(S1 + S2 - 2 (S1 S2)^(1/2))`` between two Gaussians (the FID formula). ``S1 S2`` is similar
+    to the symmetric ``S1^(1/2) S2 S1^(1/2)``, so the trace of its square root is the sum of the square roots of that
+    matrix's eigenvalues: no complex round-off, no dependence on ``scipy.linalg.sqrtm``."""
     diff = mu1 - mu2
     return float(diff.dot(diff) + np.trace(sigma1) + np.trace(sigma2) - 2 * _trace_sqrt_product(sigma1, sigma2))
 

@@ -39,10 +39,9 @@ def token_grid(model: torch.nn.Module, module: torch.nn.Module, tokens: int) -> 
 @torch.no_grad()
 def analyse(model: torch.nn.Module, batches: Iterable[Any], forward: Callable[[Any], torch.Tensor], num_images: int,
             map_images: int):
-    """Per-layer sums over ``num_images`` images and the raw masks of the first ``map_images``.
-
-    ``forward(batch)`` runs ``model`` on one batch and returns the images it was given (for the token maps). Returns
-    (per-layer sums for :func:`layer_statistics`, per-layer masks and gates, images, images seen)."""
+    """Per-layer sums over ``num_images`` images and the raw masks of the first ``map_images``. ``forward(batch)`` runs
+    ``model`` on one batch and returns the images it was given (for the token maps). Returns (per-layer sums for
+    :func:`layer_statistics`, per-layer masks and gates, images, images seen)."""
     model.eval()
     layers = [name for name, _ in routed_modules(model)]
     if not layers:

@@ -79,9 +79,8 @@ def _to_mode(img: Image.Image, mode: str) -> Image.Image:
 
 
 def load_image(path: str, mode: str = "RGB") -> Image.Image:
-    """Read and fully decode ``path`` into a PIL image of ``mode`` ("RGB" or "L").
-
-    Decoding happens here (not lazily in a transform), so truncated files fail in this call."""
+    """Read and fully decode ``path`` into a PIL image of ``mode`` ("RGB" or "L"). Decoding happens here (not lazily in
+    a transform), so truncated files fail in this call."""
     with open(path, "rb") as f:
         img = Image.open(f)
         img.load()

@@ -136,7 +136,6 @@ def build_train_transform(img_size: int = 224, in_chans: int = 3, auto_augment: 
                           re_count: int = RECIPE_RE_COUNT, mean: Sequence[float] = IMAGENET_DEFAULT_MEAN,
                           std: Sequence[float] = IMAGENET_DEFAULT_STD):
     """PIL image (already in the model's mode, RGB or L) -> normalised float tensor ``[in_chans, S, S]``.
-
     ``auto_augment``: a timm augment string (``rand-...``, ``augmix-...``, ``v0``...); ``color_jitter``: strength
     (ignored by timm while RandAugment is on); ``re_prob``: random-erasing probability; each None/0 for none."""
     mean, std = normalization_for(in_chans, mean, std)
@@ -200,10 +199,9 @@ class BatchMixup(Mixup):
 
 def build_mixup(num_classes: int, mixup: Optional[float] = 0.8, cutmix: Optional[float] = 1.0, switch_prob: float = 0.5,
                 label_smoothing: Optional[float] = 0.1, prob: float = 1.0) -> Optional[BatchMixup]:
-    """``BatchMixup`` for the recipe, or None when both ``mixup`` and ``cutmix`` are off (0 / None).
-
-    ``mixup`` / ``cutmix`` are the Beta-distribution alphas; ``switch_prob`` is the chance of cutmix when both are on;
-    ``prob`` the chance of mixing a batch at all."""
+    """``BatchMixup`` for the recipe, or None when both ``mixup`` and ``cutmix`` are off (0 / None). ``mixup`` /
+    ``cutmix`` are the Beta-distribution alphas; ``switch_prob`` is the chance of cutmix when both are on; ``prob`` the
+    chance of mixing a batch at all."""
     mixup = 0.0 if _off(mixup) else float(mixup)
     cutmix = 0.0 if _off(cutmix) else float(cutmix)
     label_smoothing = 0.0 if _off(label_smoothing) else float(label_smoothing)

@@ -13,10 +13,9 @@ NOISE_SCHEDULES = ("linear", "squaredcos_cap_v2")
 
 
 def get_named_beta_schedule(name: str, num_timesteps: int) -> torch.Tensor:
-    """Betas for ``num_timesteps`` steps of a named schedule, as a float64 tensor.
-
-    ``linear`` is Ho et al.'s 1e-4..0.02 over 1000 steps, rescaled by ``1000 / num_timesteps`` so that the total amount
-    of noise stays the same for any number of steps. ``squaredcos_cap_v2`` is Nichol & Dhariwal's cosine schedule."""
+    """Betas for ``num_timesteps`` steps of a named schedule, as a float64 tensor. ``linear`` is Ho et al.'s 1e-4..0.02
+    over 1000 steps, rescaled by ``1000 / num_timesteps`` so that the total amount of noise stays the same for any
+    number of steps. ``squaredcos_cap_v2`` is Nichol & Dhariwal's cosine schedule."""
     if num_timesteps < 1:
         raise ConfigError(f"diffusion_steps={num_timesteps} must be at least 1")
     if name == "linear":
@@ -91,10 +90,9 @@ def _parse_count(text: str, spec) -> int:
 
 
 def respace_betas(betas: torch.Tensor, kept: Iterable[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Betas of a shorter process whose alphas_cumprod equal the original ones at the ``kept`` steps.
-
-    Returns ``(new_betas, timestep_map)``: ``timestep_map[i]`` is the original timestep that respaced step ``i`` stands
-    for, which is what a model trained on the full process must be shown."""
+    """Betas of a shorter process whose alphas_cumprod equal the original ones at the ``kept`` steps. Returns
+    ``(new_betas, timestep_map)``: ``timestep_map[i]`` is the original timestep that respaced step ``i`` stands for,
+    which is what a model trained on the full process must be shown."""
     alphas_cumprod = torch.cumprod(1.0 - betas.to(torch.float64), dim=0)
     timestep_map = torch.tensor(sorted(set(int(k) for k in kept)), dtype=torch.long)
     if len(timestep_map) == 0 or timestep_map[0] < 0 or timestep_map[-1] >= len(betas):

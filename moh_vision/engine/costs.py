@@ -7,8 +7,8 @@ loop's own; on CUDA it synchronises the device at the end of each logging window
 every figure is the slowest rank's (one small all-reduce with MAX per window and per epoch). :meth:`RunCosts.rates`
 gives the same keys for a logging window (``train/...``), an epoch row (``epoch/...``) and ``summary.json``: ``tflops``
 counts 2 FLOPs per multiply-add (:mod:`moh_vision.analysis.device_peaks`) and is absent without a FLOP count,
-``utilisation`` is absent without a known peak (every CPU), and a data wait of :data:`INPUT_BOUND_SHARE` of the step
-or more reads as input-bound. Peak memory: the CUDA allocator's peak, reset every training epoch, or the main process's
+``utilisation`` is absent without a known peak (every CPU), and a data wait of :data:`INPUT_BOUND_SHARE` of the step or
+more reads as input-bound. Peak memory: the CUDA allocator's peak, reset every training epoch, or the main process's
 resident-set peak since it started (``ru_maxrss``)."""
 from __future__ import annotations
 

@@ -135,10 +135,9 @@ def convert_dense_to_moh(dense: str, model: str, out: str, attention: Optional[s
                          router_std: float = DEFAULT_ROUTER_STD, seed: int = 0, eval_overrides: Sequence[str] = (),
                          eval_limit: Optional[int] = None, eval_batch_size: int = 128, device: str = "auto",
                          compare_outputs: bool = False) -> Dict[str, Any]:
-    """Convert ``dense`` into ``model`` (see the module docstring) and write ``out`` and ``<out>.json``.
-
-    Raises :class:`ConfigError` for bad arguments or an unreadable checkpoint, :class:`RunError` when the checkpoint
-    does not fit the model (nothing is written). Returns what ``<out>.json`` holds."""
+    """Convert ``dense`` into ``model`` (see the module docstring) and write ``out`` and ``<out>.json``. Raises
+    :class:`ConfigError` for bad arguments or an unreadable checkpoint, :class:`RunError` when the checkpoint does not
+    fit the model (nothing is written). Returns what ``<out>.json`` holds."""
     start, model_kwargs = time.time(), dict(model_kwargs or {})
     target_cfg = target_attention(model, attention, dict(routing or {}), routing_like_preset, model_kwargs)
     ckpt = read_dense_checkpoint(dense, weights)

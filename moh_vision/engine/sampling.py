@@ -1,12 +1,12 @@
 """Class-conditional samples from a trained DiT / MoH-DiT checkpoint, for grids and FID (``tools/sample.py``).
 
-The model and task are rebuilt from the checkpoint's config (EMA weights by default); latents are decoded with the VAE of
-``task.vae.path`` (or ``vae=``). Labels follow DiT's ``sample_ddp.py`` by default (``labels=random``: each batch draws
-its labels uniformly at random, so class counts vary as in the published FID-50K runs); ``labels=balanced`` (the default
-with ``per_class=``) gives every class ``N // C`` or one more samples, sorted by class. Batch ``k`` draws its noise (and
-its random labels, from a separate stream) from seed ``(seed, k)`` and ranks take every WORLD_SIZE-th batch, so the
-output does not depend on the number of ranks (DiT's per-rank seeds make it depend on them). Finished batches are kept
-in ``out/.parts-<hash>/`` until the end: a rerun with the same settings and ``out`` resumes. Rank 0 writes:
+The model and task are rebuilt from the checkpoint's config (EMA weights by default); latents are decoded with the VAE
+of ``task.vae.path`` (or ``vae=``). Labels follow DiT's ``sample_ddp.py`` by default (``labels=random``: each batch
+draws its labels uniformly at random, so class counts vary as in the published FID-50K runs); ``labels=balanced`` (the
+default with ``per_class=``) gives every class ``N // C`` or one more samples, sorted by class. Batch ``k`` draws its
+noise (and its random labels, from a separate stream) from seed ``(seed, k)`` and ranks take every WORLD_SIZE-th batch,
+so the output does not depend on the number of ranks (DiT's per-rank seeds make it depend on them). Finished batches are
+kept in ``out/.parts-<hash>/`` until the end: a rerun with the same settings and ``out`` resumes. Rank 0 writes:
 
 * ``samples.npz``: ``arr_0`` uint8 [N, H, W, 3], the input of ADM's evaluation suite (DiT's FID protocol);
 * ``labels.npy``: the class of every sample; ``samples.png``: a labelled grid (rows = classes);

@@ -32,9 +32,9 @@ class DiffusionTask:
     aux loss; validation reports the same loss at fixed t and noise.
 
     A ``Task`` (``moh_vision.tasks.protocols``): ``model`` is the model config (``name``, ``checkpoint_path``,
-    ``init_from``, ``kwargs``), ``attention`` the attention config. ``sample`` controls the grids (rows = classes) written
-    every ``every_epochs`` epochs and at the end, and the sample metrics (``sample/class_acc``, ``sample/fd_digits``) on
-    ``eval_per_class`` samples per class when the data declare ``digit_metrics``."""
+    ``init_from``, ``kwargs``), ``attention`` the attention config. ``sample`` controls the grids (rows = classes)
+    written every ``every_epochs`` epochs and at the end, and the sample metrics (``sample/class_acc``,
+    ``sample/fd_digits``) on ``eval_per_class`` samples per class when the data declare ``digit_metrics``."""
     name = "diffusion"
     primary_metric, primary_mode = "val/loss", "min"
     # set from the data and the task's options, never by model.kwargs
