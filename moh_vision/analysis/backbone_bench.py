@@ -144,8 +144,8 @@ def time_pair(label: str, models: Dict[str, nn.Module], gflops_ratio: float, bat
 
 
 def top_ops(step: Callable[[], None], device: torch.device, count: int = 15) -> Dict[str, object]:
-    """Where one profiled ``step``'s time goes, by self time (CUDA: the kernels' GPU time): the ``count`` operators
-    (CUDA: kernels) that take most (``ops``), all of them summed by kind (``by_kind``, ms:
+    """Where one profiled ``step``'s self time goes (CUDA: the kernels' GPU time): the ``count`` operators (CUDA:
+    kernels) that take most (``ops``), the time by kind (``by_kind``, ms:
     :func:`~moh_vision.analysis.profile_kinds.time_by_kind`) and in all (``total_ms``)."""
     from torch.profiler import ProfilerActivity, profile
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -177,9 +177,8 @@ def top_ops_table(rows: Sequence[Dict]) -> str:
 
 def arithmetic_rate(info: Dict[str, object], timings: Dict[str, object], device: torch.device,
                     dtype: torch.dtype) -> Dict[str, float]:
-    """The training step's achieved ``train_tflops`` (2 FLOPs a multiply-add, 3x the active forward: the trainer's
-    convention, :mod:`~moh_vision.analysis.device_peaks`) and, on a GPU of the peaks table, ``train_utilisation``
-    against its dense peak for ``dtype``."""
+    """The training step's ``train_tflops`` (the trainer's convention: :mod:`~moh_vision.analysis.device_peaks`) and, on
+    a GPU of the peaks table, ``train_utilisation`` against its dense peak for ``dtype``."""
     from .device_peaks import device_name, peak_tflops, run_precision, training_gflops_per_image
     out = {"train_tflops": training_gflops_per_image(info) * timings["train_img_s"] / 1e3}
     amp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "none")
@@ -220,9 +219,9 @@ def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, war
 def component_times(model_name: str, batch: int, rounds: int, device: torch.device,
                     dtype: torch.dtype) -> List[Dict[str, object]]:
     """Forward + backward ms (median [quartiles], interleaved) of each aggregated stage's pieces of ``model_name`` at
-    ``batch``, under every implementation that runs on ``device``: the ConvGLU's 3x3 depthwise convolution
-    (``dwconv_<implementation>``: :mod:`~moh_vision.ops.depthwise`) and the aggregated attention
-    (``aggregated_<implementation>``: :mod:`~moh_vision.ops.aggregated`) on random inputs of the stage's shapes."""
+    ``batch`` on random inputs of the stage's shapes, under every implementation that runs on ``device``: the ConvGLU's
+    depthwise convolution (``dwconv_<implementation>``) and the aggregated attention
+    (``aggregated_<implementation>``)."""
     from moh_vision.ops import depthwise_conv, aggregated_attention
     from moh_vision.ops.aggregated import AGGREGATED
     from moh_vision.ops.depthwise import DEPTHWISE
@@ -331,10 +330,10 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
                     kernels: Optional[Kernels] = None) -> List[Dict]:
     """Time every ``ours:peer`` pair (default :data:`PAIR_SETS` ``default``; ``quick``: ``quick`` at
     :data:`QUICK_SETTINGS`), print the table and return its rows; ``out`` also gets the table, and ``<out>.json`` every
-    number with the torch and timm versions, the machine and these settings. ``saved`` (default: on the CPU only)
-    measures the bytes saved for backward per image; ``profile`` adds each model's operators (CUDA: kernels) by self
-    time in one training step (:func:`top_ops`); ``with_components`` each TransNeXt's pieces timed alone
-    (:func:`component_times`); ``kernels``: ours' kernels config (default all ``auto``)."""
+    number with the versions, the machine and these settings. ``saved`` (default: on the CPU only): the bytes saved for
+    backward per image; ``profile``: each model's operators by self time in one training step (:func:`top_ops`);
+    ``with_components``: each TransNeXt's pieces timed alone (:func:`component_times`); ``kernels``: ours' kernels
+    config (default all ``auto``)."""
     import timm
     settings = {"pairs": list(pairs) if pairs else None, "batch": batch, "img_size": img_size, "rounds": rounds,
                 "warmup": warmup, "min_seconds": min_seconds, "device": device, "dtype": dtype, "threads": threads,

@@ -214,11 +214,10 @@ def _parameter_copy(tensor: torch.Tensor, held: Set[int]) -> bool:
 
 
 def saved_tensor_bytes(call: Callable[[], object], parameters: Iterable[torch.Tensor] = ()) -> int:
-    """Bytes of the tensors autograd saves for backward while ``call()`` runs: each distinct storage once (a tensor
-    saved by several operators, or views of one storage, count once), at the storage's full size; ``parameters``,
-    tensors sharing their storage (``weight.t()``) and autocast's copies of them are left out: the model holds the first
-    anyway, and the copies are per step, not per image. Only a forward saves; a backward without ``create_graph`` and an
-    optimizer step add nothing, so ``call`` may be a whole training step."""
+    """Bytes of the tensors autograd saves for backward while ``call()`` runs, each distinct storage once at its full
+    size; ``parameters``, tensors sharing their storage (``weight.t()``) and autocast's copies of them are left out (the
+    model holds the first anyway, the copies are per step, not per image). Only a forward saves, so ``call`` may be a
+    whole training step."""
     held = {p.untyped_storage().data_ptr() for p in parameters}
     saved: Dict[int, int] = {}
 
@@ -396,10 +395,9 @@ def bench_models(pairs: Optional[Sequence[str]] = None, batch: int = 2, img_size
                  count_launches: bool = False) -> List[Dict]:
     """Images/s of each ``moh:dense`` pair (inference and training), print the table and return its rows; ``out`` also
     gets the table, and every number goes to ``<out>.json``. ``quick``: one small pair at 64 px. ``attention``: the MoH
-    side's attention in every layer (e.g. ``transnext_micro:transnext_micro`` with ``{"name": "moh", "activation_ratio":
-    0.5}``); None: as registered. ``kernels``: both models' kernels config. ``compile_models``: every model
-    ``torch.compile``d with ``compile_mode``. ``count_launches``: what each step launches, two more columns
-    (:func:`launches`)."""
+    side's attention in every layer (e.g. ``{"name": "moh", "activation_ratio": 0.5}``; None: as registered);
+    ``kernels``: both models' kernels config; ``compile_models``: every model ``torch.compile``d with ``compile_mode``;
+    ``count_launches``: two more columns (:func:`launches`)."""
     from moh_vision.models import model_family
     if threads:
         torch.set_num_threads(threads)
@@ -449,7 +447,7 @@ def bench_kernels(model: str, variants: Sequence[str] = ("auto", "reference"), b
     """``model`` (with ``attention``, if given) under each ``kernels`` variant (:func:`parse_kernels`), the same
     weights, its inference and training steps interleaved round by round: ms, the per-round ratio to the first variant
     (``x first``), the training peak memory and (``saved``) the MiB per image autograd keeps for backward
-    (:func:`saved_tensor_bytes`): what a record that keeps an implementation as a default reads."""
+    (:func:`saved_tensor_bytes`)."""
     from moh_vision.models import build_model, model_family
     if threads:
         torch.set_num_threads(threads)

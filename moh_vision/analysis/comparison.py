@@ -25,10 +25,8 @@ def _clean(values: Sequence[Any]) -> list:
 def welch_difference(arm: Sequence[float], reference: Sequence[float], confidence: float = 0.95) -> Dict[str, float]:
     """``diff = mean(arm) - mean(reference)``, its standard error ``se = sqrt(s_a^2/n_a + s_r^2/n_r)``, the
     Welch-Satterthwaite degrees of freedom ``dof = se^4 / ((s_a^2/n_a)^2/(n_a-1) + (s_r^2/n_r)^2/(n_r-1))`` and the
-    interval ``diff -+ t_{(1+confidence)/2, dof} * se`` (``low``, ``high``).
-
-    Fewer than two values on either side: no interval (nan). Both arms without spread (``se == 0``): the interval is the
-    point ``[diff, diff]`` and ``dof`` is nan."""
+    interval ``diff -+ t_{(1+confidence)/2, dof} * se`` (``low``, ``high``). Fewer than two values on either side: no
+    interval (nan); both arms without spread (``se == 0``): the interval ``[diff, diff]``, ``dof`` nan."""
     a, r = _clean(arm), _clean(reference)
     nan = float("nan")
     out = {"diff": nan, "se": nan, "dof": nan, "low": nan, "high": nan, "n": len(a), "n_ref": len(r)}
@@ -67,10 +65,9 @@ def convergence(history: Sequence[float], higher_better: bool = True, tol: float
                 window: int = 5) -> Dict[str, Any]:
     """Whether one run's metric had reached its plateau, from its values per evaluation (oldest first).
 
-    ``gap``: how far the final value is from the best one (in the good direction, >= 0); ``trend``: the rise of the
-    least-squares line through the last ``window`` values over that window (its slope times ``window - 1``, signed:
-    positive = still improving for a higher-better metric). Converged when ``gap <= tol`` and ``|trend| <= flat_tol``;
-    with fewer than ``window`` values there is no trend and the run does not count as converged."""
+    ``gap``: how far the final value is from the best one (>= 0); ``trend``: the rise of the least-squares line through
+    the last ``window`` values (its slope times ``window - 1``; positive = still improving for a higher-better metric).
+    Converged when ``gap <= tol`` and ``|trend| <= flat_tol``; fewer than ``window`` values: no trend, not converged."""
     values = _clean(history)
     nan = float("nan")
     if not values:

@@ -40,10 +40,9 @@ def op_category(name: str) -> str:
 
 
 def counted_events(events: Iterable, device: torch.device) -> List:
-    """The events whose own time a profile on ``device`` sums, each once: on CUDA the device's events (kernels, memory
-    copies; a CPU operator's device time is its kernels', already there), on the CPU the operators. Ranges of
-    ``record_function`` (user annotations: ``ProfilerStep#``, ``Optimizer.step``, ...) are left out: their own time is
-    the host's work between operators. Works on ``prof.events()`` and on ``prof.key_averages()``."""
+    """The events whose own time a profile on ``device`` sums, each once: on CUDA the device's events (a CPU operator's
+    device time is its kernels', already there), on the CPU the operators; ``record_function`` ranges
+    (``ProfilerStep#``, ``Optimizer.step``, ...) left out. Works on ``prof.events()`` and on ``prof.key_averages()``."""
     kinds = DEVICE_KINDS if device.type == "cuda" else (torch.autograd.DeviceType.CPU,)
     return [e for e in events if e.device_type in kinds and not e.is_user_annotation]
 

@@ -233,13 +233,10 @@ def _per_epoch(stats: Mapping[str, Any]) -> Dict[str, Stats]:
 
 
 def plot_shared_heads(stats: Mapping[str, Any], path: Path, title: Optional[str] = None) -> Path:
-    """Layers x heads: which heads each routed layer shares. Accepts one epoch's stats (``{layer: stat}``) or
-    ``routing.json`` (``{epoch: {layer: stat}}``).
-
-    ``S`` marks the shared heads of the last epoch (a learned layer's mask, else the first ``shared_heads``). Colour:
-    fraction of the recorded forwards (over every epoch given) in which the head was shared, so a head the learned
-    partition moved shows between 0 and 1. Learned layers are labelled ``learned`` (``frozen`` once the mask is fixed);
-    layers without routing (``topk = 0``) are left out."""
+    """Layers x heads: which heads each routed layer shares, from one epoch's stats or ``routing.json``
+    (``{epoch: {layer: stat}}``). ``S`` marks the shared heads of the last epoch; the colour is the fraction of the
+    recorded forwards (over every epoch given) in which the head was shared, so a head the learned partition moved shows
+    between 0 and 1. Layers without routing are left out."""
     plt = _pyplot()
     epochs = _per_epoch(stats)
     last = list(epochs.values())[-1] if epochs else {}

@@ -95,11 +95,9 @@ def _short(key: str, value: str) -> str:
 
 
 def assign_arms(jobs: List[Dict[str, Any]]) -> None:
-    """Set ``job["arm"]``: the non-seed overrides that vary across the sweep, else the job's config.
-
-    Jobs of one arm differ only in their seed. Labels made from configs (no Hydra record, or only the seed varies) may
-    coincide for different configs (two MoH arms with explicit heads and no ratio): those get ``#1``, ``#2``, ... so
-    that no two arms are ever merged."""
+    """Set ``job["arm"]``: the non-seed overrides that vary across the sweep, else the job's config. Labels made from
+    configs may coincide for different configs (two MoH arms with explicit heads and no ratio): those get ``#1``,
+    ``#2``, ... so that no two arms are ever merged."""
     recorded = [j["overrides"] for j in jobs if j["overrides"] is not None]
     keys = sorted({k for o in recorded for k in o})
     varying = [k for k in keys if k not in SEED_KEYS and len({o.get(k) for o in recorded}) > 1]
@@ -186,10 +184,9 @@ def add_convergence(jobs: List[Dict[str, Any]], root: Path, metric: str, tol: fl
 
 def add_verdicts(rows: List[Dict[str, Any]], jobs: List[Dict[str, Any]], metric: str,
                  margin: float = DEFAULT_MARGIN, reference: Optional[str] = None) -> Optional[str]:
-    """Per row: the Welch difference of ``metric`` means against the reference arm (``vs_ref diff``,
-    ``vs_ref low``/``high`` of its 95% interval, ``vs_ref dof``), the ``verdict`` for ``margin``, and ``converged``
-    ("k/n" runs at their plateau, or "" without histories). Returns the reference arm (None: no dense arm found, no
-    verdicts)."""
+    """Per row: the Welch difference of ``metric`` means against the reference arm (``vs_ref diff``, ``low``, ``high``
+    of its 95% interval, ``dof``), the ``verdict`` for ``margin``, and ``converged`` ("k/n" runs at their plateau, or
+    ""). Returns the reference arm (None: no dense arm found, no verdicts)."""
     values: Dict[str, List[float]] = defaultdict(list)
     for job in jobs:
         values[job["arm"]].append(job["summary"].get(metric))
@@ -222,9 +219,8 @@ HEADERS = ["arm", "model", "attention", "activation_ratio", "seeds"]
 def write_markdown(rows: List[Dict[str, Any]], metrics: List[str], path: Path, reference: Optional[str] = None,
                    margin: float = DEFAULT_MARGIN, jobs: Sequence[Dict[str, Any]] = ()) -> str:
     """One row per arm: every metric as mean ± std over seeds; the first (reported) metric also with its 95% confidence
-    interval of the mean, its value per seed (in seed order), the difference of means against the reference arm with its
-    95% interval (Welch) and the verdict for ``margin``, and how many runs had converged. Below the table: the runs that
-    had not."""
+    interval, its value per seed, the difference against the reference arm and its verdict, and how many runs had
+    converged. Below the table: the runs that had not."""
     main = metrics[0]
     has_verdict = reference is not None
     has_convergence = any(r.get("converged") for r in rows)

@@ -381,7 +381,8 @@ def _check_same_classes(train_classes, val_classes, train_dir: str, val_dir: str
         return
     only_train = sorted(set(train_classes) - set(val_classes))
     only_val = sorted(set(val_classes) - set(train_classes))
-    parts = [f"only in {split}: {_names(names)}" for split, names in (("train", only_train), ("val", only_val)) if names]
+    parts = [f"only in {split}: {_names(names)}" for split, names in (("train", only_train), ("val", only_val))
+             if names]
     raise ConfigError(f"class folders of {train_dir} and {val_dir} differ ({'; '.join(parts)}); "
                       f"expected the same class folders in both")
 
@@ -407,8 +408,9 @@ class ImageNetData(ImageFolderData):
                      os.path.join(self.root, "Data", "CLS-LOC")):
             if os.path.isdir(os.path.join(base, "train")):
                 return base
-        raise ConfigError(f"no ImageNet train/ folder under {self.root}; expected {self.root}/train and {self.root}/val "
-                          f"with one folder per wnid, or the ILSVRC layout {self.root}/ILSVRC/Data/CLS-LOC/{{train,val}}")
+        raise ConfigError(f"no ImageNet train/ folder under {self.root}; expected {self.root}/train and "
+                          f"{self.root}/val with one folder per wnid, or the ILSVRC layout "
+                          f"{self.root}/ILSVRC/Data/CLS-LOC/{{train,val}}")
 
     def _scan(self, watch: Optional[TreeWatch] = None) -> Tuple[List[str], Split, Split]:
         base = self._base()
@@ -459,6 +461,7 @@ class ImageNetData(ImageFolderData):
             if wnid is None:
                 raise ConfigError(f"{os.path.join(val_dir, rel)} has no row in {csv_path}; expected one per val image")
             if wnid not in class_to_idx:
-                raise ConfigError(f"{csv_path} labels {image_id} as {wnid}, which is not a class folder of {base}/train")
+                raise ConfigError(f"{csv_path} labels {image_id} as {wnid}, which is not a class folder of "
+                                  f"{base}/train")
             labels.append(class_to_idx[wnid])
         return images, labels
