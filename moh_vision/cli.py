@@ -27,9 +27,8 @@ def user_error_in(err: BaseException) -> Optional[Exception]:
 
 def run_cli(fn: Callable[..., Any], *args: Any) -> Any:
     """``fn(*args)``; a user error becomes one ``error:`` line on stderr and exit status 2 (1 for a RunError, and for a
-    failed read or write that names its cause: ``<path>: No space left on device``). A run that stops on a RunError or
-    fails with a traceback also records it (with the traceback) in its log file (``train.log``), which a rejected
-    configuration never creates."""
+    failed read or write that names its cause: ``<path>: No space left on device``). A RunError or a traceback is also
+    recorded in the run's log file (``train.log``), which a rejected configuration never creates."""
     try:
         return fn(*args)
     except Exception as err:

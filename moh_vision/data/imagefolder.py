@@ -257,10 +257,9 @@ def _world_size() -> int:
 def resolve_repeated_aug(value: Optional[Union[int, str]], world_size: Optional[int] = None) -> int:
     """Repeats per image and epoch. ``"auto"``: 3 when training runs in more than one process, else 1.
 
-    Repeated augmentation (DeiT's RASampler) places the 3 augmented copies of an image on different processes and keeps
-    ``len(dataset) // world`` indices per rank and epoch. In a single process the copies land next to each other in the
-    same batch and an epoch sees only a third of the distinct images, which costs accuracy instead of adding it; so
-    ``auto`` switches it off there. An explicit integer is used as given (1 or 0/None = off)."""
+    Repeated augmentation (DeiT's RASampler) places the 3 augmented copies of an image on different processes. In a
+    single process they land in the same batch and an epoch sees a third of the distinct images, which costs accuracy
+    instead of adding it. An explicit integer is used as given (1 or 0/None = off)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         world = _world_size() if world_size is None else int(world_size)
         return REPEATED_AUG_MULTI_PROCESS if world > 1 else 1

@@ -130,12 +130,12 @@ def load_shard(path: os.PathLike) -> Dict[str, Any]:
 
 
 class LatentShards(Dataset):
-    """``(latent * scale_factor, label)`` for chosen images of a latents directory.
+    """``(latent * scale_factor, label)`` for chosen images of a latents directory; shards are opened lazily in each
+    process.
 
-    ``sample=True`` (training): a random flip copy and ``z = mean + std * eps`` from torch's global RNG.
-    ``sample=False`` (validation): the unflipped copy and ``eps`` from a generator seeded by the index, so the
-    validation set is fixed and reading it leaves the global RNG untouched. ``posterior=False`` uses the mean instead of
-    a draw. Shards are opened lazily in each process."""
+    ``sample=True`` (training): a random flip copy and ``z = mean + std * eps`` from torch's global RNG;
+    ``sample=False`` (validation): the unflipped copy and ``eps`` from a generator seeded by the index, leaving the
+    global RNG untouched. ``posterior=False`` uses the mean instead of a draw."""
 
     def __init__(self, root: Path, shard_files: List[str], counts: np.ndarray, labels: np.ndarray,
                  items: np.ndarray, scale_factor: float, flip: bool, sample: bool, posterior: bool = True):
@@ -171,14 +171,14 @@ class LatentShards(Dataset):
 
 
 class LatentsData:
-    """Data module over a latents directory (the trainer's data contract), ``data=latents data.root=<dir>``
-    (``experiment=latent_diffusion`` sets the task and model that go with it).
+    """Data module over a latents directory (the trainer's data contract): ``data=latents data.root=<dir>``, the
+    directory ``tools/extract_latents.py out=`` wrote (``experiment=latent_diffusion`` sets the task and model that go
+    with it).
 
-    ``root``: the directory ``tools/extract_latents.py out=`` wrote. ``img_size`` is the latent side (32 for 256 px),
-    ``in_chans`` the latent channels (4). ``flip``: a random one of the stored horizontal-flip copies per item (DiT's
-    RandomHorizontalFlip); ``sample_posterior``: draw ``z ~ N(mean, std^2)`` per item (DiT), else the mean. Validation:
-    ``val_size`` images (at most all) spread evenly over the (class-sorted) set, read deterministically; they stay in
-    the training set (``val_holdout=false``: DiT trains on all of ImageNet train, ``val/loss`` monitors the fit) unless
+    ``img_size`` is the latent side (32 for 256 px), ``in_chans`` the latent channels (4). ``flip``: a random one of the
+    stored flip copies per item (DiT's RandomHorizontalFlip); ``sample_posterior``: draw ``z ~ N(mean, std^2)`` per item
+    (DiT), else the mean. Validation: ``val_size`` images spread evenly over the (class-sorted) set, read
+    deterministically, kept in training (as DiT trains on all of ImageNet train: ``val/loss`` monitors the fit) unless
     ``val_holdout=true``."""
     collate_fn = None
     mixup = None

@@ -16,11 +16,9 @@ from torch.utils.data import Dataset, Sampler
 
 
 class EpochSampler(Sampler[int]):
-    """Shuffled (or ordered) indices for one rank, optionally with repeated augmentation.
-
-    ``repeats > 1`` is the DeiT/TransNeXt repeated-augmentation sampler: every index appears ``repeats`` times, spread
-    over ranks, and each rank keeps ``len(dataset) // world`` of them per epoch. ``start`` skips that many of this
-    rank's indices (resume mid-epoch)."""
+    """Shuffled (or ordered) indices for one rank; ``start`` skips that many of them (resume mid-epoch). ``repeats > 1``
+    is DeiT/TransNeXt's repeated augmentation: every index appears ``repeats`` times, spread over ranks, and each rank
+    keeps ``len(dataset) // world`` of them per epoch."""
 
     def __init__(self, size: int, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
                  repeats: int = 1, drop_last: bool = False):
@@ -137,9 +135,8 @@ class SeededItems(Dataset):
 
 
 def loader_options(num_workers: int, pin_memory: bool) -> Dict[str, Any]:
-    """The DataLoader options of the trainer's loaders (and of the loader benchmark's). Workers are forked (the dataset
-    is not pickled) and kept for the whole run: no start-up at every epoch and validation. Each loader gets its own
-    generator: making a loader iterator draws a base seed, which must not come from the global RNG, or a run resumed
-    mid-epoch would diverge from an uninterrupted one."""
+    """The DataLoader options of the trainer's loaders (and the loader benchmark's): forked workers (the dataset is not
+    pickled) kept for the whole run, and a generator per loader (a loader iterator draws a base seed, which must not
+    come from the global RNG, or a run resumed mid-epoch would diverge from an uninterrupted one)."""
     return dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
                 multiprocessing_context="fork" if num_workers > 0 else None, generator=torch.Generator())

@@ -177,11 +177,9 @@ def build_eval_transform(img_size: int = 224, in_chans: int = 3, crop_pct: Optio
 
 
 class BatchMixup(Mixup):
-    """timm ``Mixup`` in batch mode that also accepts odd and empty batches.
-
-    ``(x [B, C, H, W], y [B] int) -> (x mixed in place, soft targets [B, num_classes] float)``, rows of the targets sum
-    to 1 (label smoothing included). timm pairs sample ``i`` with ``B - 1 - i`` and refuses odd batches, which appear
-    here when unreadable images are dropped; the middle sample of an odd batch is paired with itself (stays unmixed)."""
+    """timm ``Mixup`` in batch mode, also for odd and empty batches (unreadable images dropped): ``(x [B, C, H, W], y
+    [B]) -> (x mixed in place, soft targets [B, num_classes])``, label smoothing included. timm pairs sample ``i`` with
+    ``B - 1 - i``; the middle sample of an odd batch is paired with itself (stays unmixed)."""
 
     def __call__(self, x: torch.Tensor, target: torch.Tensor):
         if len(x) == 0:

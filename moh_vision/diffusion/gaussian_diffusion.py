@@ -179,11 +179,9 @@ class GaussianDiffusion:
 
     def training_losses(self, model, x0: torch.Tensor, t: torch.Tensor, model_kwargs: Optional[dict] = None,
                         noise: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
-        """Per-sample losses ([B] tensors) for one timestep per sample.
-
-        Returns ``loss`` and, with the MSE losses, ``mse``; ``vb`` is present whenever the variance is learned (or the
-        loss is a KL). In the hybrid loss the VB term sees a detached mean prediction, so it trains only the variance
-        channels and the MSE alone trains the mean."""
+        """Per-sample losses ([B] tensors) for one timestep per sample: ``loss``, ``mse`` with the MSE losses, ``vb``
+        whenever the variance is learned (or the loss is a KL). In the hybrid loss the VB term sees a detached mean
+        prediction, so it trains only the variance channels."""
         if noise is None:
             noise = torch.randn_like(x0)
         x_t = self.q_sample(x0, t, noise)
@@ -298,11 +296,10 @@ def create_diffusion(timestep_respacing: Union[str, int, Sequence[int], None] = 
                      learn_sigma: bool = True, diffusion_steps: int = 1000, sigma_small: bool = False,
                      predict_xstart: bool = False, use_kl: bool = False,
                      rescale_learned_sigmas: bool = False) -> GaussianDiffusion:
-    """A diffusion over ``diffusion_steps`` steps, respaced to ``timestep_respacing`` ("" keeps all).
-
-    Defaults are DiT's: linear betas, epsilon prediction, learned-range sigma, hybrid loss (MSE on eps + VB).
-    ``learn_sigma=False`` gives a fixed variance (large, or small with ``sigma_small``) and a plain MSE. Train with
-    ``timestep_respacing=""``; sample with e.g. ``"250"`` or ``"ddim50"``."""
+    """A diffusion over ``diffusion_steps`` steps, respaced to ``timestep_respacing`` ("" keeps all: train with it;
+    sample with e.g. ``"250"`` or ``"ddim50"``). Defaults are DiT's: linear betas, epsilon prediction, learned-range
+    sigma, hybrid loss (MSE on eps + VB); ``learn_sigma=False`` gives a fixed variance (large, or small with
+    ``sigma_small``) and a plain MSE."""
     betas = get_named_beta_schedule(noise_schedule, diffusion_steps)
     if timestep_respacing is None or timestep_respacing == "":
         timestep_respacing = [diffusion_steps]

@@ -9,10 +9,9 @@ from torch import nn
 
 
 class EMA:
-    """``ema = d * ema + (1 - d) * model`` for floating parameters; buffers are copied.
-
-    ``warmup=True`` uses ``d = min(decay, (1 + n) / (10 + n))`` at update ``n``, so a short run is not dominated by its
-    random initialisation (DiT's 0.9999 assumes hundreds of thousands of steps)."""
+    """``ema = d * ema + (1 - d) * model`` for floating parameters; buffers are copied. ``warmup=True`` uses
+    ``d = min(decay, (1 + n) / (10 + n))`` at update ``n``, so a short run is not dominated by its random
+    initialisation."""
 
     def __init__(self, model: nn.Module, decay: float = 0.9999, warmup: bool = False):
         self.decay, self.warmup = float(decay), bool(warmup)

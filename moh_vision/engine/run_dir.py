@@ -41,9 +41,9 @@ ADDED_LATER = {"optim.momentum": 0.9, "optim.layer_decay": None, "optim.kwargs":
 class RunLock:
     """``<run dir>/.run.lock``, holding the owner's pid, host and start time, while a run trains there
     (``with RunLock(dir):``). A second run on the directory stops with a :class:`ConfigError` naming the first; a lock
-    whose process is gone (same host, dead pid: a crash, a killed job) is taken over with a warning. A lock from another
-    host cannot be checked: the error says how to remove it. Creating the lock is also the run's first write: a
-    directory that cannot be written fails here, by its cause."""
+    whose process is gone (same host, dead pid) is taken over with a warning; a lock from another host cannot be checked
+    (the error says how to remove it). Creating the lock is the run's first write: an unwritable directory fails here,
+    by its cause."""
 
     def __init__(self, out_dir: Path):
         self.path = Path(out_dir) / LOCK_NAME

@@ -27,10 +27,8 @@ def split_batch(batch) -> Tuple[Tensor, Tensor, int]:
 
 class ClassificationTask:
     """Cross-entropy (soft targets under mixup/cutmix, label smoothing otherwise) plus the routed layers' auxiliary loss
-    times ``aux_loss_weight`` (default: the attention config's).
-
-    A ``Task`` (``moh_vision.tasks.protocols``): ``model`` is the model config (``name``, ``checkpoint_path``,
-    ``init_from``, ``kwargs``), ``attention`` the attention config, ``kernels`` the kernels config (None: every op
+    times ``aux_loss_weight`` (default: the attention config's). A ``Task`` (``moh_vision.tasks.protocols``): ``model``
+    is the model config, ``attention`` the attention config, ``kernels`` the kernels config (None: every op
     ``auto``)."""
     name = "classification"
     primary_metric, primary_mode = "val/acc1", "max"
