@@ -261,8 +261,8 @@ QUICK_PAIRS = ("moh_dit_s_2_75:dit_s_2",)
 
 def build_for_bench(name: str, img_size: int, device: torch.device, attention: Optional[Dict] = None,
                     kernels: Optional[Kernels] = None) -> torch.nn.Module:
-    """Model ``name`` as registered (a preset keeps its own attention and heads), or with ``attention`` (``{"name":
-    "moh", "activation_ratio": 0.5, ...}``) in every layer, running ``kernels``."""
+    """Model ``name`` as registered (a preset keeps its own attention and heads), or with ``attention``
+    (``{"name": "moh", "activation_ratio": 0.5, ...}``) in every layer, running ``kernels``."""
     from moh_vision.models import build_model, model_family
 
     # DiT works on 256px images as 32x32 latents (1/8); TransNeXt and ViT on the images.

@@ -1,20 +1,18 @@
 """Loader benchmark: this project's image pipelines against timm's, on one JPEG tree, in one interleaved run.
 
-``tools/bench_data.py`` generates an ImageNet-like class-folder tree (:func:`make_jpeg_tree`: 500 x 375 JPEGs of smooth
-colour fields, shapes and noise, about ImageNet's size on disk and decode time) and times one pass over each split with
+``tools/bench_data.py`` generates an ImageNet-like class-folder tree (:func:`make_jpeg_tree`: 500 x 375 JPEGs of about
+ImageNet's size on disk and decode time) and times one pass over each split with
 
-* **moh_vision**: ``ImageFolderData`` (:mod:`moh_vision.data.imagefolder`, the TransNeXt recipe of
-  :mod:`moh_vision.data.transforms`) in the trainer's loaders: ``SeededItems`` over an ``EpochSampler``, the
-  unreadable-image collate, the trainer's loader options (:func:`~moh_vision.data.sampler.loader_options`);
-* **timm**: ``timm.data.ImageDataset`` in ``timm.data.create_loader`` (no prefetcher: a CPU loader), whose transform
-  ``timm.data.create_transform`` builds from the same recipe (RandAugment rand-m9-mstd0.5-inc1, bicubic, random erasing
-  0.25 in pixel mode; eval: resize 256, crop 224). Its posterize gets the project's fix (Pillow 13 refuses timm's 0-bit
-  posterize, which the recipe draws: ``use_safe_posterize``), the one change, so that it runs at all.
+* **moh_vision**: ``ImageFolderData`` with the TransNeXt recipe in the trainer's loaders (``SeededItems`` over an
+  ``EpochSampler``, the unreadable-image collate, :func:`~moh_vision.data.sampler.loader_options`);
+* **timm**: ``timm.data.ImageDataset`` in ``timm.data.create_loader`` (no prefetcher: a CPU loader) with
+  ``timm.data.create_transform``'s build of the same recipe, whose posterize gets the project's fix
+  (``use_safe_posterize``: Pillow 13 refuses the recipe's 0-bit posterize), the one change, so that it runs at all.
 
 Mixup is in neither (it mixes batches in the training step). The candidates take turns
 (:func:`~moh_vision.analysis.benchmark.interleave`) with persistent workers, so a pass times loading, not process
 start-up; ``workers=0`` loads in the main process on one thread (one worker's rate). The ratio moh_vision / timm is
-taken per round (median and quartiles)."""
+taken per round."""
 from __future__ import annotations
 
 import tempfile

@@ -15,19 +15,14 @@ Convention (one for the whole project: ``summary.json``, ``tools/flops.py``, the
 
 Active GFLOPs (what the activated heads need). A trace sees one input, so the data-dependent routing is counted from
 each routed layer's configuration: a layer with ``a`` of ``h`` heads active per token (MoH: ``shared_heads + topk``;
-MoA: ``topk`` experts) has active fraction ``f = a / h``, and ``active = dense - (1 - f) * per_head_query_work``, the
-work an exact sparse execution would do only for the selected (token, head) pairs:
-
-* the query projection (``q``, ``q_proj``, the query rows of a fused ``qkv``; ``q_norm``);
-* the attention core of every query: the layer's own ``scaled_dot_product_attention`` / ``matmul`` / ``bmm`` /
-  ``einsum`` ops (``QK^T``, ``AV``; TransNeXt's local window, pooled keys and learnable-token terms);
-* the output projection ``proj`` (head ``i`` contributes ``H_i W_O^i`` only where it is active).
-
-Keys and values (any query may attend to any key), aggregated attention's pooled features (``sr``, ``norm``, pooling)
-and position-bias MLP (``cpb_*``), the routers and everything outside the attention do not scale. Which child of a layer
-is which is declared by the layer's kernel and variant (``flops_roles``: ``per_head``, ``query_rows`` or ``fixed``), and
-``a`` is the variant's ``active_heads()``: nothing here knows a variant or a parameter name. A dense model's active
-GFLOPs equal its GFLOPs.
+MoA: ``topk`` experts; the variant's ``active_heads()``) has active fraction ``f = a / h``, and
+``active = dense - (1 - f) * per_head_query_work``, the work an exact sparse execution would do only for the selected
+(token, head) pairs: the query projection (``q``, ``q_proj``, a fused ``qkv``'s query rows; ``q_norm``), the layer's own
+attention-core ops (``QK^T``, ``AV``; TransNeXt's window, pooled-key and learnable-token terms) and the output
+projection ``proj``. Keys and values (any query may attend to any key), aggregated attention's pooled features and
+position-bias MLP, the routers and everything outside the attention do not scale. Which child of a layer is which is
+declared by the layer's kernel and variant (``flops_roles``: ``per_head``, ``query_rows`` or ``fixed``): nothing here
+knows a variant or a parameter name. A dense model's active GFLOPs equal its GFLOPs.
 
 Extending: a custom op (a ``torch.library`` op, or an ``autograd.Function`` traced as ``prim::PythonOp.<ClassName>``)
 gets a handle with :func:`register_op_handle`."""

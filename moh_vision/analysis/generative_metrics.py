@@ -105,9 +105,9 @@ def _check_same_width(ours: np.ndarray, theirs: np.ndarray, our_name: str, their
 
 # -- Inception Score ---------------------------------------------------------------------------------------------------
 def inception_score(probs: np.ndarray, split_size: int = IS_SPLIT_SIZE) -> float:
-    """ADM's Inception Score: consecutive splits of ``split_size`` rows (the last one may be shorter), each ``exp(mean_i
-    sum_y p_iy (log p_iy - log mean_j p_jy))``, averaged over the splits. A zero probability adds nothing (the limit of
-    ``p log p``), where ADM's ``0 * log 0`` would give NaN."""
+    """ADM's Inception Score: consecutive splits of ``split_size`` rows (the last one may be shorter), each
+    ``exp(mean_i sum_y p_iy (log p_iy - log mean_j p_jy))``, averaged over the splits. A zero probability adds nothing
+    (the limit of ``p log p``), where ADM's ``0 * log 0`` would give NaN."""
     probs = np.asarray(probs, dtype=np.float64)
     if probs.ndim != 2 or len(probs) == 0 or (probs < 0).any():
         raise ConfigError(f"probs must be non-negative softmax rows [N, classes], got shape {probs.shape}")

@@ -1,12 +1,12 @@
 """How a trained routed model uses its heads, on a few images (``tools/analyze_routing.py``; the figures:
 ``docs/routing.md``).
 
-Each routed layer records which heads every token selected and the gates they got (``record_routing(model,
-keep_selection=True)``: nothing is left on the modules). :func:`analyse` sums them over the images,
-:func:`layer_statistics` turns the sums into per-layer numbers (the trainer's ``RoutingMeter.averages`` format plus
-token grid, gate mass and MoA-style utility ranking), and :func:`write_outputs` draws them (head load, gate mass, router
-entropy, head utility, shared heads when a layer learns them, and per image the heads each token chose on its layer's
-token grid) and keeps the raw per-token masks and gates of the mapped images in ``selection.npz``."""
+Each routed layer records which heads every token selected and the gates they got
+(``record_routing(model, keep_selection=True)``: nothing is left on the modules). :func:`analyse` sums them over the
+images, :func:`layer_statistics` turns the sums into per-layer numbers (the trainer's ``RoutingMeter.averages`` format
+plus token grid, gate mass and MoA-style utility ranking), and :func:`write_outputs` draws them (head load, gate mass,
+router entropy, head utility, shared heads when a layer learns them, and per image the heads each token chose on its
+layer's token grid) and keeps the raw per-token masks and gates of the mapped images in ``selection.npz``."""
 from __future__ import annotations
 
 import math

@@ -1,11 +1,10 @@
 """Encode an image-folder tree (its train split) into VAE latent shards for ``data=latents``
 (``tools/extract_latents.py``; the format: :mod:`moh_vision.data.latents`).
 
-Each image is center-cropped the ADM/DiT way to ``image_size`` and encoded, together with its horizontal flip, by a
-local diffusers ``AutoencoderKL``; the encoder's Gaussian (mean and std, fp16) is stored so training draws a fresh
-latent per step as DiT does. Shards are written atomically; rerunning the same extraction skips finished shards (resume
-after a crash or preemption). With several processes (torchrun) process ``rank`` encodes every ``world``-th shard and
-rank 0 writes ``index.json`` once all shards exist."""
+Each image is center-cropped the ADM/DiT way to ``image_size`` and encoded, with its horizontal flip, by a local
+diffusers ``AutoencoderKL``; the encoder's Gaussian (mean and std, fp16) is stored so training draws a fresh latent per
+step as DiT does. Shards are written atomically and a rerun skips finished ones (resume after a crash or preemption).
+Under torchrun rank ``r`` encodes every ``world``-th shard and rank 0 writes ``index.json`` once all shards exist."""
 from __future__ import annotations
 
 import json
