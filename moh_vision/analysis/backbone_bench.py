@@ -69,8 +69,7 @@ def parse_pairs(specs: Iterable[str]) -> List[Tuple[str, str]]:
 
 
 def _at_size(model: nn.Module, img_size: int) -> nn.Module:
-    """``model`` with its ``pretrained_cfg`` input size set to ``img_size`` (what :func:`model_inputs` reads: timm keeps
-    the registered size there when a model is built at another one)."""
+    """``model`` with its ``pretrained_cfg`` input size set to ``img_size`` (timm keeps the registered one there)."""
     channels = model.pretrained_cfg["input_size"][0]
     model.pretrained_cfg = {**model.pretrained_cfg, "input_size": (channels, img_size, img_size)}
     return model
@@ -102,8 +101,7 @@ def build_pair(ours: str, peer: str, img_size: int, device: torch.device,
 
 # -- What a model is: FLOPs, parameters, bytes saved for backward ------------------------------------------------------
 def describe(model: nn.Module, batch: int, device: torch.device, dtype: torch.dtype, saved: bool) -> Dict[str, object]:
-    """``gflops`` (and ``active_gflops``) per image, ``params_m`` and, with ``saved``, ``saved_mib_per_image`` of one
-    eager training step of ``batch`` images (:func:`saved_tensor_bytes`)."""
+    """``gflops``, ``active_gflops``, ``params_m`` and (``saved``) ``saved_mib_per_image`` of ``model``."""
     from .flop_count import count_flops
     counted = count_flops(model, model.pretrained_cfg["input_size"])
     info: Dict[str, object] = {"gflops": counted["gflops"], "active_gflops": counted["active_gflops"],

@@ -82,8 +82,7 @@ def interleave(calls: Dict[str, Callable[[], None]], rounds: int = 15, warmup: i
 
 @contextlib.contextmanager
 def rounds_bar(total: int, desc: str) -> Iterator[Callable[[int], None]]:
-    """A progress bar over the timed rounds on stderr (a whole-model benchmark runs for minutes): yields the
-    ``progress`` callback :func:`interleave` takes."""
+    """A progress bar on stderr over the timed rounds: yields the ``progress`` callback of :func:`interleave`."""
     from tqdm.auto import tqdm
     bar = tqdm(total=total, desc=desc, unit="round", leave=False, file=sys.stderr)
     try:
@@ -202,8 +201,7 @@ def peak_memory(call: Callable[[], None], device: torch.device) -> Optional[int]
 
 
 def _parameter_copy(tensor: torch.Tensor, held: Set[int]) -> bool:
-    """Whether ``tensor`` is (a view of) a cast of one parameter alone, as autocast makes of weights: a per-step cost
-    that does not grow with the batch."""
+    """Whether ``tensor`` is (a view of) autocast's cast of one parameter: a per-step cost, not a per-image one."""
     base = tensor._base if tensor._is_view() else tensor
     node = base.grad_fn
     if node is None or node.name() != "ToCopyBackward0":
@@ -261,8 +259,7 @@ QUICK_PAIRS = ("moh_dit_s_2_75:dit_s_2",)
 
 def build_for_bench(name: str, img_size: int, device: torch.device, attention: Optional[Dict] = None,
                     kernels: Optional[Kernels] = None) -> torch.nn.Module:
-    """Model ``name`` as registered (a preset keeps its own attention and heads), or with ``attention``
-    (``{"name": "moh", "activation_ratio": 0.5, ...}``) in every layer, running ``kernels``."""
+    """Model ``name`` as registered, or with ``attention`` (a config group) in every layer, running ``kernels``."""
     from moh_vision.models import build_model, model_family
 
     # DiT works on 256px images as 32x32 latents (1/8); TransNeXt and ViT on the images.
@@ -430,8 +427,7 @@ def kernels_text(kernels: Kernels) -> str:
 
 
 def parse_kernels(text: str) -> Kernels:
-    """``auto``, ``reference`` (every entry), or entries ``key=value`` joined by ``+``
-    (``routing=reference+aggregated=reference``; the rest ``auto``)."""
+    """``auto``, ``reference`` (every entry), or ``key=value`` entries joined by ``+`` (the rest ``auto``)."""
     if text in ("auto", "reference"):
         return Kernels(**{key: text for key in Kernels().as_dict()})
     entries = dict(part.split("=", 1) if "=" in part else (part, "") for part in text.split("+"))

@@ -135,8 +135,7 @@ def _label(split: str, workers: int, loader: str) -> str:
 
 
 def measure(root: Path, bench: DataBench) -> List[dict]:
-    """One row per (split, workers): images/s of both loaders (median and quartiles over the rounds), per worker, and
-    the per-round ratio."""
+    """One row per (split, workers): both loaders' images/s (median, quartiles), per worker, and the per-round ratio."""
     builders = {"moh_vision": ours, "timm": timms}
     loaders = {_label(s, w, name): builders[name](root, s, bench, w)
                for s in bench.splits for w in bench.workers for name in LOADERS}
@@ -179,8 +178,7 @@ def data_table(rows: Sequence[dict], header: str) -> str:
 
 
 def bench_data(bench: DataBench, out: Optional[str] = None) -> dict:
-    """Make (or reuse) the tree, measure, print the table; with ``out``, write it (markdown) and the record (``.json``
-    beside it). Returns the record."""
+    """Make (or reuse) the tree, measure, print the table and return the record; ``out`` gets both (md and .json)."""
     import PIL
     import timm
     with tempfile.TemporaryDirectory(prefix="bench_data_") as scratch:

@@ -93,8 +93,7 @@ def steady_count(model: torch.nn.Module, inputs: Tuple, train: bool,
 
 def count_rows(label: str, models: Dict[str, torch.nn.Module], inputs: Tuple,
                dtype: Optional[torch.dtype]) -> List[Dict]:
-    """``{label}, {mode} ops`` and ``{label}, {mode} kernels`` (operators less views), inference and training, for each
-    of ``models`` (``dense``, ``moh``)."""
+    """``{label}, {mode} ops`` and ``... kernels`` (less views), inference and training, for each of ``models``."""
     rows = []
     for mode in ("infer", "train"):
         counts = {name: steady_count(m, inputs, mode == "train", dtype) for name, m in models.items()}
@@ -155,8 +154,7 @@ def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
 
 
 def layer_pair(attention: Dict, dim: int, heads: int) -> Dict[str, torch.nn.Module]:
-    """``{"dense": mha, "moh": attention}`` layers of width ``dim`` with ``heads`` heads (``attention``: a config such
-    as ``{"name": "moh", "activation_ratio": 0.75}``)."""
+    """``{"dense": mha, "moh": attention}`` layers of width ``dim`` with ``heads`` heads."""
     from moh_vision.attention import build_attention
     from moh_vision.models.build import NON_MODULE_KEYS
     options = {k: v for k, v in attention.items() if k not in NON_MODULE_KEYS}
@@ -165,8 +163,7 @@ def layer_pair(attention: Dict, dim: int, heads: int) -> Dict[str, torch.nn.Modu
 
 
 def layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dict]:
-    """Per-layer figures, dense ``mha`` against ``attention`` (e.g. ``{"name": "moh", "activation_ratio": 0.75}``), at
-    :data:`LAYER_SHAPES` and on :data:`HOST_SHAPE`, under autocast to ``dtype``."""
+    """Per-layer figures, dense ``mha`` against ``attention``, at :data:`LAYER_SHAPES` and on :data:`HOST_SHAPE`."""
     rows = []
     batch, tokens = LAYER_TOKENS
     for dim, heads in LAYER_SHAPES:
@@ -185,8 +182,7 @@ def layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dic
 
 def model_rows(moh: torch.nn.Module, dense: torch.nn.Module, label: str, batch: int = 2,
                graphs: bool = True, dtype: Optional[torch.dtype] = None) -> List[Dict]:
-    """Whole-model operator counts (inference, training; under autocast to ``dtype``) and, with ``graphs``,
-    :func:`graph_counts`."""
+    """Whole-model operator counts (inference, training) and, with ``graphs``, :func:`graph_counts`."""
     from .benchmark import model_inputs
     inputs = model_inputs(dense, batch)
     rows = count_rows(label, {"dense": dense, "moh": moh}, inputs, dtype)
@@ -209,8 +205,8 @@ def ops_table(rows: Sequence[Dict], header: str) -> str:
 
 def ops_report(pairs: Sequence[Tuple[torch.nn.Module, torch.nn.Module, str]], attention: Optional[Dict] = None,
                graphs: bool = True, dtype: Optional[torch.dtype] = None) -> Tuple[List[Dict], str]:
-    """Every figure of the module docstring: per layer (``attention``, default MoH 0.75) and per model pair
-    ``(moh, dense, label)``; every call under CPU autocast to ``dtype`` (None or float32: none)."""
+    """Every figure of the module docstring: per layer (``attention``; default MoH 0.75) and per
+    ``(moh, dense, label)``."""
     attention = attention or {"name": "moh", "activation_ratio": 0.75}
     rows = layer_rows(attention, dtype)
     for moh, dense, label in pairs:

@@ -53,8 +53,7 @@ def own_time_us(event, device: torch.device) -> float:
 
 
 def time_by_kind(events: Iterable, device: torch.device) -> Dict[str, float]:
-    """Milliseconds of own time per kind of work (:func:`op_category`) of :func:`counted_events`, largest first; kinds
-    with no time are absent."""
+    """Milliseconds of own time of :func:`counted_events` per kind (:func:`op_category`), largest first."""
     by_kind: Dict[str, float] = {}
     for event in counted_events(events, device):
         micros = own_time_us(event, device)

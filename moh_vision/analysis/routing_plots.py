@@ -53,8 +53,7 @@ def routed_layers(stats: Stats) -> List[str]:
 
 # -- Head load: layers x heads -----------------------------------------------------------------------------------------
 def plot_head_load(stats: Stats, path: Path, key: str = "load", title: Optional[str] = None) -> Path:
-    """Heatmap of ``stats[layer][key]`` (layers x heads; blank where a layer has fewer heads). Shared heads are marked
-    ``s``; each row is annotated with its active heads per token."""
+    """Heatmap of ``stats[layer][key]`` (layers x heads), shared heads marked ``s``, rows labelled shared + top-k."""
     plt = _pyplot()
     names = list(stats)
     width = max(len(s[key]) for s in stats.values())

@@ -121,8 +121,7 @@ def assign_arms(jobs: List[Dict[str, Any]]) -> None:
 
 
 def _stats(values: List[float]) -> Dict[str, float]:
-    """Mean, sample standard deviation and the half-width of the two-sided 95% confidence interval of the mean
-    (Student's t with n - 1 degrees of freedom; nan for fewer than two values)."""
+    """Mean, sample std and the half-width of the mean's 95% Student's t interval (nan below 2 values)."""
     values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     if not values:
         return {"mean": float("nan"), "std": float("nan"), "ci95": float("nan"), "n": 0}
@@ -310,8 +309,7 @@ MODEL_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">")
 
 
 def family_styles(rows: List[Dict[str, Any]]) -> Dict[str, Dict[str, str]]:
-    """``"model / attention" -> {"color", "marker"}``: the colour follows the attention type, the marker the model, the
-    same in every panel."""
+    """``"model / attention" -> {"color", "marker"}``: the colour follows the attention type, the marker the model."""
     attentions = sorted({str(r["attention"]) for r in rows})
     spare = iter(SPARE_COLORS * (1 + len(attentions) // len(SPARE_COLORS)))
     colors = {a: ATTENTION_COLORS.get(a) or next(spare) for a in attentions}

@@ -106,8 +106,7 @@ def _save(path: Path, index: Index, watch: TreeWatch) -> None:
 
 
 def cached_index(scan: Callable[[TreeWatch], Index], root: str, key: str, cache: Optional[Path]) -> Index:
-    """``scan(watch)``'s index of the tree at ``root``, from ``cache`` when it holds a current one, else scanned and
-    kept there (when the tree has settled)."""
+    """``scan(watch)``'s index of the tree at ``root``: ``cache``'s if current, else scanned and kept once settled."""
     path = index_file(cache, root, key) if cache is not None else None
     found = _load(path) if path is not None else None
     if found is not None:

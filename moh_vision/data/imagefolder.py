@@ -130,8 +130,7 @@ def _require_dir(path: str, expected: str) -> None:
 
 
 def scan_class_folders(split_dir: str, watch: Optional[TreeWatch] = None) -> Tuple[List[str], List[str], List[int]]:
-    """``(classes, image paths relative to split_dir, labels)`` of a class-folder tree; ``watch`` notes every folder
-    read (:mod:`moh_vision.data.file_index`)."""
+    """``(classes, image paths relative to split_dir, labels)`` of a class-folder tree; ``watch`` notes folders read."""
     _require_dir(split_dir, "a folder with one sub-folder of images per class")
     classes = _subfolders(split_dir, watch)
     if not classes:
@@ -206,8 +205,7 @@ class ImageFileDataset(Dataset):
 
 
 class SkippedImages(int):
-    """How many unreadable images were dropped from a batch: an ``int`` (the batch format's third item), whose ``files``
-    are the ``(path, reason)`` pairs of those images."""
+    """How many unreadable images a batch dropped: an ``int`` whose ``files`` are their ``(path, reason)`` pairs."""
 
     def __new__(cls, files: Sequence[Tuple[str, str]] = ()):
         files = tuple((str(path), str(reason)) for path, reason in files)
@@ -335,8 +333,7 @@ class ImageFolderData:
         return train_dir, val_dir
 
     def _scan(self, watch: Optional[TreeWatch] = None) -> Tuple[List[str], Split, Split]:
-        """``(classes, train split, val split)``; checks that train and val have the same classes. ``watch`` notes every
-        folder read (the file index's validity)."""
+        """``(classes, train split, val split)``, with the same classes in both; ``watch`` notes every folder read."""
         train_dir, val_dir = self._split_dirs()
         if watch is not None:
             watch.note(self.root)  # train/ or val/ replaced

@@ -49,8 +49,7 @@ def shard_name(k: int) -> str:
 
 # -- Image preprocessing and the VAE -----------------------------------------------------------------------------------
 def center_crop_arr(image: Image.Image, image_size: int) -> np.ndarray:
-    """ADM's (and DiT's) center crop: halve with a box filter while the short side is >= 2x the target, resize the short
-    side to ``image_size`` (bicubic), crop the center. Returns uint8 HWC."""
+    """ADM's (and DiT's) center crop, uint8 HWC: box-filter halvings, bicubic resize of the short side, center crop."""
     while min(image.size) >= 2 * image_size:
         image = image.resize(tuple(s // 2 for s in image.size), resample=Image.BOX)
     scale = image_size / min(image.size)

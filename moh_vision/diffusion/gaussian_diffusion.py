@@ -270,8 +270,7 @@ class GaussianDiffusion:
     def sample(self, model_fn, shape, model_kwargs: Optional[dict] = None, sampler: str = "ddpm", noise=None,
                clip_denoised: bool = False, denoised_fn=None, eta: float = 0.0, progress: bool = False, device=None,
                generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Draw samples of ``shape`` with ``sampler`` ("ddpm" or "ddim"); returns the final x_0. ``noise`` fixes the
-        initial x_T; ``generator`` makes all random draws reproducible."""
+        """The final x_0 of ``sampler`` ("ddpm" or "ddim"); ``noise`` fixes x_T, ``generator`` every random draw."""
         final = None
         for final in self.sample_loop_progressive(model_fn, shape, sampler, noise=noise, clip_denoised=clip_denoised,
                                                   denoised_fn=denoised_fn, model_kwargs=model_kwargs, device=device,

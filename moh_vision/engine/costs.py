@@ -87,8 +87,7 @@ class StepClock:
             start = time.perf_counter()
 
     def lap(self, sync: bool = False) -> Tuple[float, float]:
-        """``(seconds, data wait)`` since the previous lap. ``sync``: wait for the device first (at the end of a logging
-        window: a window's time is then exact)."""
+        """``(seconds, data wait)`` since the previous lap; ``sync``: wait for the device first (a window's end)."""
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
@@ -134,8 +133,7 @@ class RunCosts:
         self.peak_tflops = peak_tflops(self.device_name, self.precision) if device.type == "cuda" else None
 
     def rates(self, times: StepTimes, prefix: str) -> Dict[str, float]:
-        """``<prefix>step_ms``, ``data_wait_ms``, ``data_wait_share``, ``images_per_sec``, and where known ``tflops``
-        and ``utilisation``; nothing for no steps."""
+        """The module docstring's keys with ``prefix`` (``tflops``, ``utilisation`` where known); none for no steps."""
         if not times.steps or times.seconds <= 0:
             return {}
         images_per_sec = times.samples / times.seconds
@@ -155,8 +153,7 @@ class RunCosts:
         return row
 
     def summary(self, times: StepTimes, peak_mb: Optional[float]) -> Dict[str, Any]:
-        """summary.json's costs: the rates of ``times`` (the run after its warm-up steps), the training FLOPs per image,
-        the device and its peak, and the peak memory."""
+        """summary.json's costs: rates of ``times``, training FLOPs per image, the device's peak, peak memory."""
         out: Dict[str, Any] = {**self.rates(times, ""), "device": self.device_name, "precision": self.precision}
         if self.gflops_per_image is not None:
             out["train_gflops_per_image"] = self.gflops_per_image

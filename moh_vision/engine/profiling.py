@@ -48,8 +48,7 @@ def _under(event: Any, name: str) -> bool:
 
 
 def time_table(events: Iterable, device: torch.device, wall_ms: float) -> Dict[str, float]:
-    """ms by kind of work of the events outside the data-wait ranges, ``data_wait`` and ``rest`` (the wall time neither
-    counted; never below 0)."""
+    """ms by kind of the events outside the data-wait ranges, ``data_wait`` and ``rest`` (the wall time left, >= 0)."""
     events = list(events)
     cpu = torch.autograd.DeviceType.CPU
     data_wait = sum(e.cpu_time_total for e in events if e.name == DATA_WAIT and e.device_type == cpu) / 1e3
@@ -94,8 +93,7 @@ class StepProfiler:
             self._finish(max(self.first_recorded, self.step_under_way - 1))
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
-        """``loader``'s batches; while recording, each fetch (the loader's start included) inside a :data:`DATA_WAIT`
-        range."""
+        """``loader``'s batches; while recording, each fetch (the first included) inside a :data:`DATA_WAIT` range."""
         iterator = None
         while True:
             with torch.profiler.record_function(DATA_WAIT) if self.profile is not None else contextlib.nullcontext():

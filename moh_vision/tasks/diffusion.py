@@ -202,8 +202,7 @@ class DiffusionTask:
         return digits_sample_metrics(classifier, samples, labels, reference)
 
     def decode(self, x: Tensor) -> Tensor:
-        """Data space -> images in [-1, 1]: identity for pixel data; for latents the VAE decoder, ``decode_batch_size``
-        at a time (a 256px decode is memory-hungry)."""
+        """Data space -> images in [-1, 1]: pixels as they are, latents VAE-decoded ``decode_batch_size`` at a time."""
         if not self.vae_cfg["path"]:
             return x
         from moh_vision.data.latents import load_vae
