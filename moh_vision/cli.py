@@ -231,8 +231,8 @@ def parse_options(argv: Sequence[str], options: Sequence[Option], doc: str = "",
 
 def run_tool(fn: Callable[..., Any], argv: Optional[Sequence[str]], options: Sequence[Option], doc: str = "",
              passthrough: Sequence[str] = ()) -> Any:
-    """Parse ``argv`` (default ``sys.argv[1:]``) and return ``fn(options)`` (``fn(options, overrides)`` for a tool with
-    ``passthrough`` keys); user errors exit as :func:`run_cli` says."""
+    """Parse ``argv`` (default ``sys.argv[1:]``) and return ``fn(options)`` (with ``passthrough``:
+    ``fn(options, overrides)``); user errors exit as :func:`run_cli` says."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     words = list(sys.argv[1:] if argv is None else argv)
 

@@ -106,7 +106,6 @@ def cpu_name() -> str:
 
 
 def training_gflops_per_image(flops: Mapping[str, Any]) -> Optional[float]:
-    """FLOPs (2 per multiply-add) of one training image, in G: 3 x the active forward count; None when the run's FLOPs
-    were not counted."""
+    """GFLOPs (2 per multiply-add) of one training image, 3 x the active forward; None when FLOPs were not counted."""
     active = flops.get("active_gflops")
     return None if active is None else FLOPS_PER_MULTIPLY_ADD * TRAINING_PASSES * float(active)

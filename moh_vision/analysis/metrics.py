@@ -101,8 +101,7 @@ def classifier_cache_path(img_size: int) -> Path:
 def train_digits_classifier(img_size: int, epochs: int = CLASSIFIER_SETTINGS["epochs"],
                             seed: int = CLASSIFIER_SETTINGS["seed"], progress: bool = True
                             ) -> Tuple[DigitsClassifier, float]:
-    """Train the classifier on the digits training split (augmented); returns it and its val accuracy (%). ``progress``:
-    a progress bar over the epochs (on stderr)."""
+    """The classifier trained on the digits training split (augmented), and its val accuracy (%)."""
     from tqdm.auto import tqdm
 
     from moh_vision.data.digits import DigitsData

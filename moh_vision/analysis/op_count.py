@@ -80,8 +80,7 @@ def inference_call(model: torch.nn.Module, inputs: Tuple) -> Callable[[], None]:
 
 def steady_count(model: torch.nn.Module, inputs: Tuple, train: bool,
                  dtype: Optional[torch.dtype] = None) -> Tuple[int, int]:
-    """Operators, and operators less views, of one call (under autocast to ``dtype``) after a first, uncounted one (lazy
-    initialisations, caches)."""
+    """Operators, and operators less views, of one call (under autocast to ``dtype``) after a first, uncounted one."""
     model.train(train)
     inputs = tuple(t.clone().requires_grad_() if train and t.is_floating_point() else t for t in inputs)
     call = under_autocast(training_call(model, inputs) if train else inference_call(model, inputs), dtype)

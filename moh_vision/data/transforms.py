@@ -79,8 +79,7 @@ def posterize_any_bits(img: Image.Image, bits_to_keep: int, **_) -> Image.Image:
 
 
 def use_safe_posterize(obj, seen=None) -> int:
-    """Swap timm's posterize for :func:`posterize_any_bits` in every augment op under ``obj`` (a Compose, RandAugment,
-    AutoAugment or AugMix); returns how many ops were changed."""
+    """Swap timm's posterize for :func:`posterize_any_bits` in every augment op under ``obj``; how many were changed."""
     seen = set() if seen is None else seen
     if id(obj) in seen:
         return 0

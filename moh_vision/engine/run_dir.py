@@ -134,8 +134,8 @@ def _free(key: str) -> bool:
 
 
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> List[str]:
-    """The options that differ between a checkpoint's config and this run's and change the training trajectory
-    (everything but :data:`FREE_TO_CHANGE`), as ``key: old -> new``."""
+    """``key: old -> new`` of the options that differ between a checkpoint's config and this run's, but
+    :data:`FREE_TO_CHANGE`."""
     old, new = ({**ADDED_LATER, **_flat(config)} for config in (saved, current))
     keys = sorted(k for k in set(old) | set(new) if not _free(k) and old.get(k) != new.get(k))
     return [f"{k}: {_text(old.get(k))} -> {_text(new.get(k))}" for k in keys]

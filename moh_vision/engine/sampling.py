@@ -192,8 +192,7 @@ def part_path(parts: Path, k: int) -> Path:
 @torch.no_grad()
 def sample_batches(task, model, labels: torch.Tensor, batches: Iterable[int], seed: int, device: torch.device,
                    parts: Path, bar=None, decode_batch_size: int = 32) -> None:
-    """Sample, decode and store the given batches (skipping stored ones); the VAE decodes ``decode_batch_size`` latents
-    at a time (at 256 px it holds hundreds of MB per image)."""
+    """Sample, decode (``decode_batch_size`` latents at a time) and store the given batches, skipping stored ones."""
     from moh_vision.analysis.grids import to_uint8
     size = int(task.sample_cfg["batch_size"])
     for k in batches:
