@@ -1,21 +1,14 @@
 """This codebase's backbones against timm peers of similar FLOPs, in one interleaved run (``tools/bench_backbones.py``).
 
-The architecture's promise is that a backbone costs what its peers of the same FLOPs cost (timm's Swin and PVTv2). For
-each ``ours:peer`` pair both models are built at the same image size (ours through
-:func:`~moh_vision.analysis.benchmark.build_for_bench`, the peer through ``timm.create_model``) and their steps run
-interleaved round by round (:mod:`~moh_vision.analysis.benchmark`), so "x peer" is a per-round ratio, reported as median
-[quartiles]:
-
-* training: forward, loss, backward and an AdamW step; inference: eval mode, no gradients; images/s from the median
-  step;
-* GFLOPs per image with the project's one counter (:func:`~moh_vision.analysis.flop_count.count_flops`), and "per
-  GFLOP": the time ratio over the GFLOPs ratio (1.0: ours costs what its FLOPs predict from the peer's);
-* saved MiB per image (:func:`saved_tensor_bytes`): what autograd keeps for backward in one eager training forward, the
-  parameters left out; it does not depend on the machine and sets training memory on a GPU;
-* on CUDA, the training step's peak memory.
-
-``compile=[False, True]`` times each pair eager and ``torch.compile``d in one invocation (same weights, compilation left
-out of the timings)."""
+The architecture's promise is that a backbone costs what its peers of the same FLOPs cost (timm's Swin and PVTv2). Both
+models of an ``ours:peer`` pair are built at the same image size (ours through
+:func:`~moh_vision.analysis.benchmark.build_for_bench`) and their steps interleaved round by round
+(:mod:`~moh_vision.analysis.benchmark`), so "x peer" is a per-round ratio, reported as median [quartiles], of training
+steps (forward, loss, backward, AdamW) and of inference (eval mode, no gradients); "per GFLOP" divides it by the GFLOPs
+ratio (1.0: ours costs what its FLOPs predict). Beside them: GFLOPs per image (the project's one counter), saved MiB per
+image (:func:`saved_tensor_bytes`: what autograd keeps for backward, which sets training memory on a GPU and does not
+depend on the machine) and, on CUDA, the training peak memory. ``compile=[False, True]`` times each pair eager and
+``torch.compile``d in one invocation (same weights, compilation left out of the timings)."""
 from __future__ import annotations
 
 import statistics

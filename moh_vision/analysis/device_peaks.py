@@ -1,16 +1,15 @@
-"""What a training run's arithmetic rate is measured against: its FLOPs per image and the device's peak.
+"""What a training run's arithmetic rate is measured against: its FLOPs per image and the device's peak, with the
+conventions of torchtitan's and nanoGPT's MFU:
 
-Conventions (the ones torchtitan and nanoGPT's MFU use):
-
-* **2 FLOPs per multiply-add.** The project's GFLOPs (fvcore's convention, :mod:`moh_vision.analysis.flop_count`) count
-  a multiply-add as one; vendors' peaks count it as two, so a TFLOP/s figure here is ``2 x`` multiply-adds per second.
+* **2 FLOPs per multiply-add.** The project's GFLOPs (fvcore's, :mod:`moh_vision.analysis.flop_count`) count a
+  multiply-add as one; vendors' peaks count it as two.
 * **Training = 3 x the forward** (the backward computes the gradients of both the inputs and the weights), per image,
-  from the **active** count (``active_gflops``: a MoH layer is charged for the heads a token uses). Point-wise work is
-  left out, as the peaks are those of the matrix units.
-* **Dense peaks** (without 2:4 structured sparsity), from the vendors' datasheets, in TFLOP/s: bf16 / fp16 on the tensor
-  cores with fp32 accumulation (what PyTorch uses; the GeForce cards run at half the fp16-accumulate rate their box
-  states), tf32 on the tensor cores, and fp32 without them. A precision the device lacks (bf16 or tf32 before Ampere)
-  has no peak, and a CPU has none: utilisation is then not reported (TFLOP/s still is)."""
+  from the **active** count (a MoH layer is charged for the heads a token uses); point-wise work left out, as the peaks
+  are those of the matrix units.
+* **Dense peaks** (no 2:4 sparsity) from the vendors' datasheets, in TFLOP/s: bf16 / fp16 on the tensor cores with fp32
+  accumulation (what PyTorch uses; the GeForce cards run at half the fp16-accumulate rate their box states), tf32 on the
+  tensor cores, fp32 without them. A precision the device lacks (bf16 or tf32 before Ampere) has no peak, nor has a CPU:
+  utilisation is then not reported."""
 from __future__ import annotations
 
 import platform

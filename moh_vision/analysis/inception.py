@@ -1,23 +1,22 @@
 """Inception activations as ADM's evaluator reads them, from torch-fidelity's port of TensorFlow's 2015-12-05 Inception
-(the graph ADM loads, ``classify_image_graph_def.pb``), with LOCAL weights: never downloaded.
-
-The weights file is torch-fidelity's ``weights-inception-2015-12-05-6726825d.pth`` (the URL is ``URL_INCEPTION_V3`` in
-``torch_fidelity.feature_extractor_inceptionv3``): fetch it once where there is a network and pass its path. What ADM
-reads from the TF graph and where it is in the port:
+(the graph ADM loads, ``classify_image_graph_def.pb``), with LOCAL weights: torch-fidelity's
+``weights-inception-2015-12-05-6726825d.pth`` (its URL is ``URL_INCEPTION_V3`` in
+``torch_fidelity.feature_extractor_inceptionv3``), fetched once where there is a network. What ADM reads from the graph,
+and where it is in the port:
 
 * ``pool_3:0`` (2048-d): the port's ``2048`` feature (the 8 x 8 average pool after ``Mixed_7c``);
-* ``mixed_6/conv:0``, first 7 channels: the output of ``Mixed_6d.branch1x1``. torch-fidelity's weight conversion maps
-  the graph's ``mixed_6/conv/conv2d_params`` and ``mixed_6/conv/batchnorm`` there (the graph counts its mixed blocks
-  from 0, so mixed_6 = 6d, not torchvision's 6e); the op named ``mixed_6/conv`` is the layer's ReLU, which the port's
-  ``BasicConv2d`` ends with too: [N, 192, 17, 17] at 299 px. The 7 channels are flattened in TensorFlow's NHWC order, as
-  ADM's ``reshape`` does, so the features line up with the ``mu_s``/``sigma_s`` of ADM's reference batches;
-* ``softmax`` for the Inception Score: ADM multiplies pool_3 by ``softmax/logits/MatMul``'s weights without the bias;
-  the port's ``logits_unbiased`` is that product (1008 classes), softmaxed here in float64.
+* ``mixed_6/conv:0``, first 7 channels: the output of ``Mixed_6d.branch1x1``, where torch-fidelity's weight conversion
+  maps the graph's ``mixed_6/conv`` parameters (the graph counts its mixed blocks from 0: mixed_6 = 6d, not
+  torchvision's 6e). The op ``mixed_6/conv`` is the layer's ReLU, which the port's ``BasicConv2d`` ends with too. The 7
+  channels are flattened in TensorFlow's NHWC order, as ADM's ``reshape`` does, to line up with the ``mu_s``/``sigma_s``
+  of ADM's reference batches;
+* ``softmax`` for the Inception Score: pool_3 times ``softmax/logits/MatMul``'s weights without the bias, the port's
+  ``logits_unbiased`` (1008 classes), softmaxed here in float64.
 
-Caveats: the port resizes to 299 x 299 with TF1's bilinear resize and scales to [-1, 1] as the graph does; its authors
-report features equal to TF's up to float round-off, so the numbers agree with ADM's evaluator to round-off (not
-measured here: TensorFlow and the graph are not installed). That ``mixed_6/conv`` is the ReLU output rests on the
-graph's naming convention (a layer's scope names its output op), not on a check against the graph itself."""
+Caveats: the port resizes with TF1's bilinear resize and scales to [-1, 1] as the graph does; its authors report
+features equal to TF's up to float round-off, so the numbers agree with ADM's evaluator to round-off (not measured here:
+TensorFlow is not installed). That ``mixed_6/conv`` is the ReLU output rests on the graph's naming convention, not on a
+check against the graph itself."""
 from __future__ import annotations
 
 import os

@@ -1,18 +1,13 @@
 """One table and plot for every job of a multirun (``tools/sweep_report.py``).
 
 Reads each job's ``summary.json`` and ``config.yaml`` and groups jobs into *arms*: jobs that differ only in their seed.
-The arm of a job is what its Hydra overrides (``.hydra/overrides.yaml``) set to values that vary across the sweep, the
-seed excepted: ``+experiment/compare=moh_50`` gives arm ``moh_50`` (the ``experiment=compare_attention`` comparison),
-``attention.activation_ratio=0.5`` gives ``activation_ratio=0.5``. Without Hydra's records a job's arm is its model and
-full attention config, so two MoH arms with the same ratio but other heads are never merged. Per arm: mean and standard
-deviation over seeds of the metric, active GFLOPs, GFLOPs, parameters and measured training images/s.
-
-The verdict (:mod:`moh_vision.analysis.comparison`): each arm against the reference arm (the dense one unless
-``reference=`` names another) within ``margin`` (default 0.5, in the metric's units: points of top-1). Convergence: per
-job, from its ``metrics.csv``; a run that had not reached its plateau is flagged in the table and printed.
-
-:func:`write_sweep_report` writes ``sweep_report.md``, ``.csv``, ``.json`` (rows, verdicts, every job's value and
-convergence, the settings) and ``.png`` (:func:`make_figure`)."""
+A job's arm is what its Hydra overrides set to values that vary across the sweep, the seed excepted
+(``+experiment/compare=moh_50`` gives ``moh_50``, ``attention.activation_ratio=0.5`` gives ``activation_ratio=0.5``);
+without Hydra's records, its model and full attention config. Per arm: mean and standard deviation over seeds of the
+metric, active GFLOPs, GFLOPs, parameters and training images/s; the verdict against the reference arm (the dense one
+unless ``reference=`` names another, :mod:`moh_vision.analysis.comparison`) within ``margin`` (default 0.5, in the
+metric's units: points of top-1); the runs that had not converged (from their ``metrics.csv``).
+:func:`write_sweep_report` writes ``sweep_report.md``, ``.csv``, ``.json`` and ``.png`` (:func:`make_figure`)."""
 from __future__ import annotations
 
 import csv

@@ -1,13 +1,12 @@
-"""The file index of an image-folder tree (classes, image paths, labels), built once and shared.
+"""The file index of an image-folder tree (classes, image paths, labels), built once and shared: walking ImageNet's
+1.28M files takes every process minutes on a network file system.
 
-Walking ImageNet's 1.28M files takes every process minutes on a network file system; a run needs the index once:
-
-* :func:`cached_index`: the index is kept in a cache folder (``data.index_cache``: ``auto`` is ``file_index`` in the
-  project's cache folder, :func:`~moh_vision.analysis.metrics.cache_dir`), keyed by the tree's path and valid while
-  every folder the scan read keeps the modification time it had (adding, removing or renaming an image changes its
-  folder's; rewriting one changes nothing the index holds). Each folder's time is read before the folder is listed, and
-  an index whose folders changed less than :data:`SETTLE_S` seconds before the scan is not kept (a change inside the
-  same timestamp tick would not show on a coarse-grained file system).
+* :func:`cached_index`: the index is kept in a cache folder (``data.index_cache``: ``auto`` is ``file_index`` in
+  :func:`~moh_vision.analysis.metrics.cache_dir`), keyed by the tree's path and valid while every folder the scan read
+  keeps its modification time (adding, removing or renaming an image changes its folder's; rewriting one changes nothing
+  the index holds). Each folder's time is read before it is listed, and an index whose folders changed less than
+  :data:`SETTLE_S` seconds before the scan is not kept (a coarse file system would not show a change within the same
+  tick).
 * :func:`built_once`: under ``torch.distributed`` rank 0 alone builds (or loads) it and sends it to the other ranks; a
   bad tree is the same one-line error on every rank."""
 from __future__ import annotations

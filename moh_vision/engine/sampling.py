@@ -1,20 +1,15 @@
 """Class-conditional samples from a trained DiT / MoH-DiT checkpoint, for grids and FID (``tools/sample.py``).
 
 The model and task are rebuilt from the checkpoint's config (EMA weights by default); latents are decoded with the VAE
-of ``task.vae.path`` (or ``vae=``). Labels follow DiT's ``sample_ddp.py`` by default (``labels=random``: each batch
-draws its labels uniformly at random, so class counts vary as in the published FID-50K runs); ``labels=balanced`` (the
-default with ``per_class=``) gives every class ``N // C`` or one more samples, sorted by class. Batch ``k`` draws its
-noise (and its random labels, from a separate stream) from seed ``(seed, k)`` and ranks take every WORLD_SIZE-th batch,
-so the output does not depend on the number of ranks (DiT's per-rank seeds make it depend on them). Finished batches are
-kept in ``out/.parts-<hash>/`` until the end: a rerun with the same settings and ``out`` resumes. Rank 0 writes:
-
-* ``samples.npz``: ``arr_0`` uint8 [N, H, W, 3], the input of ADM's evaluation suite (DiT's FID protocol);
-* ``labels.npy``: the class of every sample; ``samples.png``: a labelled grid (rows = classes);
-* ``sample.json``: what was sampled and the metrics: the digits proxies (``sample/class_acc``, ``sample/fd_digits``) for
-  digits checkpoints, and ADM's FID / sFID / Inception Score / precision / recall
-  (:mod:`moh_vision.analysis.adm_evaluation`, local Inception weights) with ``fid_ref`` and ``inception_weights``.
-
-:func:`sample` takes the options of ``tools/sample.py`` (a mapping with attribute access)."""
+of ``task.vae.path`` (or ``vae=``). Labels follow DiT's ``sample_ddp.py`` (``labels=random``: uniform per batch, so
+class counts vary as in the published FID-50K runs) unless ``labels=balanced`` (the default with ``per_class=``: every
+class ``N // C`` or one more times, sorted). Batch ``k`` draws its noise (and random labels, from a separate stream)
+from seed ``(seed, k)`` and ranks take every WORLD_SIZE-th batch, so the output does not depend on the number of ranks
+(DiT's per-rank seeds make it depend on them); finished batches are kept in ``out/.parts-<hash>/`` until the end, so a
+rerun with the same settings and ``out`` resumes. Rank 0 writes ``samples.npz`` (``arr_0`` uint8 [N, H, W, 3], the input
+of ADM's evaluation suite), ``labels.npy``, ``samples.png`` (a labelled grid, rows = classes) and ``sample.json`` (what
+was sampled and the metrics: the digits proxies for digits checkpoints, ADM's five numbers with ``fid_ref`` and
+``inception_weights``). :func:`sample` takes the options of ``tools/sample.py`` (a mapping with attribute access)."""
 from __future__ import annotations
 
 import hashlib
