@@ -181,8 +181,7 @@ def auto_device(name: str) -> torch.device:
 
 
 def evaluate_samples(cfg: Mapping[str, Any]) -> Dict[str, Any]:
-    """``tools/evaluate_samples.py``: read, evaluate, print and write the JSON (``cfg.out``, else beside the
-    samples)."""
+    """``tools/evaluate_samples.py``: evaluate, print and write the JSON (``cfg.out``, else beside the samples)."""
     from moh_vision.checkpoints import atomic_write
     samples = read_samples(cfg["samples"])
     reference = read_reference(cfg["ref"], side=samples.shape[1])

@@ -204,8 +204,7 @@ def ops_table(rows: Sequence[Dict], header: str) -> str:
 
 def ops_report(pairs: Sequence[Tuple[torch.nn.Module, torch.nn.Module, str]], attention: Optional[Dict] = None,
                graphs: bool = True, dtype: Optional[torch.dtype] = None) -> Tuple[List[Dict], str]:
-    """Every figure of the module docstring: per layer (``attention``; default MoH 0.75) and per
-    ``(moh, dense, label)``."""
+    """Every figure of the module docstring, per layer (``attention``, default MoH 0.75) and per model pair."""
     attention = attention or {"name": "moh", "activation_ratio": 0.75}
     rows = layer_rows(attention, dtype)
     for moh, dense, label in pairs:
