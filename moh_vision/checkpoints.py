@@ -1,27 +1,17 @@
 """Checkpoint I/O, all of it: the trainer, ``eval.py``, the models' loaders and every tool use this module.
 
-* Writing (:func:`atomic_save`): a checkpoint is a dict of tensors and plain Python types only
-  (loads with ``weights_only=True``). It goes to a temporary file in the same directory, is fsynced,
-  then renamed over the target, so a crash or a full disk never leaves a half-written ``last.pt``;
-  the previous one is kept as ``last.prev.pt`` and used when ``last.pt`` turns out to be unreadable
-  (:func:`load_with_fallback`).
-* Reading any file (:func:`load_file`): tensors-only loading with one-line errors for a missing,
-  truncated, corrupt or foreign file; ``argparse.Namespace`` is accepted (the official TransNeXt /
-  MoH / DiT training scripts pickle their arguments into the files they release); ``trust_pickle``
-  loads anything (only for files the user vouches for); ``.safetensors`` too.
-* Finding the weights in it (:func:`find_weights`, :func:`read_weights`): our trainer's checkpoints
-  (``model`` / ``model_ema``), DiT's (``model`` / ``ema``), timm's (``state_dict`` /
-  ``state_dict_ema``), plain state dicts; ``module.`` (DDP) and ``_orig_mod.`` (``torch.compile``)
-  prefixes stripped.
-* Comparing (:func:`state_dict_mismatch`): one line naming missing, unexpected and reshaped keys.
-* A run's training config (:func:`run_config`): from its directory or a checkpoint.
-* Writing any other file atomically (:func:`atomic_write`: sample arrays, latent shards' index, ...).
-* What a write killed half-way leaves (:func:`remove_partial_writes`), and whether a file is whole
-  (:func:`is_whole_checkpoint`: what keeping the newest readable checkpoint relies on).
-"""
+A checkpoint is a dict of tensors and plain Python types only (loads with ``weights_only=True``). :func:`atomic_save`
+and :func:`atomic_write` write a fsynced temporary file and rename it over the target, so a crash or a full disk never
+leaves a half-written ``last.pt``; the previous one is kept as ``last.prev.pt`` for :func:`load_with_fallback`.
+:func:`load_file` reads any file (``.safetensors`` too) with one-line errors for a missing, truncated, corrupt or
+foreign one, and accepts ``argparse.Namespace`` (the official TransNeXt / MoH / DiT scripts pickle their arguments into
+their releases); :func:`find_weights` finds the weights in ours (``model`` / ``model_ema``), DiT's (``model`` /
+``ema``), timm's (``state_dict`` / ``state_dict_ema``) and plain state dicts, with DDP's and ``torch.compile``'s
+prefixes stripped."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import pickle
@@ -62,8 +52,8 @@ def _fsync_dir(path: Path) -> None:
 
 def atomic_write(path: os.PathLike, write: Callable[[BinaryIO], None], keep_previous: bool = False,
                  what: str = "file") -> Path:
-    """``write(file)`` into a temporary file beside ``path``, fsync, then rename it over ``path`` (keeping the
-    old file as ``*.prev.<suffix>`` with ``keep_previous``): readers never see a half-written file."""
+    """``write(file)`` into a temporary file beside ``path``, fsync, then rename it over ``path`` (keeping the old file
+    as ``*.prev.<suffix>`` with ``keep_previous``): readers never see a half-written file."""
     path = Path(path)
     tmp = None
     try:
@@ -79,10 +69,8 @@ def atomic_write(path: os.PathLike, write: Callable[[BinaryIO], None], keep_prev
         _fsync_dir(path.parent)
     except BaseException as err:
         if tmp is not None:
-            try:
+            with contextlib.suppress(OSError):
                 os.unlink(tmp)
-            except OSError:
-                pass
         if isinstance(err, (OSError, RuntimeError)):  # torch's zip writer reports a full disk as RuntimeError
             cause = os_error_in(err)  # the operating system's reason, not the zip writer's
             if cause is None:
@@ -100,8 +88,8 @@ PARTIAL_WRITE = re.compile(r"^\..+\.[A-Za-z0-9_]+\.tmp$")  # atomic_write's temp
 
 def remove_partial_writes(folder: os.PathLike) -> List[Path]:
     """Delete the temporary files of writes killed half-way (SIGKILL, a node lost) in ``folder``; what was removed.
-    :func:`atomic_write` removes its own on any error it survives, so only a dead process leaves one: call this
-    while no write can be under way there (a run holding its directory's lock, before its first save)."""
+    :func:`atomic_write` removes its own on any error it survives, so only a dead process leaves one: call this while no
+    write can be under way there (a run holding its directory's lock, before its first save)."""
     removed = []
     try:
         entries = list(os.scandir(folder))
@@ -138,9 +126,8 @@ def load_checkpoint_file(path: os.PathLike) -> Dict[str, Any]:
 def load_with_fallback(path: os.PathLike) -> Tuple[Dict[str, Any], Path]:
     """Load ``path``; if it is truncated or corrupt, warn naming it and use its ``.prev`` twin."""
     path = Path(path)
-    candidates = [path, previous_path(path)]
     errors = []
-    for cand in candidates:
+    for cand in (path, previous_path(path)):
         if not cand.exists():
             continue
         try:
@@ -167,8 +154,8 @@ def resolve_resume(resume: Optional[str], out_dir: Path) -> Optional[Path]:
 
 
 def run_config(path: Union[str, os.PathLike]) -> Dict[str, Any]:
-    """The training config of a run: ``<dir>/config.yaml`` (or ``<dir>/.hydra/config.yaml``) of a run
-    directory, or the one inside a checkpoint file that ``train.py`` wrote."""
+    """The training config of a run: ``<dir>/config.yaml`` (or ``<dir>/.hydra/config.yaml``) of a run directory, or the
+    one inside a checkpoint file that ``train.py`` wrote."""
     where = Path(path).expanduser()
     if where.is_dir():
         for candidate in (where / "config.yaml", where / ".hydra" / "config.yaml"):
@@ -183,9 +170,7 @@ def run_config(path: Union[str, os.PathLike]) -> Dict[str, Any]:
     raise ConfigError(f"{path} does not exist; expected a run directory or a checkpoint")
 
 
-# ----------------------------------------------------------------------------------------------
-# Reading any checkpoint file, and the weights inside it
-# ----------------------------------------------------------------------------------------------
+# -- Reading any checkpoint file, and the weights inside it ------------------------------------------------------------
 EMA_KEYS = ("model_ema", "ema", "state_dict_ema")  # ours, DiT's training script, timm
 MODEL_KEYS = ("model", "state_dict", "module")
 STRIP_PREFIXES = ("module.", "_orig_mod.")        # DistributedDataParallel, torch.compile
@@ -193,11 +178,9 @@ SAFE_GLOBALS = (argparse.Namespace,)               # what released training chec
 
 
 def load_file(path: Union[str, os.PathLike], trust_pickle: bool = False) -> Any:
-    """The object saved in ``path`` (on CPU), or a :class:`ConfigError` that says in one line why not.
-
-    Tensors, plain Python types and ``argparse.Namespace`` load safely (``weights_only=True``);
-    ``trust_pickle=True`` loads any pickled object (run only on files you trust).
-    """
+    """The object saved in ``path`` (on CPU), or a :class:`ConfigError` that says in one line why not. Tensors, plain
+    Python types and ``argparse.Namespace`` load safely (``weights_only=True``); ``trust_pickle=True`` loads any pickled
+    object (run only on files you trust)."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
@@ -228,11 +211,9 @@ def load_file(path: Union[str, os.PathLike], trust_pickle: bool = False) -> Any:
 
 
 def find_weights(obj: Any, prefer: str = "auto", source: str = "checkpoint") -> Tuple[Dict[str, torch.Tensor], str]:
-    """The state dict inside a loaded checkpoint and where it was (e.g. ``"['model_ema']"``).
-
-    ``prefer``: ``auto`` takes EMA weights when present (what DiT releases and timm's loader prefers),
-    ``ema`` requires them, ``model`` takes the raw weights. Wrapper prefixes are stripped.
-    """
+    """The state dict inside a loaded checkpoint and where it was (e.g. ``"['model_ema']"``). ``prefer``: ``auto`` takes
+    EMA weights when present (what DiT releases and timm's loader prefers), ``ema`` requires them, ``model`` takes the
+    raw weights. Wrapper prefixes are stripped."""
     if prefer not in ("auto", "ema", "model"):
         raise ConfigError(f"weights='{prefer}' is unknown; use auto, ema or model")
     if not isinstance(obj, Mapping):
@@ -322,9 +303,9 @@ def _unsupported_global(err: BaseException) -> str:
 
 
 def check_checkpoint_file(path: Union[str, os.PathLike]) -> Optional[str]:
-    """None when ``path`` looks like a checkpoint a loader here can read (torch's zip or legacy pickle
-    format, or safetensors), else what is wrong, in words. Reads a few bytes: fit for checking a
-    config before a run starts; a file that passes can still be truncated (the loader then says so)."""
+    """None when ``path`` looks like a checkpoint a loader here can read (torch's zip or legacy pickle format, or
+    safetensors), else what is wrong, in words. Reads a few bytes: fit for checking a config before a run starts; a file
+    that passes can still be truncated (the loader then says so)."""
     path = Path(path).expanduser()
     if not path.exists():
         return "no such checkpoint file"
@@ -343,9 +324,9 @@ def check_checkpoint_file(path: Union[str, os.PathLike]) -> Optional[str]:
 
 
 def is_whole_checkpoint(path: Union[str, os.PathLike]) -> bool:
-    """Whether ``path`` is a checkpoint file that was written to its end: :func:`check_checkpoint_file`'s header
-    test and, for torch's zip format, a readable central directory (written last, so a truncated file lacks it).
-    Reads the file's header and its end, never the tensors."""
+    """Whether ``path`` is a checkpoint file that was written to its end: :func:`check_checkpoint_file`'s header test
+    and, for torch's zip format, a readable central directory (written last, so a truncated file lacks it). Reads the
+    file's header and its end, never the tensors."""
     path = Path(path)
     if check_checkpoint_file(path) is not None:
         return False

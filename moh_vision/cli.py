@@ -1,12 +1,10 @@
-"""Shared behaviour of the command-line entry points and tools: one argument style, one clear line for a
-user error, not a traceback.
+"""Shared behaviour of the command-line entry points and tools: one argument style, one clear line for a user error, not
+a traceback.
 
-Every tool takes ``key=value`` words, as ``train.py`` and ``eval.py`` do. A tool declares its options
-(:class:`Option`: name, type, default, help, allowed values) and calls :func:`run_tool`, which parses the
-words (:func:`parse_options`), prints the options for ``--help``/``-h``, and turns a
-:class:`~moh_vision.errors.ConfigError` (bad arguments or input) into ``error: <one line>`` and exit
-status 2, a :class:`~moh_vision.errors.RunError` into status 1.
-"""
+Every tool takes ``key=value`` words, as ``train.py`` and ``eval.py`` do. A tool declares its options (:class:`Option`:
+name, type, default, help, allowed values) and calls :func:`run_tool`, which parses the words (:func:`parse_options`),
+prints the options for ``--help``/``-h``, and turns a :class:`~moh_vision.errors.ConfigError` (bad arguments or input)
+into ``error: <one line>`` and exit status 2, a :class:`~moh_vision.errors.RunError` into status 1."""
 from __future__ import annotations
 
 import logging
@@ -17,27 +15,20 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import yaml
 
-from moh_vision.errors import ConfigError, RunError, os_error_line
+from moh_vision.errors import ConfigError, RunError, error_in_chain, os_error_line
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 def user_error_in(err: BaseException) -> Optional[Exception]:
     """The ConfigError/RunError behind ``err`` (Hydra's instantiate wraps errors raised by constructors)."""
-    seen = set()
-    while err is not None and id(err) not in seen:
-        if isinstance(err, (ConfigError, RunError)):
-            return err
-        seen.add(id(err))
-        err = err.__cause__ or err.__context__
-    return None
+    return error_in_chain(err, lambda e: isinstance(e, (ConfigError, RunError)))
 
 
 def run_cli(fn: Callable[..., Any], *args: Any) -> Any:
-    """``fn(*args)``; a user error becomes one ``error:`` line on stderr and exit status 2 (1 for a RunError,
-    and for a failed read or write that names its cause: ``<path>: No space left on device``). A run that
-    stops on a RunError or fails with a traceback also records it (with the traceback) in its log file
-    (``train.log``), which a rejected configuration never creates."""
+    """``fn(*args)``; a user error becomes one ``error:`` line on stderr and exit status 2 (1 for a RunError, and for a
+    failed read or write that names its cause: ``<path>: No space left on device``). A RunError or a traceback is also
+    recorded in the run's log file (``train.log``), which a rejected configuration never creates."""
     try:
         return fn(*args)
     except Exception as err:
@@ -53,17 +44,15 @@ def run_cli(fn: Callable[..., Any], *args: Any) -> Any:
 
 
 def _log_to_files(message: str, exc_info: Any = None) -> None:
-    """Write ``message`` (and a traceback) into the root logger's log files only: the console gets the
-    one ``error:`` line or Python's own traceback, not a second copy."""
+    """Write ``message`` (and a traceback) into the root logger's log files only: the console gets the one ``error:``
+    line or Python's own traceback, not a second copy."""
     record = logging.getLogger(__name__).makeRecord(__name__, logging.ERROR, __file__, 0, message, (), exc_info)
     for handler in logging.getLogger().handlers:
         if isinstance(handler, logging.FileHandler):
             handler.handle(record)
 
 
-# ----------------------------------------------------------------------------------------------
-# Value types: a parser from text, and what it accepts (for --help and error lines)
-# ----------------------------------------------------------------------------------------------
+# -- Value types: a parser from text, and what it accepts (for --help and error lines) ---------------------------------
 def value_type(expects: str) -> Callable[[Callable[[str], Any]], Callable[[str], Any]]:
     def mark(parse: Callable[[str], Any]) -> Callable[[str], Any]:
         parse.expects = expects
@@ -119,14 +108,11 @@ def list_of(item: Callable[[str], Any], single: bool = False) -> Callable[[str],
     return parse
 
 
-# ----------------------------------------------------------------------------------------------
-# Options and parsing
-# ----------------------------------------------------------------------------------------------
+# -- Options and parsing -----------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Option:
-    """One ``key=value`` option. A name ending in ``.*`` is a group: ``attention.<key>=<value>`` words are
-    collected (values parsed as YAML) into a dict under ``<name>_options`` (``attention_options``)."""
-
+    """One ``key=value`` option. A name ending in ``.*`` is a group: ``attention.<key>=<value>`` words are collected
+    (values parsed as YAML) into a dict under ``<name>_options`` (``attention_options``)."""
     name: str
     default: Any = None
     type: Callable[[str], Any] = text
@@ -206,10 +192,8 @@ def help_text(options: Sequence[Option], doc: str = "", passthrough: Sequence[st
 def parse_options(argv: Sequence[str], options: Sequence[Option], doc: str = "",
                   passthrough: Sequence[str] = ()) -> Tuple[Options, List[str]]:
     """``key=value`` words -> (options, Hydra overrides whose key is one of ``passthrough`` or below it).
-
-    ``--help``/``-h`` prints the options and exits 0. Unknown keys, bad values and missing required options
-    raise a one-line :class:`ConfigError` naming the key, the value and what is allowed.
-    """
+    ``--help``/``-h`` prints the options and exits 0. Unknown keys, bad values and missing required options raise a
+    one-line :class:`ConfigError` naming the key, the value and what is allowed."""
     by_key: Dict[str, Option] = {}
     for option in options:
         for key in (option.name, *option.aliases):
@@ -247,8 +231,8 @@ def parse_options(argv: Sequence[str], options: Sequence[Option], doc: str = "",
 
 def run_tool(fn: Callable[..., Any], argv: Optional[Sequence[str]], options: Sequence[Option], doc: str = "",
              passthrough: Sequence[str] = ()) -> Any:
-    """Parse ``argv`` (default ``sys.argv[1:]``) and return ``fn(options)`` (``fn(options, overrides)`` for a
-    tool with ``passthrough`` keys); user errors exit as :func:`run_cli` says."""
+    """Parse ``argv`` (default ``sys.argv[1:]``) and return ``fn(options)`` (with ``passthrough``:
+    ``fn(options, overrides)``); user errors exit as :func:`run_cli` says."""
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     words = list(sys.argv[1:] if argv is None else argv)
 
@@ -258,9 +242,7 @@ def run_tool(fn: Callable[..., Any], argv: Optional[Sequence[str]], options: Seq
     return run_cli(call)
 
 
-# ----------------------------------------------------------------------------------------------
-# The configuration groups, as the command line composes them
-# ----------------------------------------------------------------------------------------------
+# -- The configuration groups, as the command line composes them -------------------------------------------------------
 def attention_config(name: Optional[str], options: Optional[Dict[str, Any]] = None) -> Optional[Dict[str, Any]]:
     """The ``attention`` group as ``train.py attention=<name> attention.<key>=...`` composes it (None: none)."""
     if name is None:

@@ -1,13 +1,12 @@
 """Errors a user should see as one line, not a traceback.
 
-Entry points catch them (see :mod:`moh_vision.cli`): a :class:`ConfigError` exits with status 2,
-a :class:`RunError` with status 1. A failed write (:func:`os_error_in`, :func:`storage_problem`) is
-named by its cause: no space left, read-only, permission denied, a file where a directory should be.
-"""
+Entry points catch them (see :mod:`moh_vision.cli`): a :class:`ConfigError` exits with status 2, a :class:`RunError`
+with status 1. A failed write (:func:`os_error_in`, :func:`storage_problem`) is named by its cause: no space left,
+read-only, permission denied, a file where a directory should be."""
 from __future__ import annotations
 
 import errno
-from typing import Optional
+from typing import Callable, Optional
 
 
 class ConfigError(ValueError):
@@ -15,25 +14,30 @@ class ConfigError(ValueError):
 
 
 class RunError(RuntimeError):
-    """A run had to stop (checkpoint could not be written, too many non-finite steps, ...); the message says
-    why and what was kept."""
+    """A run had to stop (checkpoint could not be written, too many non-finite steps, ...); the message says why and
+    what was kept."""
 
 
-def os_error_in(err: Optional[BaseException]) -> Optional[OSError]:
-    """The operating system's error behind ``err``: itself, or one it was raised from or while handling
-    (torch's checkpoint writer reports a full disk as a RuntimeError raised while handling the OSError)."""
+def error_in_chain(err: Optional[BaseException], wanted: Callable[[BaseException], bool]) -> Optional[BaseException]:
+    """The first ``wanted`` error of ``err``'s chain: itself, then the one it was raised from or while handling, ..."""
     seen = set()
     while err is not None and id(err) not in seen:
-        if isinstance(err, OSError) and err.errno is not None:
+        if wanted(err):
             return err
         seen.add(id(err))
         err = err.__cause__ or err.__context__
     return None
 
 
+def os_error_in(err: Optional[BaseException]) -> Optional[OSError]:
+    """The operating system's error behind ``err`` (torch's checkpoint writer reports a full disk as a RuntimeError
+    raised while handling the OSError)."""
+    return error_in_chain(err, lambda e: isinstance(e, OSError) and e.errno is not None)
+
+
 def storage_problem(err: OSError) -> str:
-    """What went wrong with a path, in words: ``<path>: No space left on device`` (a file in the way of a
-    directory: ``<path> is a file, not a directory``)."""
+    """What went wrong with a path, in words: ``<path>: No space left on device`` (a file in the way of a directory:
+    ``<path> is a file, not a directory``)."""
     path = err.filename
     if path is None:
         return err.strerror or errno.errorcode.get(err.errno, str(err.errno))

@@ -6,8 +6,7 @@ Inputs, in ADM's layout: the samples ``.npz`` holds ``arr_0``, uint8 [N, H, W, 3
 with ``arr_0``, or a folder of real images (center-cropped ADM-style to the samples' size). ``arr_0`` is read in
 batches, never whole (50,000 images of 256 px are 9.8 GB). Activations come from
 :class:`~moh_vision.analysis.inception.InceptionActivations`, the numbers from
-:func:`~moh_vision.analysis.generative_metrics.adm_metrics`.
-"""
+:func:`~moh_vision.analysis.generative_metrics.adm_metrics`."""
 from __future__ import annotations
 
 import json
@@ -15,7 +14,7 @@ import logging
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, Mapping, Optional, Union
+from typing import Any, Dict, Iterator, Mapping, Union
 
 import numpy as np
 import torch
@@ -37,9 +36,7 @@ DEFINITIONS = {
 }
 
 
-# ---------------------------------------------------------------------------------------------
-# Image sources: batches of uint8 NHWC images
-# ---------------------------------------------------------------------------------------------
+# -- Image sources: batches of uint8 NHWC images -----------------------------------------------------------------------
 def check_images_shape(shape, dtype, what: str) -> None:
     if dtype != np.uint8 or len(shape) != 4 or shape[-1] != 3 or shape[0] == 0:
         raise ConfigError(f"{what} must be uint8 [N, H, W, 3] images (ADM's layout), got {dtype} {tuple(shape)}")
@@ -102,7 +99,6 @@ class FolderImages:
 
     def __init__(self, root: Path, side: int):
         from moh_vision.data.imagefolder import IMG_EXTENSIONS
-
         self.files = sorted(p for p in root.rglob("*") if p.is_file() and p.suffix.lower() in IMG_EXTENSIONS
                             and not any(part.startswith(".") for part in p.relative_to(root).parts))
         if not self.files:
@@ -112,15 +108,12 @@ class FolderImages:
     def batches(self, batch_size: int) -> Iterator[np.ndarray]:
         from moh_vision.data.imagefolder import load_image
         from moh_vision.data.latents import center_crop_arr
-
         for start in range(0, len(self.files), batch_size):
             yield np.stack([center_crop_arr(load_image(str(f), "RGB"), self.side)
                             for f in self.files[start:start + batch_size]])
 
 
-# ---------------------------------------------------------------------------------------------
-# Reading the inputs
-# ---------------------------------------------------------------------------------------------
+# -- Reading the inputs ------------------------------------------------------------------------------------------------
 @dataclass
 class Reference:
     images: Any  # an image source (ArrayImages, NpzImages, FolderImages)
@@ -155,9 +148,7 @@ def _existing_file(path: Union[str, Path], option: str, expected: str) -> Path:
     return where
 
 
-# ---------------------------------------------------------------------------------------------
-# The evaluation
-# ---------------------------------------------------------------------------------------------
+# -- The evaluation ----------------------------------------------------------------------------------------------------
 def evaluate_images(samples, reference: Reference, inception: InceptionActivations, batch_size: int = 64,
                     progress: bool = True) -> Dict[str, Any]:
     """ADM's five numbers of the sample images against the reference, and where each reference statistic came from."""
@@ -190,10 +181,8 @@ def auto_device(name: str) -> torch.device:
 
 
 def evaluate_samples(cfg: Mapping[str, Any]) -> Dict[str, Any]:
-    """``tools/evaluate_samples.py``: read, evaluate, print and write the JSON (``cfg.out``; default: beside the
-    samples)."""
+    """``tools/evaluate_samples.py``: evaluate, print and write the JSON (``cfg.out``, else beside the samples)."""
     from moh_vision.checkpoints import atomic_write
-
     samples = read_samples(cfg["samples"])
     reference = read_reference(cfg["ref"], side=samples.shape[1])
     inception = InceptionActivations(cfg["inception"], auto_device(cfg["device"]))

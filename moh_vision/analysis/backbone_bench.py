@@ -1,34 +1,18 @@
-"""This codebase's backbones against timm peers of similar FLOPs, in one interleaved run
-(``tools/bench_backbones.py``).
+"""This codebase's backbones against timm peers of similar FLOPs, in one interleaved run (``tools/bench_backbones.py``).
 
-The architecture's promise is that a backbone costs what its peers of the same FLOPs cost (timm's Swin and
-PVTv2, measured in the same run). For each ``ours:peer`` pair both models are built at the same image
-size (ours through :func:`~moh_vision.analysis.benchmark.build_for_bench`, the peer through
-``timm.create_model``), and their steps run interleaved round by round
-(:func:`~moh_vision.analysis.benchmark.interleave`), so that "x peer" is a per-round ratio
-(:func:`~moh_vision.analysis.benchmark.paired_ratio`), reported as median [quartiles]:
-
-* training: forward, loss, backward and an AdamW step (:func:`~moh_vision.analysis.benchmark.make_step`);
-  inference: eval mode, no gradients; images/s from the median step;
-* GFLOPs per image of both models with the project's one counter
-  (:func:`~moh_vision.analysis.flop_count.count_flops`: fvcore, one multiply-add = one flop, forward, one
-  image, dense-equivalent), and "per GFLOP": the time ratio over the GFLOPs ratio (1.0: ours costs what
-  its FLOPs predict from the peer's; above: ours is slower per flop);
-* saved MiB per image (:func:`saved_tensor_bytes`): the bytes autograd keeps for backward during one
-  eager training forward, each distinct storage counted once, parameters (their views and autocast's copies
-  of them) left out.
-  It does not depend on the machine and is what sets training memory on a GPU;
-* on CUDA, the training step's peak memory (:func:`~moh_vision.analysis.benchmark.peak_memory`).
-
-``compile=[False, True]`` times each pair eager and ``torch.compile``d in one invocation (the compiled
-rows use the same weights; compilation is left out of the timings, as in ``tools/bench_models.py``).
-"""
+The architecture's promise is that a backbone costs what its peers of the same FLOPs cost (timm's Swin and PVTv2). Both
+models of an ``ours:peer`` pair are built at the same image size (ours through
+:func:`~moh_vision.analysis.benchmark.build_for_bench`) and their steps interleaved round by round
+(:mod:`~moh_vision.analysis.benchmark`), so "x peer" is a per-round ratio, reported as median [quartiles], of training
+steps (forward, loss, backward, AdamW) and of inference (eval mode, no gradients); "per GFLOP" divides it by the GFLOPs
+ratio (1.0: ours costs what its FLOPs predict). Beside them: GFLOPs per image (the project's one counter), saved MiB per
+image (:func:`saved_tensor_bytes`: what autograd keeps for backward, which sets training memory on a GPU and does not
+depend on the machine) and, on CUDA, the training peak memory. ``compile=[False, True]`` times each pair eager and
+``torch.compile``d in one invocation (same weights, compilation left out of the timings)."""
 from __future__ import annotations
 
-import json
 import statistics
 import sys
-from pathlib import Path
 from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import torch
@@ -38,11 +22,11 @@ from moh_vision.errors import ConfigError
 from moh_vision.ops import Kernels
 from .benchmark import (DTYPES, Spread, build_for_bench, interleave, kernels_text, machine_description, make_step,
                         model_inputs, paired_ratio, peak_memory, resolve_device, rounds_bar, saved_tensor_bytes,
-                        synchronizer, where_measured)
+                        synchronizer, where_measured, write_record)
 from .profile_kinds import counted_events, own_time_us, time_by_kind
 
-# Peers of about the same FLOPs (fvcore GFLOPs at 224 px: TransNeXt-Micro 2.7 vs PVTv2-b1 2.1,
-# TransNeXt-Tiny 5.7 vs Swin-T 4.5, TransNeXt-Small 10.3 vs Swin-S 8.7, TransNeXt-Base 18.4 vs Swin-B 15.4).
+# Peers of about the same FLOPs (fvcore GFLOPs at 224 px: TransNeXt-Micro 2.7 vs PVTv2-b1 2.1, TransNeXt-Tiny 5.7 vs
+# Swin-T 4.5, TransNeXt-Small 10.3 vs Swin-S 8.7, TransNeXt-Base 18.4 vs Swin-B 15.4).
 PAIR_SETS: Dict[str, Tuple[str, ...]] = {
     "default": ("transnext_micro:pvt_v2_b1", "transnext_tiny:swin_tiny_patch4_window7_224"),
     "quick": ("transnext_nano:pvt_v2_b0",),  # tiny models for a smoke test (64 px)
@@ -56,14 +40,11 @@ MODES = ("train", "infer")
 MIB = 2 ** 20
 
 
-# ----------------------------------------------------------------------------------------------
-# Pairs and models
-# ----------------------------------------------------------------------------------------------
+# -- Pairs and models --------------------------------------------------------------------------------------------------
 def parse_pairs(specs: Iterable[str]) -> List[Tuple[str, str]]:
-    """``["ours:peer", "big", ...]`` -> ``[(ours, peer), ...]``; a set name (:data:`PAIR_SETS`) stands for its
-    pairs. Ours must be one of this package's models, the peer any timm model (a one-line ConfigError else)."""
+    """``["ours:peer", "big", ...]`` -> ``[(ours, peer), ...]``; a set name (:data:`PAIR_SETS`) stands for its pairs.
+    Ours must be one of this package's models, the peer any timm model (a one-line ConfigError else)."""
     from moh_vision.models.families import check_model_name, model_class
-
     pairs = []
     for spec in specs:
         if spec in PAIR_SETS:
@@ -73,17 +54,15 @@ def parse_pairs(specs: Iterable[str]) -> List[Tuple[str, str]]:
         if len(parts) != 2 or not all(parts):
             raise ConfigError(f"pairs wants ours:peer (e.g. {PAIR_SETS['default'][0]}) or one of "
                               f"{', '.join(PAIR_SETS)}; got '{spec}'")
-        ours, peer = parts
-        check_model_name(ours)
-        check_model_name(peer)
-        model_class(ours)  # ours must be a moh-vision model (a one-line error names them)
-        pairs.append((ours, peer))
+        for name in parts:
+            check_model_name(name)
+        model_class(parts[0])  # ours must be a moh-vision model (a one-line error names them)
+        pairs.append(tuple(parts))
     return pairs
 
 
 def _at_size(model: nn.Module, img_size: int) -> nn.Module:
-    """``model`` with its ``pretrained_cfg`` input size set to ``img_size`` (what :func:`model_inputs` reads:
-    timm keeps the registered size there when a model is built at another one)."""
+    """``model`` with its ``pretrained_cfg`` input size set to ``img_size`` (timm keeps the registered one there)."""
     channels = model.pretrained_cfg["input_size"][0]
     model.pretrained_cfg = {**model.pretrained_cfg, "input_size": (channels, img_size, img_size)}
     return model
@@ -92,7 +71,6 @@ def _at_size(model: nn.Module, img_size: int) -> nn.Module:
 def build_peer(name: str, img_size: int, device: torch.device) -> nn.Module:
     """timm's ``name`` at ``img_size`` (passed where the model takes it: PVTv2 runs at any size without it)."""
     import timm
-
     try:
         model = timm.create_model(name, img_size=img_size)
     except TypeError as err:
@@ -114,14 +92,10 @@ def build_pair(ours: str, peer: str, img_size: int, device: torch.device,
     return models
 
 
-# ----------------------------------------------------------------------------------------------
-# What a model is: FLOPs, parameters, bytes saved for backward
-# ----------------------------------------------------------------------------------------------
+# -- What a model is: FLOPs, parameters, bytes saved for backward ------------------------------------------------------
 def describe(model: nn.Module, batch: int, device: torch.device, dtype: torch.dtype, saved: bool) -> Dict[str, object]:
-    """``gflops`` (and ``active_gflops``) per image, ``params_m`` and, with ``saved``, ``saved_mib_per_image``
-    of one eager training step of ``batch`` images (:func:`saved_tensor_bytes`)."""
+    """``gflops``, ``active_gflops``, ``params_m`` and (``saved``) ``saved_mib_per_image`` of ``model``."""
     from .flop_count import count_flops
-
     counted = count_flops(model, model.pretrained_cfg["input_size"])
     info: Dict[str, object] = {"gflops": counted["gflops"], "active_gflops": counted["active_gflops"],
                                "params_m": counted["params"] / 1e6}
@@ -133,17 +107,15 @@ def describe(model: nn.Module, batch: int, device: torch.device, dtype: torch.dt
     return info
 
 
-# ----------------------------------------------------------------------------------------------
-# Timing
-# ----------------------------------------------------------------------------------------------
+# -- Timing ------------------------------------------------------------------------------------------------------------
 def _per_gflop(ratio: Spread, gflops_ratio: float) -> Spread:
     return Spread(ratio.median / gflops_ratio, ratio.q1 / gflops_ratio, ratio.q3 / gflops_ratio, ratio.n)
 
 
 def time_pair(label: str, models: Dict[str, nn.Module], gflops_ratio: float, batch: int, rounds: int, warmup: int,
               min_seconds: float, device: torch.device, dtype: torch.dtype) -> Dict[str, object]:
-    """Training and inference of ``models`` (ours, peer) interleaved round by round: per side its ms per step
-    and images/s, per mode the ratio ours/peer and that ratio per GFLOP; on CUDA the training peak memory."""
+    """Training and inference of ``models`` (ours, peer) interleaved round by round: per side its ms per step and
+    images/s, per mode the ratio ours/peer and that ratio per GFLOP; on CUDA the training peak memory."""
     row: Dict[str, object] = {"ours": {}, "peer": {}}
     for mode in MODES:
         steps = {side: make_step(m, batch, device, mode == "train", dtype) for side, m in models.items()}
@@ -163,11 +135,10 @@ def time_pair(label: str, models: Dict[str, nn.Module], gflops_ratio: float, bat
 
 
 def top_ops(step: Callable[[], None], device: torch.device, count: int = 15) -> Dict[str, object]:
-    """Where one profiled ``step``'s time goes, by self time (CUDA: the kernels' GPU time): the ``count``
-    operators (CUDA: kernels) that take most (``ops``), all of them summed by kind (``by_kind``, ms:
+    """Where one profiled ``step``'s self time goes (CUDA: the kernels' GPU time): the ``count`` operators (CUDA:
+    kernels) that take most (``ops``), the time by kind (``by_kind``, ms:
     :func:`~moh_vision.analysis.profile_kinds.time_by_kind`) and in all (``total_ms``)."""
     from torch.profiler import ProfilerActivity, profile
-
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     step()
     with profile(activities=activities) as prof:
@@ -197,11 +168,9 @@ def top_ops_table(rows: Sequence[Dict]) -> str:
 
 def arithmetic_rate(info: Dict[str, object], timings: Dict[str, object], device: torch.device,
                     dtype: torch.dtype) -> Dict[str, float]:
-    """The training step's achieved ``train_tflops`` (2 FLOPs a multiply-add, 3x the active forward: the
-    trainer's convention, :mod:`~moh_vision.analysis.device_peaks`) and, on a GPU of the peaks table,
-    ``train_utilisation`` against its dense peak for ``dtype``."""
+    """The training step's ``train_tflops`` (the trainer's convention: :mod:`~moh_vision.analysis.device_peaks`) and, on
+    a GPU of the peaks table, ``train_utilisation`` against its dense peak for ``dtype``."""
     from .device_peaks import device_name, peak_tflops, run_precision, training_gflops_per_image
-
     out = {"train_tflops": training_gflops_per_image(info) * timings["train_img_s"] / 1e3}
     amp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "none")
     peak = peak_tflops(device_name(device), run_precision(amp)) if device.type == "cuda" else None
@@ -215,7 +184,6 @@ def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, war
                saved: bool, profile: bool = False, kernels: Optional[Kernels] = None) -> List[Dict[str, object]]:
     """One row per entry of ``compile_modes`` (False: eager, True: ``torch.compile``d with ``compile_mode``)."""
     from moh_vision.attention.recorder import compile_model
-
     models = build_pair(ours, peer, img_size, device, kernels)
     info = {side: describe(m, batch, device, dtype, saved) for side, m in models.items()}
     gflops_ratio = info["ours"]["gflops"] / info["peer"]["gflops"]
@@ -238,21 +206,18 @@ def bench_pair(ours: str, peer: str, img_size: int, batch: int, rounds: int, war
     return rows
 
 
-# ----------------------------------------------------------------------------------------------
-# Components: where a TransNeXt block's time may go, one piece at a time
-# ----------------------------------------------------------------------------------------------
+# -- Components: where a TransNeXt block's time may go, one piece at a time --------------------------------------------
 def component_times(model_name: str, batch: int, rounds: int, device: torch.device,
                     dtype: torch.dtype) -> List[Dict[str, object]]:
-    """Forward + backward ms (median [quartiles], interleaved) of each aggregated stage's pieces of
-    ``model_name`` at ``batch``, under every implementation that runs on ``device``: the ConvGLU's 3x3 depthwise
-    convolution (``dwconv_<implementation>``: :mod:`~moh_vision.ops.depthwise`) and the aggregated attention
-    (``aggregated_<implementation>``: :mod:`~moh_vision.ops.aggregated`) on random inputs of the stage's shapes."""
+    """Forward + backward ms (median [quartiles], interleaved) of each aggregated stage's pieces of ``model_name`` at
+    ``batch`` on random inputs of the stage's shapes, under every implementation that runs on ``device``: the ConvGLU's
+    depthwise convolution (``dwconv_<implementation>``) and the aggregated attention
+    (``aggregated_<implementation>``)."""
     from moh_vision.ops import depthwise_conv, aggregated_attention
     from moh_vision.ops.aggregated import AGGREGATED
     from moh_vision.ops.depthwise import DEPTHWISE
 
     import timm
-
     with torch.device("meta"):  # only its shapes
         model = timm.create_model(model_name)
     rows = []
@@ -290,7 +255,6 @@ def component_times(model_name: str, batch: int, rounds: int, device: torch.devi
 def _stages(model: nn.Module) -> List[Tuple[int, int, int, int, int, int, int]]:
     """(H, W, dim, ConvGLU hidden width, heads, pooled tokens, window) of each aggregated stage's first block."""
     from moh_vision.models.transnext import TransNeXtAggregatedAttention
-
     out = []
     for index in range(4):
         block = getattr(model, f"block{index + 1}")[0]
@@ -313,9 +277,7 @@ def component_table(rows: Sequence[Dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-# ----------------------------------------------------------------------------------------------
-# The table and the record
-# ----------------------------------------------------------------------------------------------
+# -- The table and the record ------------------------------------------------------------------------------------------
 def _spread(d: Dict[str, float], digits: int) -> str:
     return Spread(**d).text(digits)
 
@@ -358,14 +320,12 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
                     out: Optional[str] = None, profile: bool = False, with_components: bool = False,
                     kernels: Optional[Kernels] = None) -> List[Dict]:
     """Time every ``ours:peer`` pair (default :data:`PAIR_SETS` ``default``; ``quick``: ``quick`` at
-    :data:`QUICK_SETTINGS`), print the table and return its rows; ``out`` also gets the table, and
-    ``<out>.json`` every number with the torch and timm versions, the machine and these settings. ``saved``
-    (default: on the CPU only) measures the bytes saved for backward per image; ``profile`` adds each model's
-    operators (CUDA: kernels) by self time in one training step (:func:`top_ops`); ``with_components`` each
-    TransNeXt's pieces timed alone (:func:`component_times`); ``kernels``: ours' kernels config (default all
-    ``auto``)."""
+    :data:`QUICK_SETTINGS`), print the table and return its rows; ``out`` also gets the table, and ``<out>.json`` every
+    number with the versions, the machine and these settings. ``saved`` (default: on the CPU only): the bytes saved for
+    backward per image; ``profile``: each model's operators by self time in one training step (:func:`top_ops`);
+    ``with_components``: each TransNeXt's pieces timed alone (:func:`component_times`); ``kernels``: ours' kernels
+    config (default all ``auto``)."""
     import timm
-
     settings = {"pairs": list(pairs) if pairs else None, "batch": batch, "img_size": img_size, "rounds": rounds,
                 "warmup": warmup, "min_seconds": min_seconds, "device": device, "dtype": dtype, "threads": threads,
                 "compile": list(compile_modes), "compile_mode": compile_mode, "saved": saved, "quick": quick,
@@ -404,12 +364,7 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
               "resolved": {"pairs": [f"{a}:{b}" for a, b in chosen], "batch": batch, "img_size": img_size,
                            "rounds": rounds, "warmup": warmup, "saved": saved}, "rows": rows}
 
-    def write() -> None:  # after the pairs, and again after each model's pieces: a run cut short keeps the rest
-        if out:
-            Path(out).write_text(table)
-            Path(out).with_suffix(".json").write_text(json.dumps(record, indent=1))
-
-    write()
+    write_record(out, table, record)  # now, and again after each model's pieces: a run cut short keeps the rest
     for name in dict.fromkeys(ours for ours, _ in chosen) if with_components else ():
         record.setdefault("components", {})[name] = pieces = component_times(name, batch, rounds, where, torch_dtype)
         table += "\n" + component_table(pieces, (
@@ -417,6 +372,6 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
             f"of {rounds} interleaved rounds; dwconv_<kernel>: the ConvGLU's depthwise convolution, aggregated_<kernel>: "
             "the aggregated attention, under each implementation that runs on this device (kernels.depthwise, "
             "kernels.aggregated)"))
-        write()
+        write_record(out, table, record)
     print(table)
     return rows

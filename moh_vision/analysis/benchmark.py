@@ -1,22 +1,11 @@
 """Timing that can tell: dense and MoH side by side in one process, a median and a spread per figure.
 
-Every benchmark of the project (``tools/bench_models.py``, ``tools/bench_kernels.py``,
-``tools/bench_backbones.py``) times its candidates with :func:`interleave`: after a warm-up, each *round* calls every candidate once (in an
-order that rotates from round to round, so no candidate always runs first or last), and each call
-is timed on its own. A slow phase of the machine then hits all candidates of a round alike, and the
-ratio of two candidates is taken *per round* (:func:`paired_ratio`), whose median and quartiles
-are what the tables report. Rounds continue until ``rounds`` are done and at least ``min_seconds``
-have passed, so short calls get many rounds.
-
-Two of them are below: :func:`bench_models` (MoH models against their dense twins, images/s) and
-:func:`bench_kernels` (one model under several ``kernels`` configs: whether an implementation pays on the whole
-model's step, and what it saves).
-
-Peak memory (:func:`peak_memory`): on CUDA the allocator's high-water mark of one call; on the CPU
-the peak of the bytes PyTorch's CPU allocator holds during one call, replayed from the profiler's
-individual allocation and free events (tensors only: Python objects and the allocator's own caches
-are not counted).
-"""
+Every benchmark of the project (``tools/bench_models.py``, ``tools/bench_kernels.py``, ``tools/bench_backbones.py``)
+times its candidates with :func:`interleave`: after a warm-up, each *round* calls every candidate once, in an order that
+rotates from round to round, each call timed on its own. A slow phase of the machine then hits all candidates of a round
+alike, and the ratio of two candidates is taken *per round* (:func:`paired_ratio`), whose median and quartiles the
+tables report. Here: :func:`bench_models` (MoH models against their dense twins) and :func:`bench_kernels` (one model
+under several ``kernels`` configs: whether an implementation pays on the whole model's step, and what it saves)."""
 from __future__ import annotations
 
 import contextlib
@@ -40,7 +29,6 @@ from moh_vision.ops import Kernels, resolved
 @dataclass
 class Spread:
     """Median and quartiles of a sample."""
-
     median: float
     q1: float
     q3: float
@@ -64,15 +52,13 @@ class Spread:
 
 
 def synchronizer(device: torch.device) -> Callable[[], None]:
-    if device.type == "cuda":
-        return lambda: torch.cuda.synchronize(device)
-    return lambda: None
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
 
 
 def interleave(calls: Dict[str, Callable[[], None]], rounds: int = 15, warmup: int = 2, min_seconds: float = 0.0,
                device: torch.device = torch.device("cpu"), clock: Callable[[], float] = time.perf_counter,
                progress: Optional[Callable[[int], None]] = None) -> Dict[str, List[float]]:
-    """Seconds of every call of every candidate, ``rounds`` (or more, see ``min_seconds``) per candidate."""
+    """Seconds of every call of every candidate: ``rounds`` rounds, and more until ``min_seconds`` have passed."""
     sync = synchronizer(device)
     names = list(calls)
     for name in names:
@@ -96,10 +82,8 @@ def interleave(calls: Dict[str, Callable[[], None]], rounds: int = 15, warmup: i
 
 @contextlib.contextmanager
 def rounds_bar(total: int, desc: str) -> Iterator[Callable[[int], None]]:
-    """A progress bar over the timed rounds on stderr (a whole-model benchmark runs for minutes): yields the
-    ``progress`` callback :func:`interleave` takes."""
+    """A progress bar on stderr over the timed rounds: yields the ``progress`` callback of :func:`interleave`."""
     from tqdm.auto import tqdm
-
     bar = tqdm(total=total, desc=desc, unit="round", leave=False, file=sys.stderr)
     try:
         yield lambda done: bar.update(done - bar.n)
@@ -127,12 +111,10 @@ def _native_stderr_silenced() -> Iterator[None]:
 
 
 def launches(call: Callable[[], None], device: torch.device) -> Dict[str, float]:
-    """What one ``call`` hands the device, from the profiler. On CUDA: ``kernels`` launched and ``device_ms``,
-    the time they kept the GPU busy (their summed durations); a call whose wall time is well above
-    ``device_ms`` waits on the host's launches, not on the GPU. On the CPU: ``aten_ops``, the ATen operators
-    called at top level (each carries a fixed dispatch cost, which is what sets a small call's time)."""
+    """What one ``call`` hands the device, from the profiler. On CUDA: ``kernels`` launched and ``device_ms``, their
+    summed durations (a call whose wall time is well above it waits on the host's launches). On the CPU: ``aten_ops``,
+    the ATen operators called at top level (each a fixed dispatch cost, which sets a small call's time)."""
     from torch.profiler import ProfilerActivity, profile
-
     cuda = device.type == "cuda"
     activity = ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU
     with _native_stderr_silenced(), profile(activities=[activity]) as prof:
@@ -157,9 +139,9 @@ _MEASURED_CALL = "peak_memory: measured call"
 
 
 def _cpu_memory_trace(prof) -> Optional[tuple]:
-    """The CPU allocations (bytes > 0) and frees (bytes < 0) the profiler recorded as ``(time_ns,
-    address, bytes)`` in time order, and the ``(start, end)`` time of the ``_MEASURED_CALL`` range;
-    None where this torch does not expose its event tree."""
+    """The CPU allocations (bytes > 0) and frees (bytes < 0) the profiler recorded as ``(time_ns, address, bytes)`` in
+    time order, and the ``(start, end)`` time of the ``_MEASURED_CALL`` range; None where this torch does not expose its
+    event tree."""
     try:
         from torch._C._profiler import _EventType
         nodes = list(prof.profiler.kineto_results.experimental_event_tree())
@@ -177,15 +159,13 @@ def _cpu_memory_trace(prof) -> Optional[tuple]:
 
 
 def peak_memory(call: Callable[[], None], device: torch.device) -> Optional[int]:
-    """Bytes held at the peak of one ``call`` above what was held before it (None if unmeasurable).
+    """Bytes held at the peak of one ``call`` above what was held before it (None if unmeasurable): on CUDA the
+    allocator's high-water mark; on the CPU, tensors only, from the profiler's allocation and free events.
 
-    CPU: ``call`` runs twice under the profiler and the second run is measured by replaying every
-    allocation and free in time order. (The first run allocates what the second frees, e.g. a
-    training step's previous gradients: the profiler cannot size blocks allocated before it
-    started. Summing each op's *net* memory at the op's start instead would credit a backward node's
-    frees of its saved tensors before the gradients it allocates: several MB too little for paths
-    with large autograd nodes, such as masked MoH.)
-    """
+    CPU: ``call`` runs twice under the profiler and the second run is measured by replaying every allocation and free in
+    time order (the first run allocates what the second frees, e.g. a training step's previous gradients, which the
+    profiler cannot size otherwise; summing each op's *net* memory would credit a backward node's frees of its saved
+    tensors before the gradients it allocates)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
@@ -221,8 +201,7 @@ def peak_memory(call: Callable[[], None], device: torch.device) -> Optional[int]
 
 
 def _parameter_copy(tensor: torch.Tensor, held: Set[int]) -> bool:
-    """Whether ``tensor`` is (a view of) a cast of one parameter alone, as autocast makes of weights: a per-step
-    cost that does not grow with the batch."""
+    """Whether ``tensor`` is (a view of) autocast's cast of one parameter: a per-step cost, not a per-image one."""
     base = tensor._base if tensor._is_view() else tensor
     node = base.grad_fn
     if node is None or node.name() != "ToCopyBackward0":
@@ -233,11 +212,9 @@ def _parameter_copy(tensor: torch.Tensor, held: Set[int]) -> bool:
 
 
 def saved_tensor_bytes(call: Callable[[], object], parameters: Iterable[torch.Tensor] = ()) -> int:
-    """Bytes of the tensors autograd saves for backward while ``call()`` runs: each distinct storage once
-    (a tensor saved by several operators, or views of one storage, count once), at the storage's full
-    size; ``parameters``, tensors sharing their storage (``weight.t()``) and autocast's copies of them are
-    left out: the model holds the first anyway, and the copies are per step, not per image. Only a forward
-    saves; a backward without ``create_graph`` and an optimizer step add nothing, so ``call`` may be a
+    """Bytes of the tensors autograd saves for backward while ``call()`` runs, each distinct storage once at its full
+    size; ``parameters``, tensors sharing their storage (``weight.t()``) and autocast's copies of them are left out (the
+    model holds the first anyway, the copies are per step, not per image). Only a forward saves, so ``call`` may be a
     whole training step."""
     held = {p.untyped_storage().data_ptr() for p in parameters}
     saved: Dict[int, int] = {}
@@ -255,9 +232,7 @@ def saved_tensor_bytes(call: Callable[[], object], parameters: Iterable[torch.Te
 
 
 
-# ----------------------------------------------------------------------------------------------
-# Where a benchmark runs
-# ----------------------------------------------------------------------------------------------
+# -- Where a benchmark runs --------------------------------------------------------------------------------------------
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -277,17 +252,14 @@ def where_measured(device: torch.device) -> str:
     return f"cpu ({machine_description()}), {torch.get_num_threads()} threads"
 
 
-# ----------------------------------------------------------------------------------------------
-# Whole MoH models against their dense twins (``tools/bench_models.py``)
-# ----------------------------------------------------------------------------------------------
+# -- Whole MoH models against their dense twins (``tools/bench_models.py``) --------------------------------------------
 DEFAULT_PAIRS = ("moh_transnext_base_50:transnext_base", "moh_dit_xl_2_75:dit_xl_2", "moh_dit_b_2_75:dit_b_2")
 QUICK_PAIRS = ("moh_dit_s_2_75:dit_s_2",)
 
 
 def build_for_bench(name: str, img_size: int, device: torch.device, attention: Optional[Dict] = None,
                     kernels: Optional[Kernels] = None) -> torch.nn.Module:
-    """Model ``name`` as registered (a preset keeps its own attention and heads), or with ``attention``
-    (``{"name": "moh", "activation_ratio": 0.5, ...}``) in every layer, running ``kernels``."""
+    """Model ``name`` as registered, or with ``attention`` (a config group) in every layer, running ``kernels``."""
     from moh_vision.models import build_model, model_family
 
     # DiT works on 256px images as 32x32 latents (1/8); TransNeXt and ViT on the images.
@@ -332,8 +304,8 @@ def time_candidates(models: Dict[Any, torch.nn.Module], base: Any, batch: int, r
                     min_seconds: float, device: torch.device, dtype: torch.dtype, label: str,
                     count_launches: bool = False) -> Dict[Any, Dict]:
     """Inference and training steps of every model interleaved round by round: per model its ms, images/s and the
-    per-round ratio to ``base``'s step (``x_base``), the training peak memory and, with ``count_launches``, what
-    one step of each mode launches (:func:`launches`)."""
+    per-round ratio to ``base``'s step (``x_base``), the training peak memory and, with ``count_launches``, what one
+    step of each mode launches (:func:`launches`)."""
     rows: Dict[Any, Dict] = {key: {} for key in models}
     for mode in ("infer", "train"):
         steps = {key: make_step(m, batch, device, mode == "train", dtype) for key, m in models.items()}
@@ -357,9 +329,9 @@ def bench_pair(moh: str, dense: str, batch: int, img_size: int, rounds: int, war
                device: torch.device, dtype: torch.dtype, attention: Optional[Dict] = None,
                kernels: Optional[Kernels] = None, compile_models: bool = False, compile_mode: str = "default",
                count_launches: bool = False) -> List[Dict]:
-    """The dense twin and the MoH model (with ``attention``, if given), both with ``kernels``, interleaved round
-    by round; ``compile_models``: each one ``torch.compile``d with ``compile_mode`` (as ``trainer.compile=true``),
-    its first call per mode (the compilation) left out of the timings."""
+    """The dense twin and the MoH model (with ``attention``, if given), both with ``kernels``, interleaved round by
+    round; ``compile_models``: each one ``torch.compile``d with ``compile_mode`` (as ``trainer.compile=true``), its
+    first call per mode (the compilation) left out of the timings."""
     label = moh if attention is None else f"{moh} ({attention_label(attention)})"
     models = {dense: build_for_bench(dense, img_size, device, kernels=kernels),
               label: build_for_bench(moh, img_size, device, attention, kernels)}
@@ -405,7 +377,7 @@ def models_table(rows: Sequence[Dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write(out: Optional[str], table: str, record: Dict) -> None:
+def write_record(out: Optional[str], table: str, record: Dict) -> None:
     """The table to ``out`` and the record (every number) to ``out``'s ``.json`` sibling."""
     if out:
         Path(out).write_text(table)
@@ -418,14 +390,12 @@ def bench_models(pairs: Optional[Sequence[str]] = None, batch: int = 2, img_size
                  out: Optional[str] = None, attention: Optional[Dict] = None, kernels: Optional[Kernels] = None,
                  compile_models: bool = False, compile_mode: str = "default",
                  count_launches: bool = False) -> List[Dict]:
-    """Images/s of each ``moh:dense`` pair (inference and training), print the table and return its rows;
-    ``out`` also gets the table, and every number goes to ``<out>.json``. ``quick``: one small pair at 64 px.
-    ``attention``: the MoH side's attention in every layer (e.g. ``transnext_micro:transnext_micro`` with
-    ``{"name": "moh", "activation_ratio": 0.5}``); None: as registered. ``kernels``: both models' kernels config.
-    ``compile_models``: every model ``torch.compile``d with ``compile_mode``. ``count_launches``: what each step
-    launches, two more columns (:func:`launches`)."""
+    """Images/s of each ``moh:dense`` pair (inference and training), print the table and return its rows; ``out`` also
+    gets the table, and every number goes to ``<out>.json``. ``quick``: one small pair at 64 px. ``attention``: the MoH
+    side's attention in every layer (e.g. ``{"name": "moh", "activation_ratio": 0.5}``; None: as registered);
+    ``kernels``: both models' kernels config; ``compile_models``: every model ``torch.compile``d with ``compile_mode``;
+    ``count_launches``: two more columns (:func:`launches`)."""
     from moh_vision.models import model_family
-
     if threads:
         torch.set_num_threads(threads)
     where, torch_dtype = resolve_device(device), DTYPES[dtype]
@@ -445,13 +415,11 @@ def bench_models(pairs: Optional[Sequence[str]] = None, batch: int = 2, img_size
               f"median [quartiles]")
     table = models_table(rows, header)
     print(table)
-    _write(out, table, {"header": header, "torch": torch.__version__, "kernels": kernels.as_dict(), "rows": rows})
+    write_record(out, table, {"header": header, "torch": torch.__version__, "kernels": kernels.as_dict(), "rows": rows})
     return rows
 
 
-# ----------------------------------------------------------------------------------------------
-# One model under several kernels configs (``tools/bench_kernels.py``)
-# ----------------------------------------------------------------------------------------------
+# -- One model under several kernels configs (``tools/bench_kernels.py``) ----------------------------------------------
 def kernels_text(kernels: Kernels) -> str:
     """``auto`` when every entry is ``auto``, else the entries that are not, ``routing=reference,...``."""
     changed = [f"{key}={value}" for key, value in kernels.as_dict().items() if value != "auto"]
@@ -459,8 +427,7 @@ def kernels_text(kernels: Kernels) -> str:
 
 
 def parse_kernels(text: str) -> Kernels:
-    """``auto``, ``reference`` (every entry), or entries ``key=value`` joined by ``+``
-    (``routing=reference+aggregated=reference``; the rest ``auto``)."""
+    """``auto``, ``reference`` (every entry), or ``key=value`` entries joined by ``+`` (the rest ``auto``)."""
     if text in ("auto", "reference"):
         return Kernels(**{key: text for key in Kernels().as_dict()})
     entries = dict(part.split("=", 1) if "=" in part else (part, "") for part in text.split("+"))
@@ -474,12 +441,10 @@ def bench_kernels(model: str, variants: Sequence[str] = ("auto", "reference"), b
                   device: str = "auto", dtype: str = "float32", threads: Optional[int] = None,
                   attention: Optional[Dict] = None, saved: bool = True, out: Optional[str] = None) -> List[Dict]:
     """``model`` (with ``attention``, if given) under each ``kernels`` variant (:func:`parse_kernels`), the same
-    weights, its inference and training steps interleaved round by round: ms, the per-round ratio to the first
-    variant (``x first``), the training peak memory and (``saved``) the MiB per image autograd keeps for backward
-    (:func:`saved_tensor_bytes`). What a record that keeps an implementation as a
-    default reads."""
+    weights, its inference and training steps interleaved round by round: ms, the per-round ratio to the first variant
+    (``x first``), the training peak memory and (``saved``) the MiB per image autograd keeps for backward
+    (:func:`saved_tensor_bytes`)."""
     from moh_vision.models import build_model, model_family
-
     if threads:
         torch.set_num_threads(threads)
     where, torch_dtype = resolve_device(device), DTYPES[dtype]
@@ -515,6 +480,6 @@ def bench_kernels(model: str, variants: Sequence[str] = ("auto", "reference"), b
                      f"{r['train_ms']['median']:.1f} | {_spread(r['train_x_base'])} | {peak} | {kept} |")
     table = "\n".join(lines) + "\n"
     print(table)
-    _write(out, table, {"header": header, "torch": torch.__version__, "machine": where_measured(where),
+    write_record(out, table, {"header": header, "torch": torch.__version__, "machine": where_measured(where),
                         "rows": rows})
     return rows

@@ -1,15 +1,7 @@
-"""The statistics behind a comparison's verdict (``tools/sweep_report.py``): each arm against a reference
-arm (the dense one) by Welch's difference of means, and whether each run had converged.
-
-* :func:`welch_difference`: ``mean(arm) - mean(reference)`` with its two-sided confidence interval,
-  Student's t with the Welch-Satterthwaite degrees of freedom (the arms' variances are not assumed equal).
-* :func:`verdict`: that interval read against an equivalence margin ``m`` (in the metric's units):
-  ``within margin`` when the whole interval lies inside ``[-m, m]``; ``better by d`` / ``worse by d`` when it
-  lies wholly beyond ``+m`` or ``-m`` (in the metric's good direction); ``inconclusive`` otherwise (the
-  interval straddles ``-m`` or ``+m``: more seeds would decide it).
-* :func:`convergence`: one run's metric history (one value per evaluation): ``best`` against ``final``
-  within ``tol`` and the least-squares trend over the last ``window`` evaluations within ``flat_tol``.
-"""
+"""The statistics behind a comparison's verdict (``tools/sweep_report.py``): each arm against a reference arm (the dense
+one) by Welch's difference of means (:func:`welch_difference`: the arms' variances are not assumed equal) read against
+an equivalence margin (:func:`verdict`: an interval that straddles the margin is inconclusive, more seeds would decide
+it), and whether each run had converged (:func:`convergence`)."""
 from __future__ import annotations
 
 import math
@@ -31,23 +23,20 @@ def _clean(values: Sequence[Any]) -> list:
 
 
 def welch_difference(arm: Sequence[float], reference: Sequence[float], confidence: float = 0.95) -> Dict[str, float]:
-    """``diff = mean(arm) - mean(reference)``, its standard error ``se = sqrt(s_a^2/n_a + s_r^2/n_r)``,
-    the Welch-Satterthwaite degrees of freedom ``dof = se^4 / ((s_a^2/n_a)^2/(n_a-1) + (s_r^2/n_r)^2/(n_r-1))``
-    and the interval ``diff -+ t_{(1+confidence)/2, dof} * se`` (``low``, ``high``).
-
-    Fewer than two values on either side: no interval (nan). Both arms without spread (``se == 0``): the
-    interval is the point ``[diff, diff]`` and ``dof`` is nan."""
+    """``diff = mean(arm) - mean(reference)``, its standard error ``se = sqrt(s_a^2/n_a + s_r^2/n_r)``, the
+    Welch-Satterthwaite degrees of freedom ``dof = se^4 / ((s_a^2/n_a)^2/(n_a-1) + (s_r^2/n_r)^2/(n_r-1))`` and the
+    interval ``diff -+ t_{(1+confidence)/2, dof} * se`` (``low``, ``high``). Fewer than two values on either side: no
+    interval (nan); both arms without spread (``se == 0``): the interval ``[diff, diff]``, ``dof`` nan."""
     a, r = _clean(arm), _clean(reference)
     nan = float("nan")
+    out = {"diff": nan, "se": nan, "dof": nan, "low": nan, "high": nan, "n": len(a), "n_ref": len(r)}
     if not a or not r:
-        return {"diff": nan, "se": nan, "dof": nan, "low": nan, "high": nan, "n": len(a), "n_ref": len(r)}
-    diff = statistics.fmean(a) - statistics.fmean(r)
-    out = {"diff": diff, "se": nan, "dof": nan, "low": nan, "high": nan, "n": len(a), "n_ref": len(r)}
+        return out
+    out["diff"] = diff = statistics.fmean(a) - statistics.fmean(r)
     if len(a) < 2 or len(r) < 2:
         return out
     va, vr = statistics.variance(a) / len(a), statistics.variance(r) / len(r)
-    se = math.sqrt(va + vr)
-    out["se"] = se
+    out["se"] = se = math.sqrt(va + vr)
     if se == 0.0:
         out["low"] = out["high"] = diff
         return out
@@ -60,8 +49,8 @@ def welch_difference(arm: Sequence[float], reference: Sequence[float], confidenc
 
 def verdict(diff: float, low: float, high: float, margin: float, higher_better: bool = True) -> str:
     """The interval ``[low, high]`` of ``diff = arm - reference`` against the margin: ``within margin``,
-    ``better by |diff|`` / ``worse by |diff|`` (the whole interval beyond ``+margin`` or ``-margin``),
-    ``inconclusive`` (the interval straddles ``-margin`` or ``+margin``), or ``n/a`` (no interval)."""
+    ``better by |diff|`` / ``worse by |diff|`` (the whole interval beyond ``+margin`` or ``-margin``), ``inconclusive``
+    (the interval straddles ``-margin`` or ``+margin``), or ``n/a`` (no interval)."""
     if not (math.isfinite(low) and math.isfinite(high)):
         return "n/a"
     if -margin <= low and high <= margin:
@@ -76,11 +65,9 @@ def convergence(history: Sequence[float], higher_better: bool = True, tol: float
                 window: int = 5) -> Dict[str, Any]:
     """Whether one run's metric had reached its plateau, from its values per evaluation (oldest first).
 
-    ``gap``: how far the final value is from the best one (in the good direction, >= 0); ``trend``: the
-    rise of the least-squares line through the last ``window`` values over that window (its slope times
-    ``window - 1``, signed: positive = still improving for a higher-better metric). Converged when
-    ``gap <= tol`` and ``|trend| <= flat_tol``; with fewer than ``window`` values there is no trend and the
-    run does not count as converged."""
+    ``gap``: how far the final value is from the best one (>= 0); ``trend``: the rise of the least-squares line through
+    the last ``window`` values (its slope times ``window - 1``; positive = still improving for a higher-better metric).
+    Converged when ``gap <= tol`` and ``|trend| <= flat_tol``; fewer than ``window`` values: no trend, not converged."""
     values = _clean(history)
     nan = float("nan")
     if not values:
@@ -100,23 +87,15 @@ def convergence(history: Sequence[float], higher_better: bool = True, tol: float
 
 
 def history_from_rows(rows: Sequence[Dict[str, str]], metric: str) -> list:
-    """A metric's values per evaluation from ``metrics.csv`` rows (as ``csv.DictReader`` gives them): the
-    rows that carry it, in step order, the evaluation before training (``epoch`` < 0) left out."""
-    out = []
-    for row in rows:
-        value = row.get(metric)
-        if value in (None, ""):
-            continue
-        epoch = row.get("epoch")
-        if epoch not in (None, "") and float(epoch) < 0:
-            continue
-        out.append(float(value))
-    return out
+    """A metric's values per evaluation from ``metrics.csv`` rows (as ``csv.DictReader`` gives them): the rows that
+    carry it, in step order, the evaluation before training (``epoch`` < 0) left out."""
+    return [float(row[metric]) for row in rows if row.get(metric) not in (None, "")
+            and (row.get("epoch") in (None, "") or float(row["epoch"]) >= 0)]
 
 
 def reference_arm(arms: Dict[str, float], requested: Optional[str] = None) -> Optional[str]:
-    """The arm the others are compared with: ``requested`` if given (it must be one of ``arms``), else the
-    one arm whose activation ratio is 1.0 (every head: the dense arm), else None. ``arms``: arm -> ratio."""
+    """The arm the others are compared with: ``requested`` if given (it must be one of ``arms``), else the one arm whose
+    activation ratio is 1.0 (every head: the dense arm), else None. ``arms``: arm -> ratio."""
     if requested:
         return requested if requested in arms else None
     dense = [arm for arm, ratio in arms.items() if ratio is not None and float(ratio) == 1.0]

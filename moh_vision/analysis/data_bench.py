@@ -1,27 +1,20 @@
 """Loader benchmark: this project's image pipelines against timm's, on one JPEG tree, in one interleaved run.
 
-``tools/bench_data.py`` generates an ImageNet-like class-folder tree (:func:`make_jpeg_tree`: 500 x 375
-JPEGs of smooth colour fields, shapes and noise, about ImageNet's size on disk and decode time) and times
-one pass over each split with
+``tools/bench_data.py`` generates an ImageNet-like class-folder tree (:func:`make_jpeg_tree`: 500 x 375 JPEGs of about
+ImageNet's size on disk and decode time) and times one pass over each split with
 
-* **moh_vision**: ``ImageFolderData`` (:mod:`moh_vision.data.imagefolder`, the TransNeXt recipe of
-  :mod:`moh_vision.data.transforms`) in the trainer's loaders: ``SeededItems`` over an ``EpochSampler``,
-  the unreadable-image collate, the trainer's loader options (:func:`~moh_vision.data.sampler.loader_options`);
-* **timm**: ``timm.data.ImageDataset`` in ``timm.data.create_loader`` (no prefetcher: a CPU loader), whose
-  transform ``timm.data.create_transform`` builds from the same recipe (RandAugment rand-m9-mstd0.5-inc1,
-  bicubic, random erasing 0.25 in pixel mode; eval: resize 256, crop 224). Its posterize gets the project's
-  fix (Pillow 13 refuses timm's 0-bit posterize, which the recipe draws: ``use_safe_posterize``), the one
-  change, so that it runs at all.
+* **moh_vision**: ``ImageFolderData`` with the TransNeXt recipe in the trainer's loaders (``SeededItems`` over an
+  ``EpochSampler``, the unreadable-image collate, :func:`~moh_vision.data.sampler.loader_options`);
+* **timm**: ``timm.data.ImageDataset`` in ``timm.data.create_loader`` (no prefetcher: a CPU loader) with
+  ``timm.data.create_transform``'s build of the same recipe, whose posterize gets the project's fix
+  (``use_safe_posterize``: Pillow 13 refuses the recipe's 0-bit posterize), the one change, so that it runs at all.
 
-Mixup is in neither: it mixes batches in the training step, not in the loader. Every pass is timed on
-its own and the candidates take turns (:func:`~moh_vision.analysis.benchmark.interleave`), each worker
-count's loaders kept (persistent workers) so that a pass times loading, not process start-up. With
-``workers=0`` the main process loads, on one thread: that is one worker's rate. The ratio moh_vision /
-timm is taken per round (median and quartiles).
-"""
+Mixup is in neither (it mixes batches in the training step). The candidates take turns
+(:func:`~moh_vision.analysis.benchmark.interleave`) with persistent workers, so a pass times loading, not process
+start-up; ``workers=0`` loads in the main process on one thread (one worker's rate). The ratio moh_vision / timm is
+taken per round."""
 from __future__ import annotations
 
-import json
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,7 +24,7 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from moh_vision.analysis.benchmark import Spread, interleave, machine_description
+from moh_vision.analysis.benchmark import Spread, interleave, machine_description, write_record
 from moh_vision.data.imagefolder import ImageFolderData
 from moh_vision.data.sampler import EpochKeys, EpochSampler, SeededItems, loader_options
 from moh_vision.data.transforms import RECIPE_RE_COUNT, RECIPE_RE_MODE, use_safe_posterize
@@ -44,7 +37,6 @@ LOADERS = ("moh_vision", "timm")
 @dataclass
 class DataBench:
     """What one run measures (``tools/bench_data.py``'s options)."""
-
     root: Optional[str] = None  # the tree: made here if it has no train/ (default: a temporary directory)
     classes: int = 4
     train_per_class: int = 48
@@ -62,13 +54,10 @@ QUICK_DATA = dict(classes=2, train_per_class=8, val_per_class=4, image_size=(160
                   workers=(0,), rounds=1)
 
 
-# ----------------------------------------------------------------------------------------------
-# The tree
-# ----------------------------------------------------------------------------------------------
+# -- The tree ----------------------------------------------------------------------------------------------------------
 def _jpeg_like(rng: np.random.Generator, size: Tuple[int, int]):
     """A photo-like image: a smooth colour field, a dozen filled shapes (edges) and sensor-like noise."""
     from PIL import Image, ImageDraw
-
     width, height = size
     img = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)).resize(size, Image.BICUBIC)
     draw = ImageDraw.Draw(img)
@@ -101,9 +90,7 @@ def describe_tree(root: Path) -> Dict[str, int]:
             "val_images": len(files["val"]), "mean_jpeg_bytes": int(np.mean(sizes)) if sizes else 0}
 
 
-# ----------------------------------------------------------------------------------------------
-# The loaders
-# ----------------------------------------------------------------------------------------------
+# -- The loaders -------------------------------------------------------------------------------------------------------
 def ours(root: Path, split: str, bench: DataBench, workers: int) -> DataLoader:
     """The trainer's loader of ``split`` over ``ImageFolderData`` with the recipe (no mixup: the step does it)."""
     data = ImageFolderData(str(root), img_size=bench.img_size, repeated_aug=1, mixup=None, cutmix=None,
@@ -119,12 +106,9 @@ def ours(root: Path, split: str, bench: DataBench, workers: int) -> DataLoader:
 def timms(root: Path, split: str, bench: DataBench, workers: int) -> DataLoader:
     """timm's loader and transform of ``split`` with the same recipe."""
     from timm.data import ImageDataset, create_loader
-
     training = split == "train"
-    if training:
-        recipe = dict(RECIPE, re_mode=RECIPE_RE_MODE, re_count=RECIPE_RE_COUNT)
-    else:
-        recipe = dict(interpolation=RECIPE["interpolation"], crop_pct=EVAL_CROP_PCT)
+    recipe = dict(RECIPE, re_mode=RECIPE_RE_MODE, re_count=RECIPE_RE_COUNT) if training else \
+        dict(interpolation=RECIPE["interpolation"], crop_pct=EVAL_CROP_PCT)
     loader = create_loader(ImageDataset(str(root / split)), input_size=(3, bench.img_size, bench.img_size),
                            batch_size=bench.batch, is_training=training, use_prefetcher=False, num_workers=workers,
                            persistent_workers=workers > 0, **recipe)
@@ -133,9 +117,9 @@ def timms(root: Path, split: str, bench: DataBench, workers: int) -> DataLoader:
 
 
 def one_pass(loader: DataLoader, images: Dict[str, int], name: str) -> Callable[[], None]:
-    """A call that loads every batch of one pass over ``loader`` and notes how many images it held. The
-    trainer's loader starts a new epoch each pass (new augmentations, as timm's loader draws), not the same
-    sample of augmentations again."""
+    """A call that loads every batch of one pass over ``loader`` and notes how many images it held. The trainer's loader
+    starts a new epoch each pass (new augmentations, as timm's loader draws), not the same sample of augmentations
+    again."""
     epochs = getattr(loader.sampler, "sampler", None)  # EpochKeys over an EpochSampler
 
     def call() -> None:
@@ -145,16 +129,13 @@ def one_pass(loader: DataLoader, images: Dict[str, int], name: str) -> Callable[
     return call
 
 
-# ----------------------------------------------------------------------------------------------
-# The run
-# ----------------------------------------------------------------------------------------------
+# -- The run -----------------------------------------------------------------------------------------------------------
 def _label(split: str, workers: int, loader: str) -> str:
     return f"{split}/{workers}/{loader}"
 
 
 def measure(root: Path, bench: DataBench) -> List[dict]:
-    """One row per (split, workers): images/s of both loaders (median and quartiles over the rounds), per
-    worker, and the per-round ratio."""
+    """One row per (split, workers): both loaders' images/s (median, quartiles), per worker, and the per-round ratio."""
     builders = {"moh_vision": ours, "timm": timms}
     loaders = {_label(s, w, name): builders[name](root, s, bench, w)
                for s in bench.splits for w in bench.workers for name in LOADERS}
@@ -197,11 +178,9 @@ def data_table(rows: Sequence[dict], header: str) -> str:
 
 
 def bench_data(bench: DataBench, out: Optional[str] = None) -> dict:
-    """Make (or reuse) the tree, measure, print the table; with ``out``, write it (markdown) and the record
-    (``.json`` beside it). Returns the record."""
+    """Make (or reuse) the tree, measure, print the table and return the record; ``out`` gets both (md and .json)."""
     import PIL
     import timm
-
     with tempfile.TemporaryDirectory(prefix="bench_data_") as scratch:
         root = Path(bench.root) if bench.root else Path(scratch)
         if not (root / "train").is_dir():  # an existing tree (a real one too) is read, never written to
@@ -218,7 +197,5 @@ def bench_data(bench: DataBench, out: Optional[str] = None) -> dict:
     settings = {k: list(v) if isinstance(v, tuple) else v for k, v in asdict(bench).items()}
     record = {"header": header, "machine": machine_description(), "torch": torch.__version__,
               "timm": timm.__version__, "pillow": PIL.__version__, "settings": settings, "tree": tree, "rows": rows}
-    if out:
-        Path(out).write_text(table + "\n")
-        Path(out).with_suffix(".json").write_text(json.dumps(record, indent=1))
+    write_record(out, table + "\n", record)
     return record

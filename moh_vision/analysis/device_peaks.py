@@ -1,24 +1,15 @@
-"""What a training run's arithmetic rate is measured against: its FLOPs per image and the device's peak.
+"""What a training run's arithmetic rate is measured against: its FLOPs per image and the device's peak, with the
+conventions of torchtitan's and nanoGPT's MFU:
 
-Conventions (the ones torchtitan and nanoGPT's MFU use):
-
-* **2 FLOPs per multiply-add.** The project's GFLOPs (``gflops``, ``active_gflops``: fvcore's convention,
-  :mod:`moh_vision.analysis.flop_count`) count one multiply-add as one; vendors state their peaks in
-  FLOP/s with a multiply-add as two. So a TFLOP/s figure here is ``2 x`` multiply-adds per second, and
-  utilisation is a ratio of like to like.
-* **Training = 3 x the forward** (the backward computes the gradients of both the inputs and the weights:
-  twice the forward), per image, from the **active** count: a MoH layer is charged for the heads a token
-  uses (``active_gflops``), as the FLOPs table and ``summary.json`` count it. Point-wise work
-  (``pointwise_gflops``) is left out, as the peaks are those of the matrix units.
-* **Dense peaks** (without 2:4 structured sparsity), from the vendors' datasheets and architecture
-  whitepapers, in TFLOP/s: bf16 / fp16 on the tensor cores with fp32 accumulation (what PyTorch uses;
-  the GeForce cards run at half the fp16-accumulate rate their box states), tf32 on the tensor cores,
-  and fp32 without them. A precision the device lacks (bf16 or tf32 before Ampere) has no peak: the
-  run's utilisation is then not reported rather than reported against the wrong unit.
-
-On a CPU there is no peak (vendors state none that PyTorch's kernels can be held to): utilisation is
-absent there, TFLOP/s is still reported.
-"""
+* **2 FLOPs per multiply-add.** The project's GFLOPs (fvcore's, :mod:`moh_vision.analysis.flop_count`) count a
+  multiply-add as one; vendors' peaks count it as two.
+* **Training = 3 x the forward** (the backward computes the gradients of both the inputs and the weights), per image,
+  from the **active** count (a MoH layer is charged for the heads a token uses); point-wise work left out, as the peaks
+  are those of the matrix units.
+* **Dense peaks** (no 2:4 sparsity) from the vendors' datasheets, in TFLOP/s: bf16 / fp16 on the tensor cores with fp32
+  accumulation (what PyTorch uses; the GeForce cards run at half the fp16-accumulate rate their box states), tf32 on the
+  tensor cores, fp32 without them. A precision the device lacks (bf16 or tf32 before Ampere) has no peak, nor has a CPU:
+  utilisation is then not reported."""
 from __future__ import annotations
 
 import platform
@@ -37,7 +28,6 @@ PRECISIONS = ("bf16", "fp16", "tf32", "fp32")
 @dataclass(frozen=True)
 class DevicePeak:
     """Dense peak TFLOP/s of one GPU model per precision (None: the device has no such unit)."""
-
     name: str
     pattern: str  # searched in torch.cuda.get_device_name() (case-insensitive); the first match wins
     bf16: Optional[float]
@@ -89,8 +79,8 @@ def peak_tflops(device_name: str, precision: str) -> Optional[float]:
 
 
 def run_precision(amp: str) -> str:
-    """The matrix units a run with ``trainer.amp=amp`` uses: bf16, fp16, or for fp32 runs tf32 when PyTorch
-    lets fp32 matmuls use it (``torch.set_float32_matmul_precision("high")``), else fp32."""
+    """The matrix units a run with ``trainer.amp=amp`` uses: bf16, fp16, or for fp32 runs tf32 when PyTorch lets fp32
+    matmuls use it (``torch.set_float32_matmul_precision("high")``), else fp32."""
     if amp in ("bf16", "fp16"):
         return amp
     return "fp32" if torch.get_float32_matmul_precision() == "highest" else "tf32"
@@ -115,7 +105,6 @@ def cpu_name() -> str:
 
 
 def training_gflops_per_image(flops: Mapping[str, Any]) -> Optional[float]:
-    """FLOPs (2 per multiply-add) of one training image, in G: 3 x the active forward count; None when the
-    run's FLOPs were not counted."""
+    """GFLOPs (2 per multiply-add) of one training image, 3 x the active forward; None when FLOPs were not counted."""
     active = flops.get("active_gflops")
     return None if active is None else FLOPS_PER_MULTIPLY_ADD * TRAINING_PASSES * float(active)

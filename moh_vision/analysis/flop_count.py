@@ -1,51 +1,31 @@
 """FLOP counting: dense-equivalent and active GFLOPs of a model, built on fvcore.
 
-Convention (one for the whole project: ``summary.json``, ``tools/flops.py``, the README)
------------------------------------------------------------------------------------------
-* **fvcore's**: one fused multiply-add is one flop (so "GFLOPs" are GMACs, as in the TransNeXt,
-  DiT and MoH papers); forward pass only; one input (batch 1); the model in eval mode.
-* ``gflops`` (dense-equivalent): every head of every layer computed, as the official MoH code does. It counts the multiply-add work: ``linear``, convolutions, ``matmul`` /
-  ``bmm`` / ``einsum``, attention cores (``scaled_dot_product_attention``: ``QK^T`` and ``AV``,
-  which fvcore skips), plus fvcore's own per-element estimates for normalisation layers and
-  pooling. This is what papers publish; the routers' linear layers are included.
-* ``pointwise_gflops``: element-wise and reduction arithmetic (adds, gates, softmax, GELU,
-  L2-normalisation, top-k, ...) that the convention leaves out of ``gflops``. It is counted (one
-  flop per output element; reductions one per input element; softmax three per element) and
-  reported beside ``gflops``, so that no cost is hidden, but it is not part of it.
-* Ops that cost no arithmetic (views, copies, gathers, allocations; :data:`FREE_OPS`, each group
-  with its reason) count zero. Any other op is *unknown*: it is listed in ``uncounted_ops``, logged
-  as a warning, and fails the tests of every registered model family.
+Convention (one for the whole project: ``summary.json``, ``tools/flops.py``, the README):
 
-Active GFLOPs (what the activated heads need)
----------------------------------------------
-A trace sees one input, so the data-dependent routing is counted from each routed layer's
-configuration: a layer with ``a`` of ``h`` heads active per token (MoH: ``shared_heads + topk``;
-MoA: ``topk`` experts) has active fraction ``f = a / h``, and
+* **fvcore's**: one fused multiply-add is one flop (so "GFLOPs" are GMACs, as in the TransNeXt, DiT and MoH papers);
+  forward pass only; one input (batch 1); the model in eval mode.
+* ``gflops`` (dense-equivalent, what papers publish): every head of every layer computed, as the official MoH code does:
+  ``linear``, convolutions, ``matmul`` / ``bmm`` / ``einsum``, attention cores (``scaled_dot_product_attention``'s
+  ``QK^T`` and ``AV``, which fvcore skips), the routers, and fvcore's per-element estimates for normalisation and
+  pooling.
+* ``pointwise_gflops``: element-wise and reduction arithmetic (adds, gates, softmax, GELU, L2-normalisation, top-k), one
+  flop per output element (reductions: per input element; softmax: three), reported beside ``gflops``, not in it.
+* Ops that cost no arithmetic (:data:`FREE_OPS`, each group with its reason) count zero. Any other op is listed in
+  ``uncounted_ops``, logged as a warning, and fails the tests of every registered model family.
 
-    active = dense - (1 - f) * per_head_query_work
+Active GFLOPs (what the activated heads need). A trace sees one input, so the data-dependent routing is counted from
+each routed layer's configuration: a layer with ``a`` of ``h`` heads active per token (MoH: ``shared_heads + topk``;
+MoA: ``topk`` experts; the variant's ``active_heads()``) has active fraction ``f = a / h``, and
+``active = dense - (1 - f) * per_head_query_work``, the work an exact sparse execution would do only for the selected
+(token, head) pairs: the query projection (``q``, ``q_proj``, a fused ``qkv``'s query rows; ``q_norm``), the layer's own
+attention-core ops (``QK^T``, ``AV``; TransNeXt's window, pooled-key and learnable-token terms) and the output
+projection ``proj``. Keys and values (any query may attend to any key), aggregated attention's pooled features and
+position-bias MLP, the routers and everything outside the attention do not scale. Which child of a layer is which is
+declared by the layer's kernel and variant (``flops_roles``: ``per_head``, ``query_rows`` or ``fixed``): nothing here
+knows a variant or a parameter name. A dense model's active GFLOPs equal its GFLOPs.
 
-where *per-head query work* is the part that an exact sparse execution would do only for the selected
-(token, head) pairs:
-
-* the query projection (``q``, ``q_proj``, and the query rows of a fused ``qkv``; ``q_norm``);
-* the attention core of every query: the layer's own ``scaled_dot_product_attention`` /
-  ``matmul`` / ``bmm`` / ``einsum`` ops (``QK^T``, ``AV``; TransNeXt's local window, pooled
-  keys and learnable-token terms);
-* the output projection ``proj`` (head ``i`` contributes ``H_i W_O^i`` only where it is active).
-
-What does not scale: keys and values for every token and head (any query may attend to any key),
-the pooled features of aggregated attention (``sr``, ``norm``, pooling) and its position-bias MLP
-(``cpb_*``), the routers (``wg*``, ``w_gate``), and everything outside the attention (MLPs,
-embeddings, norms, heads). Which child of a layer is which is declared by the layer's kernel and
-variant (their ``flops_roles``: ``per_head``, ``query_rows`` or ``fixed``), and ``a`` is the
-variant's ``active_heads()``: nothing here knows a variant or a parameter name. A dense model's active GFLOPs equal
-its GFLOPs.
-
-Extending: a custom op (``torch.library`` op or ``autograd.Function``, seen by the trace as
-``prim::PythonOp.<ClassName>``) gets a handle with :func:`register_op_handle`. The trace runs TransNeXt's
-aggregated attention as its ``fused`` operator (one node, counted by :func:`aggregated_attention_flops`) and every
-other op as its reference formula.
-"""
+Extending: a custom op (a ``torch.library`` op, or an ``autograd.Function`` traced as ``prim::PythonOp.<ClassName>``)
+gets a handle with :func:`register_op_handle`."""
 from __future__ import annotations
 
 import contextlib
@@ -70,9 +50,7 @@ Handle = Callable[[List[Any], List[Any]], Any]
 POINTWISE_PREFIX = "pointwise."  # op-count keys under this prefix go to ``pointwise_gflops``
 
 
-# ----------------------------------------------------------------------------------------------
-# Shapes of traced values
-# ----------------------------------------------------------------------------------------------
+# -- Shapes of traced values -------------------------------------------------------------------------------------------
 def _shape(value) -> Optional[List[int]]:
     """Sizes of a traced tensor value, or None (not a tensor, or sizes unknown)."""
     try:
@@ -86,13 +64,10 @@ def _numel(value) -> int:
     return math.prod(shape) if shape is not None else 0
 
 
-# ----------------------------------------------------------------------------------------------
-# Multiply-add handles (counted in ``gflops``)
-# ----------------------------------------------------------------------------------------------
+# -- Multiply-add handles (counted in ``gflops``) ----------------------------------------------------------------------
 def matmul_flops(inputs, outputs) -> Counter:
     """``matmul`` / ``mm`` / ``bmm``: output elements x contraction length (any broadcasting)."""
-    a = _shape(inputs[0])
-    out = _shape(outputs[0])
+    a, out = _shape(inputs[0]), _shape(outputs[0])
     return Counter({"matmul": math.prod(out) * a[-1]})
 
 
@@ -115,9 +90,9 @@ def sdpa_flops(inputs, outputs) -> Counter:
 
 
 def aggregated_attention_flops(inputs, outputs) -> Counter:
-    """TransNeXt's ``moh_vision::aggregated_attention(q [B, h, N, d], k, v, k_pool [B, h, P, d], ..., local_weight
-    [B, h, N, L], ...)``: ``QK^T`` and ``AV`` over each query's ``L`` window keys and ``P`` pooled keys (what the
-    window copies' matmuls counted); biases, mask, softmax and the local weight's add point-wise."""
+    """TransNeXt's ``moh_vision::aggregated_attention(q [B, h, N, d], k, v, k_pool [B, h, P, d], ..., local_weight [B,
+    h, N, L], ...)``: ``QK^T`` and ``AV`` over each query's ``L`` window keys and ``P`` pooled keys (what the window
+    copies' matmuls counted); biases, mask, softmax and the local weight's add point-wise."""
     q, k_pool, local_weight = _shape(inputs[0]), _shape(inputs[3]), _shape(inputs[7])
     scores = math.prod(q[:-1]) * (local_weight[-1] + k_pool[-2])
     return Counter({"aggregated_attention": 2 * scores * q[-1],
@@ -125,10 +100,9 @@ def aggregated_attention_flops(inputs, outputs) -> Counter:
 
 
 def einsum_flops(inputs, outputs) -> Counter:
-    """``einsum``: one operand is a permutation (free) or a reduction (point-wise); two or more
-    operands are counted by fvcore (optimal contraction path, multiply-adds)."""
+    """``einsum``: one operand is a permutation (free) or a reduction (point-wise); two or more operands are counted by
+    fvcore (optimal contraction path, multiply-adds)."""
     from fvcore.nn.jit_handles import einsum_flop_jit
-
     operands = list(inputs[1].node().inputs())
     if len(operands) > 1:
         return Counter({"einsum": einsum_flop_jit(inputs, outputs)})
@@ -140,10 +114,8 @@ def einsum_flops(inputs, outputs) -> Counter:
 
 
 def _import_fvcore() -> None:
-    """Import ``fvcore.nn`` without its import-time FutureWarning. Its ``__init__`` imports
-    ``focal_loss``, which calls ``torch.jit.script`` at import time, which recent torch deprecates:
-    every run that counted FLOPs printed the warning. We use no scripted fvcore loss, so exactly that
-    message is ignored, only during this import (later imports of fvcore.nn are cached no-ops)."""
+    """Import ``fvcore.nn`` without the FutureWarning of its ``focal_loss`` (``torch.jit.script`` at import time, which
+    recent torch deprecates; a loss we do not use): only that message, only during this import."""
     import warnings
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=r"`torch\.jit\.script` is deprecated", category=FutureWarning)
@@ -171,9 +143,7 @@ def _fvcore_handles() -> Dict[str, Handle]:
     }
 
 
-# ----------------------------------------------------------------------------------------------
-# Point-wise handles (counted in ``pointwise_gflops``)
-# ----------------------------------------------------------------------------------------------
+# -- Point-wise handles (counted in ``pointwise_gflops``) --------------------------------------------------------------
 def _per_output(name: str, scale: float = 1) -> Handle:
     def handle(inputs, outputs) -> Counter:
         return Counter({POINTWISE_PREFIX + name: scale * _numel(outputs[0])})
@@ -201,19 +171,13 @@ SOFTMAX_OPS = ("softmax", "_softmax", "log_softmax", "_log_softmax")
 
 
 def _pointwise_handles() -> Dict[str, Handle]:
-    handles: Dict[str, Handle] = {}
-    for op in ELEMENTWISE_OPS:
-        handles[f"aten::{op}"] = _per_output(op.strip("_"))
-    for op in REDUCTION_OPS:
-        handles[f"aten::{op}"] = _per_input(op)
-    for op in SOFTMAX_OPS:
-        handles[f"aten::{op}"] = _per_input("softmax", 3)  # exp, sum, divide per element
+    handles: Dict[str, Handle] = {f"aten::{op}": _per_output(op.strip("_")) for op in ELEMENTWISE_OPS}
+    handles.update({f"aten::{op}": _per_input(op) for op in REDUCTION_OPS})
+    handles.update({f"aten::{op}": _per_input("softmax", 3) for op in SOFTMAX_OPS})  # exp, sum, divide per element
     return handles
 
 
-# ----------------------------------------------------------------------------------------------
-# Ops that cost no arithmetic, by reason
-# ----------------------------------------------------------------------------------------------
+# -- Ops that cost no arithmetic, by reason ----------------------------------------------------------------------------
 _FREE_GROUPS = {
     "metadata only (a view of the same memory, or a shape query)": (
         "view", "view_as", "reshape", "_reshape_alias", "flatten", "unflatten", "permute", "transpose", "t",
@@ -235,16 +199,14 @@ _FREE_GROUPS = {
 FREE_OPS: Dict[str, str] = {f"aten::{op}": reason for reason, ops in _FREE_GROUPS.items() for op in ops}
 
 
-# ----------------------------------------------------------------------------------------------
-# The handle table and its extension point
-# ----------------------------------------------------------------------------------------------
+# -- The handle table and its extension point --------------------------------------------------------------------------
 _EXTRA_HANDLES: Dict[str, Handle] = {}
 
 
 def register_op_handle(op: str, handle: Handle) -> None:
-    """Count ``op`` (a traced op name: ``aten::...``, ``ns::custom_op``, ``prim::PythonOp.<Function>``)
-    with ``handle(inputs, outputs)``, which returns a number of multiply-adds or a ``Counter``; keys
-    starting with ``"pointwise."`` go to ``pointwise_gflops``."""
+    """Count ``op`` (a traced op name: ``aten::...``, ``ns::custom_op``, ``prim::PythonOp.<Function>``) with
+    ``handle(inputs, outputs)``, which returns a number of multiply-adds or a ``Counter``; keys starting with
+    ``"pointwise."`` go to ``pointwise_gflops``."""
     _EXTRA_HANDLES[op] = handle
 
 
@@ -269,8 +231,8 @@ def _analysis_class():
     from fvcore.nn.jit_analysis import JitModelAnalysis
 
     class FlopAnalysis(JitModelAnalysis):
-        """fvcore's analysis with this module's handles and free-op list (instead of fvcore's
-        defaults, which skip sdpa and silently ignore some ops that do cost, e.g. ``relu``)."""
+        """fvcore's analysis with this module's handles and free-op list (instead of fvcore's defaults, which skip sdpa
+        and silently ignore some ops that do cost, e.g. ``relu``)."""
 
         def __init__(self, model: nn.Module, inputs: Tuple[torch.Tensor, ...]):
             super().__init__(model, inputs)
@@ -281,10 +243,9 @@ def _analysis_class():
     return FlopAnalysis
 
 
-# ----------------------------------------------------------------------------------------------
-# Which parts of a routed attention layer scale with its active fraction
-# ----------------------------------------------------------------------------------------------
-QUERY_WISE_OPS = ("scaled_dot_product_attention", "aggregated_attention", "matmul", "bmm", "einsum", "mm")  # the layer's own attention core
+# -- Which parts of a routed attention layer scale with its active fraction --------------------------------------------
+# the layer's own attention core
+QUERY_WISE_OPS = ("scaled_dot_product_attention", "aggregated_attention", "matmul", "bmm", "einsum", "mm")
 
 
 def active_heads(module: nn.Module) -> Tuple[int, int]:
@@ -295,7 +256,6 @@ def active_heads(module: nn.Module) -> Tuple[int, int]:
 @dataclass
 class LayerFlops:
     """One routed attention layer: dense multiply-adds, the part that scales, and the active count."""
-
     name: str
     num_heads: int
     active_heads: int
@@ -328,13 +288,9 @@ class FlopReport:
         return self.flops - sum(layer.dense - layer.active for layer in self.layers)
 
     def as_dict(self) -> Dict[str, Any]:
-        out: Dict[str, Any] = {
-            "params": self.params,
-            "gflops": self.flops / 1e9,
-            "active_gflops": self.active_flops / 1e9,
-            "pointwise_gflops": self.pointwise / 1e9,
-            "routed_layers": self.routed_layers,
-        }
+        out: Dict[str, Any] = {"params": self.params, "gflops": self.flops / 1e9,
+                               "active_gflops": self.active_flops / 1e9, "pointwise_gflops": self.pointwise / 1e9,
+                               "routed_layers": self.routed_layers}
         if self.active_head_fraction is not None:
             out["active_head_fraction"] = self.active_head_fraction
         if self.uncounted_ops:
@@ -359,8 +315,7 @@ def _layer_flops(name: str, module: nn.Module, counts: Dict[str, Counter], notes
         if role == "per_head":
             scaled += macs
         elif role == "query_rows":
-            q_rows = module.num_heads * module.head_dim
-            scaled += macs * q_rows / child.out_features
+            scaled += macs * (module.num_heads * module.head_dim) / child.out_features
         elif role != "fixed" and macs:
             notes.append(f"{name}.{child_name}: no flops role declared by {type(module).__name__}, counted as not "
                          f"scaling")
@@ -369,11 +324,9 @@ def _layer_flops(name: str, module: nn.Module, counts: Dict[str, Counter], notes
     return LayerFlops(name, heads, heads_active, _macs(total), scaled)
 
 
-# ----------------------------------------------------------------------------------------------
-# Tracing
-# ----------------------------------------------------------------------------------------------
-# What the trace runs: the aggregated attention as one operator (its window products would otherwise be point-wise
-# ops), everything else as its reference formula (what a kernel computes, in operators fvcore counts).
+# -- Tracing -----------------------------------------------------------------------------------------------------------
+# What the trace runs: the aggregated attention as one operator (its window products would otherwise be point-wise ops),
+# everything else as its reference formula (what a kernel computes, in operators fvcore counts).
 TRACED_KERNELS = Kernels(aggregated="fused", routing="reference", depthwise="reference", recompute="reference")
 
 
@@ -417,9 +370,8 @@ def _trace_inputs(model: nn.Module, x: torch.Tensor, model_kwargs: Dict[str, Any
 def flop_report(model: nn.Module, input_shape: Sequence[int],
                 model_kwargs: Optional[Dict[str, Any]] = None) -> FlopReport:
     """Trace one forward of ``model`` on a batch-1 input of ``input_shape`` (C, H, W) and count it (every head:
-    dense-equivalent). ``model_kwargs`` are the other forward inputs (DiT: ``{"t": ..., "y": ...}``), batch 1, moved
-    to the model's device.
-    """
+    dense-equivalent). ``model_kwargs`` are the other forward inputs (DiT: ``{"t": ..., "y": ...}``), batch 1, moved to
+    the model's device."""
     param = next(model.parameters())
     dtype = param.dtype if param.is_floating_point() else torch.float32
     generator = torch.Generator().manual_seed(0)
@@ -455,8 +407,9 @@ def flop_report(model: nn.Module, input_shape: Sequence[int],
     return report
 
 
-def count_flops(model: nn.Module, input_shape: Sequence[int], model_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """``params``, ``gflops`` (dense-equivalent), ``active_gflops``, ``pointwise_gflops`` and
-    ``routed_layers`` of one forward pass on one input of ``input_shape`` (C, H, W); the module
-    docstring defines each. ``uncounted_ops`` appears only if an op had no handle."""
+def count_flops(model: nn.Module, input_shape: Sequence[int],
+                model_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """``params``, ``gflops`` (dense-equivalent), ``active_gflops``, ``pointwise_gflops`` and ``routed_layers`` of one
+    forward pass on one input of ``input_shape`` (C, H, W); the module docstring defines each. ``uncounted_ops`` appears
+    only if an op had no handle."""
     return flop_report(model, input_shape, model_kwargs).as_dict()

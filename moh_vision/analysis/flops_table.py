@@ -1,12 +1,10 @@
 """Parameters, dense-equivalent and active GFLOPs of registered models as one table (``tools/flops.py``).
 
-Counting convention and what "active" means: :mod:`moh_vision.analysis.flop_count`. A model is counted at its
-native resolution and input channels unless ``img_size`` (pixels) or ``in_chans`` say otherwise, or
-exactly as a training run built it (``run=``: its config decides model, attention, ``in_chans``,
-``img_size`` and ``model.kwargs``, so the numbers are the ones its ``summary.json`` reports).
-``published`` is the authors' figure where there is one (TransNeXt README, DiT paper Table 4, DeiT for
-the plain ViTs), shown only for a dense model at its native input.
-"""
+Counting convention and what "active" means: :mod:`moh_vision.analysis.flop_count`. A model is counted at its native
+resolution and input channels unless ``img_size`` (pixels) or ``in_chans`` say otherwise, or exactly as a training run
+built it (``run=``: its config decides model, attention, ``in_chans``, ``img_size`` and ``model.kwargs``, so the numbers
+are the ones its ``summary.json`` reports). ``published`` is the authors' figure where there is one (TransNeXt README,
+DiT paper Table 4, DeiT for the plain ViTs), shown only for a dense model at its native input."""
 from __future__ import annotations
 
 import csv
@@ -48,8 +46,8 @@ def is_dit(name: str) -> bool:
 
 
 def run_settings(path: str) -> Dict[str, Any]:
-    """What decides a run's FLOPs: ``model``, ``attention``, and the model kwargs its task passed
-    (input channels and size, ``model.kwargs``), as ``model_kwargs``."""
+    """What decides a run's FLOPs: ``model``, ``attention``, and the model kwargs its task passed (input channels and
+    size, ``model.kwargs``), as ``model_kwargs``."""
     cfg = run_config(path)
     model = (cfg.get("model") or {}).get("name")
     if not model:
@@ -69,30 +67,23 @@ def run_settings(path: str) -> Dict[str, Any]:
 
 def build(name: str, attention: Optional[Dict[str, Any]], img_size: Optional[int], device: str,
           in_chans: Optional[int] = None, model_kwargs: Optional[Dict[str, Any]] = None):
-    """(model, input shape, forward kwargs, input label) at ``img_size`` (pixels; None = native) with
-    ``in_chans`` input channels (None = the model's own); a run's ``model_kwargs`` go to the model as they are."""
+    """(model, input shape, forward kwargs, input label) at ``img_size`` (pixels; None = native) with ``in_chans`` input
+    channels (None = the model's own); a run's ``model_kwargs`` go to the model as they are."""
     from moh_vision.models.dit import DIT_PRESETS
-
     kwargs: Dict[str, Any] = dict(model_kwargs or {})
-    if is_dit(name):
-        if in_chans is not None:
-            kwargs["in_channels"] = in_chans
-        latent = kwargs.get("in_channels", DIT_PRESETS[name].get("in_channels", 4)) == 4
-        if img_size is not None:
-            kwargs["input_size"] = img_size // VAE_DOWNSAMPLE if latent else img_size
-    else:
-        if in_chans is not None:
-            kwargs["in_chans"] = in_chans
-        if img_size is not None:
-            kwargs["img_size"] = img_size
+    channels, size = ("in_channels", "input_size") if is_dit(name) else ("in_chans", "img_size")
+    if in_chans is not None:
+        kwargs[channels] = in_chans
+    if img_size is not None:
+        latent = is_dit(name) and kwargs.get("in_channels", DIT_PRESETS[name].get("in_channels", 4)) == 4
+        kwargs[size] = img_size // VAE_DOWNSAMPLE if latent else img_size
     with torch.device(device):
         model = build_model(name, attention=attention, **kwargs)
     if is_dit(name):
         side = model.input_size
-        shape = (model.in_channels, *side)
         label = f"{side[0] * VAE_DOWNSAMPLE}px (latent {side[0]})" if model.in_channels == 4 else f"{side[0]}px"
         forward_kwargs = {"t": torch.zeros(1, dtype=torch.long), "y": torch.zeros(1, dtype=torch.long)}
-        return model, shape, forward_kwargs, label
+        return model, (model.in_channels, *side), forward_kwargs, label
     shape = tuple(model.pretrained_cfg["input_size"])
     if "in_chans" in kwargs or "img_size" in kwargs:  # pretrained_cfg keeps the registered defaults
         side = int(kwargs.get("img_size", shape[-1]))
@@ -102,12 +93,10 @@ def build(name: str, attention: Optional[Dict[str, Any]], img_size: Optional[int
 
 
 def attention_label(model, attention: Optional[Dict[str, Any]]) -> str:
-    """``<attention> @<realised>`` for every variant: the number after ``@`` is always the realised share of
-    active heads (what the layers declare they activate, summed over layers); a requested
-    ``activation_ratio`` that rounds to another share follows as ``(requested <r>)``; ``(preset)``: the
-    model's own routing. Dense models get no ``@``."""
-    names = sorted({getattr(m, "attention_name", "?") for _, m in find_attention(model)})
-    label = "/".join(names)
+    """``<attention> @<realised>`` for every variant: the number after ``@`` is always the realised share of active
+    heads (what the layers declare they activate, summed over layers); a requested ``activation_ratio`` that rounds to
+    another share follows as ``(requested <r>)``; ``(preset)``: the model's own routing. Dense models get no ``@``."""
+    label = "/".join(sorted({getattr(m, "attention_name", "?") for _, m in find_attention(model)}))
     fraction = active_head_fraction(model)
     realised = 1.0 if fraction is None else fraction
     requested = (attention or {}).get("activation_ratio")
@@ -127,12 +116,10 @@ def count_row(name: str, attention: Optional[Dict[str, Any]], img_size: Optional
     if report.get("uncounted_ops"):
         log.warning("%s: uncounted ops %s", name, report["uncounted_ops"])
     native = img_size is None and in_chans is None and not build_kwargs
-    return {
-        "model": name, "attention": attention_label(model, attention), "input": label,
-        "params_M": report["params"] / 1e6, "gflops": report["gflops"], "active_gflops": report["active_gflops"],
-        "active_ratio": report["active_gflops"] / report["gflops"], "pointwise_gflops": report["pointwise_gflops"],
-        "published_gflops": PUBLISHED_GFLOPS.get(name) if native and attention is None else None,
-    }
+    return {"model": name, "attention": attention_label(model, attention), "input": label,
+            "params_M": report["params"] / 1e6, "gflops": report["gflops"], "active_gflops": report["active_gflops"],
+            "active_ratio": report["active_gflops"] / report["gflops"], "pointwise_gflops": report["pointwise_gflops"],
+            "published_gflops": PUBLISHED_GFLOPS.get(name) if native and attention is None else None}
 
 
 def format_table(rows: List[Dict[str, Any]], fmt: str = "md") -> str:
@@ -156,17 +143,16 @@ def format_table(rows: List[Dict[str, Any]], fmt: str = "md") -> str:
     header = ("model", "attention", "input", "params (M)", "GFLOPs", "active GFLOPs", "active/dense",
               "pointwise GFLOPs", "published GFLOPs")
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
-    for row in rows:
-        lines.append("| " + " | ".join(cell(k, row[k]) for k in COLUMNS) + " |")
+    lines += ["| " + " | ".join(cell(k, row[k]) for k in COLUMNS) + " |" for row in rows]
     return "\n".join(lines) + "\n"
 
 
 def flops_table(models: Sequence[str] = (), attention: Optional[Dict[str, Any]] = None, img_size: Optional[int] = None,
                 in_chans: Optional[int] = None, run: Optional[str] = None, device: str = "cpu", fmt: str = "md",
                 out: Optional[str] = None) -> List[Dict[str, Any]]:
-    """Count ``models`` (``["all"]``: every registered model) or the model of ``run``, print the table (and
-    write it to ``out``) and return its rows. ``attention`` (a config group) replaces the models' own;
-    ``img_size`` and ``in_chans`` given beside ``run`` override the run's values."""
+    """Count ``models`` (``["all"]``: every registered model) or the model of ``run``, print the table (and write it to
+    ``out``) and return its rows. ``attention`` (a config group) replaces the models' own; ``img_size`` and ``in_chans``
+    given beside ``run`` override the run's values."""
     settings = run_settings(run) if run else {}
     models = list(models or settings.get("model") or [])
     if not models:

@@ -1,25 +1,19 @@
 """The five numbers of ADM's evaluation suite (openai/guided-diffusion ``evaluations/evaluator.py``), computed from
 Inception activations, with ADM's definitions:
 
-* FID: the Frechet distance between Gaussians fitted to the samples' and the reference's pool_3 activations
-  (2048-d). The reference's statistics are its stored ``mu``/``sigma`` when it has them (ADM's reference batches
-  hold the whole training set's), else those of its own activations;
-* sFID: the same on the spatial features (mixed_6/conv, first 7 channels, 17 x 17 x 7 = 2023-d) against
-  ``mu_s``/``sigma_s``, else the reference activations' own;
-* Inception Score: ``exp(E_x KL(p(y|x) || p(y)))`` of the samples' softmax over consecutive splits of 5,000,
-  averaged over the splits (ADM reports the mean, no spread);
-* precision and recall: k-nearest-neighbour manifolds (k = 3) in pool_3 space. A point's ball has the radius of
-  its k-th nearest neighbour within its own set; precision is the share of samples inside some reference ball,
-  recall the share of reference points inside some sample ball. The reference set is the reference batch's
-  images (never the stored statistics).
+* FID: the Frechet distance between Gaussians fitted to the samples' and the reference's pool_3 activations (2048-d),
+  the reference's from its stored ``mu``/``sigma`` when it has them (ADM's reference batches hold the whole training
+  set's), else from its own activations;
+* sFID: the same on the spatial features (mixed_6/conv, first 7 channels, 17 x 17 x 7 = 2023-d), ``mu_s``/``sigma_s``;
+* Inception Score: ``exp(E_x KL(p(y|x) || p(y)))`` of the samples' softmax, the mean over consecutive splits of 5,000;
+* precision and recall: k-nearest-neighbour manifolds (k = 3) in pool_3 space. A point's ball has the radius of its k-th
+  nearest neighbour within its own set; precision is the share of samples inside some reference ball, recall the share
+  of reference images inside some sample ball.
 
-Distances are squared Euclidean, as ADM compares them; ADM first tries them in float16 and falls back to float32,
-here they are float32 throughout (a sample within float16 round-off of a ball's edge may count otherwise).
-
-:func:`adm_metrics` takes the activations as mappings of arrays, so each number can be checked without Inception
-weights. The activations of images come from :mod:`moh_vision.analysis.inception`; ``tools/evaluate_samples.py``
-runs the whole evaluation on ADM's ``.npz`` files (:mod:`moh_vision.analysis.adm_evaluation`).
-"""
+Distances are squared Euclidean, as ADM compares them, in float32 throughout (ADM tries float16 first: a sample within
+float16 round-off of a ball's edge may count otherwise). :func:`adm_metrics` takes the activations as mappings of
+arrays, so each number can be checked without Inception weights (:mod:`moh_vision.analysis.inception` computes them,
+:mod:`moh_vision.analysis.adm_evaluation` runs the whole evaluation)."""
 from __future__ import annotations
 
 from typing import Dict, Mapping, Optional, Tuple, Union
@@ -44,10 +38,8 @@ def adm_metrics(samples: Activations, reference: Activations, neighbours: int = 
 
     ``samples`` holds ``pool`` [N, 2048], ``spatial`` [N, 2023] and ``probs`` [N, 1008] (the Inception classifier's
     softmax); ``reference`` holds ``pool`` and ``spatial`` of its images and may hold ``mu``, ``sigma``, ``mu_s``,
-    ``sigma_s``, which then take precedence over its activations' statistics. A number whose inputs are missing
-    is left out; inconsistent inputs raise a one-line :class:`ConfigError`. Pairwise distances for precision and
-    recall are computed on ``device`` in blocks.
-    """
+    ``sigma_s``. A number whose inputs are missing is left out; inconsistent inputs raise a one-line
+    :class:`ConfigError`. Pairwise distances are computed on ``device`` in blocks."""
     check_stored_statistics(reference)
     out: Dict[str, float] = {}
     for name, (key, mean_key, cov_key) in FRECHET_INPUTS.items():
@@ -65,9 +57,7 @@ def adm_metrics(samples: Activations, reference: Activations, neighbours: int = 
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Frechet distances
-# ---------------------------------------------------------------------------------------------
+# -- Frechet distances -------------------------------------------------------------------------------------------------
 def statistics(activations: np.ndarray) -> Tuple[np.ndarray, np.ndarray]:
     """Mean and covariance (rows are observations) in float64."""
     if len(activations) < 2:
@@ -113,13 +103,11 @@ def _check_same_width(ours: np.ndarray, theirs: np.ndarray, our_name: str, their
                           f"{theirs.shape[-1]}-d (different Inception layers or input sizes?)")
 
 
-# ---------------------------------------------------------------------------------------------
-# Inception Score
-# ---------------------------------------------------------------------------------------------
+# -- Inception Score ---------------------------------------------------------------------------------------------------
 def inception_score(probs: np.ndarray, split_size: int = IS_SPLIT_SIZE) -> float:
     """ADM's Inception Score: consecutive splits of ``split_size`` rows (the last one may be shorter), each
-    ``exp(mean_i sum_y p_iy (log p_iy - log mean_j p_jy))``, averaged over the splits. A zero probability adds
-    nothing (the limit of ``p log p``), where ADM's ``0 * log 0`` would give NaN."""
+    ``exp(mean_i sum_y p_iy (log p_iy - log mean_j p_jy))``, averaged over the splits. A zero probability adds nothing
+    (the limit of ``p log p``), where ADM's ``0 * log 0`` would give NaN."""
     probs = np.asarray(probs, dtype=np.float64)
     if probs.ndim != 2 or len(probs) == 0 or (probs < 0).any():
         raise ConfigError(f"probs must be non-negative softmax rows [N, classes], got shape {probs.shape}")
@@ -133,9 +121,7 @@ def inception_score(probs: np.ndarray, split_size: int = IS_SPLIT_SIZE) -> float
     return float(np.mean(scores))
 
 
-# ---------------------------------------------------------------------------------------------
-# Precision and recall: k-nearest-neighbour manifolds
-# ---------------------------------------------------------------------------------------------
+# -- Precision and recall: k-nearest-neighbour manifolds ---------------------------------------------------------------
 def precision_recall(reference: np.ndarray, samples: np.ndarray, neighbours: int = NEIGHBOURS,
                      device: Union[str, torch.device] = "cpu") -> Tuple[float, float]:
     """(share of samples inside the reference manifold, share of reference points inside the samples' manifold)."""
@@ -156,8 +142,8 @@ def squared_distances(rows: torch.Tensor, columns: torch.Tensor) -> torch.Tensor
 
 
 def manifold_radii(features: torch.Tensor, neighbours: int) -> torch.Tensor:
-    """Each point's squared distance to its ``neighbours``-th nearest point of the same set (itself, at distance
-    0, is the nearest: ADM takes index k of each sorted row)."""
+    """Each point's squared distance to its ``neighbours``-th nearest point of the same set (itself, at distance 0, is
+    the nearest: ADM takes index k of each sorted row)."""
     radii = [squared_distances(block, features).topk(neighbours + 1, dim=1, largest=False).values[:, -1]
              for block in features.split(DISTANCE_BLOCK)]
     return torch.cat(radii)

@@ -1,28 +1,22 @@
-"""Inception activations as ADM's evaluator reads them, from torch-fidelity's port of TensorFlow's 2015-12-05
-Inception (the graph ADM loads, ``classify_image_graph_def.pb``), with LOCAL weights: never downloaded.
-
-The weights file is torch-fidelity's ``weights-inception-2015-12-05-6726825d.pth`` (the URL is
-``URL_INCEPTION_V3`` in ``torch_fidelity.feature_extractor_inceptionv3``): fetch it once where there is a network
-and pass its path. What ADM reads from the TF graph and where it is in the port:
+"""Inception activations as ADM's evaluator reads them, from torch-fidelity's port of TensorFlow's 2015-12-05 Inception
+(the graph ADM loads, ``classify_image_graph_def.pb``), with LOCAL weights: torch-fidelity's
+``weights-inception-2015-12-05-6726825d.pth`` (its URL is ``URL_INCEPTION_V3`` in
+``torch_fidelity.feature_extractor_inceptionv3``), fetched once where there is a network. What ADM reads from the graph,
+and where it is in the port:
 
 * ``pool_3:0`` (2048-d): the port's ``2048`` feature (the 8 x 8 average pool after ``Mixed_7c``);
-* ``mixed_6/conv:0``, first 7 channels: the output of ``Mixed_6d.branch1x1``. torch-fidelity's weight conversion
-  (``utils/util_convert_inception_weights.py``) maps the graph's ``mixed_6/conv/conv2d_params`` and
-  ``mixed_6/conv/batchnorm`` to ``Mixed_6d.branch1x1.conv`` and ``.bn`` (the graph counts its mixed blocks from 0:
-  mixed..mixed_2 = 5b..5d, mixed_3 = 6a, so mixed_6 = 6d, not torchvision's 6e). In that graph the op named
-  ``mixed_6/conv`` is the layer's ReLU, after ``mixed_6/conv/Conv2D`` and ``mixed_6/conv/batchnorm``; the port's
-  ``BasicConv2d`` ends with the same ReLU, so its output is that tensor: [N, 192, 17, 17] at 299 px. The first 7
-  channels are flattened in TensorFlow's NHWC order (row, column, channel), as ADM's ``reshape`` of the NHWC
-  tensor does, so the features line up with the ``mu_s``/``sigma_s`` stored in ADM's reference batches;
-* ``softmax`` for the Inception Score: ADM multiplies pool_3 by ``softmax/logits/MatMul``'s weights without the
-  bias; the port's ``logits_unbiased`` is that product (1008 classes), softmaxed here in float64.
+* ``mixed_6/conv:0``, first 7 channels: the output of ``Mixed_6d.branch1x1``, where torch-fidelity's weight conversion
+  maps the graph's ``mixed_6/conv`` parameters (the graph counts its mixed blocks from 0: mixed_6 = 6d, not
+  torchvision's 6e). The op ``mixed_6/conv`` is the layer's ReLU, which the port's ``BasicConv2d`` ends with too. The 7
+  channels are flattened in TensorFlow's NHWC order, as ADM's ``reshape`` does, to line up with the ``mu_s``/``sigma_s``
+  of ADM's reference batches;
+* ``softmax`` for the Inception Score: pool_3 times ``softmax/logits/MatMul``'s weights without the bias, the port's
+  ``logits_unbiased`` (1008 classes), softmaxed here in float64.
 
-Caveats: the port resizes to 299 x 299 with TF1's bilinear resize and scales to [-1, 1] as the graph does; its
-authors report features equal to TF's up to float round-off, not bit for bit, so the numbers agree with ADM's
-evaluator to round-off, not exactly (this was not measured here: TensorFlow and the graph are not installed).
-That ``mixed_6/conv`` is the ReLU output rests on the graph's naming convention (a layer's scope names its
-output op), which the conversion map above supports but which was not checked against the graph itself.
-"""
+Caveats: the port resizes with TF1's bilinear resize and scales to [-1, 1] as the graph does; its authors report
+features equal to TF's up to float round-off, so the numbers agree with ADM's evaluator to round-off (not measured here:
+TensorFlow is not installed). That ``mixed_6/conv`` is the ReLU output rests on the graph's naming convention, not on a
+check against the graph itself."""
 from __future__ import annotations
 
 import os
@@ -60,8 +54,8 @@ def check_inception_weights(path: Union[str, os.PathLike, None], option: str = "
 
 @contextmanager
 def full_float32():
-    """No TF32 inside: cuDNN's default rounds convolution inputs to 10 mantissa bits on Ampere and later GPUs,
-    while the port was checked against TF's features in float32 (the setting is restored afterwards)."""
+    """No TF32 inside: cuDNN's default rounds convolution inputs to 10 mantissa bits on Ampere and later GPUs, while the
+    port was checked against TF's features in float32 (the setting is restored afterwards)."""
     saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
     torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
     try:
@@ -76,7 +70,6 @@ class InceptionActivations:
     def __init__(self, weights: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
                  option: str = "inception"):
         from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
-
         path = check_inception_weights(weights, option)
         self.device = torch.device(device)
         self.net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
@@ -105,7 +98,6 @@ class InceptionActivations:
                    progress: bool = True) -> Dict[str, np.ndarray]:
         """The activations of every batch, concatenated, with a progress bar over the ``total`` images."""
         from tqdm.auto import tqdm
-
         parts: Dict[str, List[np.ndarray]] = {"pool": [], "spatial": [], "probs": []}
         with tqdm(total=total, unit="img", desc=desc, disable=not progress, dynamic_ncols=True) as bar:
             for batch in batches:

@@ -1,8 +1,7 @@
-"""How long an image-folder tree takes to index (:mod:`moh_vision.data.file_index`): a scan without the cache, the
-first start with it (the scan, and the index kept) and the next (the index read back and checked), each the whole
-``ImageFolderData`` construction a run's start-up waits for. ``tools/bench_index.py`` runs it on a generated tree
-of empty files (their names are all an index reads).
-"""
+"""How long an image-folder tree takes to index (:mod:`moh_vision.data.file_index`): a scan without the cache, the first
+start with it (the scan, and the index kept) and the next (the index read back and checked), each the whole
+``ImageFolderData`` construction a run's start-up waits for. ``tools/bench_index.py`` runs it on a generated tree of
+empty files (their names are all an index reads)."""
 from __future__ import annotations
 
 import json
@@ -39,10 +38,9 @@ def _seconds(build) -> float:
 
 
 def time_index(root: Path, rounds: int, settle_s: float) -> Dict[str, Any]:
-    """Per round: a scan without the cache, then the first and the second start with a new cache folder; the
-    tree is left alone ``settle_s`` seconds first (an index of a tree that just changed is not kept)."""
+    """Per round: a scan without the cache, then the first and the second start with a new cache folder; the tree is
+    left alone ``settle_s`` seconds first (an index of a tree that just changed is not kept)."""
     from moh_vision.data.imagefolder import ImageFolderData
-
     time.sleep(settle_s)
     times: Dict[str, list] = {"scan_s": [], "first_s": [], "second_s": []}
     for _ in tqdm(range(rounds), desc="rounds", leave=False, disable=None):

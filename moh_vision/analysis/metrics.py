@@ -1,13 +1,10 @@
-"""Sample-quality metrics that need no download: a digits classifier trained here, its class
-accuracy on class-conditional samples, and the Frechet distance in its feature space.
+"""Sample-quality metrics that need no download: a digits classifier trained here, its class accuracy on
+class-conditional samples, and the Frechet distance in its feature space.
 
-The classifier is trained once per setting and cached (it took ~90% of a one-epoch digits diffusion
-run when it was retrained every run): ``<cache dir>/digits_classifier-<key>.pt``, where the cache dir is
-``$MOH_VISION_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/moh_vision``, else ``~/.cache/moh_vision``,
-and ``<key>`` hashes everything that decides the weights (:data:`CLASSIFIER_SETTINGS`, the image size,
-the torch and scikit-learn versions). Files are written atomically; an unreadable or mismatched cache
-file is retrained and replaced, never an error. Deleting the directory is always safe.
-"""
+The classifier is trained once per setting and cached: ``<cache dir>/digits_classifier-<key>.pt`` (:func:`cache_dir`),
+where ``<key>`` hashes everything that decides the weights (:data:`CLASSIFIER_SETTINGS`, the image size, the torch and
+scikit-learn versions). Files are written atomically; an unreadable or mismatched cache file is retrained and replaced,
+never an error. Deleting the directory is always safe."""
 from __future__ import annotations
 
 import hashlib
@@ -29,12 +26,9 @@ Tensor = torch.Tensor
 
 
 def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma2: np.ndarray) -> float:
-    """``|mu1 - mu2|^2 + tr(S1 + S2 - 2 (S1 S2)^(1/2))`` between two Gaussians (the FID formula).
-
-    ``S1 S2`` is similar to the symmetric ``S1^(1/2) S2 S1^(1/2)``, so the trace of its square root is the sum
-    of the square roots of that matrix's eigenvalues: two symmetric eigendecompositions, no complex round-off
-    and no dependence on ``scipy.linalg.sqrtm``'s changing signature.
-    """
+    """``|mu1 - mu2|^2 + tr(S1 + S2 - 2 (S1 S2)^(1/2))`` between two Gaussians (the FID formula). ``S1 S2`` is similar
+    to the symmetric ``S1^(1/2) S2 S1^(1/2)``, so the trace of its square root is the sum of the square roots of that
+    matrix's eigenvalues: no complex round-off, no dependence on ``scipy.linalg.sqrtm``."""
     diff = mu1 - mu2
     return float(diff.dot(diff) + np.trace(sigma1) + np.trace(sigma2) - 2 * _trace_sqrt_product(sigma1, sigma2))
 
@@ -52,10 +46,8 @@ def feature_stats(features: Tensor) -> Tuple[np.ndarray, np.ndarray]:
 
 
 class DigitsClassifier(nn.Module):
-    """A small CNN for the digits at the diffusion resolution; ``features`` is its 128-d penultimate layer.
-
-    Inputs are images in [-1, 1] (the diffusion data range), 1 or 3 channels (3 are averaged).
-    """
+    """A small CNN for the digits at the diffusion resolution; ``features`` is its 128-d penultimate layer. Inputs are
+    images in [-1, 1] (the diffusion data range), 1 or 3 channels (3 are averaged)."""
 
     def __init__(self):
         super().__init__()
@@ -75,8 +67,8 @@ class DigitsClassifier(nn.Module):
         return self.head(self.features(x))
 
 
-# What decides the classifier's weights besides the image size and library versions. Change the
-# training below -> bump "version", so that cached classifiers of the old recipe are not reused.
+# What decides the classifier's weights besides the image size and library versions. Change the training below -> bump
+# "version", so that cached classifiers of the old recipe are not reused.
 CLASSIFIER_SETTINGS = {"version": 1, "arch": "conv32-64-128", "epochs": 20, "seed": 0, "batch_size": 128,
                        "lr": 2e-3, "weight_decay": 1e-4, "augment": True, "data": "sklearn digits, val 0.2, split 0"}
 def classifier_key(img_size: int) -> str:
@@ -98,12 +90,10 @@ def classifier_cache_path(img_size: int) -> Path:
 def train_digits_classifier(img_size: int, epochs: int = CLASSIFIER_SETTINGS["epochs"],
                             seed: int = CLASSIFIER_SETTINGS["seed"], progress: bool = True
                             ) -> Tuple[DigitsClassifier, float]:
-    """Train the classifier on the digits training split (augmented); returns it and its val accuracy (%).
-    ``progress``: a progress bar over the epochs (on stderr)."""
+    """The classifier trained on the digits training split (augmented), and its val accuracy (%)."""
     from tqdm.auto import tqdm
 
     from moh_vision.data.digits import DigitsData
-
     data = DigitsData(img_size=img_size, in_chans=1, augment=True)
     g = torch.Generator().manual_seed(seed)
     with torch.random.fork_rng():
@@ -113,15 +103,13 @@ def train_digits_classifier(img_size: int, epochs: int = CLASSIFIER_SETTINGS["ep
                                 weight_decay=CLASSIFIER_SETTINGS["weight_decay"])
         n = len(data.train)
         model.train()
-        for _ in tqdm(range(epochs), desc="digits proxy classifier", unit="epoch", disable=not progress,
-                      leave=False):
+        for _ in tqdm(range(epochs), desc="digits proxy classifier", unit="epoch", disable=not progress, leave=False):
             for idx in torch.randperm(n, generator=g).split(CLASSIFIER_SETTINGS["batch_size"]):
                 batch = [data.train[int(i)] for i in idx]
                 x = torch.stack([b[0] for b in batch])
                 y = torch.tensor([b[1] for b in batch])
-                loss = F.cross_entropy(model(x), y)
                 opt.zero_grad()
-                loss.backward()
+                F.cross_entropy(model(x), y).backward()
                 opt.step()
     model.eval()
     x, y = real_digits(data.val)
@@ -141,9 +129,7 @@ def _load_classifier(path: Path, img_size: int, key: Optional[str] = None) -> Op
         return None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
-        if not isinstance(state, dict) or state.get("img_size") != img_size:
-            return None
-        if key is not None and state.get("key") != key:
+        if not isinstance(state, dict) or state.get("img_size") != img_size or key not in (None, state.get("key")):
             return None
         model = DigitsClassifier()
         model.load_state_dict(state["model"])
@@ -156,15 +142,13 @@ def _load_classifier(path: Path, img_size: int, key: Optional[str] = None) -> Op
 
 def load_or_train_classifier(path: Optional[Path], img_size: int) -> DigitsClassifier:
     """The digits classifier for ``img_size``: the one saved at ``path`` (a run's copy, or one given to
-    tools/sample.py), else the cached one (see the module docstring), else a freshly trained one that
-    is cached. ``path``, when given and missing, receives a copy. All writes are atomic."""
+    tools/sample.py), else the cached one (see the module docstring), else a freshly trained one that is cached.
+    ``path``, when given and missing, receives a copy. All writes are atomic."""
     from moh_vision.checkpoints import atomic_save
-
     path = Path(path) if path is not None else None
-    if path is not None:
-        model = _load_classifier(path, img_size)
-        if model is not None:
-            return model
+    model = _load_classifier(path, img_size) if path is not None else None
+    if model is not None:
+        return model
     key = classifier_key(img_size)
     cached = classifier_cache_path(img_size)
     model = _load_classifier(cached, img_size, key)
@@ -195,8 +179,8 @@ def load_or_train_classifier(path: Optional[Path], img_size: int) -> DigitsClass
 @torch.no_grad()
 def digits_sample_metrics(classifier: DigitsClassifier, samples: Tensor, labels: Tensor,
                           reference: Optional[Tensor] = None) -> Dict[str, float]:
-    """``sample/class_acc``: % of samples the classifier labels with their conditioning class;
-    ``sample/fd_digits``: Frechet distance of classifier features, samples vs ``reference`` images."""
+    """``sample/class_acc``: % of samples the classifier labels with their conditioning class; ``sample/fd_digits``:
+    Frechet distance of classifier features, samples vs ``reference`` images."""
     classifier = classifier.eval()
     samples = samples.float().cpu().clamp(-1, 1)
     out = {"sample/class_acc": (classifier(samples).argmax(-1) == labels.cpu()).float().mean().item() * 100}

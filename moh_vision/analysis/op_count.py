@@ -1,22 +1,19 @@
 """What a routed layer costs the host: operators dispatched, host time per call, and graphs under compile.
 
-On a GPU a small layer's time is set by how many kernels the host launches, not by the arithmetic; each
-ATen operator dispatched is (at most) one launch. :func:`count_ops` counts every operator dispatched below
-autograd (forward and backward, views included) with a ``TorchDispatchMode``, the same way for dense and
-MoH, so the counts measured on a CPU are the launches a GPU would see before any fusion; the "kernels" rows
-leave out the views (operators that alias their input, and ``_unsafe_view``), which launch nothing.
-With ``dtype=bfloat16`` (or ``float16``) every call runs under CPU autocast, as GPU training does.
-:func:`ops_report` puts dense and MoH side by side, the figures of ``tools/bench_models.py ops=true``:
+On a GPU a small layer's time is set by how many kernels the host launches, not by the arithmetic; each ATen operator
+dispatched is (at most) one launch. :func:`steady_count` counts every operator dispatched below autograd (forward and
+backward) with a ``TorchDispatchMode``, the same way for dense and MoH, so the counts measured on a CPU are the launches
+a GPU would see before any fusion; the "kernels" rows leave out the views (operators that alias their input, and
+``_unsafe_view``), which launch nothing. With ``dtype=bfloat16`` (or ``float16``) every call runs under CPU autocast, as
+GPU training does. :func:`ops_report` puts dense and MoH side by side (``tools/bench_models.py ops=true``), every layer
+and model with the default kernels (all ``auto``):
 
-* one attention layer (dims 384 / 6 heads and 768 / 12, batch 8, 196 tokens), inference, and a training
-  forward+backward with the routing recorder open and the aux loss added, as the trainer runs it;
+* one attention layer (dims 384 / 6 heads and 768 / 12, batch 8, 196 tokens), inference, and a training forward+backward
+  with the routing recorder open and the aux loss added, as the trainer runs it;
 * each model pair, one inference call and one training forward+backward (recorder open, aux loss);
 * host time per layer call on a negligible input (``[1, 4, 192]``, 12 heads): the fixed cost of a call;
 * with ``graphs``, ``torch._dynamo.explain``: graphs and graph breaks of each model in eval and in training with the
-  recorder open, and the frames compiled over three training steps with fresh recorders (1: no recompile).
-
-Every layer and model runs the default kernels (``auto``: on the CPU MoH's fused routing kernel).
-"""
+  recorder open, and the frames compiled over three training steps with fresh recorders (1: no recompile)."""
 from __future__ import annotations
 
 import statistics
@@ -42,13 +39,6 @@ class _Counter(TorchDispatchMode):
         self.count += 1
         self.views += func.is_view or func is torch.ops.aten._unsafe_view.default  # a reshape autograd sees as new
         return func(*args, **(kwargs or {}))
-
-
-def count_ops(call: Callable[[], object]) -> int:
-    """ATen operators that ``call()`` dispatches (forward and backward, below autograd)."""
-    with _Counter() as counter:
-        call()
-    return counter.count
 
 
 def under_autocast(call: Callable[[], None], dtype: Optional[torch.dtype]) -> Callable[[], None]:
@@ -90,8 +80,7 @@ def inference_call(model: torch.nn.Module, inputs: Tuple) -> Callable[[], None]:
 
 def steady_count(model: torch.nn.Module, inputs: Tuple, train: bool,
                  dtype: Optional[torch.dtype] = None) -> Tuple[int, int]:
-    """Operators, and operators less views, of one call (under autocast to ``dtype``) after a first, uncounted
-    one (lazy initialisations, caches)."""
+    """Operators, and operators less views, of one call (under autocast to ``dtype``) after a first, uncounted one."""
     model.train(train)
     inputs = tuple(t.clone().requires_grad_() if train and t.is_floating_point() else t for t in inputs)
     call = under_autocast(training_call(model, inputs) if train else inference_call(model, inputs), dtype)
@@ -103,8 +92,7 @@ def steady_count(model: torch.nn.Module, inputs: Tuple, train: bool,
 
 def count_rows(label: str, models: Dict[str, torch.nn.Module], inputs: Tuple,
                dtype: Optional[torch.dtype]) -> List[Dict]:
-    """``{label}, {mode} ops`` and ``{label}, {mode} kernels`` (operators less views), inference and training, for
-    each of ``models`` (``dense``, ``moh``)."""
+    """``{label}, {mode} ops`` and ``... kernels`` (less views), inference and training, for each of ``models``."""
     rows = []
     for mode in ("infer", "train"):
         counts = {name: steady_count(m, inputs, mode == "train", dtype) for name, m in models.items()}
@@ -115,9 +103,9 @@ def count_rows(label: str, models: Dict[str, torch.nn.Module], inputs: Tuple,
 
 def host_us(layers: Dict[str, torch.nn.Module], x: Tensor, train: bool, calls: int = 100,
             rounds: int = 15, dtype: Optional[torch.dtype] = None) -> Dict[str, float]:
-    """Mean wall time (microseconds) of one call on ``x`` per layer, measured in ``rounds`` that alternate the
-    layers (load on the machine hits both alike): each layer's median over rounds, and ``ratio``, the median
-    over rounds of the second layer's time over the first's."""
+    """Mean wall time (microseconds) of one call on ``x`` per layer, measured in ``rounds`` that alternate the layers
+    (load on the machine hits both alike): each layer's median over rounds, and ``ratio``, the median over rounds of the
+    second layer's time over the first's."""
     xi = x.clone().requires_grad_() if train else x
     calls_of = {}
     for name, model in layers.items():
@@ -139,13 +127,12 @@ def host_us(layers: Dict[str, torch.nn.Module], x: Tensor, train: bool, calls: i
 
 
 def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
-    """``torch._dynamo.explain`` in eval (no grad) and in training (recorder open): graphs and breaks; and
-    the graphs compiled over three training steps with a fresh recorder each (1 when nothing recompiles)."""
+    """``torch._dynamo.explain`` in eval (no grad) and in training (recorder open): graphs and breaks; and the graphs
+    compiled over three training steps with a fresh recorder each (1 when nothing recompiles)."""
     import torch._dynamo as dynamo
     from torch._dynamo.utils import counters
 
     from moh_vision.attention import record_routing
-
     out: Dict[str, int] = {}
     for mode in ("eval", "train"):
         model.train(mode == "train")
@@ -166,19 +153,16 @@ def graph_counts(model: torch.nn.Module, inputs: Tuple) -> Dict[str, int]:
 
 
 def layer_pair(attention: Dict, dim: int, heads: int) -> Dict[str, torch.nn.Module]:
-    """``{"dense": mha, "moh": attention}`` layers of width ``dim`` with ``heads`` heads (``attention``: a config
-    such as ``{"name": "moh", "activation_ratio": 0.75}``)."""
+    """``{"dense": mha, "moh": attention}`` layers of width ``dim`` with ``heads`` heads."""
     from moh_vision.attention import build_attention
     from moh_vision.models.build import NON_MODULE_KEYS
-
     options = {k: v for k, v in attention.items() if k not in NON_MODULE_KEYS}
     return {"dense": build_attention("mha", dim, heads),
             "moh": build_attention(attention["name"], dim, heads, **options)}
 
 
 def layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dict]:
-    """Per-layer figures, dense ``mha`` against ``attention`` (e.g. ``{"name": "moh", "activation_ratio": 0.75}``),
-    at :data:`LAYER_SHAPES` and on :data:`HOST_SHAPE`, under autocast to ``dtype``."""
+    """Per-layer figures, dense ``mha`` against ``attention``, at :data:`LAYER_SHAPES` and on :data:`HOST_SHAPE`."""
     rows = []
     batch, tokens = LAYER_TOKENS
     for dim, heads in LAYER_SHAPES:
@@ -197,10 +181,8 @@ def layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dic
 
 def model_rows(moh: torch.nn.Module, dense: torch.nn.Module, label: str, batch: int = 2,
                graphs: bool = True, dtype: Optional[torch.dtype] = None) -> List[Dict]:
-    """Whole-model operator counts (inference, training; under autocast to ``dtype``) and, with ``graphs``,
-    :func:`graph_counts`."""
+    """Whole-model operator counts (inference, training) and, with ``graphs``, :func:`graph_counts`."""
     from .benchmark import model_inputs
-
     inputs = model_inputs(dense, batch)
     rows = count_rows(label, {"dense": dense, "moh": moh}, inputs, dtype)
     if graphs:
@@ -222,8 +204,7 @@ def ops_table(rows: Sequence[Dict], header: str) -> str:
 
 def ops_report(pairs: Sequence[Tuple[torch.nn.Module, torch.nn.Module, str]], attention: Optional[Dict] = None,
                graphs: bool = True, dtype: Optional[torch.dtype] = None) -> Tuple[List[Dict], str]:
-    """Every figure of the module docstring: per layer (``attention``, default MoH 0.75) and per model pair
-    ``(moh, dense, label)``; every call under CPU autocast to ``dtype`` (None or float32: none)."""
+    """Every figure of the module docstring, per layer (``attention``, default MoH 0.75) and per model pair."""
     attention = attention or {"name": "moh", "activation_ratio": 0.75}
     rows = layer_rows(attention, dtype)
     for moh, dense, label in pairs:
@@ -237,13 +218,9 @@ def ops_report(pairs: Sequence[Tuple[torch.nn.Module, torch.nn.Module, str]], at
 def bench_ops(pairs: Sequence[str], img_size: int = 64, attention: Optional[Dict] = None, graphs: bool = True,
               out: Optional[str] = None, dtype: str = "float32") -> List[Dict]:
     """``tools/bench_models.py ops=true``: :func:`ops_report` for ``moh:dense`` model pairs built at ``img_size``
-    (operator counts do not depend on it), every call under CPU autocast to ``dtype`` (``bfloat16``: as GPU runs
-    train); prints the table, and with ``out`` writes it and ``<out>.json``."""
-    import json
-    from pathlib import Path
-
-    from .benchmark import DTYPES, build_for_bench
-
+    (operator counts do not depend on it), every call under CPU autocast to ``dtype`` (``bfloat16``: as GPU runs train);
+    prints the table, and with ``out`` writes it and ``<out>.json``."""
+    from .benchmark import DTYPES, build_for_bench, write_record
     built = []
     for pair in pairs:
         moh, _, dense = pair.partition(":")
@@ -252,8 +229,5 @@ def bench_ops(pairs: Sequence[str], img_size: int = 64, attention: Optional[Dict
     layer_attention = {"name": "moh", "activation_ratio": 0.75, **(attention or {})}
     rows, table = ops_report(built, layer_attention, graphs=graphs, dtype=DTYPES[dtype])
     print(table)
-    if out:
-        Path(out).write_text(table)
-        Path(out).with_suffix(".json").write_text(json.dumps({"torch": torch.__version__, "img_size": img_size,
-                                                              "dtype": dtype, "rows": rows}, indent=1))
+    write_record(out, table, {"torch": torch.__version__, "img_size": img_size, "dtype": dtype, "rows": rows})
     return rows

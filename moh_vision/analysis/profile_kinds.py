@@ -1,7 +1,6 @@
-"""Kinds of work in a ``torch.profiler`` profile: an operator's (CUDA: a kernel's) kind by its name, and the time of
-a profile's events summed by kind. ``tools/bench_backbones.py`` (profile=true) and the trainer's
-``trainer.profile=<first>:<last>`` (:mod:`moh_vision.engine.profiling`) both sort by these.
-"""
+"""Kinds of work in a ``torch.profiler`` profile: an operator's (CUDA: a kernel's) kind by its name, and the time of a
+profile's events summed by kind. ``tools/bench_backbones.py`` (profile=true) and the trainer's
+``trainer.profile=<first>:<last>`` (:mod:`moh_vision.engine.profiling`) both sort by these."""
 from __future__ import annotations
 
 import re
@@ -9,12 +8,12 @@ from typing import Dict, Iterable, List
 
 import torch
 
-# Kinds of work an operator (CUDA: a kernel) does, by its name: the first pattern that matches names it. The
-# compiler's generated kernels come first (their names list the operators they fused, convolutions' epilogues
-# included), collectives next (NCCL's kernels, gloo's and c10d's operators), convolutions before GEMMs (cuDNN's
-# convolutions are "implicit GEMM" kernels). "copies": copies, fills, concatenations and gathers; "elementwise":
-# point-wise arithmetic and activations, eager and the optimizers' multi-tensor kernels. Names are single words,
-# as the docs' figure markers quote keys.
+# Kinds of work an operator (CUDA: a kernel) does, by its name: the first pattern that matches names it. The compiler's
+# generated kernels come first (their names list the operators they fused, convolutions' epilogues included),
+# collectives next (NCCL's kernels, gloo's and c10d's operators), convolutions before GEMMs (cuDNN's convolutions are
+# "implicit GEMM" kernels). "copies": copies, fills, concatenations and gathers; "elementwise": point-wise arithmetic
+# and activations, eager and the optimizers' multi-tensor kernels. Names are single words, as the docs' figure markers
+# quote keys.
 OP_CATEGORIES = (
     ("compiled_pointwise", r"^triton_(poi|red|per)_|cpp_fused|compiledfxgraph"),
     ("communication", r"nccl|gloo|c10d::|all_?reduce|all_?gather|reduce_?scatter|all_?to_?all"),
@@ -34,20 +33,18 @@ DEVICE_KINDS = (torch.autograd.DeviceType.CUDA,)  # where a profile on a GPU cou
 
 
 def op_category(name: str) -> str:
-    """The kind of work an operator or kernel named ``name`` does (:data:`OP_CATEGORIES`), else ``"other"``
-    (reductions, softmax, indexing arithmetic, autograd's bookkeeping)."""
+    """The kind of work an operator or kernel named ``name`` does (:data:`OP_CATEGORIES`), else ``"other"`` (reductions,
+    softmax, indexing arithmetic, autograd's bookkeeping)."""
     lowered = name.lower()
     return next((kind for kind, pattern in _PATTERNS if pattern.search(lowered)), "other")
 
 
 def counted_events(events: Iterable, device: torch.device) -> List:
-    """The events whose own time a profile on ``device`` sums, each once: on CUDA the device's events (kernels,
-    memory copies; a CPU operator's device time is its kernels', already there), on the CPU the operators. Ranges
-    of ``record_function`` (user annotations: ``ProfilerStep#``, ``Optimizer.step``, ...) are left out: their own
-    time is the host's work between operators. Works on ``prof.events()`` and on ``prof.key_averages()``."""
-    if device.type == "cuda":
-        return [e for e in events if e.device_type in DEVICE_KINDS and not e.is_user_annotation]
-    return [e for e in events if e.device_type == torch.autograd.DeviceType.CPU and not e.is_user_annotation]
+    """The events whose own time a profile on ``device`` sums, each once: on CUDA the device's events (a CPU operator's
+    device time is its kernels', already there), on the CPU the operators; ``record_function`` ranges
+    (``ProfilerStep#``, ``Optimizer.step``, ...) left out. Works on ``prof.events()`` and on ``prof.key_averages()``."""
+    kinds = DEVICE_KINDS if device.type == "cuda" else (torch.autograd.DeviceType.CPU,)
+    return [e for e in events if e.device_type in kinds and not e.is_user_annotation]
 
 
 def own_time_us(event, device: torch.device) -> float:
@@ -56,8 +53,7 @@ def own_time_us(event, device: torch.device) -> float:
 
 
 def time_by_kind(events: Iterable, device: torch.device) -> Dict[str, float]:
-    """Milliseconds of own time per kind of work (:func:`op_category`) of :func:`counted_events`, largest first;
-    kinds with no time are absent."""
+    """Milliseconds of own time of :func:`counted_events` per kind (:func:`op_category`), largest first."""
     by_kind: Dict[str, float] = {}
     for event in counted_events(events, device):
         micros = own_time_us(event, device)

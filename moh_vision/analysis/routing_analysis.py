@@ -1,21 +1,12 @@
-"""How a trained routed model uses its heads, on a few images (``tools/analyze_routing.py``).
+"""How a trained routed model uses its heads, on a few images (``tools/analyze_routing.py``; the figures:
+``docs/routing.md``).
 
 Each routed layer records which heads every token selected and the gates they got
-(``record_routing(model, keep_selection=True)``: nothing is left on the modules). :func:`analyse` sums
-them over the images, :func:`layer_statistics` turns the sums into per-layer numbers (the trainer's
-``RoutingMeter.averages`` format plus token grid, gate mass and MoA-style utility ranking), and
-:func:`write_outputs` draws them:
-
-* ``head_load.png``: layers x heads, fraction of tokens using each head (``s`` = shared head);
-* ``shared_heads.png`` (only when some layer learns its shared heads, ``attention.shared_heads=learned``):
-  layers x heads, the heads each layer shares (``S``), learned or fixed, frozen or still in warm-up;
-* ``gate_mass.png``: layers x heads, mean gate per token;
-* ``router_entropy.png``: mean router entropy per routed layer, against the uniform maximum;
-* ``head_utility.png``: routed heads ranked per layer by selections and by gate mass (MoA-style);
-* ``token_heads_<i>.png``: for the first images, the heads each token chose on each routed layer's token
-  grid (TransNeXt: the stage's H/4 ... H/32 grid; DiT / ViT: the patch grid, class token dropped);
-* ``selection.npz``: the raw per-token masks and gates of the mapped images.
-"""
+(``record_routing(model, keep_selection=True)``: nothing is left on the modules). :func:`analyse` sums them over the
+images, :func:`layer_statistics` turns the sums into per-layer numbers (the trainer's ``RoutingMeter.averages`` format
+plus token grid, gate mass and MoA-style utility ranking), and :func:`write_outputs` draws them (head load, gate mass,
+router entropy, head utility, shared heads when a layer learns them, and per image the heads each token chose on its
+layer's token grid) and keeps the raw per-token masks and gates of the mapped images in ``selection.npz``."""
 from __future__ import annotations
 
 import math
@@ -32,9 +23,9 @@ from .routing_stats import routed_loads_of
 
 
 def token_grid(model: torch.nn.Module, module: torch.nn.Module, tokens: int) -> Tuple[Tuple[int, int], int]:
-    """((H, W), prefix tokens) of a layer's token sequence: the kernel's own ``input_resolution``
-    (TransNeXt stages), else the model's patch grid (DiT ``grid_size``, ViT ``patch_embed``) with
-    leading class tokens dropped; a square or a single row as the last resort."""
+    """((H, W), prefix tokens) of a layer's token sequence: the kernel's own ``input_resolution`` (TransNeXt stages),
+    else the model's patch grid (DiT ``grid_size``, ViT ``patch_embed``) with leading class tokens dropped; a square or
+    a single row as the last resort."""
     grid = getattr(module, "input_resolution", None) or getattr(model, "grid_size", None) \
         or getattr(getattr(model, "patch_embed", None), "grid_size", None)
     if grid is not None:
@@ -48,11 +39,9 @@ def token_grid(model: torch.nn.Module, module: torch.nn.Module, tokens: int) -> 
 @torch.no_grad()
 def analyse(model: torch.nn.Module, batches: Iterable[Any], forward: Callable[[Any], torch.Tensor], num_images: int,
             map_images: int):
-    """Per-layer sums over ``num_images`` images and the raw masks of the first ``map_images``.
-
-    ``forward(batch)`` runs ``model`` on one batch and returns the images it was given (for the token maps).
-    Returns (per-layer sums for :func:`layer_statistics`, per-layer masks and gates, images, images seen).
-    """
+    """Per-layer sums over ``num_images`` images and the raw masks of the first ``map_images``. ``forward(batch)`` runs
+    ``model`` on one batch and returns the images it was given (for the token maps). Returns (per-layer sums for
+    :func:`layer_statistics`, per-layer masks and gates, images, images seen)."""
     model.eval()
     layers = [name for name, _ in routed_modules(model)]
     if not layers:

@@ -1,19 +1,18 @@
 """Figures of how routed attention layers use their heads (matplotlib, Agg backend, PNG files).
 
 Every function takes per-layer statistics in the format of
-:meth:`moh_vision.analysis.routing_stats.RoutingMeter.averages` (what the trainer dumps to
-``routing.json`` each epoch)::
+:meth:`moh_vision.analysis.routing_stats.RoutingMeter.averages` (what the trainer dumps to ``routing.json`` each
+epoch)::
 
     {layer_name: {"load": [h floats], "entropy": float | None, "shared_heads": int, "topk": int,
                   "gate_mass": [h floats] (optional)}, ...}
 
-``load[i]`` is the fraction of tokens that used head ``i`` (1 for a shared head, so a layer's loads
-sum to its active heads per token); ``gate_mass[i]`` the mean gate head ``i`` received per token (0
-where unselected). Layers keep their order (depth). Routed heads are indices ``shared_heads..h-1``,
-except in layers that learn their shared heads (``attention.shared_heads=learned``): their stats carry
-``shared_mask`` ([h] bools; optional ``shared_frozen``, ``shared_frac``, ``routed_load``) and shared
-means that mask (:func:`~moh_vision.analysis.routing_stats.shared_mask_of`).
-"""
+``load[i]`` is the fraction of tokens that used head ``i`` (1 for a shared head, so a layer's loads sum to its active
+heads per token); ``gate_mass[i]`` the mean gate head ``i`` received per token (0 where unselected). Layers keep their
+order (depth). Routed heads are indices ``shared_heads..h-1``, except in layers that learn their shared heads
+(``attention.shared_heads=learned``): their stats carry ``shared_mask`` ([h] bools; optional ``shared_frozen``,
+``shared_frac``, ``routed_load``) and shared means that mask
+(:func:`~moh_vision.analysis.routing_stats.shared_mask_of`)."""
 from __future__ import annotations
 
 import math
@@ -52,12 +51,9 @@ def routed_layers(stats: Stats) -> List[str]:
     return [name for name, s in stats.items() if int(s.get("topk", 0)) > 0]
 
 
-# ----------------------------------------------------------------------------------------------
-# Head load: layers x heads
-# ----------------------------------------------------------------------------------------------
+# -- Head load: layers x heads -----------------------------------------------------------------------------------------
 def plot_head_load(stats: Stats, path: Path, key: str = "load", title: Optional[str] = None) -> Path:
-    """Heatmap of ``stats[layer][key]`` (layers x heads; blank where a layer has fewer heads).
-    Shared heads are marked ``s``; each row is annotated with its active heads per token."""
+    """Heatmap of ``stats[layer][key]`` (layers x heads), shared heads marked ``s``, rows labelled shared + top-k."""
     plt = _pyplot()
     names = list(stats)
     width = max(len(s[key]) for s in stats.values())
@@ -90,12 +86,10 @@ def plot_head_load(stats: Stats, path: Path, key: str = "load", title: Optional[
     return _save(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Router entropy per layer
-# ----------------------------------------------------------------------------------------------
+# -- Router entropy per layer ------------------------------------------------------------------------------------------
 def plot_router_entropy(stats: Stats, path: Path, title: Optional[str] = None) -> Path:
-    """Mean router entropy (nats) of each routed layer, with the uniform-router maximum
-    ``log(routed heads)`` as a tick: low bars = confident (or collapsed) routers."""
+    """Mean router entropy (nats) of each routed layer, with the uniform-router maximum ``log(routed heads)`` as a tick:
+    low bars = confident (or collapsed) routers."""
     plt = _pyplot()
     names = routed_layers(stats)
     fig, ax = plt.subplots(figsize=(min(3 + 0.35 * max(len(names), 1), 18), 3.6))
@@ -117,13 +111,11 @@ def plot_router_entropy(stats: Stats, path: Path, title: Optional[str] = None) -
     return _save(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Head utility ranking (MoA-style)
-# ----------------------------------------------------------------------------------------------
+# -- Head utility ranking (MoA-style) ----------------------------------------------------------------------------------
 def utility_ranking(stat: Mapping[str, Any]) -> List[Dict[str, Any]]:
-    """One layer's routed heads ranked by how often they are selected (ties: by gate mass):
-    ``[{"rank", "head", "selected", "selected_share", "gate_mass", "gate_share"}, ...]``.
-    ``selected_share`` / ``gate_share`` are fractions of the layer's routed total."""
+    """One layer's routed heads ranked by how often they are selected (ties: by gate mass): ``[{"rank", "head",
+    "selected", "selected_share", "gate_mass", "gate_share"}, ...]``. ``selected_share`` / ``gate_share`` are fractions
+    of the layer's routed total."""
     heads = routed_heads_of(stat)
     load = routed_loads_of(stat)
     all_gates = stat.get("gate_mass") or [math.nan] * len(stat["load"])
@@ -137,8 +129,8 @@ def utility_ranking(stat: Mapping[str, Any]) -> List[Dict[str, Any]]:
 
 
 def plot_head_utility(stats: Stats, path: Path, title: Optional[str] = None) -> Path:
-    """Per routed layer, the routed heads ranked by selection share (left) and by gate-mass share
-    (right): a flat curve at 1/E is a balanced layer, a cliff after k heads a collapsed one."""
+    """Per routed layer, the routed heads ranked by selection share (left) and by gate-mass share (right): a flat curve
+    at 1/E is a balanced layer, a cliff after k heads a collapsed one."""
     plt = _pyplot()
     names = routed_layers(stats)
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.8), sharey=False)
@@ -172,9 +164,7 @@ def plot_head_utility(stats: Stats, path: Path, title: Optional[str] = None) -> 
     return _save(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Per-token head choice over the token grid
-# ----------------------------------------------------------------------------------------------
+# -- Per-token head choice over the token grid -------------------------------------------------------------------------
 def _image_for_display(image: np.ndarray) -> np.ndarray:
     """[C, H, W] (any normalisation) -> [H, W] or [H, W, 3] in [0, 1]."""
     image = np.asarray(image, dtype=float)
@@ -188,11 +178,9 @@ def plot_token_heads(image: Optional[np.ndarray], layers: Sequence[Mapping[str, 
                      title: Optional[str] = None) -> Path:
     """Which heads the tokens of one image chose, layer by layer, on each layer's token grid.
 
-    ``layers``: ``[{"name", "grid": (H, W), "shared_heads", "selection": [H*W, h] bool,
-    "gates": [H*W, h] float or None, "shared_mask": [h] bools (optional: learned shared heads)}]``.
-    Row per layer: the dominant routed head of each token (largest gate among its selected routed
-    heads), then one map per routed head (bright = the token chose it).
-    """
+    ``layers``: ``[{"name", "grid": (H, W), "shared_heads", "selection": [H*W, h] bool, "gates": [H*W, h] float or None,
+    "shared_mask": [h] bools (optional: learned shared heads)}]``. Row per layer: the dominant routed head of each token
+    (largest gate among its selected routed heads), then one map per routed head (bright = the token chose it)."""
     plt = _pyplot()
     rows = max(len(layers), 1)
 
@@ -234,9 +222,7 @@ def plot_token_heads(image: Optional[np.ndarray], layers: Sequence[Mapping[str, 
     return _save(fig, path)
 
 
-# ----------------------------------------------------------------------------------------------
-# Shared heads: which heads each layer shares (learned or fixed)
-# ----------------------------------------------------------------------------------------------
+# -- Shared heads: which heads each layer shares (learned or fixed) ----------------------------------------------------
 def _per_epoch(stats: Mapping[str, Any]) -> Dict[str, Stats]:
     """``{epoch: {layer: stat}}`` from either that or one epoch's ``{layer: stat}``."""
     first = next(iter(stats.values()), None)
@@ -246,15 +232,10 @@ def _per_epoch(stats: Mapping[str, Any]) -> Dict[str, Stats]:
 
 
 def plot_shared_heads(stats: Mapping[str, Any], path: Path, title: Optional[str] = None) -> Path:
-    """Layers x heads: which heads each routed layer shares. Accepts one epoch's stats
-    (``{layer: stat}``) or ``routing.json`` (``{epoch: {layer: stat}}``).
-
-    ``S`` marks the shared heads of the last epoch (a learned layer's mask, else the first
-    ``shared_heads``). Colour: fraction of the recorded forwards (over every epoch given) in which the
-    head was shared, so a head the learned partition moved shows between 0 and 1. Learned layers are
-    labelled ``learned`` (``frozen`` once the mask is fixed); layers without routing (``topk = 0``)
-    are left out.
-    """
+    """Layers x heads: which heads each routed layer shares, from one epoch's stats or ``routing.json``
+    (``{epoch: {layer: stat}}``). ``S`` marks the shared heads of the last epoch; the colour is the fraction of the
+    recorded forwards (over every epoch given) in which the head was shared, so a head the learned partition moved shows
+    between 0 and 1. Layers without routing are left out."""
     plt = _pyplot()
     epochs = _per_epoch(stats)
     last = list(epochs.values())[-1] if epochs else {}

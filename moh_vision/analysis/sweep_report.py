@@ -1,26 +1,13 @@
 """One table and plot for every job of a multirun (``tools/sweep_report.py``).
 
-Reads each job's ``summary.json`` and ``config.yaml`` and groups jobs into *arms*: jobs that differ only
-in their seed. The arm of a job is what its Hydra overrides (``.hydra/overrides.yaml``) set to values
-that vary across the sweep, the seed excepted: ``+experiment/compare=moh_50`` gives arm ``moh_50`` (the
-``experiment=compare_attention`` comparison), ``attention.activation_ratio=0.5`` gives
-``activation_ratio=0.5``. Without Hydra's records a job's arm is its model and full attention config,
-so two MoH arms with the same ratio but other heads are never merged. Per arm: mean and standard
-deviation over seeds of the metric, active GFLOPs, GFLOPs, parameters and measured training images/s.
-
-The verdict (:mod:`moh_vision.analysis.comparison`): each arm against the reference arm (the dense one,
-activation ratio 1.0, unless ``reference=`` names another), the difference of means with its 95% interval
-(Welch) and whether it lies within ``margin`` (default 0.5, in the metric's units: points of top-1).
-Convergence: per job, from its ``metrics.csv``, best against final value of the metric and the trend of its
-last five evaluations; a run that had not reached its plateau is flagged in the table and printed.
-
-:func:`write_sweep_report` writes ``sweep_report.md``, ``sweep_report.csv``, ``sweep_report.json`` (rows,
-verdicts, every job's value and convergence, the settings) and ``sweep_report.png`` (the metric against the
-activation ratio, against active GFLOPs and against images/s, one labelled point per arm with error bars of
-one standard deviation over seeds in both directions, and every seed's own value as a small dot). Each
-attention type has one colour in every panel (mha blue, moh green, moa orange, preset purple) and each
-model one marker.
-"""
+Reads each job's ``summary.json`` and ``config.yaml`` and groups jobs into *arms*: jobs that differ only in their seed.
+A job's arm is what its Hydra overrides set to values that vary across the sweep, the seed excepted
+(``+experiment/compare=moh_50`` gives ``moh_50``, ``attention.activation_ratio=0.5`` gives ``activation_ratio=0.5``);
+without Hydra's records, its model and full attention config. Per arm: mean and standard deviation over seeds of the
+metric, active GFLOPs, GFLOPs, parameters and training images/s; the verdict against the reference arm (the dense one
+unless ``reference=`` names another, :mod:`moh_vision.analysis.comparison`) within ``margin`` (default 0.5, in the
+metric's units: points of top-1); the runs that had not converged (from their ``metrics.csv``).
+:func:`write_sweep_report` writes ``sweep_report.md``, ``.csv``, ``.json`` and ``.png`` (:func:`make_figure`)."""
 from __future__ import annotations
 
 import csv
@@ -53,11 +40,8 @@ def _overrides(job_dir: Path) -> Optional[Dict[str, str]]:
     path = job_dir / ".hydra" / "overrides.yaml"
     if not path.is_file():
         return None
-    out = {}
-    for item in yaml.safe_load(path.read_text()) or []:
-        key, _, value = str(item).partition("=")
-        out[key] = value
-    return out
+    pairs = (str(item).partition("=") for item in yaml.safe_load(path.read_text()) or [])
+    return {key: value for key, _, value in pairs}
 
 
 def _config_signature(cfg: Dict[str, Any]) -> str:
@@ -76,7 +60,7 @@ def load_jobs(root: Path) -> List[Dict[str, Any]]:
             cfg = run_config(job_dir)
         except ConfigError:  # a job without its config: grouped by its summary alone
             cfg = {}
-        attention = (cfg.get("attention") or {})
+        attention = cfg.get("attention") or {}
         jobs.append({
             "dir": str(job_dir.relative_to(root)),
             "model": (cfg.get("model") or {}).get("name") or summary.get("model"),
@@ -92,8 +76,8 @@ def load_jobs(root: Path) -> List[Dict[str, Any]]:
 
 
 def job_ratio(attention: Dict[str, Any], summary: Dict[str, Any]) -> float:
-    """A job's activation ratio: the one it asked for (any variant's ``activation_ratio``), else the
-    active-head fraction its layers declared (``summary.json``: explicit heads, presets), else 1."""
+    """A job's activation ratio: the one it asked for (any variant's ``activation_ratio``), else the active-head
+    fraction its layers declared (``summary.json``: explicit heads, presets), else 1."""
     requested = attention.get("activation_ratio")
     if requested is not None and attention.get("topk") is None:  # explicit heads win over the ratio
         return float(requested)
@@ -102,18 +86,13 @@ def job_ratio(attention: Dict[str, Any], summary: Dict[str, Any]) -> float:
 
 
 def _short(key: str, value: str) -> str:
-    if key in ARM_GROUP_KEYS:
-        return value
-    return f"{key.lstrip('+').split('.')[-1]}={value}"
+    return value if key in ARM_GROUP_KEYS else f"{key.lstrip('+').split('.')[-1]}={value}"
 
 
 def assign_arms(jobs: List[Dict[str, Any]]) -> None:
-    """Set ``job["arm"]``: the non-seed overrides that vary across the sweep, else the job's config.
-
-    Jobs of one arm differ only in their seed. Labels made from configs (no Hydra record, or only the seed
-    varies) may coincide for different configs (two MoH arms with explicit heads and no ratio): those get
-    ``#1``, ``#2``, ... so that no two arms are ever merged.
-    """
+    """Set ``job["arm"]``: the non-seed overrides that vary across the sweep, else the job's config. Labels made from
+    configs may coincide for different configs (two MoH arms with explicit heads and no ratio): those get ``#1``,
+    ``#2``, ... so that no two arms are ever merged."""
     recorded = [j["overrides"] for j in jobs if j["overrides"] is not None]
     keys = sorted({k for o in recorded for k in o})
     varying = [k for k in keys if k not in SEED_KEYS and len({o.get(k) for o in recorded}) > 1]
@@ -137,8 +116,7 @@ def assign_arms(jobs: List[Dict[str, Any]]) -> None:
 
 
 def _stats(values: List[float]) -> Dict[str, float]:
-    """Mean, sample standard deviation and the half-width of the two-sided 95% confidence interval of
-    the mean (Student's t with n - 1 degrees of freedom; nan for fewer than two values)."""
+    """Mean, sample std and the half-width of the mean's 95% Student's t interval (nan below 2 values)."""
     values = [v for v in values if v is not None and not (isinstance(v, float) and math.isnan(v))]
     if not values:
         return {"mean": float("nan"), "std": float("nan"), "ci95": float("nan"), "n": 0}
@@ -180,10 +158,9 @@ def aggregate(jobs: List[Dict[str, Any]], metrics: List[str]) -> List[Dict[str, 
 
 def add_convergence(jobs: List[Dict[str, Any]], root: Path, metric: str, tol: float = CONVERGE_TOL,
                     flat_tol: float = FLAT_TOL, window: int = CONVERGE_WINDOW) -> bool:
-    """Set ``job["convergence"]`` (:func:`comparison.convergence` of the metric's per-evaluation values in
-    the job's ``metrics.csv``; None when the file holds fewer than two values of it: one value has no
-    history to judge, e.g. diffusion's sample metrics, computed once at the end). Returns whether any job
-    had a history."""
+    """Set ``job["convergence"]`` (:func:`comparison.convergence` of the metric's per-evaluation values in the job's
+    ``metrics.csv``; None when the file holds fewer than two values of it: one value has no history to judge, e.g.
+    diffusion's sample metrics, computed once at the end). Returns whether any job had a history."""
     higher = comparison.higher_is_better(metric)
     found = False
     for job in jobs:
@@ -201,10 +178,9 @@ def add_convergence(jobs: List[Dict[str, Any]], root: Path, metric: str, tol: fl
 
 def add_verdicts(rows: List[Dict[str, Any]], jobs: List[Dict[str, Any]], metric: str,
                  margin: float = DEFAULT_MARGIN, reference: Optional[str] = None) -> Optional[str]:
-    """Per row: the Welch difference of ``metric`` means against the reference arm (``vs_ref diff``,
-    ``vs_ref low``/``high`` of its 95% interval, ``vs_ref dof``), the ``verdict`` for ``margin``, and
-    ``converged`` ("k/n" runs at their plateau, or "" without histories). Returns the reference arm (None:
-    no dense arm found, no verdicts)."""
+    """Per row: the Welch difference of ``metric`` means against the reference arm (``vs_ref diff``, ``low``, ``high``
+    of its 95% interval, ``dof``), the ``verdict`` for ``margin``, and ``converged`` ("k/n" runs at their plateau, or
+    ""). Returns the reference arm (None: no dense arm found, no verdicts)."""
     values: Dict[str, List[float]] = defaultdict(list)
     for job in jobs:
         values[job["arm"]].append(job["summary"].get(metric))
@@ -218,10 +194,8 @@ def add_verdicts(rows: List[Dict[str, Any]], jobs: List[Dict[str, Any]], metric:
         members = [j for j in jobs if j["arm"] == arm and j.get("convergence") is not None]
         row["converged"] = f"{sum(j['convergence']['converged'] for j in members)}/{len(members)}" if members else ""
         diff = comparison.welch_difference(values[arm], values[ref]) if ref and arm != ref else None
-        row["vs_ref diff"] = diff["diff"] if diff else float("nan")
-        row["vs_ref low"] = diff["low"] if diff else float("nan")
-        row["vs_ref high"] = diff["high"] if diff else float("nan")
-        row["vs_ref dof"] = diff["dof"] if diff else float("nan")
+        for key in ("diff", "low", "high", "dof"):
+            row[f"vs_ref {key}"] = diff[key] if diff else float("nan")
         row["verdict"] = "reference" if arm == ref else \
             comparison.verdict(diff["diff"], diff["low"], diff["high"], margin, higher) if diff else ""
     return ref
@@ -238,10 +212,9 @@ HEADERS = ["arm", "model", "attention", "activation_ratio", "seeds"]
 
 def write_markdown(rows: List[Dict[str, Any]], metrics: List[str], path: Path, reference: Optional[str] = None,
                    margin: float = DEFAULT_MARGIN, jobs: Sequence[Dict[str, Any]] = ()) -> str:
-    """One row per arm: every metric as mean ± std over seeds; the first (reported) metric also with
-    its 95% confidence interval of the mean, its value per seed (in seed order), the difference of means
-    against the reference arm with its 95% interval (Welch) and the verdict for ``margin``, and how many
-    runs had converged. Below the table: the runs that had not."""
+    """One row per arm: every metric as mean ± std over seeds; the first (reported) metric also with its 95% confidence
+    interval, its value per seed, the difference against the reference arm and its verdict, and how many runs had
+    converged. Below the table: the runs that had not."""
     main = metrics[0]
     has_verdict = reference is not None
     has_convergence = any(r.get("converged") for r in rows)
@@ -303,15 +276,12 @@ def write_json(rows: List[Dict[str, Any]], jobs: List[Dict[str, Any]], metric: s
     def plain(v: Any) -> Any:
         return None if isinstance(v, float) and math.isnan(v) else v
 
-    data = {
-        "metric": metric, **settings,
-        "arms": [{k: plain(v) for k, v in r.items()} for r in rows],
-        # the same by arm name, keys without spaces: what a doc's figure marker addresses (docs/bench/README.md)
-        "by_arm": {r["arm"]: {k.replace(" ", "_"): plain(v) for k, v in r.items()} for r in rows},
-        "jobs": [{"arm": j["arm"], "seed": j["seed"], "dir": j["dir"], metric: plain(j["summary"].get(metric)),
-                  "convergence": {k: plain(v) for k, v in j["convergence"].items()} if j.get("convergence") else None}
-                 for j in jobs],
-    }
+    data = {"metric": metric, **settings, "arms": [{k: plain(v) for k, v in r.items()} for r in rows],
+            # the same by arm name, keys without spaces: what a doc's figure marker addresses (docs/bench/README.md)
+            "by_arm": {r["arm"]: {k.replace(" ", "_"): plain(v) for k, v in r.items()} for r in rows},
+            "jobs": [{"arm": j["arm"], "seed": j["seed"], "dir": j["dir"], metric: plain(j["summary"].get(metric)),
+                      "convergence": {k: plain(v) for k, v in j["convergence"].items()} if j.get("convergence")
+                      else None} for j in jobs]}
     path.write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -326,16 +296,15 @@ def _finite(value: Any) -> bool:
     return isinstance(value, (int, float)) and not math.isnan(value)
 
 
-# One colour per attention type in every panel (matplotlib's colour cycle restarts per panel and skips
-# nothing, so a family without points in one panel used to shift the colours of the others there).
+# One colour per attention type in every panel (matplotlib's colour cycle would restart per panel, shifted by a family
+# without points there) and one marker per model.
 ATTENTION_COLORS = {"mha": "tab:blue", "moh": "tab:green", "moa": "tab:orange", "preset": "tab:purple"}
 SPARE_COLORS = ("tab:red", "tab:brown", "tab:pink", "tab:olive", "tab:cyan", "tab:gray")
 MODEL_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "<", ">")
 
 
 def family_styles(rows: List[Dict[str, Any]]) -> Dict[str, Dict[str, str]]:
-    """``"model / attention" -> {"color", "marker"}``: the colour follows the attention type, the marker
-    the model, the same in every panel."""
+    """``"model / attention" -> {"color", "marker"}``: the colour follows the attention type, the marker the model."""
     attentions = sorted({str(r["attention"]) for r in rows})
     spare = iter(SPARE_COLORS * (1 + len(attentions) // len(SPARE_COLORS)))
     colors = {a: ATTENTION_COLORS.get(a) or next(spare) for a in attentions}
@@ -346,7 +315,8 @@ def family_styles(rows: List[Dict[str, Any]]) -> Dict[str, Dict[str, str]]:
 
 
 def make_figure(rows: List[Dict[str, Any]], metric: str, jobs: Sequence[Dict[str, Any]] = ()):
-    """The report's figure: the metric against the activation ratio, active GFLOPs and images/s; with
+    """The report's figure: the metric against the activation ratio, active GFLOPs and images/s, one labelled point per
+    arm with error bars of one standard deviation over seeds (colour: the attention type, marker: the model); with
     ``jobs``, every seed's own value as a small dot beside its arm's mean (a stalled seed shows)."""
     import matplotlib
     matplotlib.use("Agg")
@@ -419,16 +389,14 @@ def _seed_point(job: Dict[str, Any], key: str, metric: str):
 
 def plot(rows: List[Dict[str, Any]], metric: str, path: Path, jobs: Sequence[Dict[str, Any]] = ()) -> None:
     import matplotlib.pyplot as plt
-
     fig = make_figure(rows, metric, jobs)
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
 def default_metric(jobs: Sequence[Dict[str, Any]]) -> str:
-    """``val_ema/acc1`` when every job evaluated an EMA of its weights (``trainer.ema.enabled``: the smoother
-    of the two curves, what a recipe with an EMA is judged by), else ``val/acc1``; ``sample/class_acc`` for
-    diffusion sweeps."""
+    """``val_ema/acc1`` when every job evaluated an EMA of its weights (``trainer.ema.enabled``: the smoother of the two
+    curves, what a recipe with an EMA is judged by), else ``val/acc1``; ``sample/class_acc`` for diffusion sweeps."""
     for metric in ("val_ema/acc1", "val/acc1"):
         if all(metric in job["summary"] for job in jobs):
             return metric
@@ -438,10 +406,9 @@ def default_metric(jobs: Sequence[Dict[str, Any]]) -> str:
 def write_sweep_report(root: Path, metric: Optional[str] = None, extra: Sequence[str] = DEFAULT_EXTRA,
                        out: Optional[Path] = None, margin: float = DEFAULT_MARGIN,
                        reference: Optional[str] = None) -> List[Dict[str, Any]]:
-    """Report the jobs under ``root`` (searched recursively for ``summary.json``) into ``out`` (default
-    ``root``): ``metric`` (default: :func:`default_metric`) and the ``extra``
-    summary keys, per arm, each arm against ``reference`` (default: the dense arm) with ``margin``, and
-    every run's convergence. Prints the table and returns its rows."""
+    """Report the jobs under ``root`` (searched recursively for ``summary.json``) into ``out`` (default ``root``):
+    ``metric`` (default: :func:`default_metric`) and the ``extra`` summary keys, per arm, each arm against ``reference``
+    (default: the dense arm) with ``margin``, and every run's convergence. Prints the table and returns its rows."""
     root = Path(root)
     if not root.is_dir():
         raise ConfigError(f"{root} is not a directory")
@@ -452,8 +419,7 @@ def write_sweep_report(root: Path, metric: Optional[str] = None, extra: Sequence
     # the other sample metrics of a diffusion sweep (sample/fd_digits beside sample/class_acc) come along
     group = metric.split("/", 1)[0] + "/" if metric.startswith("sample/") else None
     siblings = sorted({k for j in jobs for k in j["summary"] if group and k.startswith(group) and k != metric})
-    metrics = [metric] + [m for m in [*siblings, *extra] if m != metric]
-    metrics = list(dict.fromkeys(metrics))
+    metrics = list(dict.fromkeys([metric, *siblings, *extra]))
     rows = aggregate(jobs, metrics)
     add_convergence(jobs, root, metric)
     ref = add_verdicts(rows, jobs, metric, margin, reference)

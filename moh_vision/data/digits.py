@@ -1,8 +1,7 @@
 """The embedded default: scikit-learn's 8x8 handwritten digits, upsampled (no download, ever).
 
-1797 images, 10 classes. The train/val split is fixed (stratified, ``split_seed``), so runs and
-sweeps compare on the same validation images.
-"""
+1797 images, 10 classes. The train/val split is fixed (stratified, ``split_seed``), so runs and sweeps compare on the
+same validation images."""
 from __future__ import annotations
 
 from typing import List, Sequence, Tuple
@@ -17,7 +16,6 @@ from moh_vision.errors import ConfigError
 def load_digits_tensors(img_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """All digits as float images in [0, 1], shape [N, 1, img_size, img_size], and int labels."""
     from sklearn.datasets import load_digits
-
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
     if img_size != 8:
@@ -50,8 +48,8 @@ class DigitsImages(Dataset):
         return len(self.labels)
 
     def _affine(self, imgs: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
-        """``imgs`` [B, C, H, W] shifted, rotated and scaled by the draws ``r`` [B, 4] in [-1, 1), one image per row,
-        in the arithmetic of one image at a time (the same values whatever the batch)."""
+        """``imgs`` [B, C, H, W] shifted, rotated and scaled by the draws ``r`` [B, 4] in [-1, 1), one image per row, in
+        the arithmetic of one image at a time (the same values whatever the batch)."""
         angle = (r[:, 0].double() * self.max_rotate * torch.pi / 180).float()
         scale = (1.0 + r[:, 1].double() * self.max_scale).float()
         cos, sin = torch.cos(angle) / scale, torch.sin(angle) / scale
@@ -67,9 +65,9 @@ class DigitsImages(Dataset):
         return (img - self.mean) / self.std, int(self.labels[index])
 
     def seeded_items(self, indices: Sequence[int], seeds: Sequence[int]) -> List[Tuple[torch.Tensor, int]]:
-        """``[self[i] for i in indices]`` with torch's CPU generator seeded with ``seeds[j]`` before item ``j``
-        (what :class:`~moh_vision.data.sampler.SeededItems` does item by item), in one batched resampling:
-        the same values, a fraction of the time."""
+        """``[self[i] for i in indices]`` with torch's CPU generator seeded with ``seeds[j]`` before item ``j`` (what
+        :class:`~moh_vision.data.sampler.SeededItems` does item by item), in one batched resampling: the same values, a
+        fraction of the time."""
         indices = list(indices)
         imgs = self.images[indices]
         if self.augment:
@@ -80,16 +78,9 @@ class DigitsImages(Dataset):
 
 
 class DigitsData:
-    """Data module over the digits (see the trainer's data contract: ``train``, ``val``, ``num_classes``, ...).
-
-    Args:
-        img_size: side the 8x8 digits are upsampled to.
-        in_chans: 1 (grayscale) or 3 (the gray image repeated, for 3-channel models).
-        val_fraction: share of each class held out for validation (fixed by ``split_seed``).
-        augment: random shift/rotation/scale for training images.
-        normalize: ``"standard"`` ((x - 0.5) / 0.5 for classification) or ``"symmetric"`` ([-1, 1], diffusion: same map).
-    """
-
+    """Data module over the digits (the trainer's data contract), normalised to [-1, 1]: ``img_size`` is the side the
+    8x8 digits are upsampled to, ``in_chans`` 1 or 3 (the gray image repeated), ``val_fraction`` the share of each class
+    held out (fixed by ``split_seed``), ``augment`` a random shift/rotation/scale of training images."""
     digit_metrics = True  # capability (moh_vision.tasks.protocols): samples scored by the digits classifier
 
     def __init__(self, img_size: int = 32, in_chans: int = 1, val_fraction: float = 0.2, split_seed: int = 0,
@@ -105,8 +96,8 @@ class DigitsData:
             images = images.repeat(1, 3, 1, 1)
         train_idx, val_idx = stratified_split(labels, val_fraction, split_seed)
         self.num_classes, self.in_chans, self.img_size = 10, in_chans, img_size
-        self.train = DigitsImages(images[train_idx], labels[train_idx], 0.5, 0.5, augment,
-                                  max_shift, max_rotate, max_scale)
+        self.train = DigitsImages(images[train_idx], labels[train_idx], 0.5, 0.5, augment, max_shift, max_rotate,
+                                  max_scale)
         self.val = DigitsImages(images[val_idx], labels[val_idx], 0.5, 0.5, False)
         self.collate_fn = None
         self.mixup = None

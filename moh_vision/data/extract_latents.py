@@ -1,12 +1,10 @@
 """Encode an image-folder tree (its train split) into VAE latent shards for ``data=latents``
 (``tools/extract_latents.py``; the format: :mod:`moh_vision.data.latents`).
 
-Each image is center-cropped the ADM/DiT way to ``image_size`` and encoded, together with its horizontal
-flip, by a local diffusers ``AutoencoderKL``; the encoder's Gaussian (mean and std, fp16) is stored so
-training draws a fresh latent per step as DiT does. Shards are written atomically; rerunning the same
-extraction skips finished shards (resume after a crash or preemption). With several processes (torchrun)
-process ``rank`` encodes every ``world``-th shard and rank 0 writes ``index.json`` once all shards exist.
-"""
+Each image is center-cropped the ADM/DiT way to ``image_size`` and encoded, with its horizontal flip, by a local
+diffusers ``AutoencoderKL``; the encoder's Gaussian (mean and std, fp16) is stored so training draws a fresh latent per
+step as DiT does. Shards are written atomically and a rerun skips finished ones (resume after a crash or preemption).
+Under torchrun rank ``r`` encodes every ``world``-th shard and rank 0 writes ``index.json`` once all shards exist."""
 from __future__ import annotations
 
 import json
@@ -33,7 +31,6 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 @dataclass(frozen=True)
 class Extraction:
     """What to encode and how; ``data`` is a class-folder tree (``<data>/train/<class>/*`` or ``<data>/<class>/*``)."""
-
     data: str
     vae: str
     out: str
@@ -138,11 +135,9 @@ def write_index(job: Extraction, classes: List[str], num_shards: int, vae_scale:
     """Wait for every shard (other ranks may still be encoding), then write ``index.json`` atomically."""
     out = Path(job.out)
     paths = [out / shard_name(k) for k in range(num_shards)]
-    announced = False
+    if not all(p.exists() for p in paths):
+        log.info("waiting for the other ranks' shards ...")
     while not all(p.exists() for p in paths):
-        if not announced:
-            log.info("waiting for the other ranks' shards ...")
-            announced = True
         time.sleep(wait_s)
     shards, skipped, shape = [], [], None
     for p in paths:

@@ -1,17 +1,14 @@
-"""The file index of an image-folder tree (classes, image paths, labels), built once and shared.
+"""The file index of an image-folder tree (classes, image paths, labels), built once and shared: walking ImageNet's
+1.28M files takes every process minutes on a network file system.
 
-Walking ImageNet's 1.28M files takes every process minutes on a network file system; a run needs the index once:
-
-* :func:`cached_index`: the index is kept in a cache folder (``data.index_cache``: ``auto`` is
-  ``$MOH_VISION_CACHE_DIR/file_index``, else ``$XDG_CACHE_HOME/moh_vision/file_index``, else
-  ``~/.cache/moh_vision/file_index``), keyed by the tree's path and valid while every folder the scan read keeps the
-  modification time it had (adding, removing or renaming an image changes its folder's; an image rewritten in
-  place changes nothing the index holds). Each folder's time is read before the folder is listed, and an index
-  whose folders changed less than :data:`SETTLE_S` seconds before the scan is not kept (a change inside the same
-  timestamp tick would not show on a coarse-grained file system).
-* :func:`built_once`: under ``torch.distributed`` rank 0 alone builds (or loads) it and sends it to the other ranks;
-  a bad tree is the same one-line error on every rank.
-"""
+* :func:`cached_index`: the index is kept in a cache folder (``data.index_cache``: ``auto`` is ``file_index`` in
+  :func:`~moh_vision.analysis.metrics.cache_dir`), keyed by the tree's path and valid while every folder the scan read
+  keeps its modification time (adding, removing or renaming an image changes its folder's; rewriting one changes nothing
+  the index holds). Each folder's time is read before it is listed, and an index whose folders changed less than
+  :data:`SETTLE_S` seconds before the scan is not kept (a coarse file system would not show a change within the same
+  tick).
+* :func:`built_once`: under ``torch.distributed`` rank 0 alone builds (or loads) it and sends it to the other ranks; a
+  bad tree is the same one-line error on every rank."""
 from __future__ import annotations
 
 import hashlib
@@ -95,7 +92,6 @@ def _load(path: Path) -> Optional[Index]:
 
 def _save(path: Path, index: Index, watch: TreeWatch) -> None:
     from moh_vision.checkpoints import atomic_write
-
     classes, train, val = index
     arrays = {"classes": np.array(classes, dtype=str),
               "watched": np.array([os.fsencode(p) for p in watch.mtimes]),
@@ -109,8 +105,7 @@ def _save(path: Path, index: Index, watch: TreeWatch) -> None:
 
 
 def cached_index(scan: Callable[[TreeWatch], Index], root: str, key: str, cache: Optional[Path]) -> Index:
-    """``scan(watch)``'s index of the tree at ``root``, from ``cache`` when it holds a current one, else scanned
-    and kept there (when the tree has settled)."""
+    """``scan(watch)``'s index of the tree at ``root``: ``cache``'s if current, else scanned and kept once settled."""
     path = index_file(cache, root, key) if cache is not None else None
     found = _load(path) if path is not None else None
     if found is not None:
@@ -128,7 +123,6 @@ def built_once(build: Callable[[], T]) -> T:
     """``build()`` on rank 0 alone under ``torch.distributed`` (in one process: here), its result sent to the other
     ranks; a :class:`ConfigError` is raised on every rank with rank 0's message."""
     import torch.distributed as tdist
-
     if not (tdist.is_available() and tdist.is_initialized()) or tdist.get_world_size() == 1:
         return build()
     payload: List[Optional[Tuple[str, object]]] = [None]

@@ -5,27 +5,22 @@ Layout (the one torchvision's ``ImageFolder`` reads)::
     root/train/<class>/**/<image>.{jpg,jpeg,png,ppm,bmp,pgm,tif,tiff,webp}   (any case)
     root/val/<class>/**/<image>...
 
-Class indices are the sorted class-folder names (the torchvision order, so ImageNet wnids get the
-standard indices). Hidden files and folders (``.name``) are ignored. Everything is checked at
-construction; a problem raises ``ConfigError`` with one line naming the path and what was expected.
+Class indices are the sorted class-folder names (the torchvision order, so ImageNet wnids get the standard indices).
+Hidden files and folders (``.name``) are ignored. Everything is checked at construction; a problem raises
+``ConfigError`` with one line naming the path and what was expected.
 
 Batch format. ``collate_fn`` of a data module (used for train and val loaders) returns::
 
     (images: float32 [B', C, H, W], labels: int64 [B'], skipped: int)
 
-where ``B'`` = items in the batch minus ``skipped``, the number of unreadable images dropped from it
-(``on_bad_image="skip"``). ``B'`` can be odd, or 0 (then ``images`` is ``[0, C, H, W]``): skip such a
-step. ``skipped`` is an int (a :class:`SkippedImages`) that also names the dropped files in ``.files``
-(``(path, reason)`` pairs); it pickles, so it survives DataLoader worker processes. The trainer counts
-distinct files from it (an unreadable file is met again every epoch) and names them in ``train.log``.
-Each unreadable file is also logged once per process (the main
-process with ``num_workers=0``, else each worker; the trainer's workers live for the whole run) with
-a warning on ``logging.getLogger("moh_vision.data.imagefolder")``. ``on_bad_image="raise"`` raises
-``BadImageError`` naming the file instead.
+where ``skipped`` counts the unreadable images dropped from the batch (``on_bad_image="skip"``), so ``B'`` can be odd,
+or 0 (``images`` is then ``[0, C, H, W]``: skip the step). ``skipped`` is an int (a :class:`SkippedImages`) whose
+``.files`` are the ``(path, reason)`` pairs; it pickles through DataLoader workers. The trainer counts distinct files
+from it and names them in ``train.log``; each process (the main one, or each worker) also logs a warning once per file
+on this module's logger. ``on_bad_image="raise"`` raises ``BadImageError`` naming the file instead.
 
-Images are converted to RGB (``in_chans=3``) or L (``in_chans=1``): grayscale, CMYK, RGBA (alpha
-dropped, as torchvision's loader does), palette and 16-bit images all load.
-"""
+Images are converted to RGB (``in_chans=3``) or L (``in_chans=1``): grayscale, CMYK, RGBA (alpha dropped, as
+torchvision's loader does), palette and 16-bit images all load."""
 from __future__ import annotations
 
 import csv
@@ -42,28 +37,13 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError
 from .file_index import Split, TreeWatch, as_split, built_once, cache_folder, cached_index
-from .transforms import (
-    IMAGENET_DEFAULT_MEAN,
-    IMAGENET_DEFAULT_STD,
-    build_eval_transform,
-    build_mixup,
-    build_train_transform,
-)
+from .transforms import (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, build_eval_transform, build_mixup,
+                         build_train_transform)
 
 logger = logging.getLogger(__name__)
 
-__all__ = [
-    "IMG_EXTENSIONS",
-    "BadImage",
-    "BadImageError",
-    "SkippedImages",
-    "ImageFileDataset",
-    "ImageFolderData",
-    "ImageNetData",
-    "SkipBadImagesCollate",
-    "load_image",
-    "scan_class_folders",
-]
+__all__ = ["IMG_EXTENSIONS", "BadImage", "BadImageError", "SkippedImages", "ImageFileDataset", "ImageFolderData",
+           "ImageNetData", "SkipBadImagesCollate", "load_image", "scan_class_folders"]
 
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 _SHOW = 5  # how many names an error message lists before "..."
@@ -74,11 +54,7 @@ def _names(items: Sequence[str]) -> str:
     return ", ".join(items[:_SHOW]) + (f", ... ({len(items)} in all)" if len(items) > _SHOW else "")
 
 
-# --------------------------------------------------------------------------------------------------
-# Loading one image
-# --------------------------------------------------------------------------------------------------
-
-
+# -- Loading one image -------------------------------------------------------------------------------------------------
 class BadImageError(RuntimeError):
     """An image file that cannot be read or decoded (raised with ``on_bad_image="raise"``)."""
 
@@ -86,7 +62,6 @@ class BadImageError(RuntimeError):
 @dataclass(frozen=True)
 class BadImage:
     """What the dataset returns in place of ``(image, label)`` for an unreadable file (skip mode)."""
-
     path: str
     reason: str
 
@@ -104,21 +79,15 @@ def _to_mode(img: Image.Image, mode: str) -> Image.Image:
 
 
 def load_image(path: str, mode: str = "RGB") -> Image.Image:
-    """Read and fully decode ``path`` into a PIL image of ``mode`` ("RGB" or "L").
-
-    Decoding happens here (not lazily in a transform), so truncated files fail in this call.
-    """
+    """Read and fully decode ``path`` into a PIL image of ``mode`` ("RGB" or "L"). Decoding happens here (not lazily in
+    a transform), so truncated files fail in this call."""
     with open(path, "rb") as f:
         img = Image.open(f)
         img.load()
         return _to_mode(img, mode)
 
 
-# --------------------------------------------------------------------------------------------------
-# Scanning folders
-# --------------------------------------------------------------------------------------------------
-
-
+# -- Scanning folders --------------------------------------------------------------------------------------------------
 def _is_image(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS)
 
@@ -161,8 +130,7 @@ def _require_dir(path: str, expected: str) -> None:
 
 
 def scan_class_folders(split_dir: str, watch: Optional[TreeWatch] = None) -> Tuple[List[str], List[str], List[int]]:
-    """``(classes, image paths relative to split_dir, labels)`` of a class-folder tree; ``watch`` notes every
-    folder read (:mod:`moh_vision.data.file_index`)."""
+    """``(classes, image paths relative to split_dir, labels)`` of a class-folder tree; ``watch`` notes folders read."""
     _require_dir(split_dir, "a folder with one sub-folder of images per class")
     classes = _subfolders(split_dir, watch)
     if not classes:
@@ -179,41 +147,24 @@ def scan_class_folders(split_dir: str, watch: Optional[TreeWatch] = None) -> Tup
         paths += found
         labels += [index] * len(found)
     if not paths:
-        raise ConfigError(
-            f"{split_dir} holds no images in its {len(classes)} class folders; "
-            f"expected files ending in {'/'.join(IMG_EXTENSIONS)}"
-        )
+        raise ConfigError(f"{split_dir} holds no images in its {len(classes)} class folders; "
+                          f"expected files ending in {'/'.join(IMG_EXTENSIONS)}")
     if empty:
-        raise ConfigError(
-            f"class folder {os.path.join(split_dir, empty[0])} has no images"
-            f"{f' (nor do {len(empty) - 1} more: {_names(empty[1:])})' if len(empty) > 1 else ''}; "
-            f"expected at least one file ending in {'/'.join(IMG_EXTENSIONS)} per class folder"
-        )
+        raise ConfigError(f"class folder {os.path.join(split_dir, empty[0])} has no images"
+                          f"{f' (nor do {len(empty) - 1} more: {_names(empty[1:])})' if len(empty) > 1 else ''}; "
+                          f"expected at least one file ending in {'/'.join(IMG_EXTENSIONS)} per class folder")
     return classes, paths, labels
 
 
-# --------------------------------------------------------------------------------------------------
-# Dataset and collate
-# --------------------------------------------------------------------------------------------------
-
-
+# -- Dataset and collate -----------------------------------------------------------------------------------------------
 class ImageFileDataset(Dataset):
     """``(transform(image), label)`` for image files under ``root``; a ``BadImage`` for unreadable ones.
 
-    Paths and labels are kept in numpy arrays rather than Python lists, so DataLoader workers forked
-    from the main process do not copy them page by page (refcount writes) over an epoch.
-    """
+    Paths and labels are kept in numpy arrays rather than Python lists, so DataLoader workers forked from the main
+    process do not copy them page by page (refcount writes) over an epoch."""
 
-    def __init__(
-        self,
-        root: str,
-        paths: Sequence[str],
-        labels: Sequence[int],
-        classes: Sequence[str],
-        transform=None,
-        mode: str = "RGB",
-        on_bad_image: str = "skip",
-    ):
+    def __init__(self, root: str, paths: Sequence[str], labels: Sequence[int], classes: Sequence[str], transform=None,
+                 mode: str = "RGB", on_bad_image: str = "skip"):
         if on_bad_image not in ("skip", "raise"):
             raise ConfigError(f"on_bad_image={on_bad_image!r}; expected 'skip' or 'raise'")
         self.root = root
@@ -254,8 +205,7 @@ class ImageFileDataset(Dataset):
 
 
 class SkippedImages(int):
-    """How many unreadable images were dropped from a batch: an ``int`` (the batch format's third item),
-    whose ``files`` are the ``(path, reason)`` pairs of those images."""
+    """How many unreadable images a batch dropped: an ``int`` whose ``files`` are their ``(path, reason)`` pairs."""
 
     def __new__(cls, files: Sequence[Tuple[str, str]] = ()):
         files = tuple((str(path), str(reason)) for path, reason in files)
@@ -273,8 +223,7 @@ class SkippedImages(int):
 class SkipBadImagesCollate:
     """Batch ``(image, label)`` items into ``(images, labels, skipped)``, dropping ``BadImage`` markers.
 
-    A top-level class (not a closure) so it pickles into spawned DataLoader workers.
-    """
+    A top-level class (not a closure) so it pickles into spawned DataLoader workers."""
 
     def __init__(self, image_shape: Tuple[int, int, int]):
         self.image_shape = tuple(image_shape)
@@ -292,16 +241,12 @@ class SkipBadImagesCollate:
         return f"SkipBadImagesCollate(image_shape={self.image_shape})"
 
 
-# --------------------------------------------------------------------------------------------------
-# Data modules
-# --------------------------------------------------------------------------------------------------
-
+# -- Data modules ------------------------------------------------------------------------------------------------------
 REPEATED_AUG_MULTI_PROCESS = 3  # DeiT / TransNeXt: --repeated-aug with 3 repeats, on 8+ GPUs
 
 
 def _world_size() -> int:
     import torch.distributed as tdist
-
     if tdist.is_available() and tdist.is_initialized():
         return tdist.get_world_size()
     return int(os.environ.get("WORLD_SIZE", "1") or 1)
@@ -310,11 +255,9 @@ def _world_size() -> int:
 def resolve_repeated_aug(value: Optional[Union[int, str]], world_size: Optional[int] = None) -> int:
     """Repeats per image and epoch. ``"auto"``: 3 when training runs in more than one process, else 1.
 
-    Repeated augmentation (DeiT's RASampler) places the 3 augmented copies of an image on different
-    processes and keeps ``len(dataset) // world`` indices per rank and epoch. In a single process the
-    copies land next to each other in the same batch and an epoch sees only a third of the distinct
-    images, which costs accuracy instead of adding it; so ``auto`` switches it off there. An explicit
-    integer is used as given (1 or 0/None = off)."""
+    Repeated augmentation (DeiT's RASampler) places the 3 augmented copies of an image on different processes. In a
+    single process they land in the same batch and an epoch sees a third of the distinct images, which costs accuracy
+    instead of adding it. An explicit integer is used as given (1 or 0/None = off)."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         world = _world_size() if world_size is None else int(world_size)
         return REPEATED_AUG_MULTI_PROCESS if world > 1 else 1
@@ -330,36 +273,20 @@ def resolve_repeated_aug(value: Optional[Union[int, str]], world_size: Optional[
 class ImageFolderData:
     """Train/val class-folder tree with the TransNeXt / DeiT augmentation recipe.
 
-    The data-module contract: ``num_classes, in_chans, img_size, train, val, collate_fn, mixup,
-    repeated_aug, label_smoothing, describe()``. Every augmentation knob switches off with 0 / None
-    (``auto_augment``, ``color_jitter``, ``re_prob``, ``mixup``, ``cutmix``, ``label_smoothing``,
-    ``repeated_aug`` -> 1, ``eval_crop_pct`` -> squash resize without crop). ``repeated_aug="auto"``
-    (the default) is 3 with more than one process and 1 in a single one (:func:`resolve_repeated_aug`).
-    ``label_smoothing`` is built into ``mixup`` when that is on; the loss uses ``label_smoothing`` only
-    when ``mixup`` is None.
-    """
+    The data-module contract: ``num_classes, in_chans, img_size, train, val, collate_fn, mixup, repeated_aug,
+    label_smoothing, describe()``. Every augmentation knob switches off with 0 / None (``auto_augment``,
+    ``color_jitter``, ``re_prob``, ``mixup``, ``cutmix``, ``label_smoothing``, ``repeated_aug`` -> 1, ``eval_crop_pct``
+    -> squash resize without crop; ``repeated_aug="auto"``: :func:`resolve_repeated_aug`). ``label_smoothing`` is built
+    into ``mixup`` when that is on; the loss uses it only when ``mixup`` is None."""
 
-    def __init__(
-        self,
-        root: str,
-        img_size: int = 224,
-        in_chans: int = 3,
-        auto_augment: Optional[str] = "rand-m9-mstd0.5-inc1",
-        color_jitter: Optional[float] = 0.4,
-        interpolation: str = "bicubic",
-        re_prob: Optional[float] = 0.25,
-        mixup: Optional[float] = 0.8,
-        cutmix: Optional[float] = 1.0,
-        mixup_switch_prob: float = 0.5,
-        mixup_prob: float = 1.0,
-        label_smoothing: Optional[float] = 0.1,
-        repeated_aug: Optional[Union[int, str]] = "auto",
-        eval_crop_pct: Optional[float] = 0.875,
-        mean: Sequence[float] = IMAGENET_DEFAULT_MEAN,
-        std: Sequence[float] = IMAGENET_DEFAULT_STD,
-        on_bad_image: str = "skip",
-        index_cache: Optional[str] = "auto",
-    ):
+    def __init__(self, root: str, img_size: int = 224, in_chans: int = 3,
+                 auto_augment: Optional[str] = "rand-m9-mstd0.5-inc1", color_jitter: Optional[float] = 0.4,
+                 interpolation: str = "bicubic", re_prob: Optional[float] = 0.25, mixup: Optional[float] = 0.8,
+                 cutmix: Optional[float] = 1.0, mixup_switch_prob: float = 0.5, mixup_prob: float = 1.0,
+                 label_smoothing: Optional[float] = 0.1, repeated_aug: Optional[Union[int, str]] = "auto",
+                 eval_crop_pct: Optional[float] = 0.875, mean: Sequence[float] = IMAGENET_DEFAULT_MEAN,
+                 std: Sequence[float] = IMAGENET_DEFAULT_STD, on_bad_image: str = "skip",
+                 index_cache: Optional[str] = "auto"):
         if in_chans not in (1, 3):
             raise ConfigError(f"in_chans={in_chans}; image folders load as RGB (3) or grayscale (1)")
         if int(img_size) != img_size or img_size <= 0:
@@ -377,24 +304,19 @@ class ImageFolderData:
                             interpolation=interpolation, eval_crop_pct=eval_crop_pct)
 
         # Transforms and mixing first: a bad knob fails before the (possibly slow) folder scan.
-        self.train_transform = build_train_transform(
-            self.img_size, self.in_chans, auto_augment=auto_augment, color_jitter=color_jitter,
-            interpolation=interpolation, re_prob=re_prob, mean=mean, std=std,
-        )
-        self.eval_transform = build_eval_transform(
-            self.img_size, self.in_chans, crop_pct=eval_crop_pct, interpolation=interpolation, mean=mean, std=std,
-        )
-
+        self.train_transform = build_train_transform(self.img_size, self.in_chans, auto_augment=auto_augment,
+                                                     color_jitter=color_jitter, interpolation=interpolation,
+                                                     re_prob=re_prob, mean=mean, std=std)
+        self.eval_transform = build_eval_transform(self.img_size, self.in_chans, crop_pct=eval_crop_pct,
+                                                   interpolation=interpolation, mean=mean, std=std)
         cache = cache_folder(index_cache)
         classes, train_split, val_split = built_once(
             lambda: cached_index(self._scan, self.root, f"{type(self).__name__}|{'/'.join(IMG_EXTENSIONS)}", cache))
         self.classes = classes
         self.class_to_idx = {name: i for i, name in enumerate(classes)}
         self.num_classes = len(classes)
-        self.mixup = build_mixup(
-            self.num_classes, mixup=mixup, cutmix=cutmix, switch_prob=mixup_switch_prob,
-            label_smoothing=label_smoothing, prob=mixup_prob,
-        )
+        self.mixup = build_mixup(self.num_classes, mixup=mixup, cutmix=cutmix, switch_prob=mixup_switch_prob,
+                                 label_smoothing=label_smoothing, prob=mixup_prob)
         mode = "RGB" if self.in_chans == 3 else "L"
         self.train = ImageFileDataset(*train_split, classes, self.train_transform, mode, on_bad_image)
         self.val = ImageFileDataset(*val_split, classes, self.eval_transform, mode, on_bad_image)
@@ -411,8 +333,7 @@ class ImageFolderData:
         return train_dir, val_dir
 
     def _scan(self, watch: Optional[TreeWatch] = None) -> Tuple[List[str], Split, Split]:
-        """``(classes, train split, val split)``; checks that train and val have the same classes. ``watch`` notes
-        every folder read (the file index's validity)."""
+        """``(classes, train split, val split)``, with the same classes in both; ``watch`` notes every folder read."""
         train_dir, val_dir = self._split_dirs()
         if watch is not None:
             watch.note(self.root)  # train/ or val/ replaced
@@ -428,19 +349,15 @@ class ImageFolderData:
         aug = r["auto_augment"] or "off"
         jitter = "off (RandAugment on)" if r["auto_augment"] and r["color_jitter"] else (r["color_jitter"] or "off")
         crop = r["eval_crop_pct"]
-        if crop:
-            eval_desc = f"resize {int(self.img_size / float(crop))} -> crop {self.img_size}"
-        else:
-            eval_desc = f"squash to {self.img_size}"
+        eval_desc = f"resize {int(self.img_size / float(crop))} -> crop {self.img_size}" if crop else \
+            f"squash to {self.img_size}"
         mix = (f"mixup {self.mixup.mixup_alpha} cutmix {self.mixup.cutmix_alpha} switch {self.mixup.switch_prob}"
                if self.mixup is not None else "mixup off")
-        return (
-            f"{type(self).__name__}: {self.root} | {self.num_classes} classes, {len(self.train)} train / "
-            f"{len(self.val)} val images | {self.in_chans}x{self.img_size}x{self.img_size} | "
-            f"train: aa {aug}, color jitter {jitter}, {r['interpolation']}, random erasing {r['re_prob'] or 0}, "
-            f"{mix}, label smoothing {self.label_smoothing}, repeated aug x{self.repeated_aug} | "
-            f"eval: {eval_desc} | bad images: {self.on_bad_image}"
-        )
+        return (f"{type(self).__name__}: {self.root} | {self.num_classes} classes, {len(self.train)} train / "
+                f"{len(self.val)} val images | {self.in_chans}x{self.img_size}x{self.img_size} | "
+                f"train: aa {aug}, color jitter {jitter}, {r['interpolation']}, random erasing {r['re_prob'] or 0}, "
+                f"{mix}, label smoothing {self.label_smoothing}, repeated aug x{self.repeated_aug} | "
+                f"eval: {eval_desc} | bad images: {self.on_bad_image}")
 
     def __repr__(self) -> str:
         return self.describe()
@@ -460,19 +377,13 @@ def _check_same_classes(train_classes, val_classes, train_dir: str, val_dir: str
         return
     only_train = sorted(set(train_classes) - set(val_classes))
     only_val = sorted(set(val_classes) - set(train_classes))
-    parts = ([f"only in train: {_names(only_train)}"] if only_train else []) + (
-        [f"only in val: {_names(only_val)}"] if only_val else []
-    )
-    raise ConfigError(
-        f"class folders of {train_dir} and {val_dir} differ ({'; '.join(parts)}); "
-        f"expected the same class folders in both"
-    )
+    parts = [f"only in {split}: {_names(names)}" for split, names in (("train", only_train), ("val", only_val))
+             if names]
+    raise ConfigError(f"class folders of {train_dir} and {val_dir} differ ({'; '.join(parts)}); "
+                      f"expected the same class folders in both")
 
 
-# --------------------------------------------------------------------------------------------------
-# ImageNet-1K
-# --------------------------------------------------------------------------------------------------
-
+# -- ImageNet-1K -------------------------------------------------------------------------------------------------------
 VAL_SOLUTION_CSV = "LOC_val_solution.csv"
 
 
@@ -480,13 +391,11 @@ class ImageNetData(ImageFolderData):
     """ImageNet-1K with the TransNeXt recipe (the defaults of ``ImageFolderData``); checks 1000 classes.
 
     ``root`` may be either
-      * ``root/{train,val}/<wnid>/*.JPEG`` (the class-folder layout; what ``torchvision.datasets.ImageNet``
-        unpacks the ILSVRC2012 tars + devkit into, and what the common ``valprep.sh`` produces), or
-      * the ILSVRC layout of the Kaggle download: ``root/ILSVRC/Data/CLS-LOC/train/<wnid>/*.JPEG``,
-        a flat ``.../CLS-LOC/val/*.JPEG``, and ``root/LOC_val_solution.csv`` (``ImageId,PredictionString``,
-        the first word of the prediction string is the wnid). ``root`` may also point at ``CLS-LOC``.
-    """
-
+      * ``root/{train,val}/<wnid>/*.JPEG`` (the class-folder layout; what ``torchvision.datasets.ImageNet`` unpacks the
+        ILSVRC2012 tars + devkit into, and what the common ``valprep.sh`` produces), or
+      * the ILSVRC layout of the Kaggle download: ``root/ILSVRC/Data/CLS-LOC/train/<wnid>/*.JPEG``, a flat
+        ``.../CLS-LOC/val/*.JPEG``, and ``root/LOC_val_solution.csv`` (``ImageId,PredictionString``, the first word of
+        the prediction string is the wnid). ``root`` may also point at ``CLS-LOC``."""
     expected_classes = 1000
 
     def _base(self) -> str:
@@ -495,10 +404,9 @@ class ImageNetData(ImageFolderData):
                      os.path.join(self.root, "Data", "CLS-LOC")):
             if os.path.isdir(os.path.join(base, "train")):
                 return base
-        raise ConfigError(
-            f"no ImageNet train/ folder under {self.root}; expected {self.root}/train and {self.root}/val with one "
-            f"folder per wnid, or the ILSVRC layout {self.root}/ILSVRC/Data/CLS-LOC/{{train,val}}"
-        )
+        raise ConfigError(f"no ImageNet train/ folder under {self.root}; expected {self.root}/train and "
+                          f"{self.root}/val with one folder per wnid, or the ILSVRC layout "
+                          f"{self.root}/ILSVRC/Data/CLS-LOC/{{train,val}}")
 
     def _scan(self, watch: Optional[TreeWatch] = None) -> Tuple[List[str], Split, Split]:
         base = self._base()
@@ -516,10 +424,8 @@ class ImageNetData(ImageFolderData):
             present = sorted({classes[i] for i in val_labels})
             _check_same_classes(classes, present, train_dir, val_dir)
         if len(classes) != self.expected_classes:
-            raise ConfigError(
-                f"{train_dir} has {len(classes)} class folders; ImageNet-1K expects {self.expected_classes} "
-                f"(use data=imagefolder for other class counts)"
-            )
+            raise ConfigError(f"{train_dir} has {len(classes)} class folders; ImageNet-1K expects "
+                              f"{self.expected_classes} (use data=imagefolder for other class counts)")
         return classes, as_split(train_dir, train_paths, train_labels), as_split(val_dir, val_paths, val_labels)
 
     def _flat_val(self, base: str, val_dir: str, classes: List[str], watch: Optional[TreeWatch] = None
@@ -533,10 +439,8 @@ class ImageNetData(ImageFolderData):
         csv_path = next((os.path.join(d, VAL_SOLUTION_CSV) for d in searched
                          if os.path.isfile(os.path.join(d, VAL_SOLUTION_CSV))), None)
         if csv_path is None:
-            raise ConfigError(
-                f"{val_dir} holds images without class folders and no {VAL_SOLUTION_CSV} was found in "
-                f"{', '.join(searched)}; expected that file, or val/ sorted into one folder per wnid"
-            )
+            raise ConfigError(f"{val_dir} holds images without class folders and no {VAL_SOLUTION_CSV} was found in "
+                              f"{', '.join(searched)}; expected that file, or val/ sorted into one folder per wnid")
         if watch is not None:  # the file, and where it was looked for
             for path in [csv_path] + [d for d in searched if os.path.isdir(d)]:
                 watch.note(path)
@@ -553,8 +457,7 @@ class ImageNetData(ImageFolderData):
             if wnid is None:
                 raise ConfigError(f"{os.path.join(val_dir, rel)} has no row in {csv_path}; expected one per val image")
             if wnid not in class_to_idx:
-                raise ConfigError(
-                    f"{csv_path} labels {image_id} as {wnid}, which is not a class folder of {base}/train"
-                )
+                raise ConfigError(f"{csv_path} labels {image_id} as {wnid}, which is not a class folder of "
+                                  f"{base}/train")
             labels.append(class_to_idx[wnid])
         return images, labels

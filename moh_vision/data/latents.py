@@ -14,15 +14,14 @@ A shard is a plain ``torch.save`` dict (loads with ``weights_only=True``, memory
     source_index  int64 [n]                   position of the image in the sorted file list
     meta          dict                        the extraction settings, checked when a run resumes
 
-``index.json`` holds ``num_images``, ``num_classes``, ``class_names``, ``image_size`` (pixels),
-``latent_size``, ``latent_channels``, ``scale_factor``, ``vae_path``, ``flip``, ``shards``
-(``[{"file", "count"}]``) and ``skipped`` (unreadable source files).
+``index.json`` holds ``num_images``, ``num_classes``, ``class_names``, ``image_size`` (pixels), ``latent_size``,
+``latent_channels``, ``scale_factor``, ``vae_path``, ``flip``, ``shards`` (``[{"file", "count"}]``) and ``skipped``
+(unreadable source files).
 
-DiT encodes every image afresh each step and draws ``z ~ N(mean, std^2)`` from the encoder (plus a
-random flip); storing the distribution instead of one draw keeps that: :class:`LatentsData` draws a
-fresh flip and sample per item from torch's RNG, which the trainer seeds per (seed, epoch, index), so
-runs are reproducible and resume exactly. Items are ``z * scale_factor`` (0.18215 for the SD VAE).
-"""
+DiT encodes every image afresh each step and draws ``z ~ N(mean, std^2)`` from the encoder (plus a random flip); storing
+the distribution instead of one draw keeps that: :class:`LatentsData` draws a fresh flip and sample per item from
+torch's RNG, which the trainer seeds per (seed, epoch, index), so runs are reproducible and resume exactly. Items are
+``z * scale_factor`` (0.18215 for the SD VAE)."""
 from __future__ import annotations
 
 import json
@@ -48,12 +47,9 @@ def shard_name(k: int) -> str:
     return f"shard_{k:05d}.pt"
 
 
-# --------------------------------------------------------------------------------------------------
-# Image preprocessing and the VAE
-# --------------------------------------------------------------------------------------------------
+# -- Image preprocessing and the VAE -----------------------------------------------------------------------------------
 def center_crop_arr(image: Image.Image, image_size: int) -> np.ndarray:
-    """ADM's (and DiT's) center crop: halve with a box filter while the short side is >= 2x the
-    target, resize the short side to ``image_size`` (bicubic), crop the center. Returns uint8 HWC."""
+    """ADM's (and DiT's) center crop, uint8 HWC: box-filter halvings, bicubic resize of the short side, center crop."""
     while min(image.size) >= 2 * image_size:
         image = image.resize(tuple(s // 2 for s in image.size), resample=Image.BOX)
     scale = image_size / min(image.size)
@@ -86,10 +82,8 @@ def _vae_location(path: os.PathLike) -> Tuple[Path, Optional[str]]:
 
 
 def load_vae(path: os.PathLike, device: Any = "cpu"):
-    """A diffusers ``AutoencoderKL`` from a LOCAL directory (never downloads), in eval mode, frozen.
-
-    Loaded once per (path, device) and shared: do not modify the returned module.
-    """
+    """A diffusers ``AutoencoderKL`` from a LOCAL directory (never downloads), in eval mode, frozen; loaded once per
+    (path, device) and shared: do not modify the returned module."""
     root, subfolder = _vae_location(path)
     return _load_vae_cached(str(root.resolve()), subfolder, str(torch.device(device)))
 
@@ -97,18 +91,14 @@ def load_vae(path: os.PathLike, device: Any = "cpu"):
 @lru_cache(maxsize=2)
 def _load_vae_cached(root: str, subfolder: Optional[str], device: str):
     from diffusers import AutoencoderKL
-
     try:
-        vae = AutoencoderKL.from_pretrained(root, subfolder=subfolder, local_files_only=True,
-                                            low_cpu_mem_usage=False)
+        vae = AutoencoderKL.from_pretrained(root, subfolder=subfolder, local_files_only=True, low_cpu_mem_usage=False)
     except (OSError, ValueError) as err:
         raise ConfigError(f"could not load the VAE from {root}: {err}") from err
     return vae.to(device).eval().requires_grad_(False)
 
 
-# --------------------------------------------------------------------------------------------------
-# Reading shards
-# --------------------------------------------------------------------------------------------------
+# -- Reading shards ----------------------------------------------------------------------------------------------------
 def read_index(root: os.PathLike) -> Dict[str, Any]:
     """The index of a finished extraction, with one-line errors for a missing, empty or partial directory."""
     root = Path(root).expanduser()
@@ -139,13 +129,12 @@ def load_shard(path: os.PathLike) -> Dict[str, Any]:
 
 
 class LatentShards(Dataset):
-    """``(latent * scale_factor, label)`` for chosen images of a latents directory.
+    """``(latent * scale_factor, label)`` for chosen images of a latents directory; shards are opened lazily in each
+    process.
 
-    ``sample=True`` (training): a random flip copy and ``z = mean + std * eps`` from torch's global RNG.
-    ``sample=False`` (validation): the unflipped copy and ``eps`` from a generator seeded by the index,
-    so the validation set is fixed and reading it leaves the global RNG untouched.
-    ``posterior=False`` uses the mean instead of a draw. Shards are opened lazily in each process.
-    """
+    ``sample=True`` (training): a random flip copy and ``z = mean + std * eps`` from torch's global RNG;
+    ``sample=False`` (validation): the unflipped copy and ``eps`` from a generator seeded by the index, leaving the
+    global RNG untouched. ``posterior=False`` uses the mean instead of a draw."""
 
     def __init__(self, root: Path, shard_files: List[str], counts: np.ndarray, labels: np.ndarray,
                  items: np.ndarray, scale_factor: float, flip: bool, sample: bool, posterior: bool = True):
@@ -181,22 +170,15 @@ class LatentShards(Dataset):
 
 
 class LatentsData:
-    """Data module over a latents directory (the trainer's data contract), ``data=latents data.root=<dir>``
-    (``experiment=latent_diffusion`` sets the task and model that go with it).
+    """Data module over a latents directory (the trainer's data contract): ``data=latents data.root=<dir>``, the
+    directory ``tools/extract_latents.py out=`` wrote (``experiment=latent_diffusion`` sets the task and model that go
+    with it).
 
-    ``img_size`` is the latent side (32 for 256 px), ``in_chans`` the latent channels (4).
-    Validation: ``val_size`` images spread evenly over the (class-sorted) set, read deterministically;
-    with ``val_holdout=false`` (default, as DiT trains on all of ImageNet train) they stay in the
-    training set and ``val/loss`` monitors the fit; ``val_holdout=true`` removes them from training.
-
-    Args:
-        root: the directory ``tools/extract_latents.py out=`` wrote.
-        flip: use the stored horizontal-flip copies (a random one per item, DiT's RandomHorizontalFlip).
-        sample_posterior: draw ``z ~ N(mean, std^2)`` per item (DiT); false uses the mean.
-        val_size: validation images (clipped to the number of images).
-        val_holdout: remove the validation images from training.
-    """
-
+    ``img_size`` is the latent side (32 for 256 px), ``in_chans`` the latent channels (4). ``flip``: a random one of the
+    stored flip copies per item (DiT's RandomHorizontalFlip); ``sample_posterior``: draw ``z ~ N(mean, std^2)`` per item
+    (DiT), else the mean. Validation: ``val_size`` images spread evenly over the (class-sorted) set, read
+    deterministically, kept in training (as DiT trains on all of ImageNet train: ``val/loss`` monitors the fit) unless
+    ``val_holdout=true``."""
     collate_fn = None
     mixup = None
     repeated_aug = 1
@@ -207,8 +189,7 @@ class LatentsData:
     def __init__(self, root: str, flip: bool = True, sample_posterior: bool = True, val_size: int = 1000,
                  val_holdout: bool = False):
         self.root = Path(str(root)).expanduser()
-        index = read_index(self.root)
-        self.index = index
+        self.index = index = read_index(self.root)
         shards = [s for s in index["shards"] if s["count"] > 0]
         files, counts = [s["file"] for s in shards], np.array([s["count"] for s in shards], dtype=np.int64)
         labels = np.concatenate([load_shard(self.root / f)["labels"].numpy() for f in files]).astype(np.int64)

@@ -1,10 +1,9 @@
-"""Samplers whose order is a pure function of (seed, epoch), so a run can resume mid-epoch exactly, and the
-options of the loaders over them (:func:`loader_options`).
+"""Samplers whose order is a pure function of (seed, epoch), so a run can resume mid-epoch exactly, and the options of
+the loaders over them (:func:`loader_options`).
 
-Loader workers live for the whole run (``persistent_workers``): each item's augmentation seed comes from
-the ``(epoch, index)`` key the main process hands over with it (``EpochKeys``), not from state that the
-main process changes between epochs, which a worker started in an earlier epoch would not see.
-"""
+Loader workers live for the whole run (``persistent_workers``): each item's augmentation seed comes from the
+``(epoch, index)`` key the main process hands over with it (``EpochKeys``), not from state that the main process changes
+between epochs, which a worker started in an earlier epoch would not see."""
 from __future__ import annotations
 
 import math
@@ -17,12 +16,9 @@ from torch.utils.data import Dataset, Sampler
 
 
 class EpochSampler(Sampler[int]):
-    """Shuffled (or ordered) indices for one rank, optionally with repeated augmentation.
-
-    ``repeats > 1`` is the DeiT/TransNeXt repeated-augmentation sampler: every index appears
-    ``repeats`` times, spread over ranks, and each rank keeps ``len(dataset) // world`` of them
-    per epoch. ``start`` skips that many of this rank's indices (resume mid-epoch).
-    """
+    """Shuffled (or ordered) indices for one rank; ``start`` skips that many of them (resume mid-epoch). ``repeats > 1``
+    is DeiT/TransNeXt's repeated augmentation: every index appears ``repeats`` times, spread over ranks, and each rank
+    keeps ``len(dataset) // world`` of them per epoch."""
 
     def __init__(self, size: int, shuffle: bool = True, seed: int = 0, rank: int = 0, world_size: int = 1,
                  repeats: int = 1, drop_last: bool = False):
@@ -30,12 +26,7 @@ class EpochSampler(Sampler[int]):
         self.rank, self.world, self.repeats = rank, world_size, max(1, int(repeats))
         self.drop_last = drop_last
         self.epoch, self.start = 0, 0
-        if self.repeats > 1:
-            self.per_rank = size // world_size
-        elif drop_last:
-            self.per_rank = size // world_size
-        else:
-            self.per_rank = math.ceil(size / world_size)
+        self.per_rank = size // world_size if self.repeats > 1 or drop_last else math.ceil(size / world_size)
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
         self.epoch, self.start = int(epoch), int(start)
@@ -61,8 +52,8 @@ class EpochSampler(Sampler[int]):
 
 
 class EpochKeys(Sampler[Tuple[int, int]]):
-    """``sampler``'s indices as ``(epoch, index)`` keys for :class:`SeededItems`: the epoch travels with every
-    index to the loader's workers, so workers kept across epochs draw the new epoch's augmentation."""
+    """``sampler``'s indices as ``(epoch, index)`` keys for :class:`SeededItems`: the epoch travels with every index to
+    the loader's workers, so workers kept across epochs draw the new epoch's augmentation."""
 
     def __init__(self, sampler: EpochSampler):
         self.sampler = sampler
@@ -76,8 +67,8 @@ class EpochKeys(Sampler[Tuple[int, int]]):
 
 
 class HeldIndices(Sampler[int]):
-    """A fixed order of indices (validation) that ``held`` empties: a loader opened over it while held starts
-    its workers with nothing to fetch (``moh_vision.engine.fit_setup.Loaders.start_workers``)."""
+    """A fixed order of indices (validation) that ``held`` empties: a loader opened over it while held starts its
+    workers with nothing to fetch (``moh_vision.engine.fit_setup.Loaders.start_workers``)."""
 
     def __init__(self, indices: Sequence[int]):
         self.indices, self.held = list(indices), False
@@ -93,13 +84,9 @@ Key = Union[int, Tuple[int, int]]  # an index (of the current ``epoch``) or an (
 
 
 class SeededItems(Dataset):
-    """Wraps a dataset so each item's random augmentation depends only on (seed, epoch, index).
-
-    DataLoader workers draw from their own RNG streams, which shift when a run resumes
-    mid-epoch; seeding python/numpy/torch per item makes augmentation independent of which
-    worker loads an item and of where the run restarted. Items are asked for by index (in the
-    epoch set on ``epoch``) or by ``(epoch, index)`` key (:class:`EpochKeys`).
-    """
+    """Wraps a dataset so each item's random augmentation depends only on (seed, epoch, index): python, numpy and torch
+    are seeded per item, whichever worker loads it and wherever the run restarted. Items are asked for by index (in the
+    epoch set on ``epoch``) or by ``(epoch, index)`` key (:class:`EpochKeys`)."""
 
     def __init__(self, dataset: Dataset, seed: int = 0):
         self.dataset, self.seed, self.epoch = dataset, int(seed), 0
@@ -116,8 +103,8 @@ class SeededItems(Dataset):
 
     def __getitems__(self, keys: Sequence[Key]) -> List[Any]:
         """A batch (the DataLoader asks for one at a time): in one call where the dataset can draw each item's
-        augmentation from its own seed (``seeded_items(indices, seeds)``, torch's CPU generator only), else
-        item by item."""
+        augmentation from its own seed (``seeded_items(indices, seeds)``, torch's CPU generator only), else item by
+        item."""
         batched = getattr(self.dataset, "seeded_items", None)
         if batched is None:
             return [self[key] for key in keys]
@@ -130,8 +117,8 @@ class SeededItems(Dataset):
             saved = random.getstate(), np.random.get_state(), torch.get_rng_state()
         random.seed(item_seed)
         np.random.seed(item_seed)
-        # the CPU generator only (augmentation runs on the CPU): torch.manual_seed would also queue a seed
-        # for every accelerator backend, recording a stack trace each time (~0.5 ms per item)
+        # the CPU generator only (augmentation runs on the CPU): torch.manual_seed would also queue a seed for every
+        # accelerator backend, recording a stack trace each time (~0.5 ms per item)
         torch.default_generator.manual_seed(item_seed)
         try:
             return self.dataset[index]
@@ -148,9 +135,8 @@ class SeededItems(Dataset):
 
 
 def loader_options(num_workers: int, pin_memory: bool) -> Dict[str, Any]:
-    """The DataLoader options of the trainer's loaders (and of the loader benchmark's). Workers are forked
-    (the dataset is not pickled) and kept for the whole run: no start-up at every epoch and validation.
-    Each loader gets its own generator: making a loader iterator draws a base seed, which must not come
-    from the global RNG, or a run resumed mid-epoch would diverge from an uninterrupted one."""
+    """The DataLoader options of the trainer's loaders (and the loader benchmark's): forked workers (the dataset is not
+    pickled) kept for the whole run, and a generator per loader (a loader iterator draws a base seed, which must not
+    come from the global RNG, or a run resumed mid-epoch would diverge from an uninterrupted one)."""
     return dict(num_workers=num_workers, pin_memory=pin_memory, persistent_workers=num_workers > 0,
                 multiprocessing_context="fork" if num_workers > 0 else None, generator=torch.Generator())

@@ -4,8 +4,6 @@ from .guidance import guided_model_fn
 from .losses import discretized_gaussian_log_likelihood, mean_flat, normal_kl
 from .schedule import betas_for_alpha_bar, get_named_beta_schedule, respace_betas, space_timesteps
 
-__all__ = [
-    "GaussianDiffusion", "create_diffusion", "uniform_timesteps", "guided_model_fn",
-    "get_named_beta_schedule", "betas_for_alpha_bar", "space_timesteps", "respace_betas",
-    "normal_kl", "discretized_gaussian_log_likelihood", "mean_flat",
-]
+__all__ = ["GaussianDiffusion", "create_diffusion", "uniform_timesteps", "guided_model_fn", "get_named_beta_schedule",
+           "betas_for_alpha_bar", "space_timesteps", "respace_betas", "normal_kl",
+           "discretized_gaussian_log_likelihood", "mean_flat"]

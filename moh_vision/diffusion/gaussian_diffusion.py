@@ -1,14 +1,13 @@
 """Gaussian diffusion (DDPM / improved DDPM as used by ADM and DiT): forward process, losses, samplers.
 
-Notation: ``x0`` clean data, ``x_t`` its noised version at step ``t`` (0-based, so ``t = 0`` is one
-step of noise), ``alphas_cumprod[t]`` = prod_{s <= t} (1 - beta_s). The model is called as
-``model(x_t, t, **model_kwargs)`` and predicts epsilon (or x0) in its first ``C`` output channels;
-with a learned variance it returns ``2C`` channels, the last ``C`` being ``v`` in [-1, 1] that
-interpolates the log variance between the posterior variance (v = -1) and beta_t (v = +1).
+Notation: ``x0`` clean data, ``x_t`` its noised version at step ``t`` (0-based, so ``t = 0`` is one step of noise),
+``alphas_cumprod[t]`` = prod_{s <= t} (1 - beta_s). The model is called as ``model(x_t, t, **model_kwargs)`` and
+predicts epsilon (or x0) in its first ``C`` output channels; with a learned variance it returns ``2C`` channels, the
+last ``C`` being ``v`` in [-1, 1] that interpolates the log variance between the posterior variance (v = -1) and beta_t
+(v = +1).
 
-A respaced process (fewer steps, see :mod:`.schedule`) carries a ``timestep_map``; every model call
-goes through it, so the model always sees the timesteps of the process it was trained on.
-"""
+A respaced process (fewer steps, see :mod:`.schedule`) carries a ``timestep_map``; every model call goes through it, so
+the model always sees the timesteps of the process it was trained on."""
 import math
 from typing import Callable, Dict, Iterator, Optional, Sequence, Union
 
@@ -40,18 +39,14 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class GaussianDiffusion:
-    """A discrete Gaussian diffusion process defined by its ``betas`` (1-D, in (0, 1]).
+    """A discrete Gaussian diffusion process defined by its ``betas`` (per-step noise variances in (0, 1], kept as
+    float64).
 
-    Args:
-        betas: per-step noise variances; kept as float64.
-        mean_type: what the model's first C channels predict, ``"eps"`` or ``"x0"``.
-        var_type: ``"learned_range"`` (2C outputs), ``"fixed_small"`` (posterior variance) or
-            ``"fixed_large"`` (beta_t).
-        loss_type: ``"mse"`` (MSE on the mean target, plus the VB term when the variance is
-            learned: DiT's hybrid loss), ``"rescaled_mse"`` (VB scaled by T/1000), ``"kl"`` (VB
-            only) or ``"rescaled_kl"`` (VB times T).
-        timestep_map: original timestep of each step, for respaced processes; identity if None.
-    """
+    ``mean_type``: what the model's first C channels predict, ``"eps"`` or ``"x0"``. ``var_type``: ``"learned_range"``
+    (2C outputs), ``"fixed_small"`` (posterior variance) or ``"fixed_large"`` (beta_t). ``loss_type``: ``"mse"`` (MSE on
+    the mean target, plus the VB term when the variance is learned: DiT's hybrid loss), ``"rescaled_mse"`` (VB scaled by
+    T/1000), ``"kl"`` (VB only) or ``"rescaled_kl"`` (VB times T). ``timestep_map``: the original timestep of each step,
+    for respaced processes (None: identity)."""
 
     def __init__(self, betas, mean_type: str = "eps", var_type: str = "learned_range", loss_type: str = "mse",
                  timestep_map: Optional[Sequence[int]] = None):
@@ -94,9 +89,7 @@ class GaussianDiffusion:
     def learn_sigma(self) -> bool:
         return self.var_type == "learned_range"
 
-    # -----------------------------------------------------------------------------------------
-    # Helpers
-    # -----------------------------------------------------------------------------------------
+    # -- Helpers -------------------------------------------------------------------------------------------------------
     @staticmethod
     def _extract(schedule: torch.Tensor, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
         """schedule[t] as a [B, 1, ..., 1] tensor on like's device, cast after indexing in float64."""
@@ -128,15 +121,7 @@ class GaussianDiffusion:
         return (self._extract(self.sqrt_recip_alphas_cumprod, t, x_t) * x_t - x0) \
             / self._extract(self.sqrt_recipm1_alphas_cumprod, t, x_t)
 
-    # -----------------------------------------------------------------------------------------
-    # Forward process and posterior
-    # -----------------------------------------------------------------------------------------
-    def q_mean_variance(self, x0, t):
-        """Mean, variance and log variance of q(x_t | x0)."""
-        mean = self._extract(self.sqrt_alphas_cumprod, t, x0) * x0
-        variance = self._extract(1.0 - self.alphas_cumprod, t, x0)
-        return mean, variance, torch.log(variance)
-
+    # -- Forward process and posterior ---------------------------------------------------------------------------------
     def q_sample(self, x0: torch.Tensor, t: torch.Tensor, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Draw x_t ~ q(x_t | x0) = N(sqrt(ab_t) x0, (1 - ab_t) I), using ``noise`` if given."""
         if noise is None:
@@ -152,9 +137,7 @@ class GaussianDiffusion:
         log_variance = self._extract(self.posterior_log_variance_clipped, t, x_t)
         return mean, variance, log_variance
 
-    # -----------------------------------------------------------------------------------------
-    # Reverse process p(x_{t-1} | x_t)
-    # -----------------------------------------------------------------------------------------
+    # -- Reverse process p(x_{t-1} | x_t) ------------------------------------------------------------------------------
     def _p_from_output(self, pred, var_values, x, t, clip_denoised=False, denoised_fn=None) -> Dict[str, torch.Tensor]:
         if var_values is not None:
             min_log = self._extract(self.posterior_log_variance_clipped, t, x)
@@ -176,24 +159,18 @@ class GaussianDiffusion:
 
     def p_mean_variance(self, model, x, t, clip_denoised: bool = False, denoised_fn: Optional[Callable] = None,
                         model_kwargs: Optional[dict] = None) -> Dict[str, torch.Tensor]:
-        """Run the model and return p(x_{t-1} | x_t): ``mean``, ``variance``, ``log_variance``, ``pred_xstart``.
-
-        ``clip_denoised`` clamps the x0 prediction to [-1, 1] (pixel-space data; leave it off for latents).
-        """
+        """Run the model and return p(x_{t-1} | x_t): ``mean``, ``variance``, ``log_variance``, ``pred_xstart``;
+        ``clip_denoised`` clamps the x0 prediction to [-1, 1] (pixel-space data; leave it off for latents)."""
         pred, var_values = self._split_output(self._call_model(model, x, t, model_kwargs), x)
         return self._p_from_output(pred, var_values, x, t, clip_denoised, denoised_fn)
 
-    # -----------------------------------------------------------------------------------------
-    # Training
-    # -----------------------------------------------------------------------------------------
+    # -- Training ------------------------------------------------------------------------------------------------------
     def sample_timesteps(self, batch_size: int, device=None, generator=None) -> torch.Tensor:
         return uniform_timesteps(batch_size, self.num_timesteps, device=device, generator=generator)
 
     def _vb_bits(self, x0, x_t, t, pred, var_values) -> torch.Tensor:
-        """One term of the variational bound per sample, in bits per dimension.
-
-        KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} | x_t)) for t > 0, the decoder NLL -log p(x0 | x_1) at t = 0.
-        """
+        """One term of the variational bound per sample, in bits per dimension: KL(q(x_{t-1} | x_t, x0) || p(x_{t-1} |
+        x_t)) for t > 0, the decoder NLL -log p(x0 | x_1) at t = 0."""
         p = self._p_from_output(pred, var_values, x_t, t)
         true_mean, _, true_log_variance = self.q_posterior_mean_variance(x0, x_t, t)
         kl = mean_flat(normal_kl(true_mean, true_log_variance, p["mean"], p["log_variance"])) / math.log(2.0)
@@ -202,12 +179,9 @@ class GaussianDiffusion:
 
     def training_losses(self, model, x0: torch.Tensor, t: torch.Tensor, model_kwargs: Optional[dict] = None,
                         noise: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
-        """Per-sample losses ([B] tensors) for one timestep per sample.
-
-        Returns ``loss`` and, with the MSE losses, ``mse``; ``vb`` is present whenever the variance is
-        learned (or the loss is a KL). In the hybrid loss the VB term sees a detached mean
-        prediction, so it trains only the variance channels and the MSE alone trains the mean.
-        """
+        """Per-sample losses ([B] tensors) for one timestep per sample: ``loss``, ``mse`` with the MSE losses, ``vb``
+        whenever the variance is learned (or the loss is a KL). In the hybrid loss the VB term sees a detached mean
+        prediction, so it trains only the variance channels."""
         if noise is None:
             noise = torch.randn_like(x0)
         x_t = self.q_sample(x0, t, noise)
@@ -229,9 +203,7 @@ class GaussianDiffusion:
             terms["loss"] = terms["mse"] + vb
         return terms
 
-    # -----------------------------------------------------------------------------------------
-    # Sampling
-    # -----------------------------------------------------------------------------------------
+    # -- Sampling ------------------------------------------------------------------------------------------------------
     @staticmethod
     def _randn_like(x, generator):
         return torch.randn(x.shape, generator=generator, device=x.device, dtype=x.dtype)
@@ -298,10 +270,7 @@ class GaussianDiffusion:
     def sample(self, model_fn, shape, model_kwargs: Optional[dict] = None, sampler: str = "ddpm", noise=None,
                clip_denoised: bool = False, denoised_fn=None, eta: float = 0.0, progress: bool = False, device=None,
                generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        """Draw samples of ``shape`` with ``sampler`` ("ddpm" or "ddim"); returns the final x_0.
-
-        ``noise`` fixes the initial x_T; ``generator`` makes all random draws reproducible.
-        """
+        """The final x_0 of ``sampler`` ("ddpm" or "ddim"); ``noise`` fixes x_T, ``generator`` every random draw."""
         final = None
         for final in self.sample_loop_progressive(model_fn, shape, sampler, noise=noise, clip_denoised=clip_denoised,
                                                   denoised_fn=denoised_fn, model_kwargs=model_kwargs, device=device,
@@ -321,19 +290,15 @@ def _infer_device(model) -> torch.device:
     return torch.device("cpu")
 
 
-# ---------------------------------------------------------------------------------------------
-# Factory (DiT's defaults)
-# ---------------------------------------------------------------------------------------------
+# -- Factory (DiT's defaults) ------------------------------------------------------------------------------------------
 def create_diffusion(timestep_respacing: Union[str, int, Sequence[int], None] = "", noise_schedule: str = "linear",
                      learn_sigma: bool = True, diffusion_steps: int = 1000, sigma_small: bool = False,
                      predict_xstart: bool = False, use_kl: bool = False,
                      rescale_learned_sigmas: bool = False) -> GaussianDiffusion:
-    """A diffusion over ``diffusion_steps`` steps, respaced to ``timestep_respacing`` ("" keeps all).
-
-    Defaults are DiT's: linear betas, epsilon prediction, learned-range sigma, hybrid loss (MSE on
-    eps + VB). ``learn_sigma=False`` gives a fixed variance (large, or small with ``sigma_small``)
-    and a plain MSE. Train with ``timestep_respacing=""``; sample with e.g. ``"250"`` or ``"ddim50"``.
-    """
+    """A diffusion over ``diffusion_steps`` steps, respaced to ``timestep_respacing`` ("" keeps all: train with it;
+    sample with e.g. ``"250"`` or ``"ddim50"``). Defaults are DiT's: linear betas, epsilon prediction, learned-range
+    sigma, hybrid loss (MSE on eps + VB); ``learn_sigma=False`` gives a fixed variance (large, or small with
+    ``sigma_small``) and a plain MSE."""
     betas = get_named_beta_schedule(noise_schedule, diffusion_steps)
     if timestep_respacing is None or timestep_respacing == "":
         timestep_respacing = [diffusion_steps]

@@ -10,14 +10,10 @@ def guided_model_fn(model: Callable, cfg_scale: float, null_class: int,
                     guidance_channels: Optional[int] = None) -> Callable:
     """Wrap ``model(x, t, y)`` into a guided ``fn(x, t, y)`` with the same output layout.
 
-    The wrapper runs the batch twice in one forward, once with the labels ``y`` and once with
-    ``null_class`` (the "drop label" embedding), and returns
-    ``eps = eps_uncond + cfg_scale * (eps_cond - eps_uncond)`` on the first ``guidance_channels``
-    eps channels (all ``C`` of them by default; ``3`` reproduces DiT's sample.py, which guides only
-    the first 3 of the 4 latent channels). The remaining eps channels and any learned-variance
-    channels come from the conditional half. ``cfg_scale == 1`` is the plain conditional model and
-    skips the doubled batch.
-    """
+    It runs the batch twice in one forward, with the labels ``y`` and with ``null_class`` (the "drop label" embedding),
+    and returns ``eps_uncond + cfg_scale * (eps_cond - eps_uncond)`` on the first ``guidance_channels`` eps channels
+    (default all; ``3`` reproduces DiT's sample.py, which guides 3 of the 4 latent channels), the other channels from
+    the conditional half. ``cfg_scale == 1`` is the plain conditional model."""
     if guidance_channels is not None and guidance_channels < 1:
         raise ConfigError(f"guidance_channels={guidance_channels} must be a positive channel count or None")
 

@@ -11,8 +11,7 @@ def mean_flat(x: torch.Tensor) -> torch.Tensor:
 
 def normal_kl(mean1, logvar1, mean2, logvar2) -> torch.Tensor:
     """KL(N(mean1, exp(logvar1)) || N(mean2, exp(logvar2))) elementwise, in nats."""
-    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2)
-                  + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
+    return 0.5 * (-1.0 + logvar2 - logvar1 + torch.exp(logvar1 - logvar2) + (mean1 - mean2) ** 2 * torch.exp(-logvar2))
 
 
 def approx_standard_normal_cdf(x: torch.Tensor) -> torch.Tensor:
@@ -21,10 +20,8 @@ def approx_standard_normal_cdf(x: torch.Tensor) -> torch.Tensor:
 
 
 def discretized_gaussian_log_likelihood(x: torch.Tensor, means: torch.Tensor, log_scales: torch.Tensor) -> torch.Tensor:
-    """Log-probability (nats) of data in [-1, 1] quantised to 256 levels under N(means, exp(log_scales)^2).
-
-    Each value owns the bin of width 2/255 around it; the two outermost bins extend to infinity.
-    """
+    """Log-probability (nats) of data in [-1, 1] quantised to 256 levels under N(means, exp(log_scales)^2): each value
+    owns the bin of width 2/255 around it; the two outermost bins extend to infinity."""
     centered = x - means
     inv_std = torch.exp(-log_scales)
     cdf_plus = approx_standard_normal_cdf(inv_std * (centered + 1.0 / 255.0))

@@ -1,8 +1,7 @@
 """Noise schedules and timestep respacing.
 
-Schedules are float64 torch tensors: the cumulative products over 1000 steps lose accuracy in
-float32, and the closed forms built from them (posterior coefficients, log variances) amplify it.
-"""
+Schedules are float64 torch tensors: the cumulative products over 1000 steps lose accuracy in float32, and the closed
+forms built from them (posterior coefficients, log variances) amplify it."""
 import math
 from typing import Iterable, List, Sequence, Tuple, Union
 
@@ -14,12 +13,9 @@ NOISE_SCHEDULES = ("linear", "squaredcos_cap_v2")
 
 
 def get_named_beta_schedule(name: str, num_timesteps: int) -> torch.Tensor:
-    """Betas for ``num_timesteps`` steps of a named schedule, as a float64 tensor.
-
-    ``linear`` is Ho et al.'s 1e-4..0.02 over 1000 steps, rescaled by ``1000 / num_timesteps`` so
-    that the total amount of noise stays the same for any number of steps.
-    ``squaredcos_cap_v2`` is Nichol & Dhariwal's cosine schedule.
-    """
+    """Betas for ``num_timesteps`` steps of a named schedule, as a float64 tensor. ``linear`` is Ho et al.'s 1e-4..0.02
+    over 1000 steps, rescaled by ``1000 / num_timesteps`` so that the total amount of noise stays the same for any
+    number of steps. ``squaredcos_cap_v2`` is Nichol & Dhariwal's cosine schedule."""
     if num_timesteps < 1:
         raise ConfigError(f"diffusion_steps={num_timesteps} must be at least 1")
     if name == "linear":
@@ -31,8 +27,8 @@ def get_named_beta_schedule(name: str, num_timesteps: int) -> torch.Tensor:
 
 
 def _linspace(start: float, end: float, n: int) -> torch.Tensor:
-    # start + i * step with an exact last value: bit-identical to numpy.linspace (torch.linspace rounds
-    # differently), so schedules and losses match the reference implementation to the last bit.
+    # start + i * step with an exact last value: bit-identical to numpy.linspace (torch.linspace rounds differently), so
+    # schedules and losses match the reference implementation to the last bit.
     values = torch.arange(n, dtype=torch.float64) * ((end - start) / max(n - 1, 1)) + start
     if n > 1:
         values[-1] = end
@@ -49,12 +45,9 @@ def betas_for_alpha_bar(num_timesteps: int, alpha_bar, max_beta: float = 0.999) 
 def space_timesteps(num_timesteps: int, section_counts: Union[str, int, Sequence[int]]) -> List[int]:
     """The sorted original timesteps kept when a ``num_timesteps`` process is sampled with fewer steps.
 
-    ``section_counts`` is one of
-      * ``"250"`` or ``250``: 250 steps evenly spread over the whole process (first and last kept);
-      * ``"10,15,20"`` or ``[10, 15, 20]``: the process is cut into equal sections and each section is
-        strided to its own count;
-      * ``"ddim50"``: the DDIM paper's integer stride ``range(0, T, k)`` giving exactly 50 steps.
-    """
+    ``section_counts``: ``"250"`` or ``250`` spreads 250 steps evenly over the whole process (first and last kept);
+    ``"10,15,20"`` or ``[10, 15, 20]`` cuts the process into equal sections, each strided to its own count; ``"ddim50"``
+    is the DDIM paper's integer stride ``range(0, T, k)`` giving exactly 50 steps."""
     if isinstance(section_counts, str):
         spec = section_counts.strip()
         if spec.startswith("ddim"):
@@ -79,9 +72,8 @@ def space_timesteps(num_timesteps: int, section_counts: Union[str, int, Sequence
             raise ConfigError(f"timestep_respacing={section_counts!r}: cannot take {count} steps from a section "
                               f"of {size} (of {num_timesteps} in all)")
         stride = (size - 1) / (count - 1) if count > 1 else 1
-        # A running float position rounded at each step (not round(j * stride)): the accumulated sum rounds
-        # differently for some counts (21, 23, 31, ... of 1000), and checkpoints sampled with DiT's
-        # respacing must see exactly the same timesteps here.
+        # A running float position rounded at each step, as in DiT's respacing (round(j * stride) differs for some
+        # counts: 21, 23, 31, ... of 1000)
         position = 0.0
         for _ in range(count):
             kept.append(start + round(position))
@@ -98,11 +90,9 @@ def _parse_count(text: str, spec) -> int:
 
 
 def respace_betas(betas: torch.Tensor, kept: Iterable[int]) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Betas of a shorter process whose alphas_cumprod equal the original ones at the ``kept`` steps.
-
-    Returns ``(new_betas, timestep_map)``: ``timestep_map[i]`` is the original timestep that respaced
-    step ``i`` stands for, which is what a model trained on the full process must be shown.
-    """
+    """Betas of a shorter process whose alphas_cumprod equal the original ones at the ``kept`` steps. Returns
+    ``(new_betas, timestep_map)``: ``timestep_map[i]`` is the original timestep that respaced step ``i`` stands for,
+    which is what a model trained on the full process must be shown."""
     alphas_cumprod = torch.cumprod(1.0 - betas.to(torch.float64), dim=0)
     timestep_map = torch.tensor(sorted(set(int(k) for k in kept)), dtype=torch.long)
     if len(timestep_map) == 0 or timestep_map[0] < 0 or timestep_map[-1] >= len(betas):

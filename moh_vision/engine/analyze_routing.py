@@ -1,6 +1,6 @@
-"""Routing analysis of a training checkpoint (``tools/analyze_routing.py``): rebuild the run from the config
-inside the checkpoint as ``eval.py`` does, run :mod:`moh_vision.analysis.routing_analysis` on validation
-images, write the figures and ``routing_analysis.json``, and log them into the run's own wandb run."""
+"""Routing analysis of a training checkpoint (``tools/analyze_routing.py``): rebuild the run from the config inside the
+checkpoint as ``eval.py`` does, run :mod:`moh_vision.analysis.routing_analysis` on validation images, write the figures
+and ``routing_analysis.json``, and log them into the run's own wandb run."""
 from __future__ import annotations
 
 import json
@@ -24,8 +24,8 @@ log = logging.getLogger(__name__)
 
 
 def load_run(ckpt: str, data_overrides: Sequence[str], weights: str):
-    """(rebuilt run, model with the checkpoint's ``weights``: ``model`` or ``ema``); ``data=...`` /
-    ``data.<key>=...`` overrides replace or update the saved data config, as in ``eval.py``."""
+    """(rebuilt run, model with the checkpoint's ``weights``: ``model`` or ``ema``); ``data=...`` / ``data.<key>=...``
+    overrides replace or update the saved data config, as in ``eval.py``."""
     data_cfg = None
     if data_overrides:
         if not any(o.startswith("data=") for o in data_overrides):  # eval.yaml has no data group: add keys
@@ -39,8 +39,8 @@ def load_run(ckpt: str, data_overrides: Sequence[str], weights: str):
 
 def task_forward(task, model: torch.nn.Module, device: torch.device, timestep: Optional[int] = None
                  ) -> Callable[[Any], torch.Tensor]:
-    """``forward(batch) -> images``: the task's model on one validation batch (diffusion: the images noised
-    to ``timestep``, default half the schedule, with fixed noise)."""
+    """``forward(batch) -> images``: the task's model on one validation batch (diffusion: the images noised to
+    ``timestep``, default half the schedule, with fixed noise)."""
     generator = torch.Generator().manual_seed(0)
     diffusion = getattr(task, "diffusion", None)
     if diffusion is not None and timestep is not None and not 0 <= int(timestep) < diffusion.num_timesteps:
@@ -62,12 +62,10 @@ def task_forward(task, model: torch.nn.Module, device: torch.device, timestep: O
 
 def log_to_wandb(mode: str, container: Dict[str, Any], state: Dict[str, Any], out: Path, stats, files,
                  summary: Dict[str, Any]) -> Optional[str]:
-    """Log the figures and per-layer numbers (keys ``routing_analysis/...``) into the training run's own
-    wandb run (resumed by the id its checkpoint recorded), or, for a run that had none, a new run of
-    job type ``routing_analysis`` in its project and group. Returns the run id, or None when wandb is
-    off or unusable."""
+    """Log the figures and per-layer numbers (keys ``routing_analysis/...``) into the training run's own wandb run
+    (resumed by the id its checkpoint recorded), or, for a run that had none, a new run of job type ``routing_analysis``
+    in its project and group. Returns the run id, or None when wandb is off or unusable."""
     from moh_vision.config import WandbLogger as WandbOptions
-
     saved = dict(container["logger"])
     if mode == "none" or (mode == "auto" and saved["name"] != "wandb"):
         return None

@@ -2,13 +2,10 @@
 ``trainer.ckpt_history_every_steps`` optimizer steps and/or every ``trainer.ckpt_history_every_epochs`` epochs, the
 newest ``trainer.ckpt_keep`` of them kept (0: all).
 
-A numbered checkpoint is a whole training checkpoint (the same dict as ``last.pt``): ``trainer.resume=``,
-``eval.py ckpt=`` and ``tools/sample.py ckpt=`` take it like any other. It is written atomically
-(:func:`moh_vision.checkpoints.atomic_save`). Newest means last written (a run resumed from an earlier numbered
-checkpoint writes new files while the abandoned trajectory's later-numbered files stay until they are the oldest),
-and retention never deletes the newest whole one (:func:`moh_vision.checkpoints.is_whole_checkpoint`), however many
-unreadable files are newer.
-"""
+A numbered checkpoint is a whole training checkpoint, written atomically: ``trainer.resume=``, ``eval.py ckpt=`` and
+``tools/sample.py ckpt=`` take it like any other. Newest means last written (after a resume from an earlier one, the
+abandoned trajectory's later-numbered files stay until they are the oldest), and retention never deletes the newest
+whole one (:func:`moh_vision.checkpoints.is_whole_checkpoint`), however many unreadable files are newer."""
 from __future__ import annotations
 
 import logging

@@ -1,30 +1,17 @@
-"""Where a run's time goes: data wait and step time, achieved TFLOP/s and utilisation, peak memory.
+"""Where a run's time goes: data wait and step time, achieved TFLOP/s and utilisation, peak memory (each figure's
+definition and how to read it: ``docs/training.md``).
 
-Time is measured on the host, with no synchronisation beyond the loop's own: ``StepClock`` reads the
-clock around ``next(loader)`` (the *data wait*: time blocked on the next batch) and once per optimizer
-step (the *step time*: everything between two steps, data wait, forward, backward, optimizer, logging
-and checkpoints included, so data wait <= step time). On CUDA a step never waits for the device
-(``step_on_device``): the host queues its kernels and moves on, so one step's host time is when it was
-queued, not when it ran; the clock synchronises the device at the end of each logging window, so a
-window's sum is exact. While the host waits for the next batch the device can still run queued kernels:
-on CUDA the data wait is an upper bound of the time the device sat idle.
-
-Under DDP every figure is the slowest rank's: one small tensor per window (and per epoch) is
-all-reduced with MAX.
-
-Rates (:meth:`RunCosts.rates`, the same keys in a logging window ``train/...``, an epoch row
-``epoch/...`` and ``summary.json``): ``step_ms`` and ``data_wait_ms`` per optimizer step,
-``data_wait_share`` (their ratio; at least :data:`INPUT_BOUND_SHARE` reads as input-bound),
-``images_per_sec``, ``tflops`` (training FLOPs per image x images/s, 2 FLOPs per multiply-add:
-:mod:`moh_vision.analysis.device_peaks`) and ``utilisation`` (``tflops`` over the peak of every device of
-the run at its precision). Without a FLOP count there is no ``tflops``; without a known peak (every CPU)
-no ``utilisation``.
-
-Peak memory (``peak_memory_mb``): on CUDA the allocator's peak (``torch.cuda.max_memory_allocated``),
-reset at the start of every training epoch; on the CPU the main process's resident-set peak
-(``getrusage``'s ``ru_maxrss``), which the operating system keeps since the process started and never
-resets (data-loader workers are other processes and not counted).
-"""
+``StepClock`` reads the host clock around ``next(loader)`` (the *data wait*) and once per optimizer step (the *step
+time*: everything between two steps, data wait, logging and checkpoints included), with no synchronisation beyond the
+loop's own. On CUDA a step never waits for the device (``step_on_device``): one step's host time is when it was queued,
+the clock synchronises at the end of each logging window, so a window's sum is exact, and the data wait bounds the
+device's idle time from above. Under DDP
+every figure is the slowest rank's (one small all-reduce with MAX per window and per epoch). :meth:`RunCosts.rates`
+gives the same keys for a logging window (``train/...``), an epoch row (``epoch/...``) and ``summary.json``: ``tflops``
+counts 2 FLOPs per multiply-add (:mod:`moh_vision.analysis.device_peaks`) and is absent without a FLOP count,
+``utilisation`` is absent without a known peak (every CPU), and a data wait of :data:`INPUT_BOUND_SHARE` of the step or
+more reads as input-bound. Peak memory: the CUDA allocator's peak, reset every training epoch, or the main process's
+resident-set peak since it started (``ru_maxrss``)."""
 from __future__ import annotations
 
 import sys
@@ -57,9 +44,7 @@ def slowest(values: Sequence[float], dist: DistInfo) -> List[float]:
 
 @dataclass
 class StepTimes:
-    """Seconds of optimizer steps, the part of them spent waiting for batches, the steps and their images
-    (all ranks')."""
-
+    """Seconds of optimizer steps, the part spent waiting for batches, the steps and their images (all ranks')."""
     seconds: float = 0.0
     data_wait: float = 0.0
     steps: int = 0
@@ -90,8 +75,8 @@ class StepClock:
         self.waited = 0.0
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
-        """``loader``'s batches, timing each ``next``; the first step's clock starts here, so the loader's
-        start (worker processes, their first batches) counts as data wait."""
+        """``loader``'s batches, timing each ``next``; the first step's clock starts here, so the loader's start (worker
+        processes, their first batches) counts as data wait."""
         start = self.last = time.perf_counter()
         self.waited = 0.0
         iterator = iter(loader)
@@ -104,8 +89,7 @@ class StepClock:
             start = time.perf_counter()
 
     def lap(self, sync: bool = False) -> Tuple[float, float]:
-        """``(seconds, data wait)`` since the previous lap. ``sync``: wait for the device first (at the end of
-        a logging window: a window's time is then exact)."""
+        """``(seconds, data wait)`` since the previous lap; ``sync``: wait for the device first (a window's end)."""
         if sync and self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         now = time.perf_counter()
@@ -114,9 +98,7 @@ class StepClock:
         return seconds, waited
 
 
-# ----------------------------------------------------------------------------------------------
-# Peak memory
-# ----------------------------------------------------------------------------------------------
+# -- Peak memory -------------------------------------------------------------------------------------------------------
 def reset_peak_memory(device: torch.device) -> None:
     """Start a new CUDA allocator peak (the CPU's resident-set peak cannot be reset)."""
     if device.type == "cuda":
@@ -133,23 +115,17 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 def peak_memory_source(device: torch.device) -> str:
-    if device.type == "cuda":
-        return "CUDA allocator peak, reset every epoch (torch.cuda.max_memory_allocated)"
-    return "main process resident-set peak since it started (ru_maxrss)"
+    return "CUDA allocator peak, reset every epoch (torch.cuda.max_memory_allocated)" if device.type == "cuda" else \
+        "main process resident-set peak since it started (ru_maxrss)"
 
 
-# ----------------------------------------------------------------------------------------------
-# Rates and their text
-# ----------------------------------------------------------------------------------------------
+# -- Rates and their text ----------------------------------------------------------------------------------------------
 class RunCosts:
     """What a run's step times turn into: rates per window, epoch and run, and their console text.
 
-    Args:
-        flops: the FLOP report of one forward (``FitParts.flops``; empty when not counted).
-        device: this process's device.
-        amp: ``trainer.amp`` (which matrix units the peak is the one of).
-        world_size: processes, one device each (utilisation is against all of their peaks).
-    """
+    ``flops``: the FLOP report of one forward (``FitParts.flops``; empty when not counted); ``amp``: ``trainer.amp``
+    (which matrix units the peak is the one of); ``world_size``: processes, one device each (utilisation is against all
+    of their peaks)."""
 
     def __init__(self, flops: Mapping[str, Any], device: torch.device, amp: str, world_size: int):
         self.device, self.world_size = device, world_size
@@ -159,8 +135,7 @@ class RunCosts:
         self.peak_tflops = peak_tflops(self.device_name, self.precision) if device.type == "cuda" else None
 
     def rates(self, times: StepTimes, prefix: str) -> Dict[str, float]:
-        """``<prefix>step_ms``, ``data_wait_ms``, ``data_wait_share``, ``images_per_sec``, and where known
-        ``tflops`` and ``utilisation``; nothing for no steps."""
+        """The module docstring's keys with ``prefix`` (``tflops``, ``utilisation`` where known); none for no steps."""
         if not times.steps or times.seconds <= 0:
             return {}
         images_per_sec = times.samples / times.seconds
@@ -180,8 +155,7 @@ class RunCosts:
         return row
 
     def summary(self, times: StepTimes, peak_mb: Optional[float]) -> Dict[str, Any]:
-        """summary.json's costs: the rates of ``times`` (the run after its warm-up steps), the training FLOPs
-        per image, the device and its peak, and the peak memory."""
+        """summary.json's costs: rates of ``times``, training FLOPs per image, the device's peak, peak memory."""
         out: Dict[str, Any] = {**self.rates(times, ""), "device": self.device_name, "precision": self.precision}
         if self.gflops_per_image is not None:
             out["train_gflops_per_image"] = self.gflops_per_image
@@ -196,10 +170,8 @@ class RunCosts:
         """The run's FLOPs per training image and the peak its utilisation is measured against, in words."""
         work = ("FLOPs not counted: no TFLOP/s" if self.gflops_per_image is None else
                 f"{self.gflops_per_image:.4g} GFLOPs per training image (3 x the active forward, 2 per multiply-add)")
-        if self.peak_tflops:
-            peak = f"{self.device_name}: {self.peak_tflops:g} TFLOP/s dense {self.precision} peak"
-        else:
-            peak = f"{self.device_name}: no {self.precision} peak known, utilisation not reported"
+        peak = (f"{self.device_name}: {self.peak_tflops:g} TFLOP/s dense {self.precision} peak" if self.peak_tflops
+                else f"{self.device_name}: no {self.precision} peak known, utilisation not reported")
         return f"{work}; {peak}"
 
     def text(self, values: Mapping[str, Any], prefix: str) -> str:

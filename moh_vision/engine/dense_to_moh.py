@@ -1,18 +1,12 @@
-"""Turn a dense TransNeXt / DiT / plain-ViT checkpoint into a MoH model of the same backbone, and measure the
-step-0 drop (``tools/convert_dense_to_moh.py``).
+"""Turn a dense TransNeXt / DiT / plain-ViT checkpoint into a MoH model of the same backbone, and measure the step-0
+drop (``tools/convert_dense_to_moh.py``).
 
-Every dense tensor is copied unchanged and the MoH routers start so that every active head has gate 1
-(:mod:`moh_vision.models.continue_tuning`): a model that keeps every head computes the dense function at
-step 0, and one that keeps fewer heads starts with those heads dropped. With data overrides
-(``data=digits``, ``data=imagenet data.root=...``) the training configs are composed with them, the dense
-model and the converted one are built exactly as ``train.py model.init_from=<ckpt>`` would, both are
-evaluated on the validation split and the drop is reported (classification: top-1/top-5 and loss;
-diffusion: the validation loss at fixed timesteps and noise).
-
-Writes ``out`` (the converted model's state dict: load it with ``model.checkpoint_path=`` and the same
-model/attention, or train from the dense file directly with ``model.init_from=``) and ``<out>.json`` (what
-was copied, which layers start exactly dense, the evaluation).
-"""
+Every dense tensor is copied unchanged and the routers start so that every active head has gate 1
+(:mod:`moh_vision.models.continue_tuning`): keeping every head computes the dense function at step 0, keeping fewer
+starts with those heads dropped. With data overrides (``data=digits``, ``data=imagenet data.root=...``) both models are
+built as ``train.py model.init_from=<ckpt>`` would and evaluated on the validation split (classification: top-1/top-5
+and loss; diffusion: the validation loss at fixed timesteps and noise). Writes ``out`` (the converted state dict, for
+``model.checkpoint_path=``) and ``<out>.json`` (what was copied, which layers start exactly dense, the evaluation)."""
 from __future__ import annotations
 
 import contextlib
@@ -47,8 +41,8 @@ def has_own_routing(name: str) -> bool:
 
 def target_attention(model: str, attention: Optional[str], routing: Dict[str, Any], like: Optional[str],
                      model_kwargs: Dict[str, Any]) -> Dict[str, Any]:
-    """The ``attention`` config group the target is built with (as train.py would pass it): the variant's
-    YAML defaults, overridden by the routing options (``activation_ratio``, ``shared_heads``, ``topk``)."""
+    """The ``attention`` config group the target is built with (as train.py would pass it): the variant's YAML defaults,
+    overridden by the routing options (``activation_ratio``, ``shared_heads``, ``topk``)."""
     routing = {k: v for k, v in routing.items() if v is not None}
     if like:
         if routing:
@@ -105,7 +99,6 @@ def build_pair(model: str, attention: Dict[str, Any], model_kwargs: Dict[str, An
 def evaluate(task, data, model: torch.nn.Module, device: torch.device, batch_size: int,
              limit: Optional[int]) -> Dict[str, float]:
     from torch.utils.data import DataLoader, Subset
-
     val = data.val if not limit else Subset(data.val, range(min(int(limit), len(data.val))))
     loader = DataLoader(val, batch_size=batch_size, shuffle=False, collate_fn=data.collate_fn)
     sums = task.evaluate(model.to(device).eval(), loader, device, amp=contextlib.nullcontext)
@@ -142,11 +135,9 @@ def convert_dense_to_moh(dense: str, model: str, out: str, attention: Optional[s
                          router_std: float = DEFAULT_ROUTER_STD, seed: int = 0, eval_overrides: Sequence[str] = (),
                          eval_limit: Optional[int] = None, eval_batch_size: int = 128, device: str = "auto",
                          compare_outputs: bool = False) -> Dict[str, Any]:
-    """Convert ``dense`` into ``model`` (see the module docstring) and write ``out`` and ``<out>.json``.
-
-    Raises :class:`ConfigError` for bad arguments or an unreadable checkpoint, :class:`RunError` when the
-    checkpoint does not fit the model (nothing is written). Returns what ``<out>.json`` holds.
-    """
+    """Convert ``dense`` into ``model`` (see the module docstring) and write ``out`` and ``<out>.json``. Raises
+    :class:`ConfigError` for bad arguments or an unreadable checkpoint, :class:`RunError` when the checkpoint does not
+    fit the model (nothing is written). Returns what ``<out>.json`` holds."""
     start, model_kwargs = time.time(), dict(model_kwargs or {})
     target_cfg = target_attention(model, attention, dict(routing or {}), routing_like_preset, model_kwargs)
     ckpt = read_dense_checkpoint(dense, weights)

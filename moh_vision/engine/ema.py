@@ -9,11 +9,9 @@ from torch import nn
 
 
 class EMA:
-    """``ema = d * ema + (1 - d) * model`` for floating parameters; buffers are copied.
-
-    ``warmup=True`` uses ``d = min(decay, (1 + n) / (10 + n))`` at update ``n``, so a short run is not
-    dominated by its random initialisation (DiT's 0.9999 assumes hundreds of thousands of steps).
-    """
+    """``ema = d * ema + (1 - d) * model`` for floating parameters; buffers are copied. ``warmup=True`` uses
+    ``d = min(decay, (1 + n) / (10 + n))`` at update ``n``, so a short run is not dominated by its random
+    initialisation."""
 
     def __init__(self, model: nn.Module, decay: float = 0.9999, warmup: bool = False):
         self.decay, self.warmup = float(decay), bool(warmup)
@@ -21,18 +19,14 @@ class EMA:
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
 
     def current_decay(self) -> float:
-        if not self.warmup:
-            return self.decay
-        return min(self.decay, (1 + self.updates) / (10 + self.updates))
+        return min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        ema_params = [p for p in self.module.parameters()]
-        params = [p.detach() for p in model.parameters()]
-        floating = [(e, p) for e, p in zip(ema_params, params) if e.dtype.is_floating_point]
-        decay = self.current_decay()
+        floating = [(e, p.detach()) for e, p in zip(self.module.parameters(), model.parameters())
+                    if e.dtype.is_floating_point]
         if floating:
-            torch._foreach_lerp_([e for e, _ in floating], [p for _, p in floating], 1.0 - decay)
+            torch._foreach_lerp_([e for e, _ in floating], [p for _, p in floating], 1.0 - self.current_decay())
         for e, b in zip(self.module.buffers(), model.buffers()):
             e.copy_(b)
         self.updates += 1

@@ -1,8 +1,7 @@
 """Where metrics go: ``metrics.csv`` always, plus wandb (``logger=wandb``).
 
-``logger=csv`` writes every logged training step and every epoch; ``logger=none`` writes only the
-epoch rows. Rank 0 alone logs.
-"""
+``logger=csv`` writes every logged training step and every epoch; ``logger=none`` writes only the epoch rows. Rank 0
+alone logs."""
 from __future__ import annotations
 
 import csv
@@ -147,12 +146,9 @@ class Loggers:
         return self.wandb.run_id if self.wandb else None
 
     def log_step(self, row: Dict[str, Any], step: int) -> None:
-        """Per-step training row (skipped by ``logger=none``)."""
-        if not self.enabled or self.kind == "none":
-            return
-        self.csv.log({"step": step, **row})
-        if self.wandb:
-            self.wandb.log(row, step=step)
+        """Per-step training row, written as an epoch row is (skipped by ``logger=none``)."""
+        if self.kind != "none":
+            self.log_epoch(row, step)
 
     def log_epoch(self, row: Dict[str, Any], step: int) -> None:
         if not self.enabled:

@@ -1,19 +1,11 @@
 """``trainer.profile=<first>:<last>``: a ``torch.profiler`` profile of optimizer steps ``first`` to ``last`` (counted
-from 1, as the logs count them) of a real run, written into ``<run dir>/profile/``:
-
-* ``trace_steps<first>-<last>_rank<r>.json``: the Chrome / Perfetto trace (open it in https://ui.perfetto.dev or
-  ``chrome://tracing``), CPU operators and, on CUDA, the kernels; each optimizer step is a range
-  ``optimizer step <n>`` and each wait for the loader's next batch a range ``data wait``;
-* ``time_by_kind_steps<first>-<last>_rank<r>.md`` / ``.json``: where the steps' wall time went, by kind of work
-  (:mod:`moh_vision.analysis.profile_kinds`: GEMM, attention, convolution, elementwise, copies, communication, ...),
-  the data wait, and the rest.
-
-On the CPU the kinds are the operators' own host time and the rest is the host's time between operators (Python,
-the framework); on CUDA the kinds are the kernels' device time and the rest is the device's idle time (wall time
-less the kernels', which may overlap on several streams). Data wait is host time; operators that run inside it
-(the loader's own work with ``trainer.num_workers=0``) count as data wait, not as their kind. A profiled window that
-spans an epoch's end includes the validation. Every rank writes its own files.
-"""
+from 1, as the logs count them) of a real run, written into ``<run dir>/profile/`` (how to read it:
+``docs/training.md``): the Chrome / Perfetto trace ``trace_steps<first>-<last>_rank<r>.json`` (each optimizer step a
+range ``optimizer step <n>``, each wait for the next batch a range ``data wait``) and
+``time_by_kind_steps<first>-<last>_rank<r>.md`` / ``.json``, the steps' wall time by kind of work
+(:mod:`moh_vision.analysis.profile_kinds`: the operators' host time on the CPU, the kernels' device time on CUDA), the
+data wait (operators inside it count as data wait) and the rest (host time between operators, or device idle time).
+Every rank writes its own files."""
 from __future__ import annotations
 
 import contextlib
@@ -45,8 +37,7 @@ def _under(event: Any, name: str) -> bool:
 
 
 def time_table(events: Iterable, device: torch.device, wall_ms: float) -> Dict[str, float]:
-    """ms by kind of work of the events outside the data-wait ranges, ``data_wait`` and ``rest`` (the wall time
-    neither counted; never below 0)."""
+    """ms by kind of the events outside the data-wait ranges, ``data_wait`` and ``rest`` (the wall time left, >= 0)."""
     events = list(events)
     cpu = torch.autograd.DeviceType.CPU
     data_wait = sum(e.cpu_time_total for e in events if e.name == DATA_WAIT and e.device_type == cpu) / 1e3
@@ -71,8 +62,8 @@ def table_text(record: Dict[str, Any]) -> str:
 
 class StepProfiler:
     """Profiles optimizer steps ``steps = (first, last)`` (None: never). The trainer takes its batches through
-    :meth:`batches`, calls :meth:`at_step` before each epoch's first step and after every optimizer step, and closes
-    it when the run ends (``with profiler:``), which writes what was recorded when the run stops inside the window."""
+    :meth:`batches`, calls :meth:`at_step` before each epoch's first step and after every optimizer step, and closes it
+    when the run ends (``with profiler:``), which writes what was recorded when the run stops inside the window."""
 
     def __init__(self, steps: Optional[Tuple[int, int]], out_dir: Path, device: torch.device, rank: int = 0):
         self.steps, self.folder, self.device, self.rank = steps, Path(out_dir) / "profile", device, rank
@@ -91,8 +82,7 @@ class StepProfiler:
             self._finish(max(self.first_recorded, self.step_under_way - 1))
 
     def batches(self, loader: Iterable) -> Iterator[Any]:
-        """``loader``'s batches; while recording, each fetch (the loader's start included) inside a
-        :data:`DATA_WAIT` range."""
+        """``loader``'s batches; while recording, each fetch (the first included) inside a :data:`DATA_WAIT` range."""
         iterator = None
         while True:
             with torch.profiler.record_function(DATA_WAIT) if self.profile is not None else contextlib.nullcontext():
@@ -103,18 +93,16 @@ class StepProfiler:
             yield batch
 
     def at_step(self, step: int) -> None:
-        """``step`` optimizer steps are done: start recording before step ``first``, mark each step, stop and
-        write after ``last`` (a run resumed inside the window records the rest of it)."""
+        """``step`` optimizer steps are done: start recording before step ``first``, mark each step, stop and write
+        after ``last`` (a run resumed inside the window records the rest of it)."""
         if self.steps is None or self.done:
             return
         first, last = self.steps
         if self.profile is None and not first - 1 <= step < last or step + 1 == self.step_under_way:
             return  # outside the window, or called again before the step under way (a new epoch's start)
         if self.profile is None:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if self.device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.profile = torch.profiler.profile(activities=activities)
+            kinds = torch.profiler.ProfilerActivity
+            self.profile = torch.profiler.profile(activities=[kinds.CPU] + [kinds.CUDA] * (self.device.type == "cuda"))
             self.profile.start()
             self.first_recorded, self.started_at = step + 1, time.perf_counter()
         elif step >= last:

@@ -1,16 +1,11 @@
 """Released weights, evaluated as the papers evaluate them: ``eval.py model=<preset> pretrained=<weights>``.
 
-``pretrained`` names the weights: a local file in any format :func:`moh_vision.checkpoints.read_weights` reads (the
-official releases included), a Hugging Face hub id (``owner/repo`` or ``hf-hub:owner/repo``, through the hub cache:
-:mod:`moh_vision.models.hub`), or ``true`` for where the preset's registered cfg says its weights live. They load
-strictly: a tensor that does not fit is a one-line error, never a re-initialised classifier.
-
-Top-1 follows timm's ``validate.py``: the validation images go through ``timm.data.create_transform`` with what
-``resolve_data_config`` reads from the model's pretrained cfg (test input size, crop_pct, crop mode, interpolation,
-mean, std), not the data config's own eval transform. Class indices are the sorted class-folder names (for
-ImageNet the standard wnid order). Under torchrun each rank takes every WORLD_SIZE-th image and the sums are
-all-reduced, so every image counts once.
-"""
+``pretrained`` is a local file in any format :func:`moh_vision.checkpoints.read_weights` reads, a Hugging Face hub id
+(``owner/repo`` or ``hf-hub:owner/repo``, through :mod:`moh_vision.models.hub`'s cache), or ``true`` for the weights the
+preset's registered cfg names. They load strictly: a tensor that does not fit is a one-line error, never a
+re-initialised classifier. Top-1 follows timm's ``validate.py``: the images go through ``timm.data.create_transform``
+with what ``resolve_data_config`` reads from the model's pretrained cfg, not the data config's eval transform. Under
+torchrun each rank takes every WORLD_SIZE-th image and the sums are all-reduced."""
 from __future__ import annotations
 
 import logging
@@ -39,7 +34,6 @@ def released_weights_path(name: str, pretrained: str) -> Path:
     from timm.models import get_pretrained_cfg
 
     from moh_vision.models.hub import WEIGHT_SUFFIXES, released_weights_file
-
     value = str(pretrained).strip()
     registered = get_pretrained_cfg(name)
     registered = registered.to_dict() if registered is not None else {}
@@ -76,7 +70,6 @@ def load_strictly(model: nn.Module, state: Dict[str, torch.Tensor], what: str, h
 def timm_eval_transform(model: nn.Module):
     """(transform, data config) as timm's validate.py builds them from the model's pretrained cfg."""
     from timm.data import create_transform, resolve_data_config
-
     config = resolve_data_config({}, model=model, use_test_size=True)
     return create_transform(**config, is_training=False), config
 
@@ -85,7 +78,6 @@ def check_released_classifier(model_cfg: Dict[str, Any], data_cfg: Any) -> None:
     """``eval.py model=... pretrained=...`` names an image classifier, its weights only in ``pretrained``, and data."""
     from moh_vision.config import TASK_MODEL_FAMILIES
     from moh_vision.models import model_family
-
     name, families = model_cfg["name"], TASK_MODEL_FAMILIES["classification"]
     if model_cfg.get("checkpoint_path") or model_cfg.get("init_from"):
         raise ConfigError("model.checkpoint_path / model.init_from start training runs; released weights go in "
@@ -101,7 +93,6 @@ def check_released_classifier(model_cfg: Dict[str, Any], data_cfg: Any) -> None:
 def released_classifier(model_cfg: Dict[str, Any], pretrained: str, num_classes: int) -> Tuple[nn.Module, Path]:
     """The preset with ``num_classes`` outputs and the released weights loaded strictly; their file."""
     from moh_vision.models import build_model
-
     kwargs = dict(model_cfg.get("kwargs") or {})
     if kwargs.setdefault("num_classes", num_classes) != num_classes:
         raise ConfigError(f"model.kwargs.num_classes={kwargs['num_classes']} but the data have {num_classes} classes")
@@ -120,7 +111,6 @@ def evaluate_released(cfg: DictConfig, out_dir: Path, options) -> Dict[str, Any]
     from moh_vision.data.sampler import HeldIndices
     from moh_vision.tasks.classification import ClassificationTask
     from .fit_setup import amp_context
-
     start = time.time()
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     name, pretrained = model_cfg["name"], str(options.pretrained)

@@ -1,29 +1,22 @@
 """Random-number-generator states as plain data (saved in checkpoints so a resumed run continues bit-exactly)."""
 from __future__ import annotations
 
+import random
 from typing import Any, Dict
 
+import numpy as np
 import torch
 
 
 def capture_rng() -> Dict[str, Any]:
-    import random
-
-    import numpy as np
-    state = {
-        "python": random.getstate(),
-        "numpy": _numpy_state_to_plain(np.random.get_state()),
-        "torch": torch.get_rng_state(),
-    }
+    state = {"python": random.getstate(), "numpy": _numpy_state_to_plain(np.random.get_state()),
+             "torch": torch.get_rng_state()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
 
 def restore_rng(state: Dict[str, Any]) -> None:
-    import random
-
-    import numpy as np
     random.setstate(_to_tuple(state["python"]))
     np.random.set_state(_numpy_state_from_plain(state["numpy"]))
     torch.set_rng_state(state["torch"])
@@ -42,5 +35,4 @@ def _numpy_state_to_plain(st) -> Dict[str, Any]:
 
 
 def _numpy_state_from_plain(d: Dict[str, Any]):
-    import numpy as np
     return (d["name"], d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["cached"])

@@ -1,7 +1,5 @@
-"""The run directory's own rules: one run at a time (:class:`RunLock`), what a resumed run may change in
-its config (:func:`config_changes`), and the record of every config the run was trained with
-(:func:`record_config`).
-"""
+"""The run directory's own rules: one run at a time (:class:`RunLock`), what a resumed run may change in its config
+(:func:`config_changes`), and the record of every config the run was trained with (:func:`record_config`)."""
 from __future__ import annotations
 
 import json
@@ -22,8 +20,8 @@ log = logging.getLogger(__name__)
 LOCK_NAME = ".run.lock"
 HISTORY_DIR = "config_history"
 
-# Options a resumed run may change freely: they change how a run is executed, logged or checkpointed,
-# not its weights, optimizer, schedule or data order. Any other change needs trainer.extend=true.
+# Options a resumed run may change freely: they change how a run is executed, logged or checkpointed, not its weights,
+# optimizer, schedule or data order. Any other change needs trainer.extend=true.
 FREE_TO_CHANGE = (
     "trainer.resume", "trainer.extend", "trainer.progress", "trainer.log_every", "trainer.ckpt_every_steps",
     "trainer.num_workers", "trainer.val_every_epochs", "trainer.val_batch_size", "trainer.val_at_start",
@@ -40,15 +38,13 @@ FREE_TO_CHANGE = (
 ADDED_LATER = {"optim.momentum": 0.9, "optim.layer_decay": None, "optim.kwargs": {}, "sched.cooldown_epochs": 0}
 
 
-# ----------------------------------------------------------------------------------------------
-# One run per directory
-# ----------------------------------------------------------------------------------------------
+# -- One run per directory ---------------------------------------------------------------------------------------------
 class RunLock:
     """``<run dir>/.run.lock``, holding the owner's pid, host and start time, while a run trains there
-    (``with RunLock(dir):``). A second run on the directory stops with a :class:`ConfigError` naming the
-    first; a lock whose process is gone (same host, dead pid: a crash, a killed job) is taken over with
-    a warning. A lock from another host cannot be checked: the error says how to remove it. Creating
-    the lock is also the run's first write: a directory that cannot be written fails here, by its cause."""
+    (``with RunLock(dir):``). A second run on the directory stops with a :class:`ConfigError` naming the first; a lock
+    whose process is gone (same host, dead pid) is taken over with a warning; a lock from another host cannot be checked
+    (the error says how to remove it). Creating the lock is the run's first write: an unwritable directory fails here,
+    by its cause."""
 
     def __init__(self, out_dir: Path):
         self.path = Path(out_dir) / LOCK_NAME
@@ -105,10 +101,7 @@ class RunLock:
         if where == host and isinstance(pid, int) and not _alive(pid):
             log.warning("taking over the lock of a run that is gone (pid %d on %s, started %s): %s", pid, where,
                         owner.get("started", "?"), self.path)
-            try:
-                self.path.unlink()
-            except FileNotFoundError:
-                pass
+            self.path.unlink(missing_ok=True)
             return
         who = f"pid {pid} on {where}, started {owner.get('started', '?')}" if owner else "an unreadable lock"
         check = "" if where == host else "; if that run is gone, delete the lock"
@@ -126,9 +119,7 @@ def _alive(pid: int) -> bool:
     return True
 
 
-# ----------------------------------------------------------------------------------------------
-# A resumed run's config
-# ----------------------------------------------------------------------------------------------
+# -- A resumed run's config --------------------------------------------------------------------------------------------
 def _flat(config: Mapping[str, Any], prefix: str = "") -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for key, value in config.items():
@@ -144,8 +135,8 @@ def _free(key: str) -> bool:
 
 
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> List[str]:
-    """The options that differ between a checkpoint's config and this run's and change the training
-    trajectory (everything but :data:`FREE_TO_CHANGE`), as ``key: old -> new``."""
+    """``key: old -> new`` of each option that differs between a saved config and this one, but
+    :data:`FREE_TO_CHANGE`."""
     old, new = ({**ADDED_LATER, **_flat(config)} for config in (saved, current))
     keys = sorted(k for k in set(old) | set(new) if not _free(k) and old.get(k) != new.get(k))
     return [f"{k}: {_text(old.get(k))} -> {_text(new.get(k))}" for k in keys]
@@ -156,8 +147,8 @@ def _text(value: Any) -> str:
 
 
 def record_config(out_dir: Path, config: Dict[str, Any], step: int) -> None:
-    """Write ``config.yaml``: the config the run trains with now. When it replaces a different one (a
-    resume with changed options), both stay in ``config_history/<n>_step<first step>.yaml``."""
+    """Write ``config.yaml``: the config the run trains with now. When it replaces a different one (a resume with
+    changed options), both stay in ``config_history/<n>_step<first step>.yaml``."""
     current = Path(out_dir) / "config.yaml"
     previous = yaml.safe_load(current.read_text()) if current.is_file() else None
     if previous is not None and previous != config:

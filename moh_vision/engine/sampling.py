@@ -1,24 +1,15 @@
 """Class-conditional samples from a trained DiT / MoH-DiT checkpoint, for grids and FID (``tools/sample.py``).
 
-The checkpoint carries the task/model/data/attention config; the model and task are rebuilt from it (EMA
-weights by default) and latents are decoded with the VAE of ``task.vae.path`` (or ``vae=``). Class labels
-follow DiT's ``sample_ddp.py`` by default (``labels=random``): each batch draws its labels uniformly at random,
-so class counts vary as in the published FID-50K runs; ``labels=balanced`` (the default with ``per_class=``) gives
-every class ``N // C`` or one more samples, sorted by class. Batch ``k`` of ``batch_size`` samples draws its noise (and its random labels, from
-a separate stream) from seed ``(seed, k)``, and ranks take every WORLD_SIZE-th batch, so the output does not depend
-on the number of ranks. (DiT seeds one stream per rank, ``global_seed * world_size + rank``, which makes its labels
-and noise depend on the number of GPUs; per-batch seeds keep the same distribution and make an interrupted run
-resumable.) Finished batches are kept in ``out/.parts-<hash>/`` until the end, so an interrupted run resumes when
-rerun with the same settings and ``out``. Rank 0 writes:
-
-* ``samples.npz``: ``arr_0`` uint8 [N, H, W, 3], the input of ADM's evaluation suite (DiT's FID protocol);
-* ``labels.npy``: the class of every sample; ``samples.png``: a labelled grid (rows = classes);
-* ``sample.json``: what was sampled and the metrics: the digits proxies (``sample/class_acc``,
-  ``sample/fd_digits``) for digits checkpoints, and ADM's FID / sFID / Inception Score / precision / recall
-  (:mod:`moh_vision.analysis.adm_evaluation`, local Inception weights) with ``fid_ref`` and ``inception_weights``.
-
-:func:`sample` takes the options of ``tools/sample.py`` (a mapping with attribute access).
-"""
+The model and task are rebuilt from the checkpoint's config (EMA weights by default); latents are decoded with the VAE
+of ``task.vae.path`` (or ``vae=``). Labels follow DiT's ``sample_ddp.py`` (``labels=random``: uniform per batch, so
+class counts vary as in the published FID-50K runs) unless ``labels=balanced`` (the default with ``per_class=``: every
+class ``N // C`` or one more times, sorted). Batch ``k`` draws its noise (and random labels, from a separate stream)
+from seed ``(seed, k)`` and ranks take every WORLD_SIZE-th batch, so the output does not depend on the number of ranks
+(DiT's per-rank seeds make it depend on them); finished batches are kept in ``out/.parts-<hash>/`` until the end, so a
+rerun with the same settings and ``out`` resumes. Rank 0 writes ``samples.npz`` (``arr_0`` uint8 [N, H, W, 3], the input
+of ADM's evaluation suite), ``labels.npy``, ``samples.png`` (a labelled grid, rows = classes) and ``sample.json`` (what
+was sampled and the metrics: the digits proxies for digits checkpoints, ADM's five numbers with ``fid_ref`` and
+``inception_weights``). :func:`sample` takes the options of ``tools/sample.py`` (a mapping with attribute access)."""
 from __future__ import annotations
 
 import hashlib
@@ -50,17 +41,15 @@ ADM_METRICS = ("fid", "sfid", "inception_score", "precision", "recall")
 OVERRIDABLE = ("steps", "sampler", "cfg_scale", "clip_denoised", "batch_size")
 
 
-# ---------------------------------------------------------------------------------------------
-# What to sample
-# ---------------------------------------------------------------------------------------------
+# -- What to sample ----------------------------------------------------------------------------------------------------
 def balanced_labels(num_samples: int, num_classes: int) -> torch.Tensor:
     """``num_samples`` labels, each class ``N // C`` or one more times, sorted by class."""
     return torch.sort(torch.arange(num_samples) % num_classes, stable=True).values
 
 
 def random_labels(num_samples: int, num_classes: int, batch_size: int, seed: int) -> torch.Tensor:
-    """DiT's ``sample_ddp.py`` labels: every batch of ``batch_size`` draws its own uniformly at random (batch ``k``
-    from the stream ``(seed, k)``, apart from its noise)."""
+    """DiT's ``sample_ddp.py`` labels: every batch of ``batch_size`` draws its own uniformly at random (batch ``k`` from
+    the stream ``(seed, k)``, apart from its noise)."""
     parts = []
     for k, start in enumerate(range(0, num_samples, batch_size)):
         stream = np.random.default_rng([LABEL_STREAM, int(seed), k])
@@ -81,9 +70,8 @@ def label_mode(cfg: Mapping[str, Any]) -> str:
 def draw_labels(mode: str, num_samples: int, num_classes: int, batch_size: int, seed: int) -> torch.Tensor:
     if mode not in LABEL_MODES:
         raise ConfigError(f"labels={mode}: use {' or '.join(LABEL_MODES)}")
-    if mode == "balanced":
-        return balanced_labels(num_samples, num_classes)
-    return random_labels(num_samples, num_classes, batch_size, seed)
+    return balanced_labels(num_samples, num_classes) if mode == "balanced" else \
+        random_labels(num_samples, num_classes, batch_size, seed)
 
 
 def batch_seed(seed: int, k: int) -> int:
@@ -99,9 +87,7 @@ def sample_count(cfg: Mapping[str, Any], num_classes: int) -> int:
     return n
 
 
-# ---------------------------------------------------------------------------------------------
-# Rebuilding the model from a training checkpoint
-# ---------------------------------------------------------------------------------------------
+# -- Rebuilding the model from a training checkpoint -------------------------------------------------------------------
 def shape_from_weights(weights: Dict[str, torch.Tensor], class_dropout_prob: float) -> SimpleNamespace:
     """Data shape of a DiT from its (official-layout) state dict, for when the data are not at hand."""
     try:
@@ -146,11 +132,10 @@ RELEASED_SAMPLE = {"steps": "250", "sampler": "ddpm", "cfg_scale": 1.5, "guidanc
 
 
 def load_released_model(cfg: Mapping[str, Any], device: torch.device):
-    """(task, model, data, info) for released DiT / MoH-DiT weights (``model=<preset> pretrained=<weights>``): the
-    data shape comes from the weights, the sampling defaults from DiT's ``sample_ddp.py`` (:data:`RELEASED_SAMPLE`)."""
+    """(task, model, data, info) for released DiT / MoH-DiT weights (``model=<preset> pretrained=<weights>``): the data
+    shape comes from the weights, the sampling defaults from DiT's ``sample_ddp.py`` (:data:`RELEASED_SAMPLE`)."""
     from moh_vision.tasks.diffusion import DiffusionTask
     from .released import load_strictly, read_released
-
     if cfg.ckpt is not None:
         raise ConfigError("give ckpt=<train.py checkpoint> or model=<preset> pretrained=<weights>, not both")
     if not cfg.pretrained:
@@ -189,9 +174,7 @@ def apply_overrides(task, cfg: Mapping[str, Any]) -> None:
         task.vae_cfg = {**task.vae_cfg, "path": str(cfg.vae)}
 
 
-# ---------------------------------------------------------------------------------------------
-# Sampling (every rank) and merging (rank 0)
-# ---------------------------------------------------------------------------------------------
+# -- Sampling (every rank) and merging (rank 0) ------------------------------------------------------------------------
 def run_digest(info: Dict[str, Any], settings: Dict[str, Any]) -> str:
     text = json.dumps({**info, **settings}, sort_keys=True, default=str)
     return hashlib.sha1(text.encode()).hexdigest()[:12]
@@ -201,19 +184,11 @@ def part_path(parts: Path, k: int) -> Path:
     return parts / f"batch_{k:06d}.npz"
 
 
-def save_part(path: Path, images: np.ndarray, labels: np.ndarray) -> None:
-    atomic_write(path, lambda f: np.savez(f, images=images, labels=labels))
-
-
 @torch.no_grad()
 def sample_batches(task, model, labels: torch.Tensor, batches: Iterable[int], seed: int, device: torch.device,
                    parts: Path, bar=None, decode_batch_size: int = 32) -> None:
-    """Sample, decode and store the given batches (skipping stored ones).
-
-    The VAE decodes ``decode_batch_size`` latents at a time (at 256 px it holds hundreds of MB per image).
-    """
+    """Sample, decode (``decode_batch_size`` latents at a time) and store the given batches, skipping stored ones."""
     from moh_vision.analysis.grids import to_uint8
-
     size = int(task.sample_cfg["batch_size"])
     for k in batches:
         path = part_path(parts, k)
@@ -221,7 +196,7 @@ def sample_batches(task, model, labels: torch.Tensor, batches: Iterable[int], se
         if not path.exists():
             latents = task.sample(model, chunk, device, seed=batch_seed(seed, k))
             images = np.concatenate([to_uint8(task.decode(x)) for x in latents.split(decode_batch_size)])
-            save_part(path, images, chunk.numpy())
+            atomic_write(path, lambda f: np.savez(f, images=images, labels=chunk.numpy()))
         if bar is not None:
             bar.update(len(chunk))
 
@@ -252,14 +227,10 @@ def sample_images(task, model, labels: torch.Tensor, seed: int, device: torch.de
     if bar is not None:
         bar.close()
     barrier(dist)
-    if not dist.is_main:
-        return None
-    return merge_parts(parts, num_batches)
+    return merge_parts(parts, num_batches) if dist.is_main else None
 
 
-# ---------------------------------------------------------------------------------------------
-# Outputs and metrics (rank 0)
-# ---------------------------------------------------------------------------------------------
+# -- Outputs and metrics (rank 0) --------------------------------------------------------------------------------------
 def to_float(images: np.ndarray) -> torch.Tensor:
     """uint8 NHWC -> float [-1, 1] NCHW (exactly invertible by ``to_uint8``)."""
     return torch.from_numpy(images).permute(0, 3, 1, 2).float() / 127.5 - 1.0
@@ -268,7 +239,6 @@ def to_float(images: np.ndarray) -> torch.Tensor:
 def write_grid(images: np.ndarray, labels: np.ndarray, path: Path, num_classes: int, grid_classes: int,
                per_class: int, class_names=None) -> Path:
     from moh_vision.analysis.grids import save_class_grid
-
     rows = np.unique(np.linspace(0, num_classes - 1, min(grid_classes, num_classes)).round().astype(int))
     rows = [c for c in rows if (labels == c).any()]
     per_row = max(1, min([per_class] + [int((labels == c).sum()) for c in rows]))
@@ -279,7 +249,6 @@ def write_grid(images: np.ndarray, labels: np.ndarray, path: Path, num_classes: 
 
 def digits_metrics(task, data, images: np.ndarray, labels: np.ndarray, classifier_path: Path) -> Dict[str, float]:
     from moh_vision.analysis.metrics import digits_sample_metrics, load_or_train_classifier, real_digits
-
     classifier = load_or_train_classifier(classifier_path, data.img_size)
     reference, _ = real_digits(data.val)
     return digits_sample_metrics(classifier, to_float(images), torch.from_numpy(labels), reference)
@@ -300,7 +269,6 @@ def adm_sample_metrics(images: np.ndarray, cfg: Mapping[str, Any], device: torch
     """ADM's FID, sFID, Inception Score, precision and recall of the samples against ``fid_ref``."""
     from moh_vision.analysis.adm_evaluation import ArrayImages, evaluate_images, read_reference
     from moh_vision.analysis.inception import InceptionActivations
-
     reference = read_reference(cfg.fid_ref, side=images.shape[1], option="fid_ref")
     inception = InceptionActivations(cfg.inception_weights, device, option="inception_weights")
     found = evaluate_images(ArrayImages(images), reference, inception, int(cfg.metrics_batch_size), bool(cfg.progress))
@@ -309,7 +277,6 @@ def adm_sample_metrics(images: np.ndarray, cfg: Mapping[str, Any], device: torch
 
 def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     from moh_vision.analysis.grids import save_adm_npz
-
     start = time.time()
     dist = init_distributed(cfg.device)
     try:

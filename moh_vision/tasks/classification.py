@@ -26,13 +26,10 @@ def split_batch(batch) -> Tuple[Tensor, Tensor, int]:
 
 
 class ClassificationTask:
-    """Cross-entropy (soft targets under mixup/cutmix, label smoothing otherwise) plus the routed
-    layers' auxiliary loss times ``aux_loss_weight`` (default: the attention config's).
-
-    A ``Task`` (``moh_vision.tasks.protocols``): ``model`` is the model config (``name``,
-    ``checkpoint_path``, ``init_from``, ``kwargs``), ``attention`` the attention config, ``kernels`` the kernels
-    config (None: every op ``auto``)."""
-
+    """Cross-entropy (soft targets under mixup/cutmix, label smoothing otherwise) plus the routed layers' auxiliary loss
+    times ``aux_loss_weight`` (default: the attention config's). A ``Task`` (``moh_vision.tasks.protocols``): ``model``
+    is the model config, ``attention`` the attention config, ``kernels`` the kernels config (None: every op
+    ``auto``)."""
     name = "classification"
     primary_metric, primary_mode = "val/acc1", "max"
     flops_kwargs = None  # the images are the model's only input
@@ -45,8 +42,7 @@ class ClassificationTask:
         self.kernels = dict(kernels) if kernels else None
         weight = self.attention_cfg["aux_loss_weight"] if aux_loss_weight is None else aux_loss_weight
         self.aux_loss_weight = float(weight)
-        self.mixup = None
-        self.label_smoothing = 0.0
+        self.mixup, self.label_smoothing = None, 0.0
 
     # --- setup ----------------------------------------------------------------------------------
     def build_model(self, data) -> nn.Module:

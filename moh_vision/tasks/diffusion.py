@@ -28,17 +28,13 @@ DEFAULT_VAE = dataclasses.asdict(VaeConfig())
 
 
 class DiffusionTask:
-    """DiT's training objective (epsilon MSE + variational bound with learned sigma, uniform t)
-    plus the routed layers' aux loss. Validation reports the same loss at fixed t and noise.
+    """DiT's training objective (epsilon MSE + variational bound with learned sigma, uniform t) plus the routed layers'
+    aux loss; validation reports the same loss at fixed t and noise.
 
-    ``sample`` controls the grids (rows = classes) written every ``every_epochs`` epochs and at the
-    end, and the sample metrics (``sample/class_acc``, ``sample/fd_digits``) on ``eval_per_class``
-    samples per class when the data declare ``digit_metrics``.
-
-    A ``Task`` (``moh_vision.tasks.protocols``): ``model`` is the model config (``name``,
-    ``checkpoint_path``, ``init_from``, ``kwargs``), ``attention`` the attention config.
-    """
-
+    A ``Task`` (``moh_vision.tasks.protocols``): ``model`` is the model config (``name``, ``checkpoint_path``,
+    ``init_from``, ``kwargs``), ``attention`` the attention config. ``sample`` controls the grids (rows = classes)
+    written every ``every_epochs`` epochs and at the end, and the sample metrics (``sample/class_acc``,
+    ``sample/fd_digits``) on ``eval_per_class`` samples per class when the data declare ``digit_metrics``."""
     name = "diffusion"
     primary_metric, primary_mode = "val/loss", "min"
     # set from the data and the task's options, never by model.kwargs
@@ -54,10 +50,9 @@ class DiffusionTask:
         weight = self.attention_cfg["aux_loss_weight"] if aux_loss_weight is None else aux_loss_weight
         self.aux_loss_weight = float(weight)
         self.learn_sigma, self.class_dropout_prob = bool(learn_sigma), float(class_dropout_prob)
-        self.diffusion = create_diffusion("", noise_schedule=noise_schedule, learn_sigma=learn_sigma,
-                                          diffusion_steps=diffusion_steps)
         self.diffusion_args = dict(noise_schedule=noise_schedule, learn_sigma=learn_sigma,
                                    diffusion_steps=diffusion_steps)
+        self.diffusion = create_diffusion("", **self.diffusion_args)
         unknown = set(sample or {}) - set(DEFAULT_SAMPLE)
         if unknown:
             raise ConfigError(f"task.sample got unknown option(s) {sorted(unknown)}; known: {sorted(DEFAULT_SAMPLE)}")
@@ -76,13 +71,12 @@ class DiffusionTask:
         derived = dict(zip(self.model_arguments, (data.img_size, data.in_chans, data.num_classes, self.learn_sigma,
                                                   self.class_dropout_prob)))
         return build_model(name, attention=self.attention_cfg, kernels=self.kernels,
-                           checkpoint_path=self.model_cfg["checkpoint_path"],
-                           init_from=self.model_cfg["init_from"],
+                           checkpoint_path=self.model_cfg["checkpoint_path"], init_from=self.model_cfg["init_from"],
                            **with_model_kwargs(derived, self.model_cfg["kwargs"], self.name))
 
     def _resolve_vae(self, data) -> None:
-        """Latent data need their VAE to decode samples: ``task.vae.path``, else the one the latents
-        were extracted with (recorded in their index) when it exists on this machine."""
+        """Latent data need their VAE to decode samples: ``task.vae.path``, else the one the latents were extracted with
+        (recorded in their index) when it exists on this machine."""
         scale_factor = capability(data, "scale_factor")
         if scale_factor is None:  # pixel data
             return
@@ -176,9 +170,7 @@ class DiffusionTask:
         """Write a labelled grid every ``sample.every_epochs`` epochs and at the end; metrics at the end."""
         cfg = self.sample_cfg
         every = int(cfg["every_epochs"] or 0)
-        if not ctx.last_epoch and not (every and (ctx.epoch + 1) % every == 0):
-            return {}
-        if not ctx.is_main:
+        if not ctx.is_main or not (ctx.last_epoch or every and (ctx.epoch + 1) % every == 0):
             return {}
         model, device = ctx.model_for_eval.eval(), ctx.device
         per_class, classes = int(cfg["per_class"]), min(int(cfg["grid_classes"]), self.data.num_classes)
@@ -210,8 +202,7 @@ class DiffusionTask:
         return digits_sample_metrics(classifier, samples, labels, reference)
 
     def decode(self, x: Tensor) -> Tensor:
-        """Data space -> images in [-1, 1]: identity for pixel data; for latents the VAE decoder,
-        ``decode_batch_size`` at a time (a 256px decode is memory-hungry)."""
+        """Data space -> images in [-1, 1]: pixels as they are, latents VAE-decoded ``decode_batch_size`` at a time."""
         if not self.vae_cfg["path"]:
             return x
         from moh_vision.data.latents import load_vae

@@ -1,12 +1,11 @@
 """The trainer's two collaborators, written down: a ``Task`` and a ``Data`` object.
 
-The trainer (``moh_vision.engine.trainer``) never asks what concrete class it was given: it calls the
-members below and nothing else. A task never sees the trainer: its end-of-epoch work gets an
-``EpochContext``, a frozen snapshot the trainer builds.
+The trainer (``moh_vision.engine.trainer``) never asks what concrete class it was given: it calls the members below and
+nothing else. A task never sees the trainer: its end-of-epoch work gets an ``EpochContext``, a frozen snapshot the
+trainer builds.
 
-Data may declare optional capabilities (``DATA_CAPABILITIES``); read them with ``capability``, which
-supplies the documented default for data that do not declare one.
-"""
+Data may declare optional capabilities (``DATA_CAPABILITIES``); read them with ``capability``, which supplies the
+documented default for data that do not declare one."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,11 +21,9 @@ from torch.utils.data import Dataset
 class Data(Protocol):
     """A data module: the two splits and what a model needs to know about them.
 
-    ``train`` and ``val`` are map-style datasets of ``(image, label)`` pairs (or whatever ``collate_fn``
-    turns into the task's batches). The trainer builds the loaders itself (samplers that resume
-    mid-epoch, one seeded generator per loader), so data hand over datasets, not loaders.
-    """
-
+    ``train`` and ``val`` are map-style datasets of ``(image, label)`` pairs (or whatever ``collate_fn`` turns into the
+    task's batches). The trainer builds the loaders itself (samplers that resume mid-epoch, one seeded generator per
+    loader), so data hand over datasets, not loaders."""
     train: Dataset
     val: Dataset
     num_classes: int
@@ -63,11 +60,9 @@ def capability(data: Any, name: str) -> Any:
 class EpochContext:
     """What a task's end-of-epoch work may use: where the run stands and where to write.
 
-    Built by the trainer after validation; ``model_for_eval`` is the EMA model when the run keeps one,
-    else the trained model without its DDP/compile wrapper. ``log_image(key, path, caption=...)`` sends
-    an image file to the loggers at this step.
-    """
-
+    Built by the trainer after validation; ``model_for_eval`` is the EMA model when the run keeps one, else the trained
+    model without its DDP/compile wrapper. ``log_image(key, path, caption=...)`` sends an image file to the loggers at
+    this step."""
     epoch: int
     step: int
     last_epoch: bool
@@ -82,12 +77,10 @@ class EpochContext:
 class Task(Protocol):
     """What turns batches into losses and a model into metrics.
 
-    ``model_cfg`` is the run's model config (``name``, ``checkpoint_path``, ``init_from``, ``kwargs``);
-    the trainer reads the name (checkpoints record it) and whether the model starts from other weights
-    (``trainer.val_at_start=auto``). ``primary_metric`` (a key of the epoch row) decides ``best.pt``:
-    higher is better when ``primary_mode`` is ``"max"``, lower when ``"min"``.
-    """
-
+    ``model_cfg`` is the run's model config (``name``, ``checkpoint_path``, ``init_from``, ``kwargs``); the trainer
+    reads the name (checkpoints record it) and whether the model starts from other weights
+    (``trainer.val_at_start=auto``). ``primary_metric`` (a key of the epoch row) decides ``best.pt``: higher is better
+    when ``primary_mode`` is ``"max"``, lower when ``"min"``."""
     name: str
     primary_metric: str
     primary_mode: str
@@ -104,9 +97,9 @@ class Task(Protocol):
         """Extra forward inputs for FLOP counting, or None."""
 
     def training_step(self, model: nn.Module, batch: Any, device: torch.device) -> Dict[str, Any]:
-        """Loss dict of one batch: ``loss`` (a tensor, or None when every image of the batch was
-        unreadable), ``num_samples``, ``skipped``; optionally ``ce``/``aux`` tensors, ``log/<name>``
-        numbers (averaged over the epoch into ``train/<name>``) and ``routing`` statistics."""
+        """Loss dict of one batch: ``loss`` (a tensor, or None when every image of the batch was unreadable),
+        ``num_samples``, ``skipped``; optionally ``ce``/``aux`` tensors, ``log/<name>`` numbers (averaged over the epoch
+        into ``train/<name>``) and ``routing`` statistics."""
 
     def evaluate(self, model: nn.Module, loader: Any, device: torch.device,
                  amp: Callable[[], ContextManager]) -> Dict[str, float]:
