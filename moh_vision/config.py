@@ -140,7 +140,8 @@ class KernelsConfig:
     routing: str = option("auto", choices=_kernel_choices("routing"),
                           help="MoH's routing and gated merge (fused: one kernel each way, C++ / Triton)")
     depthwise: str = option("auto", choices=_kernel_choices("depthwise"),
-                            help="TransNeXt's depthwise convolution (candidates: triton on CUDA, written_grad)")
+                            help="TransNeXt's depthwise convolution (channels_last on the CPU; candidates: triton, "
+                                                                 "written_grad)")
     recompute: str = option("auto", choices=_kernel_choices("recompute"),
                             help="eager training: TransNeXt pieces keep only their inputs for backward")
 

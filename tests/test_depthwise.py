@@ -1,21 +1,24 @@
-"""The ConvGLU's depthwise convolution (moh_vision.ops.depthwise) equals ``F.conv2d`` in its output and every
-gradient under each implementation: the reference (the official NCHW layout), ``written_grad`` (its backward written
-out; eager and compiled), and the Triton candidate (under Triton's interpreter on the CPU, compiled for Hopper
-without register spills, and (``gpu``) on CUDA)."""
+"""The ConvGLU's depthwise convolution (moh_vision.ops.depthwise) equals ``F.conv2d`` in its output and every gradient
+under each implementation: the reference (the official NCHW layout), ``channels_last`` (the tokens read in place),
+``written_grad`` (its backward written out; eager and compiled), and the Triton candidate (under Triton's
+interpreter on the CPU, compiled for Hopper without register spills, and (``gpu``) on CUDA)."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from moh_vision.ops.depthwise import depthwise_conv_reference, depthwise_conv_written_grad
+from moh_vision.ops.depthwise import depthwise_conv_channels_last, depthwise_conv_reference, depthwise_conv_written_grad
 
 # (B, H, W, C, k, bias): TransNeXt's 3x3 over channel blocks and a remainder, a 5x5 kernel, one token, no bias
 SHAPES = [(2, 5, 7, 20, 3, True), (1, 4, 4, 3, 5, True), (3, 9, 6, 70, 3, False), (2, 1, 1, 8, 3, True)]
 
 
 def conv2d(x, weight, bias, height, width):
+    """The oracle, written independently of F.conv2d: per tap, the zero-padded image shifted by it times its weight."""
     B, N, C = x.shape
-    image = x.transpose(1, 2).reshape(B, C, height, width)
-    return F.conv2d(image, weight, bias, padding=weight.shape[-1] // 2, groups=C).flatten(2).transpose(1, 2)
+    k = weight.shape[-1]
+    padded = F.pad(x.reshape(B, height, width, C), (0, 0, k // 2, k // 2, k // 2, k // 2))
+    out = sum(padded[:, i:i + height, j:j + width] * weight[:, 0, i, j] for i in range(k) for j in range(k))
+    return (out if bias is None else out + bias).reshape(B, N, C)
 
 
 def values_and_grads(fn, B, H, W, C, k, bias, dtype=torch.float32, device="cpu"):
@@ -37,7 +40,8 @@ def worst_error(got, want):
 
 
 @pytest.mark.parametrize("shape", [s for s in SHAPES if s[4] == 3])
-@pytest.mark.parametrize("fn", [depthwise_conv_reference, depthwise_conv_written_grad], ids=["reference", "written"])
+@pytest.mark.parametrize("fn", [depthwise_conv_reference, depthwise_conv_channels_last, depthwise_conv_written_grad],
+                         ids=["reference", "channels_last", "written"])
 def test_implementations_equal_conv2d_in_float64(fn, shape):
     want = values_and_grads(conv2d, *shape, dtype=torch.float64)
     assert worst_error(values_and_grads(fn, *shape, dtype=torch.float64), want) < 1e-12

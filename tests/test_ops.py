@@ -19,7 +19,7 @@ REFERENCE = {key: "reference" for key in Kernels().as_dict()}
 def test_kernels_config_checks_its_entries():
     assert Kernels.of(None) == Kernels() and Kernels.of({"routing": "reference"}).routing == "reference"
     assert set(choices("aggregated")) == {"auto", "reference", "fused", "flex"}
-    assert set(choices("depthwise")) == {"auto", "reference", "triton", "written_grad"}
+    assert set(choices("depthwise")) == {"auto", "reference", "channels_last", "triton", "written_grad"}
     with pytest.raises(ConfigError, match="kernels.aggregated=cuda is unknown; allowed: auto, reference, flex, fused"):
         Kernels(aggregated="cuda")
     with pytest.raises(ConfigError, match="kernels.route is unknown; the kernels config has aggregated, depthwise"):
@@ -28,7 +28,7 @@ def test_kernels_config_checks_its_entries():
 
 def test_auto_is_the_recorded_winner_per_device_and_the_reference_elsewhere():
     assert resolved(Kernels(), "cpu") == {"aggregated_attention": "fused", "moh_routing": "reference",
-                                          "depthwise_conv": "reference", "gated_tail": "recompute",
+                                          "depthwise_conv": "channels_last", "gated_tail": "recompute",
                                           "cosine_queries": "recompute", "average_pool": "recompute",
                                           "position_mlp": "recompute"}
     assert set(resolved(Kernels(), "meta").values()) == {"reference"}  # no record for that device

@@ -11,9 +11,9 @@
 #   backbones  TransNeXt-T beside Swin-T, bf16, batch 64: a profile (each model's time by kind of work and top
 #              kernels) with TransNeXt-T's pieces under every CUDA implementation (components); then
 #              tools/bench_kernels.py on TransNeXt-T, the same weights under kernels variants (auto; the aggregated
-#              attention's reference and flex; the depthwise convolution's triton and written_grad; recompute off):
-#              the records that decide the CUDA defaults; then TransNeXt-T/-B beside Swin-T/-B at batch 128 and
-#              TransNeXt-B beside Swin-B at batch 32 (peak memory). TIMEOUT_BENCH (default 120 s) a step.
+#              attention's reference and flex; the depthwise convolution's channels_last, triton, written_grad;
+#              no recompute): the records that decide the CUDA defaults; then TransNeXt-T/-B beside Swin-T/-B at
+#              batch 128 and TransNeXt-B beside Swin-B at batch 32 (peak memory). TIMEOUT_BENCH (default 120 s) a step.
 #   tests      the `gpu` tests (routing, aggregated attention, depthwise kernels; TIMEOUT_TESTS, default 150 s).
 #   models     tools/bench_models.py, bf16, batch 32 (MoH against its dense twin), and tools/bench_kernels.py on
 #              MoH-DiT-B/2 with kernels.routing=reference against the fused routing.
@@ -73,7 +73,8 @@ if [[ $parts == *,backbones,* ]]; then
     run backbones_profile_b64 bench_backbones pairs=$tiny batch=64 device=$device dtype=bfloat16 rounds=3 warmup=1 \
       profile=true components=true
     run kernels_tiny_b64 bench_kernels model=transnext_tiny batch=64 device=$device dtype=bfloat16 rounds=5 warmup=2 \
-      variants=auto,aggregated=reference,aggregated=flex,depthwise=triton,depthwise=written_grad,recompute=reference
+      variants=auto,aggregated=reference,aggregated=flex,depthwise=channels_last,depthwise=triton,\
+depthwise=written_grad,recompute=reference
     run backbones_b128 bench_backbones pairs=$tiny,$base batch=128 device=$device dtype=bfloat16 rounds=5 warmup=2
     run backbones_base_b32 bench_backbones pairs=$base batch=32 device=$device dtype=bfloat16 rounds=5 warmup=2
   fi
