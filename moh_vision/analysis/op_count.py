@@ -41,6 +41,13 @@ class _Counter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def count_ops(call: Callable[[], object]) -> int:
+    """ATen operators that ``call()`` dispatches (forward and backward, below autograd)."""
+    with _Counter() as counter:
+        call()
+    return counter.count
+
+
 def under_autocast(call: Callable[[], None], dtype: Optional[torch.dtype]) -> Callable[[], None]:
     """``call`` run under CPU autocast to ``dtype`` (None or float32: as it is)."""
     if dtype in (None, torch.float32):
