@@ -131,11 +131,9 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.
 
 @register_kernel("sdpa")
 class DotProductAttention(HeadAttention):
-    """Scaled dot-product multi-head attention in timm's ``Attention`` layout (``qkv``, ``proj``).
-
-    ``fused_attn=True`` calls ``F.scaled_dot_product_attention`` (flash/memory-efficient kernels
-    where available); ``False`` runs the explicit softmax, which some analysis tools need.
-    """
+    """Scaled dot-product multi-head attention in timm's ``Attention`` layout (``qkv``, ``proj``). ``fused_attn=True``
+    calls ``F.scaled_dot_product_attention`` (flash/memory-efficient kernels where available); ``False`` runs the
+    explicit softmax, which some analysis tools need."""
 
     flops_roles = {"q_norm": "per_head", "k_norm": "fixed"}
 

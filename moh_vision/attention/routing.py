@@ -95,11 +95,10 @@ class RoutedMixin(AttentionVariant):
 
     def record_routing(self, active: Tensor, probs: Optional[Tensor], loss: Optional[Tensor],
                        gates: Optional[Tensor] = None, heads_dim: int = -1, shared_prefix: int = 0, **extra) -> None:
-        """Hand what this forward decided to the open recorder: the active mask (heads along ``heads_dim``,
-        ``1`` for head-major ``[B, h, N]``; without the first ``shared_prefix`` heads, which every token
-        uses), router probabilities, aux loss (training only), gates [..., h], and ``extra`` statistics.
-        Only references to tensors the forward made: the recorder computes the statistics when asked
-        (:attr:`LayerRecord.stats`)."""
+        """Hand what this forward decided to the open recorder: the active mask (heads along ``heads_dim``, ``1`` for
+        head-major ``[B, h, N]``; without the first ``shared_prefix`` heads, which every token uses), router
+        probabilities, aux loss (training only), gates [..., h], and ``extra`` statistics. Only references to tensors
+        the forward made: the recorder computes the statistics when asked (:attr:`LayerRecord.stats`)."""
         recorder = active_recorder()
         if recorder is None:
             return

@@ -126,14 +126,11 @@ def _scatter_windows(terms, shape, size: Size2, window: int) -> Tensor:
 def aggregated_attention_reference(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, pool_bias: Tensor,
                                    local_bias: Tensor, local_weight: Tensor, size: Size2, window: int,
                                    dropout: float = 0.0, padding_mask: Optional[Tensor] = None) -> Tensor:
-    """The aggregated attention in plain operators (autograd through every one).
-
-    ``q`` ``[B, h, N, d]`` scaled queries; ``k`` (normalised), ``v`` ``[B, hk, N, d]`` and ``k_pool``,
-    ``v_pool`` ``[B, hk, P, d]`` with ``hk`` in ``(1, h)``; ``pool_bias`` ``[h, N, P]``; ``local_bias``
-    ``[h, L]``; ``local_weight`` ``[B, h, N, L]``; ``size = (H, W)`` with ``H * W = N``; ``dropout`` on the
-    attention probabilities; ``padding_mask`` ``[N, L]`` (True outside the map) if the caller holds it (a
-    module buffer, which ``torch.fx`` can trace). Returns ``[B, h, N, d]``.
-    """
+    """The aggregated attention in plain operators (autograd through every one). ``q`` ``[B, h, N, d]`` scaled queries;
+    ``k`` (normalised), ``v`` ``[B, hk, N, d]`` and ``k_pool``, ``v_pool`` ``[B, hk, P, d]`` with ``hk`` in ``(1, h)``;
+    ``pool_bias`` ``[h, N, P]``; ``local_bias`` ``[h, L]``; ``local_weight`` ``[B, h, N, L]``; ``size = (H, W)`` with
+    ``H * W = N``; ``dropout`` on the attention probabilities; ``padding_mask`` ``[N, L]`` (True outside the map) if the
+    caller holds it (a module buffer, which ``torch.fx`` can trace). Returns ``[B, h, N, d]``."""
     attn = _logits(q, _padded(k, size, window), k_pool, pool_bias, local_bias, size, window, padding_mask)
     attn = attn.softmax(dim=-1)
     if dropout:

@@ -46,13 +46,11 @@ def router_widths(routed: int, shared: int, topk: int) -> Tuple[int, int, int]:
 
 
 def topk_mask(probs: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """Indices ``[..., k]`` of the k largest entries (by decreasing value) and the matching 0/1 mask (no gradient);
-    on ties the lower index ranks first, as the fused kernels choose.
-
-    Written as ranks (how many entries beat each one: a comparison of every pair over the last dim, a handful of
-    heads), not ``torch.topk``: under ``torch.compile`` the mask is then point-wise work that the compiler fuses with
-    the softmax before it and the gates after it, and a graph that reads only the mask drops the indices.
-    ``torch.topk`` would also leave the order of ties unspecified."""
+    """Indices ``[..., k]`` of the k largest entries (by decreasing value) and the matching 0/1 mask (no gradient); on
+    ties the lower index ranks first, as the fused kernels choose. Written as ranks (how many entries beat each one: a
+    comparison of every pair over the last dim, a handful of heads), not ``torch.topk``: under ``torch.compile`` the
+    mask is then point-wise work that the compiler fuses with the softmax before it and the gates after it, and a graph
+    that reads only the mask drops the indices. ``torch.topk`` would also leave the order of ties unspecified."""
     heads = torch.arange(probs.shape[-1], device=probs.device)
     mine, theirs = probs.unsqueeze(-1), probs.unsqueeze(-2)  # [..., i, 1] against [..., 1, j]
     beaten = (theirs > mine) | ((theirs == mine) & (heads < heads.unsqueeze(-1)))  # [..., i, j]: j ranks above i

@@ -37,12 +37,9 @@ def _functorch_transforms() -> tuple:
 
 
 def active_tracer(x: Optional[Tensor] = None) -> Optional[str]:
-    """The tracer, exporter or transform running this call (a name for messages), or None in eager mode.
-
-    ``x``: the caller's input; an ``fx.Proxy`` says fx is tracing even where the global flag is not set.
-    ``torch.func`` transforms are named ``"torch.func.<transform>"`` (``grad``, ``vmap``, ...), nested ones
-    joined by ``+``.
-    """
+    """The tracer, exporter or transform running this call (a name for messages), or None in eager mode. ``x``: the
+    caller's input; an ``fx.Proxy`` says fx is tracing even where the global flag is not set. ``torch.func`` transforms
+    are named ``"torch.func.<transform>"`` (``grad``, ``vmap``, ...), nested ones joined by ``+``."""
     if torch.compiler.is_compiling():  # first: folded to a constant by the compiler
         is_exporting = getattr(torch.compiler, "is_exporting", None)
         if is_exporting is not None and is_exporting():
