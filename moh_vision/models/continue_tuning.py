@@ -207,8 +207,7 @@ def _source_heads(ckpt: DenseCheckpoint) -> Optional[List[Tuple[int, int]]]:
 
 
 def check_layout(model: nn.Module, ckpt: DenseCheckpoint, attention_prefixes: Tuple[str, ...] = ()) -> None:
-    """Same keys (but the variants' own parameters) and shapes; the same heads per layer where the
-    checkpoint says."""
+    """Same keys (but the variants' own parameters) and shapes; the same heads per layer where the checkpoint says."""
     expected = model.state_dict()
     missing, unexpected, reshaped = state_dict_diff(expected, ckpt.state, optional=router_keys(model))
     problems = []
@@ -283,12 +282,10 @@ def router_start(model: nn.Module, router_std: float = DEFAULT_ROUTER_STD,
 # ----------------------------------------------------------------------------------------------
 def init_from_dense(model: nn.Module, source: Union[str, Path, DenseCheckpoint], weights: str = "auto",
                     router_std: float = DEFAULT_ROUTER_STD, seed: int = 0) -> ConversionReport:
-    """Copy a dense checkpoint into ``model`` (MoH or MHA over the same backbone) and start its routers.
-
-    After this, a model whose layers keep every head computes what the dense checkpoint computes (fp32
-    rounding); layers that keep fewer heads start as the dense layer without them. Raises
-    :class:`ContinueTuningError` for every mismatch. Returns (and logs) what was done.
-    """
+    """Copy a dense checkpoint into ``model`` (MoH or MHA over the same backbone) and start its routers. After this, a
+    model whose layers keep every head computes what the dense checkpoint computes (fp32 rounding); layers that keep
+    fewer heads start as the dense layer without them. Raises :class:`ContinueTuningError` for every mismatch. Returns
+    (and logs) what was done."""
     ckpt = source if isinstance(source, DenseCheckpoint) else read_dense_checkpoint(source, weights)
     if router_std < 0:
         raise ContinueTuningError(f"router_std={router_std} must be >= 0")
@@ -313,15 +310,12 @@ def init_from_dense(model: nn.Module, source: Union[str, Path, DenseCheckpoint],
 # A MoH preset's budget on a dense backbone's heads
 # ----------------------------------------------------------------------------------------------
 def routing_like(preset: str, backbone: str, **backbone_kwargs: Any) -> Dict[str, List[int]]:
-    """Per-block ``shared_heads`` / ``topk`` that give ``backbone`` (a dense DiT or plain ViT) the routing of
-    MoH ``preset`` on its own heads.
-
-    The official MoH-DiT-XL/L presets have 8/16/24 heads per block while DiT has 16 everywhere, so their
-    weights cannot come from a DiT checkpoint. This keeps, block by block, the preset's routed pool
-    (``heads - shared``) and top-k, and makes the rest of the backbone's heads shared: every block drops
-    as many heads per token as in the preset, so with the same total number of heads (DiT-XL: 28 x 16 =
-    9 x 8 + 10 x 16 + 9 x 24 = 448) the activation ratio is the preset's (XL/2-90: 403 / 448).
-    """
+    """Per-block ``shared_heads`` / ``topk`` that give ``backbone`` (a dense DiT or plain ViT) the routing of MoH
+    ``preset`` on its own heads. The official MoH-DiT-XL/L presets have 8/16/24 heads per block while DiT has 16
+    everywhere, so their weights cannot come from a DiT checkpoint. This keeps, block by block, the preset's routed pool
+    (``heads - shared``) and top-k, and makes the rest of the backbone's heads shared: every block drops as many heads
+    per token as in the preset, so with the same total number of heads (DiT-XL: 28 x 16 = 9 x 8 + 10 x 16 + 9 x 24 =
+    448) the activation ratio is the preset's (XL/2-90: 403 / 448)."""
     import timm
 
     from .families import model_family

@@ -41,12 +41,9 @@ register_notrace_module(HeadAttention)
 # Entry points: preset + user arguments -> timm's builder
 # ----------------------------------------------------------------------------------------------
 def preset_arguments(preset: Mapping[str, Any], kwargs: Mapping[str, Any]) -> Dict[str, Any]:
-    """Constructor arguments of a registered model: its preset, overridden by the user's kwargs.
-
-    A MoH preset's official routing (per-layer ``shared_heads``/``topk``) applies unless the user
-    picks another attention or their own ``activation_ratio``/``shared_heads``/``topk``: then the
-    user's routing replaces it rather than clashing with it.
-    """
+    """Constructor arguments of a registered model: its preset, overridden by the user's kwargs. A MoH preset's official
+    routing (per-layer ``shared_heads``/``topk``) applies unless the user picks another attention or their own
+    ``activation_ratio``/``shared_heads``/``topk``: then the user's routing replaces it rather than clashing with it."""
     args = dict(preset)
     user_routes = kwargs.get("attention", args.get("attention")) != args.get("attention") or any(
         k in kwargs for k in ("activation_ratio", *ROUTING_KEYS))
@@ -60,14 +57,12 @@ def preset_arguments(preset: Mapping[str, Any], kwargs: Mapping[str, Any]) -> Di
 def build_from_preset(model_cls: Callable[..., nn.Module], name: str, pretrained: bool, preset: Mapping[str, Any],
                       kwargs: Dict[str, Any], feature_cfg: Optional[Dict[str, Any]] = None,
                       filter_fn: Optional[Callable] = None, **builder_kwargs: Any) -> nn.Module:
-    """Build registered model ``name`` through ``timm.models.build_model_with_cfg``.
-
-    ``kwargs`` are what ``timm.create_model`` passed (model arguments, attention options, timm's
-    ``features_only``/``out_indices``/``feature_cls`` and ``pretrained_cfg*``). ``feature_cfg`` is the
-    family's ``features_only`` default (``None``: not a feature backbone); ``filter_fn`` adapts a
-    checkpoint to the model before it is loaded (``pretrained=True``). ``builder_kwargs`` go to the
-    builder as they are (timm bookkeeping such as ``in_chans`` for a model that calls it otherwise).
-    """
+    """Build registered model ``name`` through ``timm.models.build_model_with_cfg``. ``kwargs`` are what
+    ``timm.create_model`` passed (model arguments, attention options, timm's
+    ``features_only``/``out_indices``/``feature_cls`` and ``pretrained_cfg*``). ``feature_cfg`` is the family's
+    ``features_only`` default (``None``: not a feature backbone); ``filter_fn`` adapts a checkpoint to the model before
+    it is loaded (``pretrained=True``). ``builder_kwargs`` go to the builder as they are (timm bookkeeping such as
+    ``in_chans`` for a model that calls it otherwise)."""
     kwargs = dict(kwargs)
     timm_args = {k: kwargs.pop(k) for k in TIMM_CFG_KWARGS if k in kwargs}
     if feature_cfg is None and any(k in kwargs for k in ("features_only", "out_indices", "feature_cls")):
