@@ -5,10 +5,9 @@ Every kernel follows one pipeline::
     heads = self.heads(x)            # [B, h, N, d] per-head outputs (projections + attention)
     y = self.output(heads, gates)    # optional per-token head gates, then the output projection
 
-``heads`` reads its queries/keys/values through ``project_q`` / ``project_kv`` / ``project_qkv``,
-so a variant that owns other projections (MoA) only overrides those; a variant that weights heads
-(MoH) only passes ``gates`` to ``output``. Keys and values may have one head that all query heads
-share (``k.shape[1] == 1``); kernels broadcast it.
+``heads`` reads its queries/keys/values through ``project_q`` / ``project_kv`` / ``project_qkv``, so a variant that owns
+other projections (MoA) only overrides those; a variant that weights heads (MoH) only passes ``gates`` to ``output``.
+Keys and values may have one head that all query heads share (``k.shape[1] == 1``); kernels broadcast it.
 """
 from __future__ import annotations
 

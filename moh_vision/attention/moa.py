@@ -1,24 +1,20 @@
 """Mixture of Attention heads (MoA, Zhang et al., 2022).
 
-``E = num_heads`` attention experts, each with its own query projection ``W_q^i`` (C -> d) and
-output projection ``W_o^i`` (d -> C); keys and values are ONE head (``W_k``, ``W_v``: C -> d)
-that every expert attends to. A zero-initialised router ``p = softmax(x W_g)`` (optionally noisy
-while training) picks the top-k experts per token and the output is
-``y = sum_{i in topk} p_i W_o^i Attn(W_q^i x, W_k X, W_v X)`` with the raw, not renormalised,
-top-k probabilities as in the released code.
+``E = num_heads`` attention experts, each with its own query projection ``W_q^i`` (C -> d) and output projection
+``W_o^i`` (d -> C); keys and values are ONE head (``W_k``, ``W_v``: C -> d) that every expert attends to. A
+zero-initialised router ``p = softmax(x W_g)`` (optionally noisy while training) picks the top-k experts per token and
+the output is ``y = sum_{i in topk} p_i W_o^i Attn(W_q^i x, W_k X, W_v X)`` with the raw, not renormalised, top-k
+probabilities as in the released code.
 
-Auxiliary loss per layer: ``switch_weight * E * sum_i P_i f_i + zloss_weight * mean(logsumexp^2)
-+ cv_weight * cv^2``. The weights are relative to the global aux coefficient
-(``attention.aux_loss_weight``, 0.01 by default), so the defaults give the paper's 0.01 switch and
-0.001 z-loss. As in the released code the layers' losses are SUMMED over layers
-(``aux_reduction = "sum"``; MoH takes the mean), and the shared key/value projection has no bias
-(``kv_bias=False``).
+Auxiliary loss per layer: ``switch_weight * E * sum_i P_i f_i + zloss_weight * mean(logsumexp^2) + cv_weight * cv^2``.
+The weights are relative to the global aux coefficient (``attention.aux_loss_weight``, 0.01 by default), so the defaults
+give the paper's 0.01 switch and 0.001 z-loss. As in the released code the layers' losses are SUMMED over layers
+(``aux_reduction = "sum"``; MoH takes the mean), and the shared key/value projection has no bias (``kv_bias=False``).
 
-Defaults versus the paper: the paper's WMT14 base model has E = 8 experts, top-k 8 and head size
-128, chosen for a 512-wide Transformer. Here the experts are the backbone's heads (E = num_heads,
-head size = the backbone's head_dim, so a MoA layer has the dense layer's query/output width) and
-``topk`` comes from ``activation_ratio`` (0.75 by default) or is given explicitly, so that MoA and
-MoH are compared at the same number of active heads.
+Defaults versus the paper: the paper's WMT14 base model has E = 8 experts, top-k 8 and head size 128, chosen for a
+512-wide Transformer. Here the experts are the backbone's heads (E = num_heads, head size = the backbone's head_dim, so
+a MoA layer has the dense layer's query/output width) and ``topk`` comes from ``activation_ratio`` (0.75 by default) or
+is given explicitly, so that MoA and MoH are compared at the same number of active heads.
 """
 from __future__ import annotations
 
@@ -65,8 +61,7 @@ class MoA(RoutedMixin):
         topk: experts per token; or ``activation_ratio`` (``topk = round(ratio * E)``). An explicit
             ``topk`` wins over ``activation_ratio``.
         noisy_gating: add learned Gaussian noise to the router logits while training.
-        switch_weight, zloss_weight, cv_weight: per-term aux weights, relative to the global
-            aux coefficient.
+        switch_weight, zloss_weight, cv_weight: per-term aux weights, relative to the global aux coefficient.
         kv_bias: bias of the shared key/value projection (the released code has none).
     """
 

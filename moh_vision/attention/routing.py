@@ -36,9 +36,8 @@ def resolve_moh_heads(num_heads: int, shared_heads: Optional[int] = None, topk: 
     * ``a = clamp(round(ratio * h), 1, h)`` heads are active per token, so the realised ratio
       ``a / h`` is within ``1 / (2h)`` of the request;
     * ``a == h`` (e.g. ratio 1.0) gives a dense-weighted layer: every head shared, ``topk = 0``;
-    * otherwise ``shared_heads = a // 2`` (or the given value) and ``topk = a - shared_heads``,
-      i.e. about half of the active heads are always on and half are routed, as in the
-      official presets.
+    * otherwise ``shared_heads = a // 2`` (or the given value) and ``topk = a - shared_heads``, i.e. about half of the
+      active heads are always on and half are routed, as in the official presets.
     """
     if num_heads < 1:
         raise ConfigError(f"num_heads={num_heads} must be at least 1")

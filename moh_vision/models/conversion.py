@@ -1,12 +1,11 @@
 """Released or training checkpoints -> a plain tensor state dict (``tools/convert_checkpoint.py``).
 
-The output holds tensors only, so our models load it strictly with ``weights_only=True`` (and
-``timm.create_model(name, checkpoint_path=...)``). Reading, finding the weights (raw state dicts such as
-the released ``DiT-XL-2-256x256.pt``; DiT / MoH-DiT training checkpoints ``{"model", "ema", "opt",
-"args"}``, EMA weights by default; ``{"model"}``, ``{"state_dict"}``, timm's ``state_dict_ema`` /
-``model_ema``; ``.safetensors``), stripping ``module.`` / ``_orig_mod.`` and writing atomically are
-:mod:`moh_vision.checkpoints`'. The ``argparse.Namespace`` that training checkpoints pickle loads safely;
-any other pickled object needs ``trust_pickle`` (unpickling it runs whatever the file says).
+The output holds tensors only, so our models load it strictly with ``weights_only=True`` (and ``timm.create_model(name,
+checkpoint_path=...)``). Reading, finding the weights (raw state dicts such as the released ``DiT-XL-2-256x256.pt``; DiT
+/ MoH-DiT training checkpoints ``{"model", "ema", "opt", "args"}``, EMA weights by default; ``{"model"}``,
+``{"state_dict"}``, timm's ``state_dict_ema`` / ``model_ema``; ``.safetensors``), stripping ``module.`` / ``_orig_mod.``
+and writing atomically are :mod:`moh_vision.checkpoints`'. The ``argparse.Namespace`` that training checkpoints pickle
+loads safely; any other pickled object needs ``trust_pickle`` (unpickling it runs whatever the file says).
 """
 from __future__ import annotations
 

@@ -7,10 +7,9 @@ formula). One program takes a block of ``BLOCK`` query tokens of one (image, hea
   the border: nothing is padded or copied), the pooled logits as one ``[BLOCK, d] x [d, P]`` product, one
   softmax over both in registers, then the output from the neighbours' value rows and one ``[BLOCK, P] x [P,
   d]`` product. Stores the output and each query's log-sum-exp.
-* ``_backward_queries``: recomputes the attention from the log-sum-exp; writes the queries' gradient and
-  the local weight's, and per (query, slot) the two numbers the keys' side needs (the logit gradient and the
-  value weight, ``[B, h, N, L]`` floats); adds the pooled keys', pooled values' and pooled bias's gradients
-  with atomics.
+* ``_backward_queries``: recomputes the attention from the log-sum-exp; writes the queries' gradient and the local
+  weight's, and per (query, slot) the two numbers the keys' side needs (the logit gradient and the value weight,
+  ``[B, h, N, L]`` floats); adds the pooled keys', pooled values' and pooled bias's gradients with atomics.
 * ``_backward_keys``: each key token gathers, over the window slots, the queries that see it: ``dk``, ``dv``.
 
 Sizes: any ``H x W`` map, odd window, ``d`` up to 128 and ``P`` up to 1,024 pooled tokens (:func:`supports`;
