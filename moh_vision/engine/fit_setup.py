@@ -160,9 +160,8 @@ def flops_text(flops: Dict[str, float]) -> str:
 class FitParts:
     """The task, its model and what trains it, for one ``Trainer.fit``.
 
-    ``model`` is the bare model (checkpoints, EMA, evaluation); ``train_model`` the one the
-    training step calls (compiled and/or in DDP). ``flops`` is empty off the main rank or when
-    ``trainer.count_flops`` is off.
+    ``model`` is the bare model (checkpoints, EMA, evaluation); ``train_model`` the one the training step calls
+    (compiled and/or in DDP). ``flops`` is empty off the main rank or when ``trainer.count_flops`` is off.
     """
 
     task: Task

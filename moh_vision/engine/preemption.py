@@ -1,9 +1,8 @@
 """Preemption: a signal asks the trainer to finish its step, save, and stop.
 
-Under DDP every rank must stop at the same step, though a signal may reach only some of them. Each step
-all-reduces this rank's flag asynchronously, on a gloo group of host tensors (never the device, whatever the
-backend), and reads the result of the previous step's: a stop is agreed one step after the signal, and no
-step waits for the other ranks.
+Under DDP every rank must stop at the same step, though a signal may reach only some of them. Each step all-reduces this
+rank's flag asynchronously, on a gloo group of host tensors (never the device, whatever the backend), and reads the
+result of the previous step's: a stop is agreed one step after the signal, and no step waits for the other ranks.
 
 Under torchrun the signal must reach the workers: torchrun's agent forwards the signals it handles to them
 (``--signals-to-handle``, default SIGTERM, SIGINT, SIGHUP, SIGQUIT) and any other one kills the agent,
@@ -57,9 +56,8 @@ def slurm_torchrun_warning(environ: Optional[Mapping[str, str]] = None) -> Optio
 
 
 class StopSignals:
-    """While entered (``with``), the preemption signals only note that a stop was asked for
-    (``received``); on exit the handlers that were there before are back. ``dist``: the ranks that must agree
-    (:meth:`agreed`)."""
+    """While entered (``with``), the preemption signals only note that a stop was asked for (``received``); on exit the
+    handlers that were there before are back. ``dist``: the ranks that must agree (:meth:`agreed`)."""
 
     def __init__(self, dist: DistInfo = DistInfo()):
         self.dist = dist

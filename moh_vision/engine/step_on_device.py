@@ -5,9 +5,8 @@ Whether a step is skipped is decided on the device, as ``GradScaler`` decides wi
 - A non-finite loss seeds its backward with NaN (:func:`loss_for_backward`), so every gradient it reaches is
   NaN; DDP's all-reduce spreads them to every rank, and each rank's gradient norm is non-finite: every rank
   skips the same step without asking the others.
-- The gradient norm (:func:`gradient_norm`, clipping on the way) stays a tensor; a fused optimizer takes
-  the skip flag as its ``found_inf`` (:func:`step_unless`) and leaves the parameters, moments and step
-  counts as they were.
+- The gradient norm (:func:`gradient_norm`, clipping on the way) stays a tensor; a fused optimizer takes the skip flag
+  as its ``found_inf`` (:func:`step_unless`) and leaves the parameters, moments and step counts as they were.
 - What the step leaves to be counted (its loss and parts, gradient norm, routing statistics and skip flag)
   stays on the device, packed into one vector per step (:class:`PendingSteps`). At a log interval, a
   checkpoint, an epoch's end or a stop, :meth:`PendingSteps.settle` reads all pending steps at once (one
@@ -133,9 +132,8 @@ class PendingSteps:
         self.layouts.append((index, tree, [(t.shape, t.dtype) for t in tensors]))
 
     def settle(self, dist: DistInfo) -> List[SettledStep]:
-        """Every pending step, read in one copy to the host (under DDP their skip flags first all-reduced with
-        MAX: skipped on any rank is skipped on all); nothing pending afterwards. Every rank calls this at the
-        same steps."""
+        """Every pending step, read in one copy to the host (under DDP their skip flags first all-reduced with MAX:
+        skipped on any rank is skipped on all); nothing pending afterwards. Every rank calls this at the same steps."""
         if not self.flags:
             return []
         flags = torch.cat(self.flags).to(torch.float32)

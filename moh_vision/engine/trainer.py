@@ -1,11 +1,10 @@
 """The one training loop, for every task.
 
-``Trainer(cfg, ...).fit(task, data)``: the task (``protocols.Task``) turns a batch into a loss dict,
-evaluates, and does its end-of-epoch work given an ``EpochContext``; the data (``protocols.Data``)
-hand over the two splits. The trainer owns the loop and the run's progress: accumulation, AMP,
-clipping, EMA updates, non-finite steps, epochs, validation, the best checkpoint, checkpoints that
-resume mid-epoch, preemption, logging and summary.json. What it builds before the first step is in
-``fit_setup``; its running records (meters, throughput, unreadable images) are in ``bookkeeping``;
+``Trainer(cfg, ...).fit(task, data)``: the task (``protocols.Task``) turns a batch into a loss dict, evaluates, and does
+its end-of-epoch work given an ``EpochContext``; the data (``protocols.Data``) hand over the two splits. The trainer
+owns the loop and the run's progress: accumulation, AMP, clipping, EMA updates, non-finite steps, epochs, validation,
+the best checkpoint, checkpoints that resume mid-epoch, preemption, logging and summary.json. What it builds before the
+first step is in ``fit_setup``; its running records (meters, throughput, unreadable images) are in ``bookkeeping``;
 where its time goes (data wait, step time, TFLOP/s, utilisation, peak memory) in ``costs``.
 """
 from __future__ import annotations
