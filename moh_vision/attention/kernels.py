@@ -49,16 +49,8 @@ class HeadAttention(nn.Module):
     # FLOPs: which children scale with the heads a token activates (see registry.flops_roles_of)
     flops_roles = {"qkv": "query_rows", "proj": "per_head", "proj_drop": "fixed"}
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        head_dim: Optional[int] = None,
-        qkv_bias: bool = True,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        kernels: Optional[Kernels] = None,
-    ):
+    def __init__(self, dim: int, num_heads: int, head_dim: Optional[int] = None, qkv_bias: bool = True,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, kernels: Optional[Kernels] = None):
         super().__init__()
         self.kernels = Kernels.of(kernels)
         self.dim = int(dim)

@@ -69,8 +69,7 @@ class MoA(RoutedMixin):
                      "switch_weight": ">= 0", "zloss_weight": ">= 0", "cv_weight": ">= 0"}
     aux_reduction = "sum"  # the released code sums the layers' losses (MoH takes the mean)
     variant_parameters = ("q_proj", "kv_proj", "w_gate", "w_noise")
-    flops_roles = {"q_proj": "per_head", "kv_proj": "fixed", "proj": "per_head", "w_gate": "fixed",
-                   "w_noise": "fixed"}
+    flops_roles = {"q_proj": "per_head", "kv_proj": "fixed", "proj": "per_head", "w_gate": "fixed", "w_noise": "fixed"}
     dense_start_refusal = (
         "MoA cannot be continue-tuned from a dense checkpoint: its experts share ONE key/value head (kv_proj: "
         "C -> 2 x head_dim) where the dense layer has one per head, and its output projection has no bias; no "
@@ -78,9 +77,8 @@ class MoA(RoutedMixin):
         "dense function. Train MoA from scratch, or continue-tune to attention=moh")
 
     def __init__(self, dim: int, num_heads: int, *, topk: Optional[int] = None,
-                 activation_ratio: Optional[float] = 0.75, noisy_gating: bool = False,
-                 switch_weight: float = 1.0, zloss_weight: float = 0.1, cv_weight: float = 0.0,
-                 kv_bias: bool = False, **kernel_options):
+                 activation_ratio: Optional[float] = 0.75, noisy_gating: bool = False, switch_weight: float = 1.0,
+                 zloss_weight: float = 0.1, cv_weight: float = 0.0, kv_bias: bool = False, **kernel_options):
         self.kv_bias = bool(kv_bias)
         super().__init__(dim, num_heads, **kernel_options)
         E = self.num_heads
@@ -90,8 +88,7 @@ class MoA(RoutedMixin):
             topk = self.options_for_ratio(E, activation_ratio)["topk"]
         if isinstance(topk, bool) or not 1 <= int(topk) <= E:
             raise ConfigError(f"MoA topk={topk} is outside 1..num_experts={E}")
-        for key, value in (("switch_weight", switch_weight), ("zloss_weight", zloss_weight),
-                           ("cv_weight", cv_weight)):
+        for key, value in (("switch_weight", switch_weight), ("zloss_weight", zloss_weight), ("cv_weight", cv_weight)):
             if float(value) < 0:
                 raise ConfigError(f"MoA {key}={value} must be >= 0")
         self.topk = int(topk)

@@ -151,8 +151,7 @@ class PlainViT(nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         # timm's feature extraction: every block's tokens, as an image of stride patch_size
-        self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=patch_size)
-                             for i in range(depth)]
+        self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=patch_size) for i in range(depth)]
         self.init_weights()
 
     def _check_pool(self, global_pool: str) -> None:

@@ -124,8 +124,7 @@ class _DepthwiseTriton(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = _correlated(grad, _taps(weight, True), None, height, width, k)
         grad_weight, grad_bias = _weight_grad(grad, x, height, width, k)
-        return (grad_x, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype) if ctx.has_bias else None, None,
-                None)
+        return (grad_x, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype) if ctx.has_bias else None, None, None)
 
 
 def depthwise_conv_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], height: int, width: int) -> Tensor:

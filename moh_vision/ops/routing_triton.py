@@ -129,8 +129,7 @@ def _route_forward(Z, G, P, M, I, SUMS, T, stride_z, O, OUT, N, sob, soh, son, s
     g_row = G + rows.to(tl.int64)[:, None] * (HS + R)
     routed = tl.where(chosen, p * (K / kept * mu1)[:, None], 0.0)
     tl.store(g_row + HS + cr[None, :], routed.to(G.dtype.element_ty), mask=live[:, None] & in_r)
-    tl.store(M + rows.to(tl.int64)[:, None] * R + cr[None, :], chosen.to(M.dtype.element_ty),
-             mask=live[:, None] & in_r)
+    tl.store(M + rows.to(tl.int64)[:, None] * R + cr[None, :], chosen.to(M.dtype.element_ty), mask=live[:, None] & in_r)
     if HS > 1:
         cs = tl.arange(0, HSP)
         in_s = cs[None, :] < HS
@@ -152,10 +151,9 @@ def _route_forward(Z, G, P, M, I, SUMS, T, stride_z, O, OUT, N, sob, soh, son, s
 
 
 @_jit
-def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale, O, GM, DO, N, sob, soh, son, sod, sdb, sdh,
-                    sdn, sdd, R: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, RP: tl.constexpr,
-                    HSP: tl.constexpr, BLOCK: tl.constexpr, EPS: tl.constexpr, AUX: tl.constexpr,
-                    D: tl.constexpr, DC: tl.constexpr):
+def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale, O, GM, DO, N, sob, soh, son, sod, sdb, sdh, sdn,
+                    sdd, R: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, RP: tl.constexpr, HSP: tl.constexpr,
+                    BLOCK: tl.constexpr, EPS: tl.constexpr, AUX: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
     # GG holds the gates; their gradient comes from the merged output's (GM), o's gradient (DO) on the way
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < T
@@ -275,8 +273,7 @@ class TritonRouteMerge(torch.autograd.Function):
         ctx.layout, ctx.lead = (routed, shared, topk), lead
         ctx.mark_non_differentiable(gates, probs, mask, index)  # the gates act through the merged output
         ctx.set_materialize_grads(False)
-        return (merged, gates.view(*lead, -1), probs.view(*lead, -1), mask.view(*lead, -1), index.view(*lead, -1),
-                loss)
+        return (merged, gates.view(*lead, -1), probs.view(*lead, -1), mask.view(*lead, -1), index.view(*lead, -1), loss)
 
     @staticmethod
     def backward(ctx, grad_merged, _gates, _probs, _mask, _index, grad_loss):
