@@ -10,8 +10,7 @@ their gates, merged to ``[B, N, h * d]``, go to the output projection. Op ``moh_
 * ``fused`` (CUDA): routing, loss and gated merge in one Triton kernel each way (:mod:`~moh_vision.ops.routing_triton`:
   the gates applied where the heads are merged, as a fused attention applies them in its epilogue). Eager calls only;
   under autocast it reads the low-precision logits as they are and gives float32 gates, as autocast's float32 softmax
-  gives them to the formulas (``tests/test_fused_routing.py``). (A C++ twin for the CPU was removed: on the default
-  run it was within 5% of the formulas, ``docs/performance.md``.)
+  gives them to the formulas (``tests/test_fused_routing.py``). No CPU kernel: a C++ one was within 5% of the formulas.
 
 Ties: the kernels take the lower head among equal probabilities, as :func:`topk_mask` does.
 """
