@@ -1,13 +1,12 @@
 """MoH's routing and gated merge as one Triton kernel each way (``kernels.routing=fused``, the CUDA default).
 
-The computation of :func:`~moh_vision.ops.routing.route_merge_reference`, per block of tokens: from the stacked
-logits ``[T, L]`` the routed softmax, the top-k (ties: the lower head), the renormalised routed gates, the mix and the
-shared softmax, written as the gates ``[T, h]``; the heads times their gates in the merged layout ``[T, h d]``; per
-routed head the sums over tokens of the probabilities and the selection (atomics: the load-balance loss). Backward:
-from the merged output's gradient the heads' and the logits', one more kernel. Layers that route (``topk > 0``) only.
-On CUDA tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` before Python starts: how
-``tests/test_fused_routing.py`` checks it). On an H100 (bf16) it took MoH-DiT-B/2's training step from 1.48x to 1.26x
-dense's (``docs/performance.md``).
+:func:`~moh_vision.ops.routing.route_merge_reference` per block of tokens: from the stacked logits ``[T, L]`` the routed
+softmax, the top-k (ties: the lower head), the renormalised routed gates, the mix and the shared softmax, written as the
+gates ``[T, h]``; the heads times their gates in the merged layout ``[T, h d]``; per routed head the sums over tokens
+of the probabilities and the selection (atomics: the load-balance loss). Backward: from the merged output's gradient
+the heads' and the logits', one more kernel. Layers that route (``topk > 0``) only; CUDA tensors, or CPU tensors under
+``TRITON_INTERPRET=1`` (``tests/test_fused_routing.py``). On an H100 (bf16) it took MoH-DiT-B/2's training step from
+1.48x to 1.26x dense's.
 """
 from __future__ import annotations
 

@@ -1,11 +1,11 @@
 """Which tracer, exporter or function transform runs a call: the question the kernel dispatch asks
 (:mod:`moh_vision.ops.dispatch`), answered in one place.
 
-A kernel is an opaque operator or a hand-written autograd Function. ``torch.compile`` keeps a ``torch.library``
-operator as one node of its graph; ``torch.jit.trace`` records it as one node (the FLOP counter gives it a
-handle); ``torch.fx``, the ONNX exporters, ``torch.export`` and the ``torch.func`` transforms need the plain
-operators of the reference formula. :func:`active_tracer` names the one running, cheaply (``torch.compile`` folds
-it to a constant: it asks ``is_compiling`` first, so compiled code never reaches the functorch query).
+A kernel is an opaque operator or a hand-written autograd Function. ``torch.compile`` keeps a ``torch.library`` operator
+as one node of its graph; ``torch.jit.trace`` records it as one node (the FLOP counter gives it a handle); ``torch.fx``,
+the ONNX exporters, ``torch.export`` and the ``torch.func`` transforms need the reference formula's plain operators.
+:func:`active_tracer` names the one running, cheaply (it asks ``is_compiling`` first, which ``torch.compile`` folds to
+a constant, so compiled code never reaches the functorch query).
 """
 from __future__ import annotations
 
