@@ -75,8 +75,7 @@ class HeadAttention(nn.Module):
         return self.split_qkv(self.qkv(x))
 
     def split_qkv(self, qkv: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """The ``qkv`` projection's output ``[B, N, 3 * h * d]`` (any row stride) -> q, k, v ``[B, h, N, d]``
-        (views)."""
+        """The ``qkv`` projection's output ``[B, N, 3 * h * d]`` (any row stride) -> views q, k, v ``[B, h, N, d]``."""
         B, N, _ = qkv.shape
         q, k, v = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return q, k, v

@@ -74,8 +74,7 @@ class _Leaf:
 
 
 def _split(tree: Any, tensors: List[Tensor]) -> Any:
-    """``tree`` (dicts, lists, tuples) with each tensor replaced by a :class:`_Leaf`; the tensors, detached,
-    appended to ``tensors``."""
+    """``tree`` (dicts, lists, tuples) with each tensor, detached and appended to ``tensors``, replaced by a _Leaf."""
     if isinstance(tree, Tensor):
         tensors.append(tree.detach())
         return _Leaf(len(tensors) - 1)

@@ -113,8 +113,8 @@ def local_sum(weight: Tensor, v_padded: Tensor, size: Size2, window: int) -> Ten
 
 
 def _scatter_windows(terms, shape, size: Size2, window: int) -> Tensor:
-    """The adjoint of :func:`_views`: ``terms[l]`` ``[B, h, H, W, d]`` added at each slot's offset, cropped
-    back to ``[B, h, N, d]``."""
+    """Adjoint of :func:`_views`: ``terms[l]`` ``[B, h, H, W, d]`` summed at the slots' offsets, cropped to
+    ``[B, h, N, d]``."""
     H, W = size
     r = window // 2
     padded = terms[0].new_zeros(*shape[:2], H + 2 * r, W + 2 * r, shape[-1])

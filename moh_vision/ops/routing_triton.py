@@ -21,8 +21,7 @@ BLOCK_TOKENS, MERGE_COLUMNS = 32, 8  # tokens a block, a head's columns a step o
 
 
 def _jit(fn):
-    """``triton.jit`` (which gives Triton's interpreter under ``TRITON_INTERPRET=1``); the bare function without
-    triton."""
+    """``triton.jit`` (Triton's interpreter under ``TRITON_INTERPRET=1``); the bare function without triton."""
     return fn if triton is None else triton.jit(fn)
 
 
@@ -246,8 +245,7 @@ def _balance_loss(sums: Tensor, routed: int, tokens: int, with_loss: bool) -> Te
 
 
 def _gates_dtype(logits: Tensor) -> torch.dtype:
-    """float32 under autocast (low-precision logits), as autocast's softmax gives them to the formulas; else the
-    logits' dtype."""
+    """float32 under autocast (low-precision logits), as autocast's softmax gives it; else the logits' dtype."""
     return torch.float32 if torch.is_autocast_enabled(logits.device.type) else logits.dtype
 
 
