@@ -1,15 +1,13 @@
 """Continue-tuning: start a routed model from a dense (multi-head attention) checkpoint of the same backbone.
 
-What a variant adds over a dense layer (its ``variant_parameters``) and how those start (``dense_start``) is
-declared by the variant itself; this module copies the dense tensors, asks each layer for the start of its own
-parameters, and refuses what a variant says it cannot do (``dense_start_refusal``). MoH, the built-in example, adds
-only routers (``wg``, ``wg_0``, ``wg_1``); every other tensor keeps its dense name and shape and is copied one to one.
-``wg_0`` and ``wg_1`` start at zero (``2 * softmax(0) = (1, 1)``, ``softmax(0) * h_s = 1``: every shared head gate
-1), and ``wg`` at zero where top-k takes the whole routed pool (the renormalised uniform top-k gives every routed
-head gate 1): a layer whose heads are all active computes the dense layer at step 0. A layer that keeps fewer heads
-per token starts as the dense layer with ``num_heads - active`` heads dropped per token (the accuracy continue-tuning
-has to recover), its ``wg`` with tiny random weights (``router_std``, default 1e-3) so that each token picks its heads
-from its own scores rather than by the tie-breaking of an all-zero router.
+What a variant adds over a dense layer (its ``variant_parameters``) and how those start (``dense_start``) is declared by
+the variant itself; this module copies the dense tensors, asks each layer for the start of its own parameters, and
+refuses what a variant says it cannot do (``dense_start_refusal``). MoH, the built-in example, adds only routers
+(``wg``, ``wg_0``, ``wg_1``), started so that every active head has gate 1
+(:meth:`~moh_vision.attention.moh.MoH.dense_start`); every other tensor keeps its dense name and shape and is copied one
+to one. A layer whose heads are all active computes the dense layer at step 0; one that keeps fewer heads per token
+starts as the dense layer with ``num_heads - active`` heads dropped per token (the accuracy continue-tuning has to
+recover), its ``wg`` with tiny random weights (``router_std``, default 1e-3).
 
 Refused, with the reason: checkpoints that are not dense (they hold a variant's parameters), backbones of another
 width / depth / head layout, and targets whose variant cannot start from dense weights (MoA). The checkpoint is first
@@ -58,9 +56,9 @@ class DenseCheckpoint:
 
 
 def read_dense_checkpoint(path: Union[str, Path], weights: str = "auto") -> DenseCheckpoint:
-    """Load ``path`` (tensors only, plus the argparse Namespace released training checkpoints carry) and
-    pick its weights (:func:`moh_vision.checkpoints.find_weights`: ours, DiT's, timm's, plain state dicts;
-    ``weights``: ``auto`` EMA when present, ``ema``, ``model``)."""
+    """Load ``path`` (tensors only, plus the argparse Namespace released training checkpoints carry) and pick its
+    weights (:func:`moh_vision.checkpoints.find_weights`: ours, DiT's, timm's, plain state dicts; ``weights``: ``auto``
+    EMA when present, ``ema``, ``model``)."""
     path = Path(path)
     if not path.is_file():
         raise ContinueTuningError(f"init_from={path} does not exist")
