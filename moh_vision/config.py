@@ -14,8 +14,7 @@ family in ``configs/model/family/`` (not an option: it names no model) and one g
 name is pointed at the preset its checkpoints load into.
 
 Errors: :func:`explain` (Hydra's composition errors) and :func:`validate` (values) give one line naming the key, the
-bad value and what is allowed (:class:`~moh_vision.errors.ConfigError`, exit 2).
-"""
+bad value and what is allowed (:class:`~moh_vision.errors.ConfigError`, exit 2)."""
 from __future__ import annotations
 
 import dataclasses

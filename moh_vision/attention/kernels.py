@@ -7,8 +7,7 @@ Every kernel follows one pipeline::
 
 ``heads`` reads its queries/keys/values through ``project_q`` / ``project_kv`` / ``project_qkv``, so a variant that owns
 other projections (MoA) only overrides those; a variant that weights heads (MoH) only passes ``gates`` to ``output``.
-Keys and values may have one head that all query heads share (``k.shape[1] == 1``); kernels broadcast it.
-"""
+Keys and values may have one head that all query heads share (``k.shape[1] == 1``); kernels broadcast it."""
 from __future__ import annotations
 
 from typing import Optional, Tuple

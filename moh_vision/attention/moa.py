@@ -14,8 +14,7 @@ give the paper's 0.01 switch and 0.001 z-loss. As in the released code the layer
 Defaults versus the paper: the paper's WMT14 base model has E = 8 experts, top-k 8 and head size 128, chosen for a
 512-wide Transformer. Here the experts are the backbone's heads (E = num_heads, head size = the backbone's head_dim, so
 a MoA layer has the dense layer's query/output width) and ``topk`` comes from ``activation_ratio`` (0.75 by default) or
-is given explicitly, so that MoA and MoH are compared at the same number of active heads.
-"""
+is given explicitly, so that MoA and MoH are compared at the same number of active heads."""
 from __future__ import annotations
 
 from typing import Optional, Tuple

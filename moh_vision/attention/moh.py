@@ -28,8 +28,7 @@ backward is straight-through: head i's gate gets ``+ (s_i - stopgrad(s_i)) * sto
 with ``s = h_s * softmax(score)`` and ``G_shared_i - G_routed_i`` the change of its gate if it switched set. Then
 (:meth:`MoH.after_optimizer_step`) ``top-h_s(shared_score)`` is frozen into ``shared_mask``. Every token always uses
 ``h_s + topk`` heads; a frozen learned layer computes what an official layer with its heads permuted computes
-(``tests/test_learned_shared_heads.py``). Learning applies only where both sets are non-empty.
-"""
+(``tests/test_learned_shared_heads.py``). Learning applies only where both sets are non-empty."""
 from __future__ import annotations
 
 from typing import Dict, NamedTuple, Optional, Tuple, Union

@@ -17,8 +17,7 @@ recorder open.
 A layer hands over the tensors its forward made anyway (its selection, router probabilities, aux loss); the statistics
 (per-head load, router entropy) are computed from them only when the caller reads ``stats()`` or ``record.stats``,
 outside the forward, so they add nothing to a forward's (or a compiled graph's) work. Forwards that autograd replays
-during ``backward`` (gradient checkpointing) are not recorded a second time.
-"""
+during ``backward`` (gradient checkpointing) are not recorded a second time."""
 from __future__ import annotations
 
 import contextvars

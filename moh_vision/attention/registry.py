@@ -16,8 +16,7 @@ module a ``__getattr__`` that composes such names on demand.
 
 Discovery: every module of this package is imported on ``import moh_vision.attention``, and so is every entry point of
 the group ``moh_vision.attention`` (how a separate pip package adds a variant:
-``[project.entry-points."moh_vision.attention"] my_attention = "my_pkg.my_attention"``).
-"""
+``[project.entry-points."moh_vision.attention"] my_attention = "my_pkg.my_attention"``)."""
 from __future__ import annotations
 
 import inspect

@@ -1,7 +1,6 @@
 """The trainer's running records, each saved in checkpoints so a resumed run reports as an uninterrupted one: epoch
 meters (``EpochMeters``), throughput (``Throughput``) and unreadable images (``SkippedFiles``); and the routing files
-written at the end of an epoch. Step times are ``costs.StepTimes``.
-"""
+written at the end of an epoch. Step times are ``costs.StepTimes``."""
 from __future__ import annotations
 
 import json

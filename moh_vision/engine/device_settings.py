@@ -10,8 +10,7 @@
 - ``trainer.grad_checkpointing``: the model's ``set_grad_checkpointing`` (set by ``fit_setup.build_parts``).
 
 The process-wide flags hold while a fit runs and are restored after it: a fit leaves the process as it
-found it. ``summary.json`` records what the run used (:func:`device_settings` yields it).
-"""
+found it. ``summary.json`` records what the run used (:func:`device_settings` yields it)."""
 from __future__ import annotations
 
 import contextlib

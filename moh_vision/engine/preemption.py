@@ -9,8 +9,7 @@ Under torchrun the signal must reach the workers: torchrun's agent forwards the 
 leaving its workers to train on without a checkpoint (SIGUSR1 did, on torch 2.14.1). ``sbatch --signal=B:USR1``
 therefore needs ``torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``; the first rank says so at
 the start when a SLURM job runs torchrun without it (:func:`slurm_torchrun_warning`). The agent sends a signal to
-each worker's process group: the loader workers a trainer forked get it too, and ignore it.
-"""
+each worker's process group: the loader workers a trainer forked get it too, and ignore it."""
 from __future__ import annotations
 
 import logging

@@ -15,8 +15,7 @@ Whether a step is skipped is decided on the device, as ``GradScaler`` decides wi
   counters take exactly as they took each step's values before: the same numbers, added in the same order.
 
 Where the device cannot decide, the host reads the flag, once a step: an optimizer without a fused kernel
-(no ``found_inf``; with ``trainer.amp=fp16`` GradScaler reads it then).
-"""
+(no ``found_inf``; with ``trainer.amp=fp16`` GradScaler reads it then)."""
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,8 +5,7 @@ its end-of-epoch work given an ``EpochContext``; the data (``protocols.Data``) h
 owns the loop and the run's progress: accumulation, AMP, clipping, EMA updates, non-finite steps, epochs, validation,
 the best checkpoint, checkpoints that resume mid-epoch, preemption, logging and summary.json. What it builds before the
 first step is in ``fit_setup``; its running records (meters, throughput, unreadable images) are in ``bookkeeping``;
-where its time goes (data wait, step time, TFLOP/s, utilisation, peak memory) in ``costs``.
-"""
+where its time goes (data wait, step time, TFLOP/s, utilisation, peak memory) in ``costs``."""
 from __future__ import annotations
 
 import contextlib

@@ -12,8 +12,7 @@ recover), its ``wg`` with tiny random weights (``router_std``, default 1e-3).
 Refused, with the reason: checkpoints that are not dense (they hold a variant's parameters), backbones of another
 width / depth / head layout, and targets whose variant cannot start from dense weights (MoA). The checkpoint is first
 made to fit the data the target is built for (:func:`moh_vision.models.fitting.fit_to_model`). ``model.init_from``
-and ``tools/convert_dense_to_moh.py`` both call :func:`init_from_dense`.
-"""
+and ``tools/convert_dense_to_moh.py`` both call :func:`init_from_dense`."""
 from __future__ import annotations
 
 import logging

@@ -5,8 +5,7 @@ checkpoint_path=...)``). Reading, finding the weights (raw state dicts such as t
 / MoH-DiT training checkpoints ``{"model", "ema", "opt", "args"}``, EMA weights by default; ``{"model"}``,
 ``{"state_dict"}``, timm's ``state_dict_ema`` / ``model_ema``; ``.safetensors``), stripping ``module.`` / ``_orig_mod.``
 and writing atomically are :mod:`moh_vision.checkpoints`'. The ``argparse.Namespace`` that training checkpoints pickle
-loads safely; any other pickled object needs ``trust_pickle`` (unpickling it runs whatever the file says).
-"""
+loads safely; any other pickled object needs ``trust_pickle`` (unpickling it runs whatever the file says)."""
 from __future__ import annotations
 
 import logging

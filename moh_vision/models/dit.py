@@ -9,8 +9,7 @@ State-dict keys and shapes equal the official checkpoints' (facebookresearch/DiT
 ``attn.wg``, ``attn.wg_0``, ``attn.wg_1``). Registered with timm: ``dit_{s,b,l,xl}_{2,4,8}``,
 ``moh_dit_{s,b,l,xl}_2_{90,75}`` (the official per-layer presets) and ``dit_tiny_2`` (16x16 digits on a CPU), each with
 a pretrained cfg describing its input, so ``pretrained=True`` (``pretrained_cfg_overlay=dict(file=...)``) loads
-released checkpoints (``DiT-XL-2-256x256.pt``; MoH-DiT training checkpoints: their EMA weights).
-"""
+released checkpoints (``DiT-XL-2-256x256.pt``; MoH-DiT training checkpoints: their EMA weights)."""
 from __future__ import annotations
 
 import math

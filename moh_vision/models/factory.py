@@ -6,8 +6,7 @@ user's, go through ``timm.models.build_model_with_cfg``, so ``features_only``, `
 ``pretrained=True`` loads the released weights from where they live (:mod:`~moh_vision.models.hub`: the cfg's hub id or
 URL through the caches, or a local file named by ``pretrained_cfg_overlay=dict(file=...)``, never the network), in
 their official formats, ours, and ``.safetensors``. :mod:`~moh_vision.models.families` says which registered names are
-ours and the family of each; :func:`~moh_vision.models.build.build_model` is what the tasks call.
-"""
+ours and the family of each; :func:`~moh_vision.models.build.build_model` is what the tasks call."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Mapping, Optional

@@ -2,8 +2,7 @@
 
 Every model class carries ``family`` (``"transnext"``, ``"dit"``, ``"vit"``) and its module records the
 names it registers with timm (:func:`register_family`); nothing reads a family from a name. This module
-imports nothing else of :mod:`moh_vision.models`, so any module there may ask it.
-"""
+imports nothing else of :mod:`moh_vision.models`, so any module there may ask it."""
 from __future__ import annotations
 
 import difflib

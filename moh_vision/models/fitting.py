@@ -11,8 +11,7 @@ for ``pretrained=True``):
 * the classifier (the cfg's ``classifier``: a head, or DiT's class-embedding table) keeps the model's fresh
   initialisation when the checkpoint has another number of classes.
 
-Anything else that differs (width, depth, heads) is left for the caller to refuse.
-"""
+Anything else that differs (width, depth, heads) is left for the caller to refuse."""
 from __future__ import annotations
 
 from typing import Dict, List, Mapping, Tuple

@@ -6,8 +6,7 @@ The registered pretrained cfgs carry timm's ``hf_hub_id`` / ``hf_hub_filename`` 
 ``huggingface_hub.hf_hub_download``, the hub cache first (offline once the file is there; ``HF_HUB_OFFLINE=1`` never
 connects), taking the repo's only weights file where the cfg names none or a missing one; a URL through timm's download
 cache. Anything else is one :class:`~moh_vision.errors.ConfigError` naming the id (or URL) and the local-file route. The
-file is then read by :func:`moh_vision.checkpoints.read_weights` (tensors only, released formats included).
-"""
+file is then read by :func:`moh_vision.checkpoints.read_weights` (tensors only, released formats included)."""
 from __future__ import annotations
 
 import os

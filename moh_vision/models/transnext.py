@@ -14,8 +14,7 @@ Parameter names follow the official TransNeXt / MoH-ViT checkpoints (``patch_emb
 non-persistent and derived from the construction-time resolution, as in the official code: the model runs at exactly
 ``img_size``. timm: ``forward_features`` gives the stage-4 map ``[B, C4, H/32, W/32]``; ``features_only=True`` /
 ``forward_intermediates`` the four normalised stage maps (strides 4-32), as the official dense-prediction backbones use
-them; ``pretrained=True`` (``pretrained_cfg_overlay=dict(file=...)``) loads the released checkpoints.
-"""
+them; ``pretrained=True`` (``pretrained_cfg_overlay=dict(file=...)``) loads the released checkpoints."""
 from __future__ import annotations
 
 import math
@@ -384,8 +383,7 @@ class TransNeXt(nn.Module):
             stage, and a per-stage ``None`` means "that attention's default".
 
     A stage with ``sr_ratio == 1`` uses full attention, the others aggregated attention. ``global_pool``: ``"avg"``
-    (mean over the stage-4 map) or ``""`` (unpooled, needs ``num_classes=0``).
-    """
+    (mean over the stage-4 map) or ``""`` (unpooled, needs ``num_classes=0``)."""
 
     family = "transnext"
 

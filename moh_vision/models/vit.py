@@ -6,8 +6,7 @@ class token, pre-norm blocks, final LayerNorm, Linear head): with ``attention="m
 keys and shapes of the matching timm ``vit_*`` / ``deit_*`` model and computes the same function, so their checkpoints
 load into it (:func:`checkpoint_filter_fn`) and continue-tune into MoH. ``global_pool``: ``"token"`` (default, the
 class token), ``"avg"`` (mean of the patch tokens, no class token) or ``""`` (unpooled). Registered with timm:
-``plain_vit_{tiny,small,base}`` (224px, patch 16) and ``plain_vit_nano`` (32px, patch 4, for CPU runs).
-"""
+``plain_vit_{tiny,small,base}`` (224px, patch 16) and ``plain_vit_nano`` (32px, patch 4, for CPU runs)."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -13,8 +13,7 @@ gated_tail, ...     ``recompute``       ``recompute`` (eager training: keep inpu
 ==================  ==================  =====================================================  ================
 
 ``python train.py kernels=reference`` runs every model on the reference formulas alone; ``docs/performance.md`` lists
-the record that keeps each ``auto`` entry.
-"""
+the record that keeps each ``auto`` entry."""
 from . import aggregated_flex  # noqa: F401  (registers the flex candidate)
 from .aggregated import aggregated_attention, aggregated_attention_reference, local_window_mask
 from .depthwise import depthwise_conv

@@ -24,8 +24,7 @@ The official code copies every key and value nine times (``F.unfold``) and keeps
 * ``flex``: FlexAttention (:mod:`~moh_vision.ops.aggregated_flex`), a CUDA candidate.
 
 Slot ``l`` is the offset ``(l // window - window // 2, l % window - window // 2)``, ``F.unfold``'s order, which the
-checkpoints' ``relative_pos_bias_local`` and ``learnable_tokens`` follow.
-"""
+checkpoints' ``relative_pos_bias_local`` and ``learnable_tokens`` follow."""
 from __future__ import annotations
 
 import functools

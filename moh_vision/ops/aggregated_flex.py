@@ -10,8 +10,7 @@ A candidate, not a default: ``tools/gpu_checks.sh`` times it on CUDA beside ``fu
 if a record shows it faster. Its forward equals the formula on the CPU (``tests/test_aggregated_attention.py``;
 FlexAttention has no CPU backward), its gradients on CUDA (a ``gpu`` test). On CUDA outside ``torch.compile`` it calls
 FlexAttention compiled once (eager FlexAttention materialises every score). A call with attention dropout runs the
-reference.
-"""
+reference."""
 from __future__ import annotations
 
 import functools

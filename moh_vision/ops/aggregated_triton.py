@@ -14,8 +14,7 @@ One program takes a block of ``BLOCK`` query tokens of one (image, head):
 
 Sizes: any ``H x W`` map, odd window, ``d`` up to 128 and ``P`` up to 1,024 pooled tokens (:func:`supports`; larger
 runs the shifted-view formulas). float32 inputs use IEEE products (no TF32); bf16 / fp16 accumulate in float32. Under
-``TRITON_INTERPRET=1`` (set before Python starts) they run on CPU tensors (``tests/test_aggregated_attention.py``).
-"""
+``TRITON_INTERPRET=1`` (set before Python starts) they run on CPU tensors (``tests/test_aggregated_attention.py``)."""
 from __future__ import annotations
 
 from typing import Tuple

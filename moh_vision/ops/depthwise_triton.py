@@ -11,8 +11,7 @@ grouped kernels have slow shapes (pytorch#34977):
   + 1, C]`` float32 buffer that torch sums.
 
 Not a default until a record shows it faster on CUDA (``tools/gpu_checks.sh`` times it beside cuDNN). Under
-``TRITON_INTERPRET=1`` the kernels run on CPU tensors (``tests/test_depthwise.py``).
-"""
+``TRITON_INTERPRET=1`` the kernels run on CPU tensors (``tests/test_depthwise.py``)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple

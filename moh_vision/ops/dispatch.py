@@ -8,8 +8,7 @@ runs the formula everywhere; under ``torch.jit.trace``, ``torch.fx``, the ONNX e
 ``torch.func`` the formula runs unless the implementation says it runs there (the ``torch.library`` operators under
 ``torch.jit.trace``, where the FLOP counter counts them as one node); ``auto`` runs the device's winner where it can run
 the call, else the formula; an explicit choice runs where it can, and is a one-line error on a device it does not
-support.
-"""
+support."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields

@@ -12,8 +12,7 @@ their gates, merged to ``[B, N, h * d]``, go to the output projection. Op ``moh_
   under autocast it reads the low-precision logits as they are and gives float32 gates, as autocast's float32 softmax
   gives them to the formulas (``tests/test_fused_routing.py``). No CPU kernel: a C++ one was within 5% of the formulas.
 
-Ties: the kernels take the lower head among equal probabilities, as :func:`topk_mask` does.
-"""
+Ties: the kernels take the lower head among equal probabilities, as :func:`topk_mask` does."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple

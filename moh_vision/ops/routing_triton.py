@@ -6,8 +6,7 @@ gates ``[T, h]``; the heads times their gates in the merged layout ``[T, h d]``;
 of the probabilities and the selection (atomics: the load-balance loss). Backward: from the merged output's gradient
 the heads' and the logits', one more kernel. Layers that route (``topk > 0``) only; CUDA tensors, or CPU tensors under
 ``TRITON_INTERPRET=1`` (``tests/test_fused_routing.py``). On an H100 (bf16) it took MoH-DiT-B/2's training step from
-1.48x to 1.26x dense's.
-"""
+1.48x to 1.26x dense's."""
 from __future__ import annotations
 
 from typing import Tuple

@@ -5,8 +5,7 @@ A kernel is an opaque operator or a hand-written autograd Function. ``torch.comp
 as one node of its graph; ``torch.jit.trace`` records it as one node (the FLOP counter gives it a handle); ``torch.fx``,
 the ONNX exporters, ``torch.export`` and the ``torch.func`` transforms need the reference formula's plain operators.
 :func:`active_tracer` names the one running, cheaply (it asks ``is_compiling`` first, which ``torch.compile`` folds to
-a constant, so compiled code never reaches the functorch query).
-"""
+a constant, so compiled code never reaches the functorch query)."""
 from __future__ import annotations
 
 from typing import Optional

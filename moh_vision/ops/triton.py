@@ -3,8 +3,7 @@ attention, depthwise: :mod:`~moh_vision.ops.routing_triton`, ``aggregated_triton
 
 The kernels run compiled on CUDA tensors, or on CPU tensors under Triton's interpreter when ``TRITON_INTERPRET=1`` was
 set before Python started (Triton decides at import whether its standard library is interpreted): how the tests check
-them without a GPU.
-"""
+them without a GPU."""
 from __future__ import annotations
 
 try:  # triton ships with CUDA builds of torch; CPU-only installs may lack it
