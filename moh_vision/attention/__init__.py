@@ -1,9 +1,9 @@
 """Pluggable attention: ``build_attention(name, dim, num_heads, kernel=..., **options)``.
 
-Importing this package imports every module in it (so each variant file registers itself: a new variant is one file here
+Importing this package imports every module in it (each variant file registers itself: a new variant is one file here
 with a ``@register_attention`` class plus one YAML in ``configs/attention/``), then every entry point of the group
-``moh_vision.attention`` (variants that live in other packages). Routed layers report their auxiliary loss and
-statistics to a recorder the caller opens (:func:`record_routing`); they keep nothing on themselves."""
+``moh_vision.attention`` (variants in other packages). Routed layers report their auxiliary loss and statistics to a
+recorder the caller opens (:func:`record_routing`)."""
 import importlib
 import logging
 import pkgutil

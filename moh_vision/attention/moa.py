@@ -11,10 +11,9 @@ The weights are relative to the global aux coefficient (``attention.aux_loss_wei
 give the paper's 0.01 switch and 0.001 z-loss. As in the released code the layers' losses are SUMMED over layers
 (``aux_reduction = "sum"``; MoH takes the mean), and the shared key/value projection has no bias (``kv_bias=False``).
 
-Defaults versus the paper: the paper's WMT14 base model has E = 8 experts, top-k 8 and head size 128, chosen for a
-512-wide Transformer. Here the experts are the backbone's heads (E = num_heads, head size = the backbone's head_dim, so
-a MoA layer has the dense layer's query/output width) and ``topk`` comes from ``activation_ratio`` (0.75 by default) or
-is given explicitly, so that MoA and MoH are compared at the same number of active heads."""
+Defaults versus the paper (WMT14 base: E = 8 experts, top-k 8, head size 128 for a 512-wide Transformer): here the
+experts are the backbone's heads (E = num_heads, head size = head_dim: the dense layer's query/output width) and
+``topk`` comes from ``activation_ratio`` (0.75 by default) or is given, so MoA and MoH compare at equal active heads."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -57,8 +56,7 @@ class MoA(RoutedMixin):
     """Mixin: MoA experts over any kernel. ``num_heads`` is the number of experts E.
 
     Args:
-        topk: experts per token; or ``activation_ratio`` (``topk = round(ratio * E)``). An explicit
-            ``topk`` wins over ``activation_ratio``.
+        topk: experts per token; or ``activation_ratio`` (``topk = round(ratio * E)``); an explicit ``topk`` wins.
         noisy_gating: add learned Gaussian noise to the router logits while training.
         switch_weight, zloss_weight, cv_weight: per-term aux weights, relative to the global aux coefficient.
         kv_bias: bias of the shared key/value projection (the released code has none).
