@@ -1,7 +1,6 @@
 """moh-vision: Mixture-of-Head attention (MoH) and Mixture of Attention heads (MoA) for vision.
 
-``import moh_vision`` registers the attention variants and the timm models.
-"""
+``import moh_vision`` registers the attention variants and the timm models."""
 from . import attention  # noqa: F401
 from . import models  # noqa: F401
 

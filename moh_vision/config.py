@@ -1,24 +1,20 @@
-"""The one typed configuration of ``train.py`` and ``eval.py``: every option's type, default and allowed
-values, in one place.
+"""The one typed configuration of ``train.py`` and ``eval.py``: every option's type, default and allowed values.
 
-Why Hydra structured configs (dataclasses) and not pydantic: Hydra composes the config groups, the
-experiments and the sweeps; a dataclass registered in Hydra's ConfigStore types every option *while*
-Hydra composes (``trainer.epochs=abc`` never reaches Python), ``--cfg job`` prints the typed result, and
-nothing else has to be installed. What types cannot say (``>= 1``, a choice, a file that must be a
-readable checkpoint) is each field's metadata, checked by :func:`validate` before anything is built or
-written.
+Why Hydra structured configs (dataclasses) and not pydantic: Hydra composes the config groups, the experiments and the
+sweeps; a dataclass registered in Hydra's ConfigStore types every option *while* Hydra composes (``trainer.epochs=abc``
+never reaches Python), ``--cfg job`` prints the typed result, and nothing else has to be installed. What types cannot
+say (``>= 1``, a choice, a readable checkpoint file) is each field's metadata, checked by :func:`validate` before
+anything is built or written.
 
-How a group option is written: ``configs/<group>/<option>.yaml`` extends its schema
-(``defaults: [/schema/<group>/<schema>@_here_, _self_]``) and sets only what differs from it. Every group
-dispatches the same way: its ``name`` selects what Python builds (:data:`DATA_CLASSES`,
-:data:`TASK_CLASSES`; the attention registry, the optimizer and schedule by their names). Models are
-data: one file per family in ``configs/model/family/`` (not an option: it names no model) and one generated
-option per registered preset (:func:`register_configs`), so ``model=<preset>`` lists every model the package
-registers and nothing else; a timm name is pointed at the preset its checkpoints load into.
+A group option, ``configs/<group>/<option>.yaml``, extends its schema (``defaults: [/schema/<group>/<schema>@_here_,
+_self_]``) and sets only what differs. Every group's ``name`` selects what Python builds (:data:`DATA_CLASSES`,
+:data:`TASK_CLASSES`; the attention registry, the optimizer and schedule by their names). Models are data: one file per
+family in ``configs/model/family/`` (not an option: it names no model) and one generated option per registered preset
+(:func:`register_configs`), so ``model=<preset>`` lists every model the package registers and nothing else; a timm
+name is pointed at the preset its checkpoints load into.
 
-Errors: :func:`explain` turns Hydra's composition errors and :func:`validate` raises for values into one
-line naming the key, the bad value and what is allowed (:class:`~moh_vision.errors.ConfigError`, exit 2).
-"""
+Errors: :func:`explain` (Hydra's composition errors) and :func:`validate` (values) give one line naming the key, the
+bad value and what is allowed (:class:`~moh_vision.errors.ConfigError`, exit 2)."""
 from __future__ import annotations
 
 import dataclasses
@@ -139,9 +135,8 @@ class KernelsConfig:
                              help="TransNeXt's aggregated attention (fused: C++ / Triton; flex: CUDA candidate)")
     routing: str = option("auto", choices=_kernel_choices("routing"),
                           help="MoH's routing and gated merge (fused: one kernel each way, C++ / Triton)")
-    depthwise: str = option("auto", choices=_kernel_choices("depthwise"),
-                            help="TransNeXt's depthwise convolution (channels_last on the CPU; candidates: triton, "
-                                                                 "written_grad)")
+    depthwise: str = option("auto", choices=_kernel_choices("depthwise"), help="TransNeXt's depthwise convolution "
+                            "(channels_last on the CPU; candidates: triton, written_grad)")
     recompute: str = option("auto", choices=_kernel_choices("recompute"),
                             help="eager training: TransNeXt pieces keep only their inputs for backward")
 
@@ -398,8 +393,8 @@ SCHEMAS = {"data": {"digits": DigitsData, "imagefolder": ImageFolderData, "laten
 
 
 def register_configs() -> None:
-    """Put the schema and the model presets into Hydra's ConfigStore, once (the entry points and
-    :func:`compose` call it before composing; storing every node again costs ~40 ms)."""
+    """Put the schema and the model presets into Hydra's ConfigStore, once (the entry points and :func:`compose` call
+    it before composing; storing every node again costs ~40 ms)."""
     from hydra.core.config_store import ConfigStore
 
     from moh_vision.models import list_models, model_family
@@ -421,8 +416,8 @@ def register_configs() -> None:
 # Composition (the entry points' Hydra, tools and tests) and its errors
 # ----------------------------------------------------------------------------------------------
 def compose(config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
-    """``configs/<config_name>.yaml`` composed with Hydra overrides, as the entry points see it; a bad
-    override is a one-line :class:`ConfigError`."""
+    """``configs/<config_name>.yaml`` composed with Hydra overrides, as the entry points see it; a bad override is a
+    one-line :class:`ConfigError`."""
     from hydra import compose as hydra_compose, initialize_config_dir
 
     register_configs()
@@ -439,10 +434,10 @@ def compose(config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
 
 
 def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[], Any]]:
-    """``@hydra_main("train")``: what ``train.py``/``eval.py`` use instead of ``@hydra.main``. The schema
-    and the model presets are registered first; a bad override, an unknown option or group choice is one
-    ``error:`` line and exit status 2 before Hydra creates anything, and the function runs under
-    :func:`run_cli`. The decorated function is the Hydra task (its file names the job and its log)."""
+    """``@hydra_main("train")``: what ``train.py``/``eval.py`` use instead of ``@hydra.main``. The schema and the
+    model presets are registered first; a bad override, an unknown option or group choice is one ``error:`` line and
+    exit status 2 before Hydra creates anything; the decorated function (the Hydra task: its file names the job and
+    its log) runs under :func:`run_cli`."""
     import functools
     import os
     import sys
@@ -472,8 +467,8 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
 
 
 def explain(err: BaseException) -> Optional[str]:
-    """One line for a Hydra/OmegaConf composition error a user caused (a bad override, an unknown group
-    option or key); None for anything else."""
+    """One line for a Hydra/OmegaConf composition error a user caused (a bad override, an unknown group option or
+    key); None for anything else."""
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 
@@ -521,8 +516,8 @@ def group_options(group: str) -> List[str]:
 
 
 def _schemas_at(parts: Sequence[str]) -> List[type]:
-    """The schema dataclasses that can sit at the dotted path ``parts`` ([]: the root). A group whose schema
-    depends on its option (data, task, ...) gives every option's schema."""
+    """The schema dataclasses that can sit at the dotted path ``parts`` ([]: the root); for a group whose schema
+    depends on its option (data, task, ...), every option's."""
     if parts and parts[0] in SCHEMAS:
         schemas, parts = list(SCHEMAS[parts[0]].values()), parts[1:]
     else:
@@ -567,9 +562,9 @@ def type_words(annotation: Any) -> str:
 # Values: what types cannot check
 # ----------------------------------------------------------------------------------------------
 def validate(cfg: DictConfig) -> Any:
-    """Check every value of a composed ``train``/``eval`` config against the schema (ranges, choices,
-    files, the attention's options, the model with its arguments) and return it as typed objects
-    (``OmegaConf.to_object``). Raises a one-line :class:`ConfigError`; nothing has been built or written."""
+    """Check every value of a composed ``train``/``eval`` config against the schema (ranges, choices, files, the
+    attention's options, the model with its arguments) and return it as typed objects (``OmegaConf.to_object``).
+    Raises a one-line :class:`ConfigError`; nothing has been built or written."""
     from omegaconf.errors import MissingMandatoryValue
 
     try:
@@ -668,8 +663,8 @@ def check_path(key: str, value: str, kind: str) -> None:
 
 
 def check_attention(attention: Dict[str, Any]) -> None:
-    """The ``attention`` group: a registered variant (or null: the model preset's own), known options of
-    the right types; their ranges are checked when the model is built (:func:`check_model`)."""
+    """The ``attention`` group: a registered variant (or null: the model preset's own), known options of the right
+    types; their ranges are checked when the model is built (:func:`check_model`)."""
     from moh_vision.attention import attention_class, attention_options, list_attention, list_kernels
 
     name = attention.get("name")
@@ -719,9 +714,9 @@ def _matches(value: Any, annotation: Any) -> bool:
 
 
 def check_model(model: ModelConfig, attention: Dict[str, Any], task: Optional[str] = None) -> None:
-    """Build the model once on the meta device (no memory, no weights): a bad model name, a constructor
-    argument it does not take, one given twice (in ``model.kwargs`` and by the ``task`` or the attention
-    group) or an attention option out of range fails here, before the run starts."""
+    """Build the model once on the meta device (no memory, no weights): a bad model name, a constructor argument it
+    does not take, one given twice (in ``model.kwargs`` and by the ``task`` or the attention group) or an attention
+    option out of range fails here, before the run starts."""
     import torch
 
     from moh_vision.models.build import build_model, check_model_kwargs
@@ -796,7 +791,6 @@ def data_class(path: str) -> type:
 
 def build_task(task_cfg: Any, model: Dict[str, Any], attention: Dict[str, Any],
                kernels: Optional[Dict[str, Any]] = None) -> Any:
-    """The task object a ``task`` config names, for ``model``, ``attention`` and ``kernels`` (plain dicts; kernels
-    None: every op ``auto``)."""
+    """The task a ``task`` config names, for ``model``, ``attention``, ``kernels`` (dicts; kernels None: all auto)."""
     values = {k: v for k, v in _options(task_cfg).items() if k != "_target_"}
     return _load(TASK_CLASSES[group_name(task_cfg)])(model=model, attention=attention, kernels=kernels, **values)

@@ -14,8 +14,7 @@ class ConfigError(ValueError):
 
 
 class RunError(RuntimeError):
-    """A run had to stop (checkpoint could not be written, too many non-finite steps, ...); the message says why and
-    what was kept."""
+    """A run had to stop (unwritable checkpoint, too many non-finite steps): the message says why and what was kept."""
 
 
 def error_in_chain(err: Optional[BaseException], wanted: Callable[[BaseException], bool]) -> Optional[BaseException]:

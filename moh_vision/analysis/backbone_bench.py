@@ -312,13 +312,12 @@ def backbones_table(rows: Sequence[Dict], header: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] = None,
-                    img_size: Optional[int] = None, rounds: Optional[int] = None, warmup: Optional[int] = None,
-                    min_seconds: float = 0.0, device: str = "auto", dtype: str = "float32",
-                    threads: Optional[int] = None, compile_modes: Sequence[bool] = (False,),
-                    compile_mode: str = "default", saved: Optional[bool] = None, quick: bool = False,
-                    out: Optional[str] = None, profile: bool = False, with_components: bool = False,
-                    kernels: Optional[Kernels] = None) -> List[Dict]:
+def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] = None, img_size: Optional[int] = None,
+                    rounds: Optional[int] = None, warmup: Optional[int] = None, min_seconds: float = 0.0,
+                    device: str = "auto", dtype: str = "float32", threads: Optional[int] = None,
+                    compile_modes: Sequence[bool] = (False,), compile_mode: str = "default",
+                    saved: Optional[bool] = None, quick: bool = False, out: Optional[str] = None, profile: bool = False,
+                    with_components: bool = False, kernels: Optional[Kernels] = None) -> List[Dict]:
     """Time every ``ours:peer`` pair (default :data:`PAIR_SETS` ``default``; ``quick``: ``quick`` at
     :data:`QUICK_SETTINGS`), print the table and return its rows; ``out`` also gets the table, and ``<out>.json`` every
     number with the versions, the machine and these settings. ``saved`` (default: on the CPU only): the bytes saved for

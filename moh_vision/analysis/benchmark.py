@@ -386,10 +386,9 @@ def write_record(out: Optional[str], table: str, record: Dict) -> None:
 
 def bench_models(pairs: Optional[Sequence[str]] = None, batch: int = 2, img_size: Optional[int] = None,
                  rounds: int = 15, warmup: int = 2, min_seconds: float = 0.0, device: str = "auto",
-                 dtype: str = "float32", threads: Optional[int] = None, quick: bool = False,
-                 out: Optional[str] = None, attention: Optional[Dict] = None, kernels: Optional[Kernels] = None,
-                 compile_models: bool = False, compile_mode: str = "default",
-                 count_launches: bool = False) -> List[Dict]:
+                 dtype: str = "float32", threads: Optional[int] = None, quick: bool = False, out: Optional[str] = None,
+                 attention: Optional[Dict] = None, kernels: Optional[Kernels] = None, compile_models: bool = False,
+                 compile_mode: str = "default", count_launches: bool = False) -> List[Dict]:
     """Images/s of each ``moh:dense`` pair (inference and training), print the table and return its rows; ``out`` also
     gets the table, and every number goes to ``<out>.json``. ``quick``: one small pair at 64 px. ``attention``: the MoH
     side's attention in every layer (e.g. ``{"name": "moh", "activation_ratio": 0.5}``; None: as registered);

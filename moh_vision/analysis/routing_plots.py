@@ -255,8 +255,7 @@ def plot_shared_heads(stats: Mapping[str, Any], path: Path, title: Optional[str]
     fig, ax = plt.subplots(figsize=(min(2.5 + 0.42 * width, 16), fig_h))
     cmap = plt.get_cmap("Blues").copy()
     cmap.set_bad("#d9d9d9")  # grey: the layer has fewer heads
-    image = ax.imshow(np.ma.masked_invalid(frac), aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0,
-                      interpolation="nearest")
+    image = ax.imshow(np.ma.masked_invalid(frac), aspect="auto", cmap=cmap, vmin=0.0, vmax=1.0, interpolation="nearest")
     for row, name in enumerate(names):
         for col, shared in enumerate(shared_mask_of(last[name])):
             if shared:

@@ -54,8 +54,7 @@ class RoutingMeter:
     Layers that learn their shared heads (``shared_mask`` in their statistics) also report the
     latest ``shared_mask`` and ``shared_frozen``, ``shared_frac`` (fraction of the epoch's forwards
     in which each head was shared) and ``routed_load`` (each head's load over the forwards in which
-    it was routed; None for a head shared all epoch). Shared/routed is read from that mask.
-    """
+    it was routed; None for a head shared all epoch). Shared/routed is read from that mask."""
 
     def __init__(self, collapse_load: float = 0.95, starve_share: float = 0.01):
         self.collapse_load, self.starve_share = collapse_load, starve_share

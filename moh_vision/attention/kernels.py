@@ -5,11 +5,9 @@ Every kernel follows one pipeline::
     heads = self.heads(x)            # [B, h, N, d] per-head outputs (projections + attention)
     y = self.output(heads, gates)    # optional per-token head gates, then the output projection
 
-``heads`` reads its queries/keys/values through ``project_q`` / ``project_kv`` / ``project_qkv``,
-so a variant that owns other projections (MoA) only overrides those; a variant that weights heads
-(MoH) only passes ``gates`` to ``output``. Keys and values may have one head that all query heads
-share (``k.shape[1] == 1``); kernels broadcast it.
-"""
+``heads`` reads its queries/keys/values through ``project_q`` / ``project_kv`` / ``project_qkv``, so a variant that owns
+other projections (MoA) only overrides those; a variant that weights heads (MoH) only passes ``gates`` to ``output``.
+Keys and values may have one head that all query heads share (``k.shape[1] == 1``); kernels broadcast it."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -50,16 +48,8 @@ class HeadAttention(nn.Module):
     # FLOPs: which children scale with the heads a token activates (see registry.flops_roles_of)
     flops_roles = {"qkv": "query_rows", "proj": "per_head", "proj_drop": "fixed"}
 
-    def __init__(
-        self,
-        dim: int,
-        num_heads: int,
-        head_dim: Optional[int] = None,
-        qkv_bias: bool = True,
-        attn_drop: float = 0.0,
-        proj_drop: float = 0.0,
-        kernels: Optional[Kernels] = None,
-    ):
+    def __init__(self, dim: int, num_heads: int, head_dim: Optional[int] = None, qkv_bias: bool = True,
+                 attn_drop: float = 0.0, proj_drop: float = 0.0, kernels: Optional[Kernels] = None):
         super().__init__()
         self.kernels = Kernels.of(kernels)
         self.dim = int(dim)
@@ -84,8 +74,7 @@ class HeadAttention(nn.Module):
         return self.split_qkv(self.qkv(x))
 
     def split_qkv(self, qkv: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
-        """The ``qkv`` projection's output ``[B, N, 3 * h * d]`` (any row stride) -> q, k, v ``[B, h, N, d]``
-        (views)."""
+        """The ``qkv`` projection's output ``[B, N, 3 * h * d]`` (any row stride) -> views q, k, v ``[B, h, N, d]``."""
         B, N, _ = qkv.shape
         q, k, v = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return q, k, v
@@ -131,11 +120,9 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.
 
 @register_kernel("sdpa")
 class DotProductAttention(HeadAttention):
-    """Scaled dot-product multi-head attention in timm's ``Attention`` layout (``qkv``, ``proj``).
-
-    ``fused_attn=True`` calls ``F.scaled_dot_product_attention`` (flash/memory-efficient kernels
-    where available); ``False`` runs the explicit softmax, which some analysis tools need.
-    """
+    """Scaled dot-product multi-head attention in timm's ``Attention`` layout (``qkv``, ``proj``). ``fused_attn=True``
+    calls ``F.scaled_dot_product_attention`` (flash/memory-efficient kernels where available); ``False`` runs the
+    explicit softmax, which some analysis tools need."""
 
     flops_roles = {"q_norm": "per_head", "k_norm": "fixed"}
 

@@ -1,25 +1,19 @@
 """Mixture of Attention heads (MoA, Zhang et al., 2022).
 
-``E = num_heads`` attention experts, each with its own query projection ``W_q^i`` (C -> d) and
-output projection ``W_o^i`` (d -> C); keys and values are ONE head (``W_k``, ``W_v``: C -> d)
-that every expert attends to. A zero-initialised router ``p = softmax(x W_g)`` (optionally noisy
-while training) picks the top-k experts per token and the output is
-``y = sum_{i in topk} p_i W_o^i Attn(W_q^i x, W_k X, W_v X)`` with the raw, not renormalised,
-top-k probabilities as in the released code.
+``E = num_heads`` attention experts, each with its own query projection ``W_q^i`` (C -> d) and output projection
+``W_o^i`` (d -> C); keys and values are ONE head (``W_k``, ``W_v``: C -> d) that every expert attends to. A
+zero-initialised router ``p = softmax(x W_g)`` (optionally noisy while training) picks the top-k experts per token and
+the output is ``y = sum_{i in topk} p_i W_o^i Attn(W_q^i x, W_k X, W_v X)`` with the raw, not renormalised, top-k
+probabilities as in the released code.
 
-Auxiliary loss per layer: ``switch_weight * E * sum_i P_i f_i + zloss_weight * mean(logsumexp^2)
-+ cv_weight * cv^2``. The weights are relative to the global aux coefficient
-(``attention.aux_loss_weight``, 0.01 by default), so the defaults give the paper's 0.01 switch and
-0.001 z-loss. As in the released code the layers' losses are SUMMED over layers
-(``aux_reduction = "sum"``; MoH takes the mean), and the shared key/value projection has no bias
-(``kv_bias=False``).
+Auxiliary loss per layer: ``switch_weight * E * sum_i P_i f_i + zloss_weight * mean(logsumexp^2) + cv_weight * cv^2``.
+The weights are relative to the global aux coefficient (``attention.aux_loss_weight``, 0.01 by default), so the defaults
+give the paper's 0.01 switch and 0.001 z-loss. As in the released code the layers' losses are SUMMED over layers
+(``aux_reduction = "sum"``; MoH takes the mean), and the shared key/value projection has no bias (``kv_bias=False``).
 
-Defaults versus the paper: the paper's WMT14 base model has E = 8 experts, top-k 8 and head size
-128, chosen for a 512-wide Transformer. Here the experts are the backbone's heads (E = num_heads,
-head size = the backbone's head_dim, so a MoA layer has the dense layer's query/output width) and
-``topk`` comes from ``activation_ratio`` (0.75 by default) or is given explicitly, so that MoA and
-MoH are compared at the same number of active heads.
-"""
+Defaults versus the paper (WMT14 base: E = 8 experts, top-k 8, head size 128 for a 512-wide Transformer): here the
+experts are the backbone's heads (E = num_heads, head size = head_dim: the dense layer's query/output width) and
+``topk`` comes from ``activation_ratio`` (0.75 by default) or is given, so MoA and MoH compare at equal active heads."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -62,11 +56,9 @@ class MoA(RoutedMixin):
     """Mixin: MoA experts over any kernel. ``num_heads`` is the number of experts E.
 
     Args:
-        topk: experts per token; or ``activation_ratio`` (``topk = round(ratio * E)``). An explicit
-            ``topk`` wins over ``activation_ratio``.
+        topk: experts per token; or ``activation_ratio`` (``topk = round(ratio * E)``); an explicit ``topk`` wins.
         noisy_gating: add learned Gaussian noise to the router logits while training.
-        switch_weight, zloss_weight, cv_weight: per-term aux weights, relative to the global
-            aux coefficient.
+        switch_weight, zloss_weight, cv_weight: per-term aux weights, relative to the global aux coefficient.
         kv_bias: bias of the shared key/value projection (the released code has none).
     """
 
@@ -74,8 +66,7 @@ class MoA(RoutedMixin):
                      "switch_weight": ">= 0", "zloss_weight": ">= 0", "cv_weight": ">= 0"}
     aux_reduction = "sum"  # the released code sums the layers' losses (MoH takes the mean)
     variant_parameters = ("q_proj", "kv_proj", "w_gate", "w_noise")
-    flops_roles = {"q_proj": "per_head", "kv_proj": "fixed", "proj": "per_head", "w_gate": "fixed",
-                   "w_noise": "fixed"}
+    flops_roles = {"q_proj": "per_head", "kv_proj": "fixed", "proj": "per_head", "w_gate": "fixed", "w_noise": "fixed"}
     dense_start_refusal = (
         "MoA cannot be continue-tuned from a dense checkpoint: its experts share ONE key/value head (kv_proj: "
         "C -> 2 x head_dim) where the dense layer has one per head, and its output projection has no bias; no "
@@ -83,9 +74,8 @@ class MoA(RoutedMixin):
         "dense function. Train MoA from scratch, or continue-tune to attention=moh")
 
     def __init__(self, dim: int, num_heads: int, *, topk: Optional[int] = None,
-                 activation_ratio: Optional[float] = 0.75, noisy_gating: bool = False,
-                 switch_weight: float = 1.0, zloss_weight: float = 0.1, cv_weight: float = 0.0,
-                 kv_bias: bool = False, **kernel_options):
+                 activation_ratio: Optional[float] = 0.75, noisy_gating: bool = False, switch_weight: float = 1.0,
+                 zloss_weight: float = 0.1, cv_weight: float = 0.0, kv_bias: bool = False, **kernel_options):
         self.kv_bias = bool(kv_bias)
         super().__init__(dim, num_heads, **kernel_options)
         E = self.num_heads
@@ -95,8 +85,7 @@ class MoA(RoutedMixin):
             topk = self.options_for_ratio(E, activation_ratio)["topk"]
         if isinstance(topk, bool) or not 1 <= int(topk) <= E:
             raise ConfigError(f"MoA topk={topk} is outside 1..num_experts={E}")
-        for key, value in (("switch_weight", switch_weight), ("zloss_weight", zloss_weight),
-                           ("cv_weight", cv_weight)):
+        for key, value in (("switch_weight", switch_weight), ("zloss_weight", zloss_weight), ("cv_weight", cv_weight)):
             if float(value) < 0:
                 raise ConfigError(f"MoA {key}={value} must be >= 0")
         self.topk = int(topk)

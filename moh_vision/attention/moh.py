@@ -1,8 +1,8 @@
 """Mixture-of-Head attention (MoH, Jin et al., ICML 2025).
 
-Multi-head attention is a sum over heads, ``sum_i H_i W_O^i``; MoH weights that sum per token,
-``sum_i g_i H_i W_O^i``, with ``g_i = 0`` for heads the token did not select. Heads ``0..h_s-1``
-are shared (always on); each token picks ``topk`` of the remaining ``h - h_s`` routed heads.
+Multi-head attention is a sum over heads, ``sum_i H_i W_O^i``; MoH weights that sum per token, ``sum_i g_i H_i W_O^i``,
+with ``g_i = 0`` for heads the token did not select. Heads ``0..h_s-1`` are shared (always on); each token picks
+``topk`` of the remaining ``h - h_s`` routed heads.
 
 Gates, as in the official code (parameter names ``wg``, ``wg_0``, ``wg_1`` match its checkpoints):
 
@@ -11,10 +11,10 @@ Gates, as in the official code (parameter names ``wg``, ``wg_0``, ``wg_1`` match
 * two-stage mix: ``(a1, a2) = 2 * softmax(wg_0 x)`` scales shared and routed gates;
 * ``topk == 0`` (every head shared) is a dense layer with learned per-token head weights.
 
-The gates multiply each head's output before the output projection. Training adds the load-balance loss
-``E * sum_i me_i ce_i`` per routed layer, handed to the caller's recorder
-(:func:`~moh_vision.attention.recorder.record_routing`). The formulas and their fused kernel (routing, loss and
-gated merge in one operator each way) live in :mod:`moh_vision.ops.routing`; ``kernels.routing`` picks.
+The gates multiply each head's output before the output projection. Training adds the load-balance loss ``E * sum_i
+me_i ce_i`` per routed layer, handed to the caller's recorder (:func:`~moh_vision.attention.recorder.record_routing`).
+The formulas and their fused kernel (routing, loss and gated merge in one operator each way) live in
+:mod:`moh_vision.ops.routing`; ``kernels.routing`` picks.
 
 Learned shared heads (``shared_heads="learned"``, not in the paper; its reviewers asked for it)
 ---------------------------------------------------------------------------------------------
@@ -28,8 +28,7 @@ backward is straight-through: head i's gate gets ``+ (s_i - stopgrad(s_i)) * sto
 with ``s = h_s * softmax(score)`` and ``G_shared_i - G_routed_i`` the change of its gate if it switched set. Then
 (:meth:`MoH.after_optimizer_step`) ``top-h_s(shared_score)`` is frozen into ``shared_mask``. Every token always uses
 ``h_s + topk`` heads; a frozen learned layer computes what an official layer with its heads permuted computes
-(``tests/test_learned_shared_heads.py``). Learning applies only where both sets are non-empty.
-"""
+(``tests/test_learned_shared_heads.py``). Learning applies only where both sets are non-empty."""
 from __future__ import annotations
 
 from typing import Dict, NamedTuple, Optional, Tuple, Union
@@ -64,17 +63,16 @@ class MoH(SharedPlusTopK, RoutedMixin):
     """Mixin: MoH head routing over any kernel. Build with ``build_attention("moh", ...)``.
 
     Args:
-        shared_heads: always-active heads (the first ``shared_heads`` head indices); ``"learned"``:
-            each layer learns which heads are shared (count from ``activation_ratio``; see the
-            module docstring).
-        topk: routed heads each token selects (the official ``routed_head``). Explicit
-            ``shared_heads`` + ``topk`` win over ``activation_ratio``.
-        activation_ratio: fraction of heads a token uses, used when ``topk`` is not given (None:
-            0.75); see :func:`~moh_vision.attention.routing.resolve_moh_heads` for the policy.
-        learn_shared_steps: with ``shared_heads="learned"``: optimizer steps of warm-up before the
-            shared heads are frozen (0: frozen at once, on the first ``h_s`` heads). Ignored otherwise.
-        shared_estimator: with ``shared_heads="learned"``: ``"ste"`` (straight-through top-h_s of
-            the scores) or ``"gumbel"`` (straight-through top-h_s of Gumbel-perturbed scores).
+        shared_heads: always-active heads (the first ``shared_heads`` head indices); ``"learned"``: each layer learns
+            which heads are shared (count from ``activation_ratio``; see the module docstring).
+        topk: routed heads each token selects (the official ``routed_head``). Explicit ``shared_heads`` + ``topk`` win
+            over ``activation_ratio``.
+        activation_ratio: fraction of heads a token uses, used when ``topk`` is not given (None: 0.75); see
+            :func:`~moh_vision.attention.routing.resolve_moh_heads` for the policy.
+        learn_shared_steps: with ``shared_heads="learned"``: optimizer steps of warm-up before the shared heads are
+            frozen (0: frozen at once, on the first ``h_s`` heads). Ignored otherwise.
+        shared_estimator: with ``shared_heads="learned"``: ``"ste"`` (straight-through top-h_s of the scores) or
+            ``"gumbel"`` (the same on Gumbel-perturbed scores).
     """
 
     option_ranges = {"shared_heads": "0..num_heads, a per-layer list, null (the ratio policy) or 'learned'",
@@ -124,12 +122,12 @@ class MoH(SharedPlusTopK, RoutedMixin):
 
     # --- the variant contract ----------------------------------------------------------------------
     def dense_start(self, router_std: float, generator: torch.Generator):
-        """Routers that give every active head gate 1, so a layer whose heads are all active starts as
-        the dense layer: ``wg_0`` and ``wg_1`` zero (``2 * softmax(0) = (1, 1)``, ``softmax(0) * h_s =
-        1``); ``wg`` zero where top-k takes the whole routed pool (renormalised uniform top-k gives 1),
-        else ``N(0, router_std^2)`` so each token picks its heads from its own scores (an all-zero
-        router would give every token the same heads by tie-breaking, and the unchosen heads would get
-        identical updates and stay tied). Learned shared heads start from the official partition."""
+        """Routers that give every active head gate 1, so a layer whose heads are all active starts as the dense layer:
+        ``wg_0`` and ``wg_1`` zero (``2 * softmax(0) = (1, 1)``, ``softmax(0) * h_s = 1``); ``wg`` zero where top-k
+        takes the whole routed pool (renormalised uniform top-k gives 1), else ``N(0, router_std^2)`` so each token
+        picks its heads from its own scores (an all-zero router would give every token the same heads by tie-breaking,
+        and the unchosen heads would get identical updates and stay tied). Learned shared heads start from the official
+        partition."""
         start = {}
         for name, linear in self.routers():
             w = torch.zeros(linear.weight.shape)
@@ -188,16 +186,15 @@ class MoH(SharedPlusTopK, RoutedMixin):
         heads = self.heads(x)
         if self.learned_shared:
             return self.output(heads, self.route_learned(x).gates)
-        merged, routing = ops.route_merge(heads, self.router_logits(x), *self.route_args(),
-                                          kernel=self.kernels.routing)
+        merged, routing = ops.route_merge(heads, self.router_logits(x), *self.route_args(), kernel=self.kernels.routing)
         self.record(routing)
         return self.project_merged(merged)
 
     # --- learned shared heads ------------------------------------------------------------------
     def shared_partition(self) -> Tuple[Tensor, Tensor, Optional[Tensor]]:
-        """This forward's shared-head mask ``[h]`` (bool), the frozen flag, and (training during
-        warm-up only) the soft relaxation ``h_s * softmax(scores)`` [h] for the estimator. Changes
-        nothing: the warm-up counts optimizer steps (:meth:`after_optimizer_step`)."""
+        """This forward's shared-head mask ``[h]`` (bool), the frozen flag, and (training during warm-up only) the soft
+        relaxation ``h_s * softmax(scores)`` [h] for the estimator. Changes nothing: the warm-up counts optimizer
+        steps (:meth:`after_optimizer_step`)."""
         h_s, scores = self.shared_heads, self.shared_score
         frozen = self.shared_frozen.clone()
         soft = None
@@ -217,9 +214,8 @@ class MoH(SharedPlusTopK, RoutedMixin):
         return mask, frozen, soft
 
     def route_learned(self, x: Tensor) -> Route:
-        """:meth:`route` on the learned partition: the official gates computed over the heads the
-        mask shares and the heads it routes, scattered back to head order, plus (training, warm-up)
-        the straight-through term that carries a gradient to ``shared_score``."""
+        """:meth:`route` on the learned partition: the official gates over the heads the mask shares and those it
+        routes, scattered back to head order, plus (training, warm-up) the straight-through term to ``shared_score``."""
         h_s, k = self.shared_heads, self.topk
         mask, frozen, soft = self.shared_partition()
         order = mask.to(torch.int32).argsort(descending=True, stable=True)  # shared heads first, each set ascending

@@ -1,27 +1,23 @@
 """How routed layers hand their auxiliary loss and routing statistics to the caller.
 
-An attention module keeps nothing of a forward pass on itself. The caller who wants what a forward
-decided opens a recorder for that forward::
+An attention module keeps nothing of a forward pass on itself. The caller who wants what a forward decided opens a
+recorder for that forward::
 
     with record_routing(model) as routing:
         logits = model(x)
     loss = criterion(logits, y) + routing.aux_loss(coef=0.01)   # official MoH: 0.01 x mean over layers
     stats = routing.stats()                                      # {layer name: {"load", "entropy", ...}}
 
-Outside a recorder a routed layer computes its output and nothing else (no loss, no statistics).
-The recorder is found through a context variable, so two recorders in two threads never mix, and a
-module holds no reference to it: ``copy.deepcopy``, ``pickle`` and EMA copies work at any point. Code that
-``torch.compile`` traces reads it from a plain slot instead (:func:`active_recorder`), which every torch
-release traces, so a compiled model is one graph with the recorder open.
+Outside a recorder a routed layer computes its output and nothing else (no loss, no statistics). The recorder is found
+through a context variable, so two recorders in two threads never mix, and a module holds no reference to it:
+``copy.deepcopy``, ``pickle`` and EMA copies work at any point. Code that ``torch.compile`` traces reads it from a plain
+slot instead (:func:`active_recorder`), which every torch release traces, so a compiled model is one graph with the
+recorder open.
 
-A layer hands over the tensors its forward made anyway (its selection, its router probabilities, its aux
-loss); the statistics (per-head load, router entropy) are computed from them only when the caller reads
-``stats()`` or ``record.stats``, outside the forward, so they add nothing to a forward's (or a compiled
-graph's) work.
-
-Forwards that autograd replays during ``backward`` (gradient checkpointing recomputes a block's
-forward) are not recorded a second time: their loss and statistics were recorded by the first pass.
-"""
+A layer hands over the tensors its forward made anyway (its selection, router probabilities, aux loss); the statistics
+(per-head load, router entropy) are computed from them only when the caller reads ``stats()`` or ``record.stats``,
+outside the forward, so they add nothing to a forward's (or a compiled graph's) work. Forwards that autograd replays
+during ``backward`` (gradient checkpointing) are not recorded a second time."""
 from __future__ import annotations
 
 import contextvars
@@ -39,8 +35,8 @@ _ACTIVE: contextvars.ContextVar[Optional["RoutingRecorder"]] = contextvars.Conte
 
 @dataclass
 class LayerRecord:
-    """What one routed layer decided in one forward call. The statistics and the selection are computed
-    from ``active`` and ``probs`` when first read (:attr:`stats`, :attr:`selection`), not in the forward."""
+    """What one routed layer decided in one forward call. The statistics and the selection are computed from
+    ``active`` and ``probs`` when first read (:attr:`stats`, :attr:`selection`), not in the forward."""
 
     module: nn.Module
     aux_loss: Optional[Tensor]           # with its graph (training forwards only)
@@ -60,9 +56,8 @@ class LayerRecord:
 
     @property
     def stats(self) -> Dict[str, Any]:
-        """``load`` (fraction of tokens that used each head), ``entropy`` (mean router entropy in nats, None
-        when nothing is routed), ``num_heads``, ``shared_heads``, ``topk``, ``active_heads`` and the
-        variant's extra statistics; computed on first read."""
+        """``load`` (fraction of tokens that used each head), ``entropy`` (mean router entropy in nats, None if nothing
+        is routed), ``num_heads``, ``shared_heads``, ``topk``, ``active_heads`` and the variant's extras."""
         if self._stats is None:
             with torch.no_grad():
                 active = self._active_last().float()
@@ -98,9 +93,8 @@ class RoutingRecorder:
     """Collects the :class:`LayerRecord` of every routed layer called while it is open.
 
     Args:
-        model: the model whose module names label the records (``stats()`` keys); layers outside it
-            are named by their class. A DDP / ``torch.compile`` wrapper is fine: names are taken
-            relative to the plain model inside.
+        model: the model whose module names label the records (``stats()`` keys); layers outside it are named by their
+            class. A DDP / ``torch.compile`` wrapper is fine: names are relative to the plain model inside.
         keep_selection: also keep each token's selected heads and gates (routing analysis).
     """
 
@@ -140,9 +134,8 @@ class RoutingRecorder:
             yield self.name_of(record.module), record
 
     def aux_loss(self, coef: float = 0.01) -> Tensor:
-        """``coef`` times the layers' auxiliary losses, each variant's reduced its own way (its
-        ``aux_reduction``: MoH's official mean over layers, MoA's official sum); a zero scalar when
-        no layer produced one (eval mode, dense models, nothing recorded)."""
+        """``coef`` times the layers' auxiliary losses, each variant's reduced its own way (``aux_reduction``: MoH's
+        official mean over layers, MoA's official sum); a zero scalar when no layer made one (eval, dense models)."""
         groups: Dict[str, List[Tensor]] = {}
         for record in self.records:
             if record.aux_loss is not None:
@@ -158,9 +151,8 @@ class RoutingRecorder:
         return coef * total
 
     def stats(self) -> Dict[str, Dict[str, Any]]:
-        """Per routed layer (by module name) the statistics of its last call: ``load`` (fraction of
-        tokens that used each head; sums to the active heads per token), ``entropy`` (mean router
-        entropy in nats, None when nothing is routed), ``num_heads``, ``shared_heads``, ``topk``."""
+        """Per routed layer (by module name) the :attr:`LayerRecord.stats` of its last call (``load`` sums to the active
+        heads per token)."""
         return {name: dict(record.stats) for name, record in self.named_records()}
 
 
@@ -184,12 +176,10 @@ _TRACED = _Slot()
 
 
 def active_recorder() -> Optional[RoutingRecorder]:
-    """The innermost open recorder, or None (then a routed layer records nothing). Forwards that
-    autograd replays during backward see None, so checkpointing never records a layer twice.
-
-    Eager code reads the context variable (per thread and per asyncio task). Code that ``torch.compile``
-    traces reads :data:`_TRACED`, the innermost recorder opened in the process, which is the same one unless
-    two threads run compiled models with recorders open at the same time."""
+    """The innermost open recorder, or None (then a routed layer records nothing). Forwards that autograd replays
+    during backward see None, so checkpointing never records a layer twice. Eager code reads the context variable (per
+    thread and per asyncio task); code that ``torch.compile`` traces reads :data:`_TRACED`, the innermost recorder
+    opened in the process, the same one unless two threads run compiled models with recorders open at the same time."""
     if torch.compiler.is_compiling():
         return _TRACED.recorder
     recorder = _ACTIVE.get()
@@ -200,9 +190,9 @@ def active_recorder() -> Optional[RoutingRecorder]:
 
 def compile_model(model: nn.Module, mode: str = "default") -> nn.Module:
     """``torch.compile(model, mode=mode)``: what ``trainer.compile``, ``tools/sample.py compile=true`` and
-    ``tools/bench_models.py compile=true`` call. Routed layers read the open recorder from :data:`_TRACED` when
-    compiled, so the model is one graph with the recorder open on every torch the project supports (2.11 and
-    the pinned one; ``tests/test_compile_routing.py``)."""
+    ``tools/bench_models.py compile=true`` call. Compiled routed layers read the open recorder from :data:`_TRACED`, so
+    the model is one graph with the recorder open on every supported torch (2.11, the pinned one;
+    ``tests/test_compile_routing.py``)."""
     return torch.compile(model, mode=mode)
 
 

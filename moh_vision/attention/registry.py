@@ -2,25 +2,21 @@
 
 An attention module is two things composed by inheritance:
 
-* a *kernel*: how a head attends (scaled dot-product, TransNeXt's cosine attention, TransNeXt's
-  aggregated local + pooled attention). A kernel owns the projections and produces per-head
-  outputs; it is what a backbone asks for.
-* a *variant*: what is done with the heads (``mha``: all heads, equal weight; ``moh``: shared plus
-  routed top-k heads with learned gates; ``moa``: top-k query/output experts over one shared
-  key/value head). A variant is a mixin (an :class:`AttentionVariant`) that overrides the kernel's
-  steps.
+* a *kernel*: how a head attends (scaled dot-product, TransNeXt's cosine attention, TransNeXt's aggregated local +
+  pooled attention). A kernel owns the projections and produces per-head outputs; it is what a backbone asks for.
+* a *variant*: what is done with the heads (``mha``: all heads, equal weight; ``moh``: shared plus routed top-k heads
+  with learned gates; ``moa``: top-k query/output experts over one shared key/value head). A variant is a mixin (an
+  :class:`AttentionVariant`) that overrides the kernel's steps.
 
-``build_attention(name, dim, num_heads, kernel=...)`` returns ``Variant + Kernel`` as one
-``nn.Module``, so parameters sit directly on the module (``attn.qkv``, ``attn.wg``, ...) exactly
-where the official checkpoints keep them. A composed class is importable by name from its kernel's
-module (``moh_vision.attention.kernels.moh__sdpa``, ``moh_vision.models.transnext.moh__transnext_full``),
-so pickling a model finds it: registering a kernel gives its module a ``__getattr__`` that composes
-such names on demand.
+``build_attention(name, dim, num_heads, kernel=...)`` returns ``Variant + Kernel`` as one ``nn.Module``, so parameters
+sit directly on the module (``attn.qkv``, ``attn.wg``, ...) exactly where the official checkpoints keep them. A composed
+class is importable by name from its kernel's module (``moh_vision.attention.kernels.moh__sdpa``,
+``moh_vision.models.transnext.moh__transnext_full``), so pickling a model finds it: registering a kernel gives its
+module a ``__getattr__`` that composes such names on demand.
 
-Discovery: every module of this package is imported on ``import moh_vision.attention``, and so is
-every entry point of the group ``moh_vision.attention`` (how a separate pip package adds a variant:
-``[project.entry-points."moh_vision.attention"] my_attention = "my_pkg.my_attention"``).
-"""
+Discovery: every module of this package is imported on ``import moh_vision.attention``, and so is every entry point of
+the group ``moh_vision.attention`` (how a separate pip package adds a variant:
+``[project.entry-points."moh_vision.attention"] my_attention = "my_pkg.my_attention"``)."""
 from __future__ import annotations
 
 import inspect
@@ -44,22 +40,20 @@ COMPOSED_SEPARATOR = "__"  # a composed class is named <variant>__<kernel> in it
 # The variant contract
 # ----------------------------------------------------------------------------------------------
 class AttentionVariant:
-    """Base of every registered variant: what the rest of the codebase asks a variant, with the
-    answers of a dense attention as defaults. A variant's file is the only place that knows it.
+    """Base of every registered variant: what the rest of the codebase asks a variant, with the answers of a dense
+    attention as defaults. A variant's file is the only place that knows it. Class attributes a variant may set:
 
-    Class attributes a variant may set:
-
-    * ``option_ranges``: ``{option: allowed values}`` in words, for error messages and docs; the
-      options themselves (types, defaults) are the keyword arguments of the variant's ``__init__``
-      and ``configs/attention/<name>.yaml`` mirrors them (a test checks it).
-    * ``aux_reduction``: how the per-layer auxiliary losses combine: ``"mean"`` (MoH's official
-      total) or ``"sum"`` (MoA's official total).
-    * ``variant_parameters``: names of the submodules/parameters the variant adds over a dense
-      attention of the same kernel (routers, experts). A checkpoint holding one of them is not dense.
-    * ``flops_roles``: ``{child: role}`` for its own children: ``"per_head"`` (its cost scales with
-      the heads a token activates), ``"query_rows"`` (only the query rows scale), ``"fixed"``.
-    * ``dense_start_refusal``: why the variant cannot start from a dense attention's weights
-      (``None``: it can, see :meth:`dense_start`).
+    * ``option_ranges``: ``{option: allowed values}`` in words, for error messages and docs; the options themselves
+      (types, defaults) are the keyword arguments of the variant's ``__init__``, mirrored by
+      ``configs/attention/<name>.yaml`` (a test checks it).
+    * ``aux_reduction``: how the per-layer auxiliary losses combine: ``"mean"`` (MoH's official total) or ``"sum"``
+      (MoA's).
+    * ``variant_parameters``: names of the submodules/parameters the variant adds over a dense attention of the same
+      kernel (routers, experts). A checkpoint holding one of them is not dense.
+    * ``flops_roles``: ``{child: role}`` for its own children: ``"per_head"`` (its cost scales with the heads a token
+      activates), ``"query_rows"`` (only the query rows scale), ``"fixed"``.
+    * ``dense_start_refusal``: why the variant cannot start from a dense attention's weights (``None``: it can, see
+      :meth:`dense_start`).
     """
 
     attention_name = "?"
@@ -82,8 +76,8 @@ class AttentionVariant:
         return int(self.num_heads)
 
     def dense_start(self, router_std: float, generator: torch.Generator) -> Dict[str, torch.Tensor]:
-        """Start values of :attr:`variant_parameters` (state-dict names relative to this module) for a
-        layer whose kernel weights were copied from a dense attention (continue-tuning)."""
+        """Start values of :attr:`variant_parameters` (state-dict names relative to this module) for a layer whose
+        kernel weights were copied from a dense attention (continue-tuning)."""
         if self.dense_start_refusal:
             raise ConfigError(self.dense_start_refusal)
         return {}
@@ -130,8 +124,7 @@ def register_kernel(name: str) -> Callable[[type], type]:
 
 
 def composed_class(name: str) -> type:
-    """The composed class named ``<variant>__<kernel>`` (what pickle looks up); AttributeError if
-    ``name`` is not such a name."""
+    """The composed class named ``<variant>__<kernel>`` (what pickle looks up); AttributeError for other names."""
     variant, sep, kernel = name.partition(COMPOSED_SEPARATOR)
     if not sep or variant not in _VARIANTS or kernel not in _KERNELS:
         raise AttributeError(name)
@@ -205,34 +198,25 @@ def variant_option_defaults(name: str) -> Dict[str, Any]:
     init = vars(variant_class(name)).get("__init__")
     if init is None:
         return {}
-    return {p.name: p.default for p in inspect.signature(init).parameters.values()
-            if p.kind is p.KEYWORD_ONLY}
+    return {p.name: p.default for p in inspect.signature(init).parameters.values() if p.kind is p.KEYWORD_ONLY}
 
 
 def build_attention(name: str, dim: int, num_heads: int, kernel: str = "sdpa", **options: Any) -> nn.Module:
-    """Build attention ``name`` (``mha``, ``moh``, ``moa``, ...) of width ``dim`` with ``num_heads`` heads.
-
-    ``kernel`` picks how a head attends (``sdpa`` for plain ViT/DiT blocks; backbones register their
-    own). Unknown names and options raise :class:`ConfigError` with the allowed values.
-    """
+    """Build attention ``name`` (``mha``, ``moh``, ``moa``, ...) of width ``dim`` with ``num_heads`` heads; ``kernel``
+    picks how a head attends (``sdpa`` for plain ViT/DiT blocks; backbones register their own). Unknown names and
+    options raise :class:`ConfigError` with the allowed values."""
     cls = attention_class(name, kernel)
     allowed = attention_options(name, kernel)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise ConfigError(
-            f"attention '{name}' (kernel '{kernel}') got unknown option(s) {', '.join(unknown)}; "
-            f"it takes: {', '.join(allowed)}"
-        )
+        raise ConfigError(f"attention '{name}' (kernel '{kernel}') got unknown option(s) {', '.join(unknown)}; "
+                          f"it takes: {', '.join(allowed)}")
     return cls(dim, num_heads, **options)
 
 
 def layer_options(options: Dict[str, Any], index: int, num_layers: int) -> Dict[str, Any]:
-    """Pick layer ``index``'s value from every per-layer list in ``options``.
-
-    A value that is a list/tuple is read as one entry per layer and must have ``num_layers``
-    entries; scalars apply to every layer. This is how presets give per-layer ``shared_heads``
-    and ``topk``.
-    """
+    """Pick layer ``index``'s value from every per-layer list in ``options``: a list/tuple is one entry per layer and
+    must have ``num_layers`` entries; scalars apply to every layer (how presets give per-layer ``shared_heads``)."""
     picked = {}
     for key, value in options.items():
         if isinstance(value, Sequence) and not isinstance(value, str):
@@ -241,8 +225,6 @@ def layer_options(options: Dict[str, Any], index: int, num_layers: int) -> Dict[
             value = value[index]
         picked[key] = value
     return picked
-
-
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,8 +243,8 @@ def routed_modules(model: nn.Module) -> Iterator[Tuple[str, nn.Module]]:
 
 
 def routed_layer_names(model: nn.Module) -> List[str]:
-    """Layers in which a token uses fewer heads than the layer has: the one definition of a routed
-    layer (``routed_layers`` in ``summary.json``, ``tools/flops.py``, ``tools/analyze_routing.py``)."""
+    """Layers in which a token uses fewer heads than the layer has: the one definition of a routed layer
+    (``routed_layers`` in ``summary.json``, ``tools/flops.py``, ``tools/analyze_routing.py``)."""
     return [name for name, m in find_attention(model) if m.active_heads() < int(m.num_heads)]
 
 

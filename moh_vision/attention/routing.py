@@ -28,17 +28,14 @@ def active_heads_for_ratio(num_heads: int, activation_ratio: float) -> int:
 
 def resolve_moh_heads(num_heads: int, shared_heads: Optional[int] = None, topk: Optional[int] = None,
                       activation_ratio: Optional[float] = None) -> Tuple[int, int]:
-    """Turn the user's options into ``(shared_heads, topk)`` for one layer of ``num_heads`` heads.
+    """Turn the user's options into ``(shared_heads, topk)`` for one layer of ``num_heads`` heads. Explicit
+    ``shared_heads`` + ``topk`` (the official ``routed_head``) are used as given; else the activation-ratio policy:
 
-    Explicit ``shared_heads`` + ``topk`` (the official ``routed_head``) are used as given.
-    Otherwise the activation-ratio policy applies:
-
-    * ``a = clamp(round(ratio * h), 1, h)`` heads are active per token, so the realised ratio
-      ``a / h`` is within ``1 / (2h)`` of the request;
+    * ``a = clamp(round(ratio * h), 1, h)`` heads are active per token, so the realised ratio ``a / h`` is within
+      ``1 / (2h)`` of the request;
     * ``a == h`` (e.g. ratio 1.0) gives a dense-weighted layer: every head shared, ``topk = 0``;
-    * otherwise ``shared_heads = a // 2`` (or the given value) and ``topk = a - shared_heads``,
-      i.e. about half of the active heads are always on and half are routed, as in the
-      official presets.
+    * otherwise ``shared_heads = a // 2`` (or the given value) and ``topk = a - shared_heads``, i.e. about half of the
+      active heads are always on and half are routed, as in the official presets.
     """
     if num_heads < 1:
         raise ConfigError(f"num_heads={num_heads} must be at least 1")
@@ -78,9 +75,8 @@ def resolve_moh_heads(num_heads: int, shared_heads: Optional[int] = None, topk: 
 
 
 class RoutedMixin(AttentionVariant):
-    """What every routed variant shares: handing the aux loss and statistics of a forward to the
-    caller's recorder (:func:`~moh_vision.attention.recorder.record_routing`). Nothing of a forward
-    stays on the module; with no recorder open a routed layer records nothing."""
+    """What every routed variant shares: handing a forward's aux loss and statistics to the caller's recorder
+    (:func:`~moh_vision.attention.recorder.record_routing`), if one is open; nothing stays on the module."""
 
     is_routed = True
 
@@ -95,11 +91,10 @@ class RoutedMixin(AttentionVariant):
 
     def record_routing(self, active: Tensor, probs: Optional[Tensor], loss: Optional[Tensor],
                        gates: Optional[Tensor] = None, heads_dim: int = -1, shared_prefix: int = 0, **extra) -> None:
-        """Hand what this forward decided to the open recorder: the active mask (heads along ``heads_dim``,
-        ``1`` for head-major ``[B, h, N]``; without the first ``shared_prefix`` heads, which every token
-        uses), router probabilities, aux loss (training only), gates [..., h], and ``extra`` statistics.
-        Only references to tensors the forward made: the recorder computes the statistics when asked
-        (:attr:`LayerRecord.stats`)."""
+        """Hand what this forward decided to the open recorder: the active mask (heads along ``heads_dim``, ``1`` for
+        head-major ``[B, h, N]``; without the first ``shared_prefix`` heads, which every token uses), router
+        probabilities, aux loss (training only), gates [..., h], and ``extra`` statistics. Only references to tensors
+        the forward made: the recorder computes the statistics when asked (:attr:`LayerRecord.stats`)."""
         recorder = active_recorder()
         if recorder is None:
             return

@@ -11,8 +11,7 @@ from typing import Any, Callable, Dict, Optional, Sequence
 import torch
 from torch.utils.data import DataLoader
 
-from moh_vision.analysis.routing_analysis import (analyse, default_out, layer_statistics, wandb_metrics,
-                                                  write_outputs)
+from moh_vision.analysis.routing_analysis import analyse, default_out, layer_statistics, wandb_metrics, write_outputs
 from moh_vision.attention import routed_layer_names
 from moh_vision.config import compose
 from moh_vision.errors import ConfigError

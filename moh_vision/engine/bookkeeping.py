@@ -1,8 +1,6 @@
-"""The trainer's running records, each saved in checkpoints so a resumed run reports as an
-uninterrupted one: epoch meters (``EpochMeters``), throughput (``Throughput``) and unreadable
-images (``SkippedFiles``); and the routing files written at the end of an epoch. Step times are
-``costs.StepTimes``.
-"""
+"""The trainer's running records, each saved in checkpoints so a resumed run reports as an uninterrupted one: epoch
+meters (``EpochMeters``), throughput (``Throughput``) and unreadable images (``SkippedFiles``); and the routing files
+written at the end of an epoch. Step times are ``costs.StepTimes``."""
 from __future__ import annotations
 
 import json
@@ -11,7 +9,6 @@ import math
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, Mapping, Optional
-
 
 from moh_vision.analysis.routing_stats import RoutingMeter
 from .costs import StepTimes
@@ -22,10 +19,8 @@ log = logging.getLogger(__name__)
 
 
 class EpochMeters:
-    """Sample-weighted sums of this epoch's training outputs on this rank (``loss``, ``ce``, ``aux``,
-    every ``log/<name>``, and ``count``), its routing statistics and its step times (``times``). A new
-    epoch gets new meters. The outputs come from the steps that were not skipped, read from the device at a
-    log interval (``step_on_device``)."""
+    """Sample-weighted sums of this epoch's training outputs on this rank (``loss``, ``ce``, ``aux``, every
+    ``log/<name>``, and ``count``) over the steps not skipped, its routing statistics and its step times (``times``)."""
 
     def __init__(self, state: Optional[Mapping[str, Any]] = None):
         """Empty meters, or those of a checkpoint's ``meters`` entry (a mid-epoch resume)."""
@@ -60,11 +55,10 @@ class EpochMeters:
 
 
 class StepWindow:
-    """What one per-step log row averages over the optimizer steps since the previous row:
-    ``train/loss`` and its parts (``train/ce``, ``train/aux``), the gradient norm before clipping
-    (``train/grad_norm``) and the routers' mean entropy over routed layers (``train/router_entropy``,
-    nats); ``times`` are the window's step times (the row's rates: ``RunCosts.rates``). Routing trouble
-    shows here within tens of steps, not at the end of an epoch. A new row starts a new window."""
+    """What one per-step log row averages over the optimizer steps since the previous row: ``train/loss`` and its
+    parts (``train/ce``, ``train/aux``), the gradient norm before clipping (``train/grad_norm``) and the routers' mean
+    entropy over routed layers (``train/router_entropy``, nats: routing trouble shows within tens of steps); ``times``
+    are the window's step times (the row's rates: ``RunCosts.rates``)."""
 
     PARTS = ("ce", "aux")
 
@@ -99,9 +93,8 @@ class StepWindow:
 
 
 class Throughput:
-    """Training time, data wait and images over the whole run, and its peak memory. The first
-    ``warmup_steps`` optimizer steps of every process (torch.compile, allocator and cudnn warm-up) are
-    counted apart, out of ``images_per_sec`` and the summary's rates (:meth:`steady`)."""
+    """Training time, data wait and images over the whole run, and its peak memory. The first ``warmup_steps``
+    optimizer steps of every process (compile, allocator and cudnn warm-up) are counted apart (:meth:`steady`)."""
 
     def __init__(self, warmup_steps: int):
         self.warmup_steps = warmup_steps
@@ -152,10 +145,9 @@ class Throughput:
 
 
 class SkippedFiles:
-    """Unreadable images: the distinct files per split over the whole run (saved in checkpoints), each
-    named once in train.log, plus skips reported by data that do not name their files (counted as
-    events, this process only). Only the process that ``announce``s names files (rank 0): the files
-    other ranks meet are named when :meth:`gather` brings them over."""
+    """Unreadable images: the distinct files per split over the whole run, each named once in train.log (by the
+    process that ``announce``s, rank 0: other ranks' files when :meth:`gather` brings them over), plus skips reported
+    by data that do not name their files (counted as events, this process only)."""
 
     def __init__(self, announce: bool = True):
         self.files: Dict[str, Dict[str, str]] = {"train": {}, "val": {}}  # split -> {path: reason}
@@ -225,11 +217,9 @@ class _NotingLoader:
 
 def write_routing_artifacts(routing: RoutingMeter, out_dir: Path, loggers: Loggers, epoch: int, step: int,
                             last_epoch: bool) -> None:
-    """routing.json (per-layer head loads and entropy, every epoch; learned shared-head masks), the
-    head-load heatmap routing_head_load.png, and when a layer learns its shared heads,
-    routing_shared_heads.png: written into the run directory with every logger, uploaded to wandb
-    only when it is on. The figures are drawn every epoch when wandb shows them over time, else once,
-    at the last epoch (drawing costs about 0.2 s each: 6 s of a 30-epoch digits run)."""
+    """routing.json (per-layer head loads and entropy, every epoch; learned shared-head masks), the head-load heatmap
+    routing_head_load.png and, when a layer learns its shared heads, routing_shared_heads.png (uploaded to wandb when
+    on). The figures are drawn every epoch for wandb, else once at the last epoch (about 0.2 s each)."""
     if not routing.layers:
         return
     routing.dump(out_dir / "routing.json", epoch)

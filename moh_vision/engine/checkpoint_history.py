@@ -1,11 +1,9 @@
 """Numbered checkpoints beside ``last.pt`` / ``last.prev.pt`` / ``best.pt``: ``checkpoints/step_0400000.pt`` every
 ``trainer.ckpt_history_every_steps`` optimizer steps and/or every ``trainer.ckpt_history_every_epochs`` epochs, the
-newest ``trainer.ckpt_keep`` of them kept (0: all).
-
-A numbered checkpoint is a whole training checkpoint, written atomically: ``trainer.resume=``, ``eval.py ckpt=`` and
-``tools/sample.py ckpt=`` take it like any other. Newest means last written (after a resume from an earlier one, the
-abandoned trajectory's later-numbered files stay until they are the oldest), and retention never deletes the newest
-whole one (:func:`moh_vision.checkpoints.is_whole_checkpoint`), however many unreadable files are newer."""
+newest ``trainer.ckpt_keep`` kept (0: all). Each is a whole training checkpoint, written atomically, that
+``trainer.resume=``, ``eval.py ckpt=`` and ``tools/sample.py ckpt=`` take like any other. Newest means last written
+(after a resume from an earlier one, the abandoned trajectory's later-numbered files stay until they are the oldest);
+retention never deletes the newest whole one (:func:`moh_vision.checkpoints.is_whole_checkpoint`)."""
 from __future__ import annotations
 
 import logging

@@ -47,8 +47,7 @@ def _export_submitit_env() -> None:
 
 
 def process_info(device: str = "auto") -> DistInfo:
-    """This process's rank, world size and device as torchrun (or the submitit launcher) set them, without
-    joining a process group."""
+    """This process's rank, world size and device as torchrun (or submitit) set them, joining no process group."""
     _export_submitit_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     return DistInfo(rank=int(os.environ.get("RANK", "0")), world_size=int(os.environ.get("WORLD_SIZE", "1")),
@@ -56,8 +55,7 @@ def process_info(device: str = "auto") -> DistInfo:
 
 
 def init_distributed(device: str = "auto") -> DistInfo:
-    """Join the process group when launched by torchrun or the submitit launcher (WORLD_SIZE > 1);
-    NCCL on GPU, gloo on CPU."""
+    """Join the process group when launched by torchrun or submitit (WORLD_SIZE > 1); NCCL on GPU, gloo on CPU."""
     info = process_info(device)
     if info.world_size > 1 and not dist.is_initialized():
         if info.device.type == "cuda":

@@ -1,8 +1,7 @@
 """What ``Trainer.fit`` builds before its first step, as plain functions of the config.
 
-``build_parts`` returns the model and everything that trains it (``FitParts``): loaders whose order
-resumes mid-epoch (``Loaders``), the optimizer and the schedule (timm's), AMP, the grad scaler, EMA, and the
-compiled / DDP-wrapped model. Nothing here keeps state of its own.
+``build_parts`` returns the model and everything that trains it (``FitParts``): loaders whose order resumes mid-epoch
+(``Loaders``), the optimizer and the schedule (timm's), AMP, the grad scaler, EMA, and the compiled / DDP-wrapped model.
 """
 from __future__ import annotations
 
@@ -32,8 +31,8 @@ AmpContext = Callable[[], ContextManager]
 
 
 def seed_everything(seed: int, deterministic: bool, device: torch.device) -> None:
-    """Python, NumPy and torch seeded with ``seed`` (the caller adds the rank); ``deterministic``
-    asks torch for deterministic kernels (warning where there is none)."""
+    """Python, NumPy and torch seeded with ``seed`` (the caller adds the rank); ``deterministic`` asks torch for
+    deterministic kernels (warning where there is none)."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
@@ -55,12 +54,9 @@ def amp_context(amp: str, device: torch.device) -> AmpContext:
 
 @dataclass(frozen=True)
 class Loaders:
-    """This rank's training and validation loaders, and the epoch arithmetic they fix.
-
-    The training order is a pure function of (seed, epoch) (``EpochSampler``), and each item's
-    augmentation of (seed, epoch, index) (``SeededItems``, the epoch handed to the workers with each
-    index: ``EpochKeys``): ``start_epoch`` positions both, so an epoch can restart at any batch.
-    """
+    """This rank's training and validation loaders, and the epoch arithmetic they fix. The training order is a pure
+    function of (seed, epoch) (``EpochSampler``), each item's augmentation of (seed, epoch, index) (``SeededItems``,
+    the epoch handed to the workers with each index: ``EpochKeys``): ``start_epoch`` restarts an epoch at any batch."""
 
     train: DataLoader
     val: DataLoader
@@ -76,10 +72,9 @@ class Loaders:
         self.sampler.set_epoch(epoch, start=batch_in_epoch * self.per_rank_batch)
 
     def start_workers(self) -> None:
-        """Fork the validation loader's workers now, before the first training step, with nothing to fetch.
-        A fork makes this process copy every memory page it writes next (copy-on-write): forked at the first
-        validation, they stalled the first training step after it (2-3 x a median step on the digits with 4
-        workers); forked with the training loader's, that copy happens once, in the run's first steps."""
+        """Fork the validation loader's workers now, before the first training step, with nothing to fetch: a fork
+        makes this process copy every page it writes next (copy-on-write), which forked at the first validation stalled
+        the next training step (2-3 x a median digits step, 4 workers); now it happens once, in the first steps."""
         if self.val.num_workers:
             self.val_indices.held = True
             try:
@@ -158,12 +153,9 @@ def flops_text(flops: Dict[str, float]) -> str:
 
 @dataclass(frozen=True)
 class FitParts:
-    """The task, its model and what trains it, for one ``Trainer.fit``.
-
-    ``model`` is the bare model (checkpoints, EMA, evaluation); ``train_model`` the one the
-    training step calls (compiled and/or in DDP). ``flops`` is empty off the main rank or when
-    ``trainer.count_flops`` is off.
-    """
+    """The task, its model and what trains it, for one ``Trainer.fit``. ``model`` is the bare model (checkpoints, EMA,
+    evaluation); ``train_model`` the one the training step calls (compiled and/or in DDP). ``flops`` is empty off the
+    main rank or when ``trainer.count_flops`` is off."""
 
     task: Task
     model_name: str
@@ -197,7 +189,8 @@ def build_parts(cfg: Any, optim: Any, sched: Any, dist: DistInfo, seed: int, tas
     schedule = build_schedule(sched, optimizer, total_steps, loaders.steps_per_epoch)
     ema = EMA(model, cfg.ema.decay, cfg.ema.warmup) if cfg.ema.enabled else None
     return FitParts(
-        task=task, model_name=task.model_cfg["name"], model=model, train_model=wrap_model(model, cfg.compile, dist, cfg.compile_mode),
+        task=task, model_name=task.model_cfg["name"], model=model,
+        train_model=wrap_model(model, cfg.compile, dist, cfg.compile_mode),
         params=sum(p.numel() for p in model.parameters()), flops=flops, loaders=loaders, total_steps=total_steps,
         optimizer=optimizer, schedule=schedule, amp=amp_context(cfg.amp, dist.device),
         scaler=torch.amp.GradScaler(dist.device.type) if cfg.amp == "fp16" else None, ema=ema,

@@ -93,10 +93,9 @@ def wandb_has_credentials() -> bool:
 class WandbLogger:
     """A wandb run that works with no network: online with credentials, offline otherwise."""
 
-    def __init__(self, out_dir: Path, config: Dict[str, Any], project: str = "moh-vision",
-                 entity: Optional[str] = None, group: Optional[str] = None, name: Optional[str] = None,
-                 job_type: str = "train", tags: Optional[List[str]] = None, mode: str = "auto",
-                 run_id: Optional[str] = None):
+    def __init__(self, out_dir: Path, config: Dict[str, Any], project: str = "moh-vision", entity: Optional[str] = None,
+                 group: Optional[str] = None, name: Optional[str] = None, job_type: str = "train",
+                 tags: Optional[List[str]] = None, mode: str = "auto", run_id: Optional[str] = None):
         import wandb
         if mode == "auto":
             mode = os.environ.get("WANDB_MODE") or ("online" if wandb_has_credentials() else "offline")

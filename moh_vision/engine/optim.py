@@ -10,8 +10,7 @@ release saved them (their optimizer states load); with ``layer_decay`` timm's gr
 Schedule (:class:`Schedule`): timm's schedulers (``timm.scheduler.create_scheduler_v2``) updated every optimizer
 step (``t_in_epochs=False``): a linear warm-up from ``warmup_lr`` over ``warmup_epochs`` (+ ``warmup_steps``), then
 the decay over the steps left less ``cooldown_epochs``, then ``min_lr`` held for the cool-down. The rate is a pure
-function of the step, so a resumed run recomputes it from the step alone.
-"""
+function of the step, so a resumed run recomputes it from the step alone."""
 from __future__ import annotations
 
 import glob

@@ -1,17 +1,14 @@
 """Preemption: a signal asks the trainer to finish its step, save, and stop.
 
-Under DDP every rank must stop at the same step, though a signal may reach only some of them. Each step
-all-reduces this rank's flag asynchronously, on a gloo group of host tensors (never the device, whatever the
-backend), and reads the result of the previous step's: a stop is agreed one step after the signal, and no
-step waits for the other ranks.
+Under DDP every rank must stop at the same step, though a signal may reach only some of them. Each step all-reduces this
+rank's flag asynchronously, on a gloo group of host tensors (never the device), and reads the previous step's result: a
+stop is agreed one step after the signal, and no step waits for the other ranks.
 
-Under torchrun the signal must reach the workers: torchrun's agent forwards the signals it handles to them
-(``--signals-to-handle``, default SIGTERM, SIGINT, SIGHUP, SIGQUIT) and any other one kills the agent,
-leaving its workers to train on without a checkpoint (SIGUSR1 did, on torch 2.14.1). ``sbatch --signal=B:USR1``
-therefore needs ``torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``; the first rank says so at
-the start when a SLURM job runs torchrun without it (:func:`slurm_torchrun_warning`). The agent sends a signal to
-each worker's process group: the loader workers a trainer forked get it too, and ignore it.
-"""
+Under torchrun, the agent forwards the signals it handles (``--signals-to-handle``, default SIGTERM, SIGINT, SIGHUP,
+SIGQUIT) to the workers and any other one kills the agent, leaving its workers to train on without a checkpoint. So
+``sbatch --signal=B:USR1`` needs ``torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``; the first rank
+warns at the start when a SLURM job runs torchrun without it (:func:`slurm_torchrun_warning`). The agent signals each
+worker's process group: the loader workers a trainer forked get it too, and ignore it."""
 from __future__ import annotations
 
 import logging
@@ -36,8 +33,8 @@ class Preempted(Exception):
 
 
 def torchrun_drops(signal_name: str, environ: Optional[Mapping[str, str]] = None) -> bool:
-    """Whether this process runs under torchrun whose agent does not forward ``signal_name`` (a signal sent to
-    the agent then kills it, and never reaches this process). torchrun exports what its agent handles as
+    """Whether this process runs under a torchrun agent that does not forward ``signal_name`` (the signal then kills the
+    agent and never reaches this process). torchrun exports what its agent handles as
     ``TORCHELASTIC_SIGNALS_TO_HANDLE``; one that does not export it handles the default set."""
     environ = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" not in environ:
@@ -57,9 +54,8 @@ def slurm_torchrun_warning(environ: Optional[Mapping[str, str]] = None) -> Optio
 
 
 class StopSignals:
-    """While entered (``with``), the preemption signals only note that a stop was asked for
-    (``received``); on exit the handlers that were there before are back. ``dist``: the ranks that must agree
-    (:meth:`agreed`)."""
+    """While entered (``with``), the preemption signals only note that a stop was asked for (``received``); on exit the
+    handlers that were there before are back. ``dist``: the ranks that must agree (:meth:`agreed`)."""
 
     def __init__(self, dist: DistInfo = DistInfo()):
         self.dist = dist
@@ -99,10 +95,9 @@ class StopSignals:
         self._restore()
 
     def agreed(self) -> bool:
-        """Whether every rank stops now (every rank calls this once a step): in one process as soon as a signal
-        arrived; under DDP when one had arrived on any rank by the previous step. Never waits for another
-        rank: it reads the all-reduce issued a step ago (finished: the ranks met since, in this step's
-        gradient all-reduce) and issues this step's."""
+        """Whether every rank stops now (every rank calls this once a step): in one process as soon as a signal arrived;
+        under DDP when one had arrived on any rank by the previous step. Never waits: it reads the all-reduce issued a
+        step ago (finished: the ranks met since, in this step's gradient all-reduce) and issues this step's."""
         if not self.dist.enabled:
             return self.received is not None
         import torch.distributed as tdist

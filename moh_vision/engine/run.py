@@ -36,8 +36,7 @@ def hydra_output_dir() -> Path:
 
 
 def run_group_and_name(logger: Any, tag: Optional[str]) -> Dict[str, Optional[str]]:
-    """wandb group = logger.group, else the experiment / sweep / tag name; wandb run name = the
-    command-line overrides."""
+    """wandb group: logger.group, else the experiment / sweep / tag name; wandb run name: the command-line overrides."""
     try:
         hc = HydraConfig.get()
         choices = hc.runtime.choices
@@ -83,8 +82,8 @@ def shared_output_dir(out_dir: Path, dist) -> Path:
 
 
 def requeue_slurm_job() -> None:
-    """Inside a plain sbatch job (not submitit, which requeues itself): ``scontrol requeue`` this job,
-    so it restarts and resumes from last.pt (needs ``#SBATCH --requeue``)."""
+    """Inside a plain sbatch job (not submitit, which requeues itself): ``scontrol requeue`` this job, so it restarts
+    and resumes from last.pt (needs ``#SBATCH --requeue``)."""
     job = os.environ.get("SLURM_JOB_ID")
     if not job or "SUBMITIT_EXECUTOR" in os.environ or shutil.which("scontrol") is None:
         return
@@ -148,16 +147,14 @@ def _train_in(out_dir: Path, run: TrainConfig, config: Dict[str, Any], dist) -> 
 
 
 class RebuiltRun(SimpleNamespace):
-    """What a checkpoint's own config rebuilds: ``state``, ``path``, ``config`` (plain dict), ``task``
-    and ``data`` (None when ``with_data=False``)."""
+    """What a checkpoint's own config rebuilds: ``state``, ``path``, ``config`` (plain dict), ``task`` and ``data``
+    (None when ``with_data=False``)."""
 
 
 def rebuild_run(ckpt: str, data: Optional[DictConfig] = None, with_data: bool = True) -> RebuiltRun:
-    """Load ``ckpt`` and rebuild its task (and data) from the config inside it, as it was trained.
-
-    ``data`` replaces the saved data config (another data group) or updates it (single keys). The model's ``checkpoint_path``/``init_from`` are cleared: the weights come from
-    this checkpoint, and the files that seeded the run need not exist any more.
-    """
+    """Load ``ckpt`` and rebuild its task (and data) from the config inside it, as it was trained. ``data`` replaces
+    the saved data config (another data group) or updates it (single keys). The model's ``checkpoint_path`` /
+    ``init_from`` are cleared: the weights come from this checkpoint, the files that seeded the run may be gone."""
     state, used = ckpt_io.load_with_fallback(Path(str(ckpt)).expanduser())
     saved = OmegaConf.create(state.get("config") or {})
     if "task" not in saved or "model" not in saved:
@@ -167,8 +164,7 @@ def rebuild_run(ckpt: str, data: Optional[DictConfig] = None, with_data: bool = 
         saved.data = data if "name" in data and group_name(dict(data)) != group_name(dict(saved.data)) \
             else OmegaConf.merge({k: v for k, v in saved.data.items() if k != "_target_"}, data)
     config = OmegaConf.to_container(saved, resolve=True)
-    config["model"]["checkpoint_path"] = None
-    config["model"]["init_from"] = None
+    config["model"]["checkpoint_path"] = config["model"]["init_from"] = None
     task = build_task(config["task"], model=config["model"], attention=config["attention"],
                       kernels=config.get("kernels"))  # runs written before the kernels config: every op auto
     return RebuiltRun(state=state, path=used, config=config, task=task,
@@ -185,10 +181,10 @@ def weights_of(run: RebuiltRun, use_ema: bool, off_switch: str = "eval.use_ema=f
 
 
 def evaluate(cfg: DictConfig) -> Dict[str, Any]:
-    """Top-1/top-5 (or the diffusion task's metrics) of a checkpoint; its config travels inside it. The task's
-    end-of-run work runs too (diffusion: a sample grid in ``samples/`` and the sample metrics), and which weights
-    were used (EMA or raw) is logged and recorded in ``summary.json``. Released weights (``model=<preset>
-    pretrained=...``): :mod:`moh_vision.engine.released`."""
+    """Top-1/top-5 (or the diffusion task's metrics) of a checkpoint, whose config travels inside it, and the task's
+    end-of-run work (diffusion: a sample grid in ``samples/``, the sample metrics); the weights used (EMA or raw) are
+    logged and in ``summary.json``. Released weights (``model=<preset> pretrained=...``):
+    :mod:`moh_vision.engine.released`."""
     from moh_vision.engine.distributed import pick_device
 
     options: EvalConfig = validate(cfg)
@@ -207,8 +203,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     model = task.build_model(data)
     model.load_state_dict(weights_of(run, use_ema))
     model = model.to(device)
-    trainer_like = _EvalRunner(options, device, data, task)
-    metrics = trainer_like.run(model)
+    metrics = _EvalRunner(options, device, data, task).run(model)
     step = int(state.get("step") or 0)
     loggers = make_loggers(options.logger, None, out_dir, True, {"eval": OmegaConf.to_container(cfg, resolve=True)},
                            None, "eval")

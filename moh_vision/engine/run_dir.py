@@ -135,8 +135,7 @@ def _free(key: str) -> bool:
 
 
 def config_changes(saved: Mapping[str, Any], current: Mapping[str, Any]) -> List[str]:
-    """``key: old -> new`` of each option that differs between a saved config and this one, but
-    :data:`FREE_TO_CHANGE`."""
+    """``key: old -> new`` of each option (but :data:`FREE_TO_CHANGE`) that differs between a saved config and this."""
     old, new = ({**ADDED_LATER, **_flat(config)} for config in (saved, current))
     keys = sorted(k for k in set(old) | set(new) if not _free(k) and old.get(k) != new.get(k))
     return [f"{k}: {_text(old.get(k))} -> {_text(new.get(k))}" for k in keys]

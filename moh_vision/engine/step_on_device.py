@@ -2,22 +2,18 @@
 
 Whether a step is skipped is decided on the device, as ``GradScaler`` decides with its ``found_inf``:
 
-- A non-finite loss seeds its backward with NaN (:func:`loss_for_backward`), so every gradient it reaches is
-  NaN; DDP's all-reduce spreads them to every rank, and each rank's gradient norm is non-finite: every rank
-  skips the same step without asking the others.
-- The gradient norm (:func:`gradient_norm`, clipping on the way) stays a tensor; a fused optimizer takes
-  the skip flag as its ``found_inf`` (:func:`step_unless`) and leaves the parameters, moments and step
-  counts as they were.
-- What the step leaves to be counted (its loss and parts, gradient norm, routing statistics and skip flag)
-  stays on the device, packed into one vector per step (:class:`PendingSteps`). At a log interval, a
-  checkpoint, an epoch's end or a stop, :meth:`PendingSteps.settle` reads all pending steps at once (one
-  copy to the host; under DDP after one all-reduce of their skip flags, so every rank counts the same
-  skipped steps) and hands them back as host values, which the meters, the log window and the skip
-  counters take exactly as they took each step's values before: the same numbers, added in the same order.
+- A non-finite loss seeds its backward with NaN (:func:`loss_for_backward`), so every gradient it reaches is NaN; DDP's
+  all-reduce spreads them, and every rank's gradient norm is non-finite: all skip the same step without asking.
+- The gradient norm (:func:`gradient_norm`, clipping on the way) stays a tensor; a fused optimizer takes the skip flag
+  as its ``found_inf`` (:func:`step_unless`) and leaves the parameters, moments and step counts as they were.
+- What the step leaves to be counted (its loss and parts, gradient norm, routing statistics and skip flag) stays on the
+  device, one vector per step (:class:`PendingSteps`). At a log interval, a checkpoint, an epoch's end or a stop,
+  :meth:`PendingSteps.settle` reads all pending steps in one copy to the host (under DDP after one all-reduce of their
+  skip flags, so every rank counts the same skipped steps); the meters, the log window and the skip counters take
+  them as they took each step's values: the same numbers, added in the same order.
 
-Where the device cannot decide, the host reads the flag, once a step: an optimizer without a fused kernel
-(no ``found_inf``; with ``trainer.amp=fp16`` GradScaler reads it then).
-"""
+Where the device cannot decide, the host reads the flag once a step: an optimizer without a fused kernel (no
+``found_inf``; with ``trainer.amp=fp16`` GradScaler reads it then)."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -75,8 +71,7 @@ class _Leaf:
 
 
 def _split(tree: Any, tensors: List[Tensor]) -> Any:
-    """``tree`` (dicts, lists, tuples) with each tensor replaced by a :class:`_Leaf`; the tensors, detached,
-    appended to ``tensors``."""
+    """``tree`` (dicts, lists, tuples) with each tensor, detached and appended to ``tensors``, replaced by a _Leaf."""
     if isinstance(tree, Tensor):
         tensors.append(tree.detach())
         return _Leaf(len(tensors) - 1)
@@ -133,9 +128,8 @@ class PendingSteps:
         self.layouts.append((index, tree, [(t.shape, t.dtype) for t in tensors]))
 
     def settle(self, dist: DistInfo) -> List[SettledStep]:
-        """Every pending step, read in one copy to the host (under DDP their skip flags first all-reduced with
-        MAX: skipped on any rank is skipped on all); nothing pending afterwards. Every rank calls this at the
-        same steps."""
+        """Every pending step, read in one copy to the host (under DDP their skip flags first all-reduced with MAX:
+        skipped on any rank is skipped on all); nothing pending afterwards. Every rank calls this at the same steps."""
         if not self.flags:
             return []
         flags = torch.cat(self.flags).to(torch.float32)

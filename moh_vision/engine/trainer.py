@@ -1,13 +1,11 @@
 """The one training loop, for every task.
 
-``Trainer(cfg, ...).fit(task, data)``: the task (``protocols.Task``) turns a batch into a loss dict,
-evaluates, and does its end-of-epoch work given an ``EpochContext``; the data (``protocols.Data``)
-hand over the two splits. The trainer owns the loop and the run's progress: accumulation, AMP,
-clipping, EMA updates, non-finite steps, epochs, validation, the best checkpoint, checkpoints that
-resume mid-epoch, preemption, logging and summary.json. What it builds before the first step is in
-``fit_setup``; its running records (meters, throughput, unreadable images) are in ``bookkeeping``;
-where its time goes (data wait, step time, TFLOP/s, utilisation, peak memory) in ``costs``.
-"""
+``Trainer(cfg, ...).fit(task, data)``: the task (``protocols.Task``) turns a batch into a loss dict, evaluates, and does
+its end-of-epoch work given an ``EpochContext``; the data (``protocols.Data``) hand over the two splits. The trainer
+owns the loop and the run's progress: accumulation, AMP, clipping, EMA updates, non-finite steps, epochs, validation,
+the best checkpoint, checkpoints that resume mid-epoch, preemption, logging and summary.json. What it builds before the
+first step is in ``fit_setup``; its running records (meters, throughput, unreadable images) are in ``bookkeeping``;
+where its time goes (data wait, step time, TFLOP/s, utilisation, peak memory) in ``costs``."""
 from __future__ import annotations
 
 import contextlib
@@ -117,8 +115,8 @@ class Trainer:
     # the loop
     # ------------------------------------------------------------------------------------------
     def fit(self, task: Task, data: Data) -> Dict[str, Any]:
-        """Train (or resume training) ``task``'s model on ``data``; returns what summary.json holds. The device
-        settings (TF32, cuDNN benchmarking) hold while it runs."""
+        """Train (or resume training) ``task``'s model on ``data`` under the device settings (TF32, cuDNN
+        benchmarking); returns what summary.json holds."""
         with device_settings(self.cfg.tf32, self.cfg.deterministic, self.device) as self.settings:
             return self._fit(task, data)
 
@@ -226,9 +224,9 @@ class Trainer:
             bar.close()
 
     def _optimizer_step(self, loss_ok: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """Clip, step, schedule, EMA; the step is skipped where the loss (``loss_ok``: every micro-batch's was
-        finite) or the gradients are not finite. Returns the gradient norm before clipping (with AMP: unscaled)
-        and whether the step counts as skipped, both on the device: nothing here reads them (step_on_device)."""
+        """Clip, step, schedule, EMA; skipped where the loss (``loss_ok``: every micro-batch's was finite) or the
+        gradients are not finite. Returns, on the device and unread, the gradient norm before clipping (AMP: unscaled)
+        and whether the step counts as skipped."""
         parts = self.parts
         self.lr = parts.schedule.apply(parts.optimizer, self.step)
         params = [p for p in parts.model.parameters() if p.grad is not None]
@@ -253,8 +251,8 @@ class Trainer:
         return norm, skipped
 
     def _settle(self) -> None:
-        """Read the steps taken since the last settle (one copy from the device: ``PendingSteps.settle``) and
-        count them: a skipped one as non-finite, the others into the epoch meters and the log window."""
+        """Read the steps taken since the last settle (one copy from the device) and count them: a skipped one as
+        non-finite, the others into the epoch meters and the log window."""
         for step in self.pending.settle(self.dist):
             if step.skipped:
                 self._nonfinite(step)
@@ -299,10 +297,9 @@ class Trainer:
         return parts.task.finalize(reduce_sums(sums, self.dist, self.device), prefix=prefix)
 
     def _validate_before_training(self) -> None:
-        """``val_at_start``: validate the initial weights once, at step 0 of a fresh run, logged as
-        epoch -1 and kept in the summary as ``start/val/...``. ``auto`` (default) does it when the
-        model starts from other weights (``model.init_from``, ``model.checkpoint_path``), where the
-        starting accuracy is the baseline a continue-tuning run is judged against."""
+        """``val_at_start``: validate the initial weights once, at step 0 of a fresh run (epoch -1; ``start/val/...`` in
+        the summary). ``auto``: when the model starts from other weights (``model.init_from``,
+        ``model.checkpoint_path``), whose accuracy is the baseline a continue-tuning run is judged against."""
         when = self.cfg.val_at_start
         if when == "auto":
             model_cfg = self.parts.task.model_cfg
@@ -313,12 +310,11 @@ class Trainer:
         self.start_row = {f"start/{k}": v for k, v in row.items() if k != "epoch"}
         if self.dist.is_main:
             self.loggers.log_epoch(row, step=0)
-            log.info("before training: %s", ", ".join(f"{k}={v:.4g}" for k, v in row.items()
-                                                        if isinstance(v, float)))
+            log.info("before training: %s", ", ".join(f"{k}={v:.4g}" for k, v in row.items() if isinstance(v, float)))
 
     def _end_epoch(self) -> None:
-        """The epoch row (training averages, routing, validation, the task's end-of-epoch metrics,
-        skipped images), routing files, ``last.pt`` and, when the primary metric improved, ``best.pt``."""
+        """The epoch row (training averages, routing, validation, the task's end-of-epoch metrics, skipped images),
+        routing files, ``last.pt`` and, when the primary metric improved, ``best.pt``."""
         parts = self.parts
         self._settle()
         row: Dict[str, Any] = {"epoch": self.epoch, **self.meters.row(self.dist)}
@@ -379,8 +375,8 @@ class Trainer:
     # checkpoints
     # ------------------------------------------------------------------------------------------
     def save(self, name: str = "last.pt", numbered: bool = False) -> None:
-        """Write ``checkpoints/<name>`` and, if ``numbered``, ``checkpoints/step_<step>.pt`` too (main rank; every
-        rank joins the RNG gather), with every step so far counted."""
+        """Write ``checkpoints/<name>`` and, if ``numbered``, ``checkpoints/step_<step>.pt`` (main rank; every rank
+        joins the RNG gather), every step so far counted."""
         self._settle()
         state = self._state()
         if self.dist.is_main:
@@ -392,8 +388,7 @@ class Trainer:
                 self.history.write(state, self.step)
 
     def _state(self) -> Dict[str, Any]:
-        """The checkpoint. Under DDP, ``rng`` and ``meters`` (this epoch's sums so far) are lists with one
-        entry per rank: each rank resumes its own."""
+        """The checkpoint. Under DDP, ``rng`` and ``meters`` (this epoch's sums so far) hold one entry per rank."""
         parts = self.parts
         rng, meters = capture_rng(), self.meters.state_dict()
         if self.dist.enabled:
@@ -421,8 +416,8 @@ class Trainer:
         return state
 
     def _resume(self) -> None:
-        """Load ``trainer.resume`` (auto: this run's last.pt, if any): weights, optimizer, progress,
-        records and RNG, so the run goes on as if never stopped."""
+        """Load ``trainer.resume`` (auto: this run's last.pt, if any): weights, optimizer, progress, records and RNG, so
+        the run goes on as if never stopped."""
         parts = self.parts
         path = ckpt_io.resolve_resume(self.cfg.resume, self.out_dir)
         if path is None:
@@ -460,8 +455,8 @@ class Trainer:
                         "from %.3g to %.3g at step %d", parts.total_steps, old_lr, new_lr, self.step)
 
     def _check_resumable(self, state: Dict[str, Any], used: Path) -> None:
-        """Refuse a checkpoint this run cannot continue exactly: one saved mid-epoch by another number of
-        processes, or one trained with other options (unless ``trainer.extend``)."""
+        """Refuse a checkpoint this run cannot continue exactly: one saved mid-epoch by another number of processes,
+        or one trained with other options (unless ``trainer.extend``)."""
         saved_world = int(state.get("world_size") or 1)
         if state.get("batch_in_epoch") and saved_world != self.dist.world_size:
             raise ConfigError(f"cannot resume from {used}: it was saved mid-epoch (epoch {state['epoch']}, batch "
@@ -477,8 +472,7 @@ class Trainer:
             log.warning("continuing %s with other options: %s", used, "; ".join(changes))
 
     def _own(self, per_rank: Any) -> Optional[Dict[str, Any]]:
-        """This rank's entry of a checkpoint's per-rank list. A dict is rank 0's alone (a single process,
-        or a checkpoint from before per-rank entries): restored on rank 0 only, it counts once."""
+        """This rank's entry of a per-rank list; a dict (one process, or an older checkpoint) is rank 0's alone."""
         if isinstance(per_rank, list):
             return per_rank[self.dist.rank] if self.dist.rank < len(per_rank) else None
         return per_rank if self.dist.is_main else None
@@ -487,8 +481,8 @@ class Trainer:
     # summary
     # ------------------------------------------------------------------------------------------
     def _summary(self, wall: float) -> Dict[str, Any]:
-        """summary.json: the run's results, throughput and health. A rerun of a finished run keeps
-        the recorded summary, or evaluates the final weights again when it is gone or stale."""
+        """summary.json: the run's results, throughput and health. A rerun of a finished run keeps the recorded
+        summary, or evaluates the final weights again when it is gone or stale."""
         parts = self.parts
         previous = broadcast_object(_previous_summary(self.out_dir) if self.dist.is_main else None, self.dist)
         fresh = self.step > self.steps_at_start or self.last_row is not None

@@ -1,6 +1,6 @@
-"""What the tasks call to get a model: a registered name, the attention config group, and where its
-weights come from (``checkpoint_path``: this model's own; ``init_from``: a dense checkpoint to
-continue-tune from). Errors are one line."""
+"""What the tasks call to get a model: a registered name, the attention config group, and where its weights come from
+(``checkpoint_path``: this model's own; ``init_from``: a dense checkpoint to continue-tune from). Errors are one
+line."""
 from __future__ import annotations
 
 import logging
@@ -24,11 +24,9 @@ NON_MODULE_KEYS = ("name", "aux_loss_weight")
 
 # ----------------------------------------------------------------------------------------------
 def attention_kwargs(attention: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
-    """Turn the ``attention`` config group into model kwargs: ``attention=<name>`` plus its options.
-
-    ``name: null`` (the ``preset`` group) passes nothing, so a preset keeps its own per-layer heads.
-    ``null`` options are dropped (timm drops them too).
-    """
+    """Turn the ``attention`` config group into model kwargs: ``attention=<name>`` plus its options. ``name: null`` (the
+    ``preset`` group) passes nothing, so a preset keeps its own per-layer heads. ``null`` options are dropped (timm
+    drops them too)."""
     if not attention:
         return {}
     kwargs = {k: v for k, v in dict(attention).items() if k not in NON_MODULE_KEYS and v is not None}
@@ -42,11 +40,9 @@ def attention_kwargs(attention: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
 def build_model(name: str, attention: Optional[Mapping[str, Any]] = None, checkpoint_path: Optional[str] = None,
                 init_from: Optional[str] = None, **kwargs: Any) -> nn.Module:
     """``timm.create_model(name, attention=..., **options, **kwargs)`` with one-line errors for bad input.
-
-    ``checkpoint_path`` loads this model's weights (:func:`load_weights`: fine-tuning onto other classes or
-    resolution); ``init_from`` starts a routed model from a dense checkpoint of the same backbone
-    (continue-tuning, :mod:`moh_vision.models.continue_tuning`; the same adaptations to the data).
-    """
+    ``checkpoint_path`` loads this model's weights (:func:`load_weights`: fine-tuning onto other classes or resolution);
+    ``init_from`` starts a routed model from a dense checkpoint of the same backbone (:mod:`.continue_tuning`, with the
+    same adaptations to the data)."""
     if checkpoint_path and init_from:
         raise ConfigError("give model.checkpoint_path (this model's own weights) or model.init_from (a dense "
                           "checkpoint to continue-tune from), not both")
@@ -88,10 +84,9 @@ def with_model_kwargs(derived: Mapping[str, Any], given: Optional[Mapping[str, A
 
 
 def load_weights(model: nn.Module, path: str) -> List[str]:
-    """Load this model's weights from any checkpoint format we read (EMA weights first), fine-tuning style:
-    made to fit data of other classes, channels or resolution (:func:`~moh_vision.models.fitting.fit_to_model`:
-    classifier re-initialised, first conv adapted, position / patch embeddings resampled), every other tensor
-    strictly. Returns (and logs) the adaptations made."""
+    """Load this model's weights from any checkpoint format we read (EMA weights first), made to fit data of other
+    classes, channels or resolution (:func:`~moh_vision.models.fitting.fit_to_model`), every other tensor strictly.
+    Returns (and logs) the adaptations made."""
     if not Path(path).is_file():
         raise ConfigError(f"checkpoint_path={path} does not exist")
     state, notes = fit_to_model(model, read_weights(path))

@@ -1,21 +1,18 @@
 """Continue-tuning: start a routed model from a dense (multi-head attention) checkpoint of the same backbone.
 
-What a variant adds over a dense layer (its ``variant_parameters``) and how those start (``dense_start``) is
-declared by the variant itself; this module copies the dense tensors, asks each layer for the start of its own
-parameters, and refuses what a variant says it cannot do (``dense_start_refusal``). MoH, the built-in example, adds
-only routers (``wg``, ``wg_0``, ``wg_1``); every other tensor keeps its dense name and shape and is copied one to one.
-``wg_0`` and ``wg_1`` start at zero (``2 * softmax(0) = (1, 1)``, ``softmax(0) * h_s = 1``: every shared head gate
-1), and ``wg`` at zero where top-k takes the whole routed pool (the renormalised uniform top-k gives every routed
-head gate 1): a layer whose heads are all active computes the dense layer at step 0. A layer that keeps fewer heads
-per token starts as the dense layer with ``num_heads - active`` heads dropped per token (the accuracy continue-tuning
-has to recover), its ``wg`` with tiny random weights (``router_std``, default 1e-3) so that each token picks its heads
-from its own scores rather than by the tie-breaking of an all-zero router.
+What a variant adds over a dense layer (its ``variant_parameters``) and how those start (``dense_start``) is declared by
+the variant itself; this module copies the dense tensors, asks each layer for the start of its own parameters, and
+refuses what a variant says it cannot do (``dense_start_refusal``). MoH, the built-in example, adds only routers
+(``wg``, ``wg_0``, ``wg_1``), started so that every active head has gate 1
+(:meth:`~moh_vision.attention.moh.MoH.dense_start`); every other tensor keeps its dense name and shape and is copied one
+to one. A layer whose heads are all active computes the dense layer at step 0; one that keeps fewer heads per token
+starts as the dense layer with ``num_heads - active`` heads dropped per token (the accuracy continue-tuning has to
+recover), its ``wg`` with tiny random weights (``router_std``, default 1e-3).
 
 Refused, with the reason: checkpoints that are not dense (they hold a variant's parameters), backbones of another
 width / depth / head layout, and targets whose variant cannot start from dense weights (MoA). The checkpoint is first
 made to fit the data the target is built for (:func:`moh_vision.models.fitting.fit_to_model`). ``model.init_from``
-and ``tools/convert_dense_to_moh.py`` both call :func:`init_from_dense`.
-"""
+and ``tools/convert_dense_to_moh.py`` both call :func:`init_from_dense`."""
 from __future__ import annotations
 
 import logging
@@ -58,9 +55,9 @@ class DenseCheckpoint:
 
 
 def read_dense_checkpoint(path: Union[str, Path], weights: str = "auto") -> DenseCheckpoint:
-    """Load ``path`` (tensors only, plus the argparse Namespace released training checkpoints carry) and
-    pick its weights (:func:`moh_vision.checkpoints.find_weights`: ours, DiT's, timm's, plain state dicts;
-    ``weights``: ``auto`` EMA when present, ``ema``, ``model``)."""
+    """Load ``path`` (tensors only, plus the argparse Namespace released training checkpoints carry) and pick its
+    weights (:func:`moh_vision.checkpoints.find_weights`: ours, DiT's, timm's, plain state dicts; ``weights``: ``auto``
+    EMA when present, ``ema``, ``model``)."""
     path = Path(path)
     if not path.is_file():
         raise ContinueTuningError(f"init_from={path} does not exist")
@@ -207,8 +204,7 @@ def _source_heads(ckpt: DenseCheckpoint) -> Optional[List[Tuple[int, int]]]:
 
 
 def check_layout(model: nn.Module, ckpt: DenseCheckpoint, attention_prefixes: Tuple[str, ...] = ()) -> None:
-    """Same keys (but the variants' own parameters) and shapes; the same heads per layer where the
-    checkpoint says."""
+    """Same keys (but the variants' own parameters) and shapes; the same heads per layer where the checkpoint says."""
     expected = model.state_dict()
     missing, unexpected, reshaped = state_dict_diff(expected, ckpt.state, optional=router_keys(model))
     problems = []
@@ -283,12 +279,10 @@ def router_start(model: nn.Module, router_std: float = DEFAULT_ROUTER_STD,
 # ----------------------------------------------------------------------------------------------
 def init_from_dense(model: nn.Module, source: Union[str, Path, DenseCheckpoint], weights: str = "auto",
                     router_std: float = DEFAULT_ROUTER_STD, seed: int = 0) -> ConversionReport:
-    """Copy a dense checkpoint into ``model`` (MoH or MHA over the same backbone) and start its routers.
-
-    After this, a model whose layers keep every head computes what the dense checkpoint computes (fp32
-    rounding); layers that keep fewer heads start as the dense layer without them. Raises
-    :class:`ContinueTuningError` for every mismatch. Returns (and logs) what was done.
-    """
+    """Copy a dense checkpoint into ``model`` (MoH or MHA over the same backbone) and start its routers. After this, a
+    model whose layers keep every head computes what the dense checkpoint computes (fp32 rounding); layers that keep
+    fewer heads start as the dense layer without them. Raises :class:`ContinueTuningError` for every mismatch. Returns
+    (and logs) what was done."""
     ckpt = source if isinstance(source, DenseCheckpoint) else read_dense_checkpoint(source, weights)
     if router_std < 0:
         raise ContinueTuningError(f"router_std={router_std} must be >= 0")
@@ -313,15 +307,12 @@ def init_from_dense(model: nn.Module, source: Union[str, Path, DenseCheckpoint],
 # A MoH preset's budget on a dense backbone's heads
 # ----------------------------------------------------------------------------------------------
 def routing_like(preset: str, backbone: str, **backbone_kwargs: Any) -> Dict[str, List[int]]:
-    """Per-block ``shared_heads`` / ``topk`` that give ``backbone`` (a dense DiT or plain ViT) the routing of
-    MoH ``preset`` on its own heads.
-
-    The official MoH-DiT-XL/L presets have 8/16/24 heads per block while DiT has 16 everywhere, so their
-    weights cannot come from a DiT checkpoint. This keeps, block by block, the preset's routed pool
-    (``heads - shared``) and top-k, and makes the rest of the backbone's heads shared: every block drops
-    as many heads per token as in the preset, so with the same total number of heads (DiT-XL: 28 x 16 =
-    9 x 8 + 10 x 16 + 9 x 24 = 448) the activation ratio is the preset's (XL/2-90: 403 / 448).
-    """
+    """Per-block ``shared_heads`` / ``topk`` that give ``backbone`` (a dense DiT or plain ViT) the routing of MoH
+    ``preset`` on its own heads. The official MoH-DiT-XL/L presets have 8/16/24 heads per block while DiT has 16
+    everywhere, so their weights cannot come from a DiT checkpoint. This keeps, block by block, the preset's routed pool
+    (``heads - shared``) and top-k, and makes the rest of the backbone's heads shared: every block drops as many heads
+    per token as in the preset, so with the same total number of heads (DiT-XL: 28 x 16 = 9 x 8 + 10 x 16 + 9 x 24 =
+    448) the activation ratio is the preset's (XL/2-90: 403 / 448)."""
     import timm
 
     from .families import model_family

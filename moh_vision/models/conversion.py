@@ -1,13 +1,10 @@
 """Released or training checkpoints -> a plain tensor state dict (``tools/convert_checkpoint.py``).
 
-The output holds tensors only, so our models load it strictly with ``weights_only=True`` (and
-``timm.create_model(name, checkpoint_path=...)``). Reading, finding the weights (raw state dicts such as
-the released ``DiT-XL-2-256x256.pt``; DiT / MoH-DiT training checkpoints ``{"model", "ema", "opt",
-"args"}``, EMA weights by default; ``{"model"}``, ``{"state_dict"}``, timm's ``state_dict_ema`` /
-``model_ema``; ``.safetensors``), stripping ``module.`` / ``_orig_mod.`` and writing atomically are
-:mod:`moh_vision.checkpoints`'. The ``argparse.Namespace`` that training checkpoints pickle loads safely;
-any other pickled object needs ``trust_pickle`` (unpickling it runs whatever the file says).
-"""
+The output holds tensors only, so our models load it strictly with ``weights_only=True`` (and ``timm.create_model(name,
+checkpoint_path=...)``). Reading and finding the weights (released raw state dicts such as ``DiT-XL-2-256x256.pt``, DiT
+/ MoH-DiT training checkpoints with EMA weights by default, timm's, ours, ``.safetensors``), stripping ``module.`` /
+``_orig_mod.`` and writing atomically are :mod:`moh_vision.checkpoints`'. Training checkpoints' pickled
+``argparse.Namespace`` loads safely; other pickled objects need ``trust_pickle``."""
 from __future__ import annotations
 
 import logging
@@ -45,9 +42,8 @@ def mismatch_hint(problem: str) -> str:
 
 def convert_checkpoint(src: str, dst: str, model: Optional[str] = None, model_kwargs: Optional[Dict[str, Any]] = None,
                        ema: bool = True, trust_pickle: bool = False, force: bool = False) -> Dict[str, torch.Tensor]:
-    """Write the weights of ``src`` (EMA first unless ``ema=False``) to ``dst`` as plain tensors; with ``model``,
-    check first that every key and shape fits that registered model (a :class:`RunError` otherwise, and
-    nothing is written unless ``force``). Returns the written state dict."""
+    """Write the weights of ``src`` (EMA first unless ``ema=False``) to ``dst`` as plain tensors; with ``model``, first
+    check every key and shape fits that registered model (else :class:`RunError`, nothing written, unless ``force``)."""
     if model_kwargs and not model:
         raise ConfigError(f"model.<key> arguments ({', '.join(model_kwargs)}) need model=<name>")
     if trust_pickle:

@@ -1,18 +1,15 @@
 """DiT (Peebles & Xie, 2023) and MoH-DiT (Jin et al., ICML 2025) with pluggable attention.
 
-A DiT is a plain transformer over latent patches whose blocks are conditioned with adaLN-Zero: the timestep and class
-embeddings give, per block, a shift/scale for each LayerNorm and a gate for each residual branch, all from a
-zero-initialised Linear, so a fresh block is the identity and a fresh model predicts exactly zero. Attention comes from
-the registry (``attention="mha" | "moh" | "moa"`` plus its options, each a scalar or one value per block); its input is
-the adaLN-modulated normed token, so a MoH/MoA router sees the timestep and the class without extra wiring.
+A plain transformer over latent patches with adaLN-Zero blocks: the timestep and class embeddings give, per block, a
+shift/scale for each LayerNorm and a gate for each residual branch from a zero-initialised Linear, so a fresh model
+predicts exactly zero. Attention comes from the registry (``attention="mha" | "moh" | "moa"`` plus its options, each a
+scalar or one value per block); it sees the adaLN-modulated tokens, so a router sees the timestep and the class.
 
 State-dict keys and shapes equal the official checkpoints' (facebookresearch/DiT; SkyworkAI/MoH ``MoH-DiT``, routers
 ``attn.wg``, ``attn.wg_0``, ``attn.wg_1``). Registered with timm: ``dit_{s,b,l,xl}_{2,4,8}``,
 ``moh_dit_{s,b,l,xl}_2_{90,75}`` (the official per-layer presets) and ``dit_tiny_2`` (16x16 digits on a CPU), each with
-a pretrained cfg describing its input (SD-VAE latents, or the digits), so ``timm.data.resolve_model_data_config``
-answers for the model and ``pretrained=True`` (``pretrained_cfg_overlay=dict(file=...)``) loads released checkpoints
-(``DiT-XL-2-256x256.pt``; MoH-DiT training checkpoints: their EMA weights).
-"""
+a pretrained cfg describing its input, so ``pretrained=True`` (``pretrained_cfg_overlay=dict(file=...)``) loads
+released checkpoints (``DiT-XL-2-256x256.pt``; MoH-DiT training checkpoints: their EMA weights)."""
 from __future__ import annotations
 
 import math
@@ -57,12 +54,8 @@ def _sincos_1d(dim: int, positions: Tensor) -> Tensor:
 
 
 def sincos_pos_embed_2d(dim: int, grid_size: Union[int, Tuple[int, int]]) -> Tensor:
-    """``[H*W, dim]`` float32 embedding of a row-major ``H x W`` token grid.
-
-    The first half of the channels encodes a token's column, the second half its row: the
-    layout of the official DiT/MAE tables, so checkpoints trained with them keep their meaning.
-    Computed in float64 and rounded once, like the official numpy version.
-    """
+    """``[H*W, dim]`` float32 embedding of a row-major ``H x W`` token grid: the first half of the channels encodes
+    a token's column, the second its row (the official DiT/MAE layout); float64 rounded once, as the official numpy."""
     grid_h, grid_w = to_2tuple_size(grid_size)
     if dim % 4:
         raise ConfigError(f"a 2-D sin-cos position embedding needs a width divisible by 4 (got {dim})")
@@ -80,18 +73,13 @@ class TimestepEmbedder(nn.Module):
     def __init__(self, hidden_size: int, frequency_embedding_size: int = 256):
         super().__init__()
         self.frequency_embedding_size = frequency_embedding_size
-        self.mlp = nn.Sequential(
-            nn.Linear(frequency_embedding_size, hidden_size),
-            nn.SiLU(),
-            nn.Linear(hidden_size, hidden_size),
-        )
+        self.mlp = nn.Sequential(nn.Linear(frequency_embedding_size, hidden_size), nn.SiLU(),
+                                 nn.Linear(hidden_size, hidden_size))
 
     @staticmethod
     def timestep_embedding(t: Tensor, dim: int, max_period: float = 10000.0) -> Tensor:
-        """``[N] -> [N, dim]``: cosines then sines of ``t * f_i``, ``f_i = max_period^(-i / half)``.
-
-        Frequencies are float32 as in the reference, so a given ``t`` embeds to the same bits.
-        """
+        """``[N] -> [N, dim]``: cosines then sines of ``t * f_i``, ``f_i = max_period^(-i / half)`` (float32 as in
+        the reference, so a given ``t`` embeds to the same bits)."""
         half = dim // 2
         freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device) / half)
         args = t[:, None].float() * freqs[None]
@@ -109,12 +97,9 @@ NO_NULL_CLASS = "dropping labels needs a null class: build the model with class_
 
 
 class LabelEmbedder(nn.Module):
-    """Class labels -> vectors, with label dropout for classifier-free guidance.
-
-    With ``dropout_prob > 0`` the table has one extra row, the null class ``num_classes``: while
-    training each label is replaced by it with probability ``dropout_prob``, and passing label
-    ``num_classes`` (or ``force_drop_ids == 1``) asks for the unconditional prediction.
-    """
+    """Class labels -> vectors, with label dropout for classifier-free guidance. With ``dropout_prob > 0`` the table
+    has one extra row, the null class ``num_classes``: training replaces each label by it with probability
+    ``dropout_prob``; label ``num_classes`` (or ``force_drop_ids == 1``) asks for the unconditional prediction."""
 
     def __init__(self, num_classes: int, hidden_size: int, dropout_prob: float):
         super().__init__()
@@ -139,9 +124,8 @@ class LabelEmbedder(nn.Module):
 @torch.fx.wrap  # torch.fx traces force_drop_ids as an input (never None while tracing): decide on the real one
 def drop_labels(labels: Tensor, force_drop_ids: Optional[Tensor], null_class: int, drop_prob: float,
                 has_null_class: bool) -> Tensor:
-    """``labels`` with the null class ``null_class`` where ``force_drop_ids == 1`` or, without
-    ``force_drop_ids``, at random with probability ``drop_prob`` (0: ``labels`` as they are). Forced drops
-    need a table with a null class (``has_null_class``)."""
+    """``labels`` with the null class ``null_class`` where ``force_drop_ids == 1`` or, without ``force_drop_ids``, at
+    random with probability ``drop_prob`` (0: as they are). Forced drops need a null class (``has_null_class``)."""
     if force_drop_ids is not None and not has_null_class:
         raise ConfigError(NO_NULL_CLASS)
     if force_drop_ids is None:
@@ -192,8 +176,8 @@ class FinalLayer(nn.Module):
 # DiT
 # ---------------------------------------------------------------------------------------------
 class DiT(nn.Module):
-    """Class-conditional diffusion transformer predicting epsilon (and, with ``learn_sigma``, the
-    variance interpolation) for ``[B, C, H, W]`` inputs.
+    """Class-conditional diffusion transformer predicting epsilon (and, with ``learn_sigma``, the variance
+    interpolation) for ``[B, C, H, W]`` inputs.
 
     Args:
         input_size: spatial side of the input (latent) grid, int or (H, W); 32 for 256px SD latents.
@@ -202,28 +186,17 @@ class DiT(nn.Module):
         head_dim: width of one head (``None``: ``hidden_size // num_heads``), int or per block.
         class_dropout_prob: label dropout while training; > 0 adds the null class ``num_classes``.
         learn_sigma: output ``2 * in_channels`` channels (epsilon, then the variance values).
-        attention: registry name of the attention variant; ``attention_options`` go to
-            ``build_attention`` (lists/tuples of length ``depth`` are per block).
+        attention: registry name of the attention variant; ``attention_options`` go to ``build_attention``
+            (lists/tuples of length ``depth`` are per block).
     """
 
     family = "dit"
 
-    def __init__(
-        self,
-        input_size: Union[int, Tuple[int, int]] = 32,
-        patch_size: int = 2,
-        in_channels: int = 4,
-        hidden_size: int = 1152,
-        depth: int = 28,
-        num_heads: Union[int, Sequence[int]] = 16,
-        head_dim: Union[None, int, Sequence[Optional[int]]] = None,
-        mlp_ratio: float = 4.0,
-        class_dropout_prob: float = 0.1,
-        num_classes: int = 1000,
-        learn_sigma: bool = True,
-        attention: str = "mha",
-        **attention_options: Any,
-    ):
+    def __init__(self, input_size: Union[int, Tuple[int, int]] = 32, patch_size: int = 2, in_channels: int = 4,
+                 hidden_size: int = 1152, depth: int = 28, num_heads: Union[int, Sequence[int]] = 16,
+                 head_dim: Union[None, int, Sequence[Optional[int]]] = None, mlp_ratio: float = 4.0,
+                 class_dropout_prob: float = 0.1, num_classes: int = 1000, learn_sigma: bool = True,
+                 attention: str = "mha", **attention_options: Any):
         super().__init__()
         size = to_2tuple_size(input_size)
         if patch_size < 1 or size[0] % patch_size or size[1] % patch_size:
@@ -309,14 +282,12 @@ class DiT(nn.Module):
 
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
-        """Nothing: the official DiT / MoH-DiT recipe trains with weight decay 0 (AdamW, wd=0), so it
-        excludes no parameter by name (``pos_embed`` is fixed, not trained)."""
+        """Nothing: the official DiT / MoH-DiT recipe trains with AdamW, wd=0 (``pos_embed`` is fixed, not trained)."""
         return set()
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        """Parameter groups for layer-wise lr decay: the embedders, one group per block, the final layer
-        with the last block."""
+        """Groups for layer-wise lr decay: the embedders, one group per block, the final layer with the last block."""
         return dict(stem=r"^x_embedder|^t_embedder|^y_embedder|^pos_embed",
                     blocks=[(r"^blocks\.(\d+)", None), (r"^final_layer", (99999,))])
 
@@ -325,8 +296,8 @@ class DiT(nn.Module):
         return dict(input_size=(self.in_channels, *self.input_size), num_classes=self.num_classes)
 
     def adapt_checkpoint(self, state_dict: Dict[str, Tensor]) -> Dict[str, Tensor]:
-        """A DiT state dict of another input size: the position embedding is fixed (sin-cos of the grid, not
-        learned), so this model's own replaces a checkpoint's of another grid."""
+        """A DiT state dict of another input size: the position embedding is fixed (sin-cos of the grid), so this
+        model's own replaces a checkpoint's of another grid."""
         out = dict(state_dict)
         pos = out.get("pos_embed")
         if pos is not None and pos.shape != self.pos_embed.shape and pos.shape[-1] == self.pos_embed.shape[-1]:
@@ -349,16 +320,11 @@ class DiT(nn.Module):
 
     def forward_with_cfg(self, x: Tensor, t: Tensor, y: Tensor, cfg_scale: float,
                          guidance_channels: Optional[int] = None) -> Tensor:
-        """Classifier-free guidance in one batched pass.
-
-        The batch is ``[conditional half; unconditional half]`` (second half of ``y`` = null class);
-        only the first half of ``x`` is used, for both halves. The guided epsilon
-        ``uncond + cfg_scale * (cond - uncond)`` is returned in both halves.
-
-        ``guidance_channels=None`` guides all ``in_channels`` epsilon channels (the standard
-        method); ``3`` reproduces the official DiT sampling quirk (only the first three channels of
-        the 4-channel latent are guided, the rest keep each half's own prediction).
-        """
+        """Classifier-free guidance in one batched pass over ``[conditional half; unconditional half]`` (second half
+        of ``y`` = null class; the first half of ``x`` is used for both). Both halves return the guided epsilon
+        ``uncond + cfg_scale * (cond - uncond)``. ``guidance_channels=None`` guides all ``in_channels``; ``3``
+        reproduces the official DiT sampling quirk (only the first three latent channels guided, the rest keep
+        each half's own prediction)."""
         n = guidance_channels if guidance_channels is not None else self.in_channels
         if not 1 <= n <= self.in_channels:
             raise ConfigError(f"guidance_channels={guidance_channels} is outside 1..in_channels={self.in_channels}")
@@ -428,9 +394,8 @@ DIT_PRESETS: Dict[str, Dict[str, Any]] = _all_presets()
 
 _MOH_PRESET_NAMES = {f"moh_dit_{key}" for key in _MOH_PRESETS}
 _DIT_URL = "https://dl.fbaipublicfiles.com/DiT/models/DiT-XL-2-{}x{}.pt"
-# Released weights, where they live (pretrained=True fetches them: moh_vision/models/hub.py; a local copy:
-# pretrained_cfg_overlay=dict(file=<path>)). DiT's by URL (EMA state dicts); MoH-DiT on the hub (a training
-# checkpoint, EMA weights; the repo's one weights file is taken).
+# Released weights (pretrained=True fetches them: models/hub.py; a local copy: pretrained_cfg_overlay=dict(file=...)).
+# DiT's by URL (EMA state dicts); MoH-DiT on the hub (a training checkpoint, EMA weights; the repo's one weights file).
 _RELEASED = {
     "dit_xl_2": dict(url=_DIT_URL.format(256, 256), origin_url="https://github.com/facebookresearch/DiT"),
     "moh_dit_xl_2_90": dict(hf_hub_id="Chat-UniVi/MoH-DiT-XL-90", origin_url="https://github.com/SkyworkAI/MoH"),
@@ -438,11 +403,10 @@ _RELEASED = {
 
 
 def _cfg(name: str, side: Optional[int] = None) -> Dict[str, Any]:
-    """What a preset takes: 256x256 ImageNet images as Stable-Diffusion VAE latents (32x32x4, scaled by
-    0.18215; the images are center-cropped as in ADM and mapped to [-1, 1] before the VAE), or for
-    ``dit_tiny_2`` the 16x16 digits mapped to [-1, 1]. ``classifier`` is the class-embedding table (it
-    is dropped when ``num_classes`` differs from the checkpoint's). ``side``: the latent side of a tagged
-    cfg (DiT-XL/2 512x512: 64, built with input_size=64)."""
+    """What a preset takes: 256x256 ImageNet images as Stable-Diffusion VAE latents (32x32x4, scaled by 0.18215;
+    center-cropped as in ADM, in [-1, 1] before the VAE), or for ``dit_tiny_2`` the 16x16 digits in [-1, 1].
+    ``classifier`` is the class-embedding table (dropped when ``num_classes`` differs from the checkpoint's).
+    ``side``: the latent side of a tagged cfg (DiT-XL/2 512x512: 64, built with input_size=64)."""
     preset = DIT_PRESETS[name]
     channels, side = preset.get("in_channels", 4), side or preset.get("input_size", 32)
     moh = name in _MOH_PRESET_NAMES
@@ -473,8 +437,7 @@ default_cfgs = generate_default_cfgs({
 
 
 def _from_builder(in_chans: int, img_size: Any = None, **kwargs: Any) -> DiT:
-    """timm's builder passes its own names for the input (``in_chans``, ``img_size``); DiT's are
-    ``in_channels`` and ``input_size``, which :func:`create_dit` has already set."""
+    """timm's builder passes ``in_chans``, ``img_size``; DiT's ``in_channels``, ``input_size`` are already set."""
     return DiT(**kwargs)
 
 

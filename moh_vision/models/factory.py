@@ -2,12 +2,9 @@
 
 :func:`build_from_preset` is what each ``@register_model`` entry point calls: the preset's arguments, overridden by the
 user's, go through ``timm.models.build_model_with_cfg``, so ``features_only``, ``out_indices``, ``feature_cls``,
-``pretrained_cfg`` / ``pretrained_cfg_overlay`` and ``pretrained=True`` work as for timm's own models.
-``pretrained=True`` loads the released weights from where they live (:mod:`~moh_vision.models.hub`: the cfg's hub id or
-URL through the caches, or a local file named by ``pretrained_cfg_overlay=dict(file=...)``, never the network), in
-their official formats, ours, and ``.safetensors``. :mod:`~moh_vision.models.families` says which registered names are
-ours and the family of each; :func:`~moh_vision.models.build.build_model` is what the tasks call.
-"""
+``pretrained_cfg`` / ``pretrained_cfg_overlay`` and ``pretrained=True`` work as for timm's own models;
+``pretrained=True`` loads the released weights through :mod:`~moh_vision.models.hub`, in their official formats, ours,
+and ``.safetensors``. :mod:`~moh_vision.models.families` says which registered names are ours and the family of each."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, Mapping, Optional
@@ -41,12 +38,9 @@ register_notrace_module(HeadAttention)
 # Entry points: preset + user arguments -> timm's builder
 # ----------------------------------------------------------------------------------------------
 def preset_arguments(preset: Mapping[str, Any], kwargs: Mapping[str, Any]) -> Dict[str, Any]:
-    """Constructor arguments of a registered model: its preset, overridden by the user's kwargs.
-
-    A MoH preset's official routing (per-layer ``shared_heads``/``topk``) applies unless the user
-    picks another attention or their own ``activation_ratio``/``shared_heads``/``topk``: then the
-    user's routing replaces it rather than clashing with it.
-    """
+    """Constructor arguments of a registered model: its preset, overridden by the user's kwargs. A MoH preset's official
+    routing (per-layer ``shared_heads``/``topk``) applies unless the user picks another attention or their own
+    ``activation_ratio``/``shared_heads``/``topk``: then the user's routing replaces it rather than clashing with it."""
     args = dict(preset)
     user_routes = kwargs.get("attention", args.get("attention")) != args.get("attention") or any(
         k in kwargs for k in ("activation_ratio", *ROUTING_KEYS))
@@ -60,14 +54,11 @@ def preset_arguments(preset: Mapping[str, Any], kwargs: Mapping[str, Any]) -> Di
 def build_from_preset(model_cls: Callable[..., nn.Module], name: str, pretrained: bool, preset: Mapping[str, Any],
                       kwargs: Dict[str, Any], feature_cfg: Optional[Dict[str, Any]] = None,
                       filter_fn: Optional[Callable] = None, **builder_kwargs: Any) -> nn.Module:
-    """Build registered model ``name`` through ``timm.models.build_model_with_cfg``.
-
-    ``kwargs`` are what ``timm.create_model`` passed (model arguments, attention options, timm's
-    ``features_only``/``out_indices``/``feature_cls`` and ``pretrained_cfg*``). ``feature_cfg`` is the
-    family's ``features_only`` default (``None``: not a feature backbone); ``filter_fn`` adapts a
-    checkpoint to the model before it is loaded (``pretrained=True``). ``builder_kwargs`` go to the
-    builder as they are (timm bookkeeping such as ``in_chans`` for a model that calls it otherwise).
-    """
+    """Build registered model ``name`` through ``timm.models.build_model_with_cfg``. ``kwargs``: what
+    ``timm.create_model`` passed (model arguments, attention options, timm's feature and ``pretrained_cfg*`` options);
+    ``feature_cfg``: the family's ``features_only`` default (``None``: not a feature backbone); ``filter_fn`` adapts a
+    checkpoint to the model before ``pretrained=True`` loads it; ``builder_kwargs`` go to the builder as they are (e.g.
+    ``in_chans`` for a model that calls it otherwise)."""
     kwargs = dict(kwargs)
     timm_args = {k: kwargs.pop(k) for k in TIMM_CFG_KWARGS if k in kwargs}
     if feature_cfg is None and any(k in kwargs for k in ("features_only", "out_indices", "feature_cls")):
@@ -121,9 +112,8 @@ def instance_cfg(cfg: Dict[str, Any], instance: Dict[str, Any]) -> Dict[str, Any
 def _pretrained_weights(name: str, pretrained: bool, pretrained_cfg: Any, overlay: Optional[Mapping[str, Any]],
                    cache_dir: Optional[str] = None) -> Dict[str, Any]:
     """The ``pretrained_cfg_overlay`` to build with. With ``pretrained=True`` the released weights are found
-    here (:func:`~moh_vision.models.hub.released_weights_file`: the overlay's ``file``, else the hub id or URL
-    of the cfg, through their caches) and read here (they may be released training checkpoints that timm's
-    tensors-only loader refuses), then handed to timm's builder as ``state_dict``."""
+    (:func:`~moh_vision.models.hub.released_weights_file`) and read here (released training checkpoints that timm's
+    tensors-only loader refuses included), then handed to timm's builder as ``state_dict``."""
     overlay = dict(overlay or {})
     if not pretrained or overlay.get("state_dict"):
         return overlay

@@ -1,9 +1,8 @@
 """Which timm names are ours, and the family of each: read from the classes' ``family`` tags.
 
-Every model class carries ``family`` (``"transnext"``, ``"dit"``, ``"vit"``) and its module records the
-names it registers with timm (:func:`register_family`); nothing reads a family from a name. This module
-imports nothing else of :mod:`moh_vision.models`, so any module there may ask it.
-"""
+Every model class carries ``family`` (``"transnext"``, ``"dit"``, ``"vit"``) and its module records the names it
+registers with timm (:func:`register_family`); nothing reads a family from a name. This module imports nothing else of
+:mod:`moh_vision.models`, so any module there may ask it."""
 from __future__ import annotations
 
 import difflib

@@ -1,18 +1,15 @@
-"""Making a checkpoint fit a model built for other data: what ``model.checkpoint_path`` and ``model.init_from``
-share (fine-tuning and continue-tuning onto a dataset with other classes, channels or resolution).
+"""Making a checkpoint fit a model built for other data (other classes, channels or resolution): what
+``model.checkpoint_path`` and ``model.init_from`` share. Three adaptations, each reported in one line, as
+``timm.models.load_pretrained`` does for ``pretrained=True``:
 
-Three adaptations, each reported in one line, in timm's manner (``timm.models.load_pretrained`` does the same
-for ``pretrained=True``):
-
-* the family's own (``model.adapt_checkpoint``): a plain ViT resamples its position embedding to the model's
-  grid and its patch embedding to the model's patch size; DiT keeps its own fixed sin-cos position embedding;
-* the first convolution (the cfg's ``first_conv``) takes the model's input channels (timm's
-  ``adapt_input_conv``: RGB -> grey sums the channels);
+* the family's own (``model.adapt_checkpoint``): a plain ViT resamples its position embedding to the model's grid and
+  its patch embedding to the model's patch size; DiT keeps its own fixed sin-cos position embedding;
+* the first convolution (the cfg's ``first_conv``) takes the model's input channels (timm's ``adapt_input_conv``: RGB
+  -> grey sums the channels);
 * the classifier (the cfg's ``classifier``: a head, or DiT's class-embedding table) keeps the model's fresh
   initialisation when the checkpoint has another number of classes.
 
-Anything else that differs (width, depth, heads) is left for the caller to refuse.
-"""
+Anything else that differs (width, depth, heads) is left for the caller to refuse."""
 from __future__ import annotations
 
 from typing import Dict, List, Mapping, Tuple

@@ -1,13 +1,11 @@
 """Where ``pretrained=True`` finds released weights: a local file first, else the Hugging Face Hub or a URL.
 
-The registered pretrained cfgs carry timm's ``hf_hub_id`` / ``hf_hub_filename`` (TransNeXt, MoH-ViT, MoH-DiT) or ``url``
-(DiT). :func:`released_weights_file` turns that into a file on this machine: ``pretrained_cfg_overlay=dict(file=<path>)``
-wins and never touches the network; a hub id goes through ``huggingface_hub.hf_hub_download``, the hub cache first
-(offline once the file is there; ``HF_HUB_OFFLINE=1`` never connects), taking the repo's only weights file where the
-cfg names none or a missing one; a URL through timm's download cache. Anything else is one
-:class:`~moh_vision.errors.ConfigError` naming the id (or URL) and the local-file route. The file is then read by
-:func:`moh_vision.checkpoints.read_weights` (tensors only, released formats included).
-"""
+The pretrained cfgs carry timm's ``hf_hub_id`` / ``hf_hub_filename`` (TransNeXt, MoH-ViT, MoH-DiT) or ``url`` (DiT).
+:func:`released_weights_file` turns that into a local file: ``pretrained_cfg_overlay=dict(file=<path>)`` wins and never
+touches the network; a hub id goes through ``huggingface_hub.hf_hub_download``, the hub cache first
+(``HF_HUB_OFFLINE=1`` never connects), taking the repo's only weights file where the cfg names none or a missing one; a
+URL through timm's download cache. Anything else is one :class:`~moh_vision.errors.ConfigError` naming the id (or URL)
+and the local-file route. :func:`moh_vision.checkpoints.read_weights` then reads the file."""
 from __future__ import annotations
 
 import os

@@ -39,13 +39,9 @@ def _cached_coordinate_table(query_size: Size2, key_size: Size2, pretrain_size: 
 
 def relative_coordinate_table(query_size: Size2, key_size: Size2,
                               pretrain_size: Size2) -> Tuple[Tensor, Tensor, Tensor]:
-    """Log-spaced relative coordinates for the continuous position bias.
-
-    Returns ``table [Uh * Uw, 2]`` (every distinct (row offset, column offset) pair) and
-    ``index_h [Hq, Hk]``, ``index_w [Wq, Wk]`` into its rows and columns. Offsets along the two axes
-    are independent, so the table is the product of the distinct per-axis offsets and the
-    ``N x M`` index the official code stores is never materialised (it reaches gigabytes at large
-    inputs): :meth:`_TransNeXtAttention.position_bias` gathers with the two small indices instead.
-    """
+    """Log-spaced relative coordinates for the continuous position bias: ``table [Uh * Uw, 2]`` (every distinct (row
+    offset, column offset) pair) and ``index_h [Hq, Hk]``, ``index_w [Wq, Wk]`` into its rows and columns. The two axes
+    are independent, so the ``N x M`` index the official code stores (gigabytes at large inputs) is never built:
+    :meth:`_TransNeXtAttention.position_bias` gathers with the two small indices."""
     key = (tuple(query_size), tuple(key_size), tuple(pretrain_size))
     return tuple(t.clone() for t in _cached_coordinate_table(*key))

@@ -14,8 +14,7 @@ Parameter names follow the official TransNeXt / MoH-ViT checkpoints (``patch_emb
 non-persistent and derived from the construction-time resolution, as in the official code: the model runs at exactly
 ``img_size``. timm: ``forward_features`` gives the stage-4 map ``[B, C4, H/32, W/32]``; ``features_only=True`` /
 ``forward_intermediates`` the four normalised stage maps (strides 4-32), as the official dense-prediction backbones use
-them; ``pretrained=True`` (``pretrained_cfg_overlay=dict(file=...)``) loads the released checkpoints.
-"""
+them; ``pretrained=True`` (``pretrained_cfg_overlay=dict(file=...)``) loads the released checkpoints."""
 from __future__ import annotations
 
 import math
@@ -158,15 +157,14 @@ class TransNeXtFullAttention(_TransNeXtAttention):
 
 @register_kernel("transnext_aggregated")
 class TransNeXtAggregatedAttention(_TransNeXtAttention):
-    """Stages 1-3: pixel-focused local attention and pooled global attention under ONE softmax.
-
-    Each query sees (a) its ``window_size x window_size`` neighbourhood (zero-padded at the border, padded slots
-    masked, plus a learned per-head ``relative_pos_bias_local``) and (b) ``P`` pooled tokens,
-    ``LayerNorm(AdaptiveAvgPool(GELU(sr(x))))`` with the continuous position bias (pool side ``resolution //
-    sr_ratio`` or ``fixed_pool_size``). The length scale is ``log(in-image neighbours + P)`` per position. The local
-    value sum gets an extra, query-dependent weight ``q_norm @ learnable_tokens + learnable_bias`` (not softmaxed).
-    Projections ``q`` and ``kv`` (tokens and pooled tokens) as in the official checkpoints; the attention itself is
-    :func:`~moh_vision.ops.aggregated_attention` (no window copies)."""
+    """Stages 1-3: pixel-focused local attention and pooled global attention under ONE softmax. Each query sees (a) its
+    ``window_size x window_size`` neighbourhood (zero-padded at the border, padded slots masked, plus a learned per-head
+    ``relative_pos_bias_local``) and (b) ``P`` pooled tokens, ``LayerNorm(AdaptiveAvgPool(GELU(sr(x))))`` with the
+    continuous position bias (pool side ``resolution // sr_ratio`` or ``fixed_pool_size``). The length scale is
+    ``log(in-image neighbours + P)`` per position. The local value sum gets an extra, query-dependent weight ``q_norm @
+    learnable_tokens + learnable_bias`` (not softmaxed). Projections ``q`` and ``kv`` (tokens and pooled tokens) as in
+    the official checkpoints; the attention itself is :func:`~moh_vision.ops.aggregated_attention` (no window
+    copies)."""
 
     # FLOPs: queries and the output projection are per (token, head); keys/values and the pooled
     # branch (sr, norm, act) are computed for every token whatever the routing
@@ -372,45 +370,32 @@ class TransNeXt(nn.Module):
     """TransNeXt with pluggable attention; ``attention="moh"`` gives MoH-ViT.
 
     Args:
-        img_size: input side (or ``(H, W)``), a multiple of 32. The position tables are built for
-            it, so inputs must have exactly this size.
-        pretrain_size: the size the weights were trained at (default ``img_size``); the position-bias
-            coordinates are scaled by it, so fine-tuning a 224 model at 384 keeps ``pretrain_size=224``.
+        img_size: input side (or ``(H, W)``), a multiple of 32; the position tables are built for it, so inputs
+            must have exactly this size.
+        pretrain_size: the size the weights were trained at (default ``img_size``); the position-bias coordinates
+            are scaled by it, so fine-tuning a 224 model at 384 keeps ``pretrain_size=224``.
         embed_dims, num_heads, mlp_ratios, depths, sr_ratios: per-stage values (4 each).
         window_size: local window of the aggregated stages (int or per-stage list).
         fixed_pool_size: pooled grid side of the aggregated stages (default ``resolution // sr_ratio``).
         attention: a registered attention name (``mha``, ``moh``, ``moa``, ...) or one per stage.
-        kernels: the ``kernels`` config (:class:`~moh_vision.ops.Kernels` or a mapping; default all ``auto``):
-            which implementation each op runs.
-        **attention_options: passed to ``build_attention`` in every stage; a list/tuple of 4 gives one
-            value per stage, and a per-stage ``None`` means "that attention's default".
+        kernels: which implementation each op runs (:class:`~moh_vision.ops.Kernels` or a mapping; default ``auto``).
+        **attention_options: passed to ``build_attention`` in every stage; a list/tuple of 4 gives one value per
+            stage, and a per-stage ``None`` means "that attention's default".
 
-    A stage with ``sr_ratio == 1`` uses full attention, the others aggregated attention.
-    ``global_pool``: ``"avg"`` (mean over the stage-4 map) or ``""`` (unpooled, needs ``num_classes=0``).
-    """
+    A stage with ``sr_ratio == 1`` uses full attention, the others aggregated attention. ``global_pool``: ``"avg"``
+    (mean over the stage-4 map) or ``""`` (unpooled, needs ``num_classes=0``)."""
 
     family = "transnext"
 
-    def __init__(
-        self,
-        img_size: Union[int, Sequence[int]] = 224,
-        pretrain_size: Optional[Union[int, Sequence[int]]] = None,
-        in_chans: int = 3,
-        num_classes: int = 1000,
-        global_pool: str = "avg",
-        embed_dims: Sequence[int] = (72, 144, 288, 576),
-        num_heads: Sequence[int] = (3, 6, 12, 24),
-        mlp_ratios: Sequence[float] = (8, 8, 4, 4),
-        depths: Sequence[int] = (2, 2, 15, 2),
-        sr_ratios: Sequence[int] = (8, 4, 2, 1),
-        window_size: Union[int, Sequence[Optional[int]]] = 3,
-        fixed_pool_size: Optional[int] = None,
-        drop_rate: float = 0.0, attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0,
-        qkv_bias: bool = True,
-        attention: Union[str, Sequence[str]] = "mha",
-        kernels: Optional[Union[Kernels, Dict[str, str]]] = None,
-        **attention_options: Any,
-    ):
+    def __init__(self, img_size: Union[int, Sequence[int]] = 224,
+                 pretrain_size: Optional[Union[int, Sequence[int]]] = None, in_chans: int = 3, num_classes: int = 1000,
+                 global_pool: str = "avg", embed_dims: Sequence[int] = (72, 144, 288, 576),
+                 num_heads: Sequence[int] = (3, 6, 12, 24), mlp_ratios: Sequence[float] = (8, 8, 4, 4),
+                 depths: Sequence[int] = (2, 2, 15, 2), sr_ratios: Sequence[int] = (8, 4, 2, 1),
+                 window_size: Union[int, Sequence[Optional[int]]] = 3, fixed_pool_size: Optional[int] = None,
+                 drop_rate: float = 0.0, attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0,
+                 qkv_bias: bool = True, attention: Union[str, Sequence[str]] = "mha",
+                 kernels: Optional[Union[Kernels, Dict[str, str]]] = None, **attention_options: Any):
         super().__init__()
         self.kernels = Kernels.of(kernels)
         self.img_size = _image_size(img_size, "img_size")
@@ -584,10 +569,9 @@ class TransNeXt(nn.Module):
     # --- dense prediction (timm's forward_intermediates API) -----------------------------------
     def forward_intermediates(self, x: Tensor, indices: Optional[Union[int, List[int]]] = None, norm: bool = False,
                               stop_early: bool = False, output_fmt: str = "NCHW", intermediates_only: bool = False):
-        """The normalised maps of stages ``indices`` (int: the last n; ``None``: all four) and the final
-        features. ``output_fmt="NCHW"`` gives ``[B, C_i, H / s_i, W / s_i]`` (``"NLC"``: tokens). ``norm`` is
-        accepted for timm's API: every stage output is already normalised (each stage ends in its norm).
-        Returns ``(forward_features output, intermediates)`` or, with ``intermediates_only``, the list."""
+        """The normalised maps of stages ``indices`` (int: the last n; ``None``: all four) and the final features.
+        ``output_fmt="NCHW"`` gives ``[B, C_i, H / s_i, W / s_i]`` (``"NLC"``: tokens). ``norm`` is accepted for
+        timm's API (each stage already ends in its norm). Returns ``(features, intermediates)`` or the list alone."""
         if output_fmt not in ("NCHW", "NLC"):
             raise ConfigError(f"output_fmt='{output_fmt}' is unknown; allowed: NCHW, NLC")
         take, max_index = feature_take_indices(self.num_stages, indices)
@@ -693,8 +677,7 @@ default_cfgs = generate_default_cfgs({
 
 
 def create_transnext(name: str, pretrained: bool = False, **kwargs: Any) -> TransNeXt:
-    """Build preset ``name`` with ``kwargs`` overriding it; what the timm entry points call.
-    ``features_only=True`` gives the ``out_indices`` stage maps (default: all four)."""
+    """Preset ``name`` with ``kwargs`` overriding it (``features_only=True``: the ``out_indices`` stage maps)."""
     if kwargs.get("feature_cls", "getter") != "getter":  # the maps exist only inside forward_stage
         raise ConfigError(f"{name}: TransNeXt features come from forward_intermediates (feature_cls='getter'); "
                           f"got feature_cls={kwargs['feature_cls']!r}")

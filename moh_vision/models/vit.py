@@ -6,8 +6,7 @@ class token, pre-norm blocks, final LayerNorm, Linear head): with ``attention="m
 keys and shapes of the matching timm ``vit_*`` / ``deit_*`` model and computes the same function, so their checkpoints
 load into it (:func:`checkpoint_filter_fn`) and continue-tune into MoH. ``global_pool``: ``"token"`` (default, the
 class token), ``"avg"`` (mean of the patch tokens, no class token) or ``""`` (unpooled). Registered with timm:
-``plain_vit_{tiny,small,base}`` (224px, patch 16) and ``plain_vit_nano`` (32px, patch 4, for CPU runs).
-"""
+``plain_vit_{tiny,small,base}`` (224px, patch 16) and ``plain_vit_nano`` (32px, patch 4, for CPU runs)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -56,13 +55,10 @@ def _per_layer(value: Any, depth: int, name: str, owner: str) -> List[Any]:
 def build_attention_stack(attention: str, dim: int, depth: int, num_heads: Union[int, Sequence[int]],
                           head_dim: Union[None, int, Sequence[Optional[int]]], options: Dict[str, Any],
                           defaults: Optional[Dict[str, Any]] = None, owner: str = "model") -> List[nn.Module]:
-    """One registry attention per block.
-
-    ``num_heads``, ``head_dim`` and every option may be a scalar or one value per block
-    (:func:`~moh_vision.attention.layer_options`); ``defaults`` are the backbone's own choices
-    (e.g. ``qkv_bias``) that user options override. ``options["kernel"]`` picks the kernel
-    (``sdpa`` if absent). Errors name the block they come from.
-    """
+    """One registry attention per block. ``num_heads``, ``head_dim`` and every option may be a scalar or one value
+    per block (:func:`~moh_vision.attention.layer_options`); ``defaults`` are the backbone's own choices (e.g.
+    ``qkv_bias``) that user options override. ``options["kernel"]`` picks the kernel (``sdpa`` if absent). Errors name
+    the block they come from."""
     if depth < 1:
         raise ConfigError(f"{owner} depth={depth} must be at least 1")
     heads = _per_layer(num_heads, depth, "num_heads", owner)
@@ -116,28 +112,13 @@ class PlainViT(nn.Module):
 
     family = "vit"
 
-    def __init__(
-        self,
-        img_size: Union[int, Tuple[int, int]] = 224,
-        patch_size: int = 16,
-        in_chans: int = 3,
-        num_classes: int = 1000,
-        global_pool: str = "token",
-        class_token: Optional[bool] = None,
-        embed_dim: int = 768,
-        depth: int = 12,
-        num_heads: Union[int, Sequence[int]] = 12,
-        head_dim: Union[None, int, Sequence[Optional[int]]] = None,
-        mlp_ratio: float = 4.0,
-        qkv_bias: bool = True,
-        drop_rate: float = 0.0,
-        pos_drop_rate: float = 0.0,
-        proj_drop_rate: float = 0.0,
-        attn_drop_rate: float = 0.0,
-        drop_path_rate: float = 0.0,
-        attention: str = "mha",
-        **attention_options: Any,
-    ):
+    def __init__(self, img_size: Union[int, Tuple[int, int]] = 224, patch_size: int = 16, in_chans: int = 3,
+                 num_classes: int = 1000, global_pool: str = "token", class_token: Optional[bool] = None,
+                 embed_dim: int = 768, depth: int = 12, num_heads: Union[int, Sequence[int]] = 12,
+                 head_dim: Union[None, int, Sequence[Optional[int]]] = None, mlp_ratio: float = 4.0,
+                 qkv_bias: bool = True, drop_rate: float = 0.0, pos_drop_rate: float = 0.0, proj_drop_rate: float = 0.0,
+                 attn_drop_rate: float = 0.0, drop_path_rate: float = 0.0, attention: str = "mha",
+                 **attention_options: Any):
         super().__init__()
         size = to_2tuple_size(img_size)
         if patch_size < 1 or size[0] % patch_size or size[1] % patch_size:
@@ -169,8 +150,7 @@ class PlainViT(nn.Module):
         self.head_drop = nn.Dropout(drop_rate)
         self.head = nn.Linear(embed_dim, num_classes) if num_classes > 0 else nn.Identity()
         # timm's feature extraction: every block's tokens, as an image of stride patch_size
-        self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=patch_size)
-                             for i in range(depth)]
+        self.feature_info = [dict(module=f"blocks.{i}", num_chs=embed_dim, reduction=patch_size) for i in range(depth)]
         self.init_weights()
 
     def _check_pool(self, global_pool: str) -> None:
@@ -180,8 +160,8 @@ class PlainViT(nn.Module):
             raise ConfigError("ViT global_pool='token' needs a class token; this model has none (use avg)")
 
     def init_weights(self) -> None:
-        """timm's ViT init (truncated normal .02 for position embedding and Linears, tiny class token),
-        then each attention variant's own router init where it has one (MoA: zero)."""
+        """timm's ViT init (truncated normal .02 for position embedding and Linears, tiny class token), then each
+        attention variant's own router init where it has one (MoA: zero)."""
         trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
@@ -200,14 +180,12 @@ class PlainViT(nn.Module):
     # --- timm conventions ------------------------------------------------------------------------
     @torch.jit.ignore
     def no_weight_decay(self) -> set:
-        """What timm's ViT / the DeiT recipe keep out of weight decay (1-D weights and biases are
-        excluded by the optimizers anyway)."""
+        """What timm's ViT / the DeiT recipe keep out of weight decay (besides 1-D weights and biases)."""
         return {"pos_embed"} | ({"cls_token"} if self.cls_token is not None else set())
 
     @torch.jit.ignore
     def group_matcher(self, coarse: bool = False) -> Dict[str, Any]:
-        """Parameter groups for layer-wise lr decay: embeddings, one group per block, the final norm
-        with the last block, the head last."""
+        """Layer-wise lr decay groups: embeddings, each block, the final norm with the last block, the head last."""
         return dict(stem=r"^cls_token|^pos_embed|^patch_embed",
                     blocks=[(r"^blocks\.(\d+)", None), (r"^norm", (99999,))])
 
@@ -270,11 +248,9 @@ class PlainViT(nn.Module):
                               return_prefix_tokens: bool = False, norm: bool = False, stop_early: bool = False,
                               output_fmt: str = "NCHW", intermediates_only: bool = False):
         """Tokens after the blocks ``indices`` (int: the last n; ``None``: all) and the final features.
-
-        ``output_fmt="NCHW"`` gives ``[B, embed_dim, H / patch, W / patch]`` maps (``"NLC"``: tokens);
-        ``norm`` applies the final norm to each; ``return_prefix_tokens`` pairs each with its class token.
-        Returns ``(final features, intermediates)`` or, with ``intermediates_only``, the list.
-        """
+        ``output_fmt="NCHW"`` gives ``[B, embed_dim, H / patch, W / patch]`` maps (``"NLC"``: tokens); ``norm`` applies
+        the final norm to each; ``return_prefix_tokens`` pairs each with its class token. Returns ``(final features,
+        intermediates)`` or, with ``intermediates_only``, the list."""
         if output_fmt not in ("NCHW", "NLC"):
             raise ConfigError(f"output_fmt='{output_fmt}' is unknown; allowed: NCHW, NLC")
         take, max_index = feature_take_indices(len(self.blocks), indices)
@@ -325,13 +301,10 @@ _FOREIGN_PARTS = {
 
 
 def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PlainViT) -> Dict[str, Tensor]:
-    """Adapt a timm ``VisionTransformer`` state dict (``vit_*``, ``deit_*``, or one of ours) to ``model``.
-
-    The layouts are the same, so the tensors are kept; a position embedding trained at another
-    resolution is resampled to the model's grid (bicubic, as timm does), and a patch embedding of another
-    patch size to the model's (timm's ``resample_patch_embed``, FlexiViT's pseudo-inverse resize). Parts a
-    plain ViT does not have (distillation or register tokens, LayerScale, fc_norm, ...) are refused by name.
-    """
+    """Adapt a timm ``VisionTransformer`` state dict (``vit_*``, ``deit_*``, or one of ours) to ``model``: the layouts
+    are the same; a position embedding of another resolution is resampled to the model's grid (bicubic, as timm), a
+    patch embedding of another patch size to the model's (timm's ``resample_patch_embed``, FlexiViT's pseudo-inverse
+    resize). Parts a plain ViT does not have (distillation or register tokens, LayerScale, fc_norm, ...) are refused."""
     foreign = sorted({what for key in state_dict for part, what in _FOREIGN_PARTS.items() if part in f".{key}"})
     if foreign:
         raise ConfigError(f"this checkpoint is a timm ViT variant with {', '.join(foreign)}; plain_vit_* models "
@@ -371,8 +344,8 @@ TIMM_EQUIVALENTS = {
 
 
 def _cfg(name: str) -> Dict[str, Any]:
-    """Data settings of the recipe the presets train with (DeiT's: resize 256 -> crop 224, bicubic,
-    ImageNet statistics); ``plain_vit_nano``: the embedded digits ((x - 0.5) / 0.5, no crop)."""
+    """Data settings of the presets' recipe (DeiT's: resize 256 -> crop 224, bicubic, ImageNet statistics);
+    ``plain_vit_nano``: the embedded digits ((x - 0.5) / 0.5, no crop)."""
     preset = VIT_PRESETS[name]
     size = preset["img_size"]
     cfg = dict(num_classes=preset.get("num_classes", 1000), input_size=(3, size, size), pool_size=None,
@@ -391,8 +364,8 @@ default_cfgs = {name: _cfg(name) for name in VIT_PRESETS}
 
 
 def create_vit(name: str, pretrained: bool = False, **kwargs: Any) -> PlainViT:
-    """Build preset ``name`` with ``kwargs`` overriding it; what the timm entry points call.
-    ``features_only=True`` gives every ``out_indices`` block (default: the last 3) as an NCHW map."""
+    """Preset ``name`` with ``kwargs`` overriding it (``features_only=True``: the ``out_indices`` blocks, default the
+    last 3, as NCHW maps)."""
     return build_from_preset(PlainViT, name, pretrained, VIT_PRESETS[name], kwargs,
                              feature_cfg=dict(feature_cls="getter", out_indices=3), filter_fn=checkpoint_filter_fn)
 

@@ -1,8 +1,7 @@
 """The ops the models call, each with its reference formula and its kernels in one place, one dispatch choosing.
 
-A model calls one function per op; which implementation runs is the ``kernels`` config (:class:`Kernels`, held by
-the model as plain configuration) and the call's device and tracer state, decided by
-:meth:`~moh_vision.ops.dispatch.Op.choose` for every op alike:
+A model calls one function per op; which implementation runs is the ``kernels`` config (:class:`Kernels`, held by the
+model as plain configuration) and the call's device and tracer state (:meth:`~moh_vision.ops.dispatch.Op.choose`):
 
 ==================  ==================  =====================================================  ================
 op                  ``kernels.<key>``   implementations besides ``reference``                  ``auto``
@@ -13,9 +12,8 @@ depthwise_conv      ``depthwise``       ``triton`` (CUDA candidate), ``written_g
 gated_tail, ...     ``recompute``       ``recompute`` (eager training: keep inputs only)        recompute
 ==================  ==================  =====================================================  ================
 
-``python train.py kernels=reference`` runs every model on the reference formulas alone;
-``docs/performance.md`` lists the record that keeps each ``auto`` entry.
-"""
+``python train.py kernels=reference`` runs every model on the reference formulas alone; ``docs/performance.md`` lists
+the record that keeps each ``auto`` entry."""
 from . import aggregated_flex  # noqa: F401  (registers the flex candidate)
 from .aggregated import aggregated_attention, aggregated_attention_reference, local_window_mask
 from .depthwise import depthwise_conv

@@ -24,8 +24,7 @@ The official code copies every key and value nine times (``F.unfold``) and keeps
 * ``flex``: FlexAttention (:mod:`~moh_vision.ops.aggregated_flex`), a CUDA candidate.
 
 Slot ``l`` is the offset ``(l // window - window // 2, l % window - window // 2)``, ``F.unfold``'s order, which the
-checkpoints' ``relative_pos_bias_local`` and ``learnable_tokens`` follow.
-"""
+checkpoints' ``relative_pos_bias_local`` and ``learnable_tokens`` follow."""
 from __future__ import annotations
 
 import functools
@@ -113,8 +112,8 @@ def local_sum(weight: Tensor, v_padded: Tensor, size: Size2, window: int) -> Ten
 
 
 def _scatter_windows(terms, shape, size: Size2, window: int) -> Tensor:
-    """The adjoint of :func:`_views`: ``terms[l]`` ``[B, h, H, W, d]`` added at each slot's offset, cropped
-    back to ``[B, h, N, d]``."""
+    """Adjoint of :func:`_views`: ``terms[l]`` ``[B, h, H, W, d]`` summed at the slots' offsets, cropped to
+    ``[B, h, N, d]``."""
     H, W = size
     r = window // 2
     padded = terms[0].new_zeros(*shape[:2], H + 2 * r, W + 2 * r, shape[-1])
@@ -126,14 +125,11 @@ def _scatter_windows(terms, shape, size: Size2, window: int) -> Tensor:
 def aggregated_attention_reference(q: Tensor, k: Tensor, v: Tensor, k_pool: Tensor, v_pool: Tensor, pool_bias: Tensor,
                                    local_bias: Tensor, local_weight: Tensor, size: Size2, window: int,
                                    dropout: float = 0.0, padding_mask: Optional[Tensor] = None) -> Tensor:
-    """The aggregated attention in plain operators (autograd through every one).
-
-    ``q`` ``[B, h, N, d]`` scaled queries; ``k`` (normalised), ``v`` ``[B, hk, N, d]`` and ``k_pool``,
-    ``v_pool`` ``[B, hk, P, d]`` with ``hk`` in ``(1, h)``; ``pool_bias`` ``[h, N, P]``; ``local_bias``
-    ``[h, L]``; ``local_weight`` ``[B, h, N, L]``; ``size = (H, W)`` with ``H * W = N``; ``dropout`` on the
-    attention probabilities; ``padding_mask`` ``[N, L]`` (True outside the map) if the caller holds it (a
-    module buffer, which ``torch.fx`` can trace). Returns ``[B, h, N, d]``.
-    """
+    """The aggregated attention in plain operators (autograd through every one). ``q`` ``[B, h, N, d]`` scaled queries;
+    ``k`` (normalised), ``v`` ``[B, hk, N, d]`` and ``k_pool``, ``v_pool`` ``[B, hk, P, d]`` with ``hk`` in ``(1, h)``;
+    ``pool_bias`` ``[h, N, P]``; ``local_bias`` ``[h, L]``; ``local_weight`` ``[B, h, N, L]``; ``size = (H, W)`` with
+    ``H * W = N``; ``dropout`` on the attention probabilities; ``padding_mask`` ``[N, L]`` (True outside the map) if the
+    caller holds it (a module buffer, which ``torch.fx`` can trace). Returns ``[B, h, N, d]``."""
     attn = _logits(q, _padded(k, size, window), k_pool, pool_bias, local_bias, size, window, padding_mask)
     attn = attn.softmax(dim=-1)
     if dropout:

@@ -1,18 +1,16 @@
 """TransNeXt's aggregated attention through FlexAttention: ``kernels.aggregated=flex``, a CUDA candidate.
 
-The window keys and the pooled keys are one key sequence (``N + P``), a block mask keeps each query's in-map
-``window x window`` neighbours and every pooled key, and a score modifier adds the per-slot ``local_bias`` or the
-per-query ``pool_bias``; FlexAttention's softmax over both is the aggregated softmax (slots outside the map are
-masked, as the zero padding's ``-inf`` does). The learnable tokens' non-softmax term ``sum_l local_weight_l
-v[n + o_l]`` is added from nine shifted views of the padded values (:func:`~moh_vision.ops.aggregated.local_sum`),
-which ``torch.compile`` fuses.
+The window keys and the pooled keys are one key sequence (``N + P``), a block mask keeps each query's in-map ``window x
+window`` neighbours and every pooled key, and a score modifier adds the per-slot ``local_bias`` or the per-query
+``pool_bias``; FlexAttention's softmax over both is the aggregated softmax (slots outside the map masked, as the zero
+padding's ``-inf``). The learnable tokens' non-softmax term ``sum_l local_weight_l v[n + o_l]`` is added from nine
+shifted views of the padded values (:func:`~moh_vision.ops.aggregated.local_sum`), which ``torch.compile`` fuses.
 
-A candidate, not a default: ``tools/gpu_checks.sh`` times it on CUDA beside the ``fused`` operator, and it becomes
-the CUDA default only if a record shows it faster. Its forward equals the formula on the CPU
-(``tests/test_aggregated_attention.py``; FlexAttention has no CPU backward), its gradients on CUDA (a ``gpu`` test).
-On CUDA outside ``torch.compile`` it calls FlexAttention compiled once (eagerly FlexAttention materialises every
-score). No attention dropout: a call with dropout runs the reference.
-"""
+A candidate, not a default: ``tools/gpu_checks.sh`` times it on CUDA beside ``fused``; it becomes the CUDA default only
+if a record shows it faster. Its forward equals the formula on the CPU (``tests/test_aggregated_attention.py``;
+FlexAttention has no CPU backward), its gradients on CUDA (a ``gpu`` test). On CUDA outside ``torch.compile`` it calls
+FlexAttention compiled once (eager FlexAttention materialises every score). A call with attention dropout runs the
+reference."""
 from __future__ import annotations
 
 import functools

@@ -1,23 +1,20 @@
 """TransNeXt's aggregated attention in Triton: one kernel forward, two backward, no window copies.
 
-The CUDA kernels behind ``torch.ops.moh_vision.aggregated_attention`` (:mod:`.aggregated_attention` has the
-formula). One program takes a block of ``BLOCK`` query tokens of one (image, head):
+The CUDA kernels behind ``torch.ops.moh_vision.aggregated_attention`` (:mod:`.aggregated_attention` has the formula).
+One program takes a block of ``BLOCK`` query tokens of one (image, head):
 
-* ``_forward``: each query's window logits from ``window ** 2`` loads of its neighbours' key rows (masked at
-  the border: nothing is padded or copied), the pooled logits as one ``[BLOCK, d] x [d, P]`` product, one
-  softmax over both in registers, then the output from the neighbours' value rows and one ``[BLOCK, P] x [P,
-  d]`` product. Stores the output and each query's log-sum-exp.
-* ``_backward_queries``: recomputes the attention from the log-sum-exp; writes the queries' gradient and
-  the local weight's, and per (query, slot) the two numbers the keys' side needs (the logit gradient and the
-  value weight, ``[B, h, N, L]`` floats); adds the pooled keys', pooled values' and pooled bias's gradients
-  with atomics.
+* ``_forward``: each query's window logits from ``window ** 2`` loads of its neighbours' key rows (masked at the
+  border: nothing is padded or copied), the pooled logits as one ``[BLOCK, d] x [d, P]`` product, one softmax over both
+  in registers, then the output from the neighbours' value rows and one ``[BLOCK, P] x [P, d]`` product. Stores the
+  output and each query's log-sum-exp.
+* ``_backward_queries``: recomputes the attention from the log-sum-exp; writes the queries' gradient and the local
+  weight's, and per (query, slot) the two numbers the keys' side needs (the logit gradient and the value weight,
+  ``[B, h, N, L]`` floats); adds the pooled keys', pooled values' and pooled bias's gradients with atomics.
 * ``_backward_keys``: each key token gathers, over the window slots, the queries that see it: ``dk``, ``dv``.
 
-Sizes: any ``H x W`` map, odd window, ``d`` up to 128 and ``P`` up to 1,024 pooled tokens (:func:`supports`;
-larger runs the shifted-view formulas). float32 inputs use IEEE products (no TF32); bf16 / fp16 accumulate in
-float32. Under ``TRITON_INTERPRET=1`` (set before Python starts) the kernels run on CPU tensors, which is
-how ``tests/test_aggregated_attention.py`` checks them against the formula.
-"""
+Sizes: any ``H x W`` map, odd window, ``d`` up to 128 and ``P`` up to 1,024 pooled tokens (:func:`supports`; larger
+runs the shifted-view formulas). float32 inputs use IEEE products (no TF32); bf16 / fp16 accumulate in float32. Under
+``TRITON_INTERPRET=1`` (set before Python starts) they run on CPU tensors (``tests/test_aggregated_attention.py``)."""
 from __future__ import annotations
 
 from typing import Tuple

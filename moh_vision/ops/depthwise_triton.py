@@ -3,16 +3,15 @@
 It reads the tokens ``[B, N, C]`` of an ``H x W`` image where they are, where cuDNN wants a dense image (a copy) and its
 grouped kernels have slow shapes (pytorch#34977):
 
-* ``_correlate``: a block of tokens x a block of channels of one image; per tap one masked load of the neighbours'
-  rows (nothing padded), a multiply-add in float32; writes dense ``[B, N, C]``. The input's gradient is the same
-  sum over the mirrored taps of the output's gradient.
-* ``_weight_grads``: a chunk of tokens x a block of channels; per tap the products of the output's gradient with
-  the neighbours' inputs summed over the chunk (and the gradient itself, for the bias), one row each in a
-  ``[chunks, k * k + 1, C]`` float32 buffer that torch sums.
+* ``_correlate``: a block of tokens x a block of channels of one image; per tap one masked load of the neighbours' rows
+  (nothing padded), a multiply-add in float32; writes dense ``[B, N, C]``. The input's gradient is the same sum over
+  the mirrored taps of the output's gradient.
+* ``_weight_grads``: a chunk of tokens x a block of channels; per tap the products of the output's gradient with the
+  neighbours' inputs summed over the chunk (and the gradient itself, for the bias), one row each in a ``[chunks, k * k
+  + 1, C]`` float32 buffer that torch sums.
 
 Not a default until a record shows it faster on CUDA (``tools/gpu_checks.sh`` times it beside cuDNN). Under
-``TRITON_INTERPRET=1`` the kernels run on CPU tensors: ``tests/test_depthwise.py`` checks them against ``F.conv2d``.
-"""
+``TRITON_INTERPRET=1`` the kernels run on CPU tensors (``tests/test_depthwise.py``)."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -124,8 +123,7 @@ class _DepthwiseTriton(torch.autograd.Function):
         grad = grad.contiguous()
         grad_x = _correlated(grad, _taps(weight, True), None, height, width, k)
         grad_weight, grad_bias = _weight_grad(grad, x, height, width, k)
-        return (grad_x, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype) if ctx.has_bias else None, None,
-                None)
+        return (grad_x, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype) if ctx.has_bias else None, None, None)
 
 
 def depthwise_conv_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], height: int, width: int) -> Tensor:

@@ -3,13 +3,12 @@
 An :class:`Op` is a reference formula in plain PyTorch operators (the test oracle, and what tracers and exporters
 record) plus implementations registered beside it, each saying where it can run. The ``kernels`` config
 (:class:`Kernels`, one key per op family) names one; ``auto`` is the recorded winner on the call's device (the op's
-``auto`` table, each entry kept by a record in ``docs/performance.md``). Per call, from its first tensor:
-``reference`` runs the formula everywhere; under ``torch.jit.trace``, ``torch.fx``, the ONNX exporters,
-``torch.export`` and ``torch.func`` the formula runs unless the implementation says it runs there (the
-``torch.library`` operators under ``torch.jit.trace``, where the FLOP counter counts them as one node); ``auto``
-runs the device's winner where it can run the call, else the formula; an explicit choice runs where it can, and on a
-device it does not support is a one-line error.
-"""
+``auto`` table, each entry kept by a record in ``docs/performance.md``). Per call, from its first tensor: ``reference``
+runs the formula everywhere; under ``torch.jit.trace``, ``torch.fx``, the ONNX exporters, ``torch.export`` and
+``torch.func`` the formula runs unless the implementation says it runs there (the ``torch.library`` operators under
+``torch.jit.trace``, where the FLOP counter counts them as one node); ``auto`` runs the device's winner where it can run
+the call, else the formula; an explicit choice runs where it can, and is a one-line error on a device it does not
+support."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, fields

@@ -11,8 +11,7 @@ and a ``recompute`` implementation that keeps less, with the same values and gra
 * ``position_mlp``: the position-bias MLP, its ``[Uh * Uw, 512]`` hidden layer recomputed in backward.
 
 ``recompute`` runs where eager autograd records the call (``auto`` on every device: saved bytes do not depend on the
-device; ``torch.compile``'s partitioner decides what to recompute itself, tracers record the formulas).
-"""
+device; ``torch.compile``'s partitioner decides what to recompute itself, tracers record the formulas)."""
 from __future__ import annotations
 
 from typing import Callable, List, Optional, Tuple

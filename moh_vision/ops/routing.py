@@ -10,11 +10,9 @@ their gates, merged to ``[B, N, h * d]``, go to the output projection. Op ``moh_
 * ``fused`` (CUDA): routing, loss and gated merge in one Triton kernel each way (:mod:`~moh_vision.ops.routing_triton`:
   the gates applied where the heads are merged, as a fused attention applies them in its epilogue). Eager calls only;
   under autocast it reads the low-precision logits as they are and gives float32 gates, as autocast's float32 softmax
-  gives them to the formulas (``tests/test_fused_routing.py``). (A C++ twin for the CPU was removed: on the default
-  run it was within 5% of the formulas, ``docs/performance.md``.)
+  gives them to the formulas (``tests/test_fused_routing.py``). No CPU kernel: a C++ one was within 5% of the formulas.
 
-Ties: the kernels take the lower head among equal probabilities, as :func:`topk_mask` does.
-"""
+Ties: the kernels take the lower head among equal probabilities, as :func:`topk_mask` does."""
 from __future__ import annotations
 
 from typing import NamedTuple, Optional, Tuple
@@ -46,13 +44,11 @@ def router_widths(routed: int, shared: int, topk: int) -> Tuple[int, int, int]:
 
 
 def topk_mask(probs: Tensor, k: int) -> Tuple[Tensor, Tensor]:
-    """Indices ``[..., k]`` of the k largest entries (by decreasing value) and the matching 0/1 mask (no gradient);
-    on ties the lower index ranks first, as the fused kernels choose.
-
-    Written as ranks (how many entries beat each one: a comparison of every pair over the last dim, a handful of
-    heads), not ``torch.topk``: under ``torch.compile`` the mask is then point-wise work that the compiler fuses with
-    the softmax before it and the gates after it, and a graph that reads only the mask drops the indices.
-    ``torch.topk`` would also leave the order of ties unspecified."""
+    """Indices ``[..., k]`` of the k largest entries (by decreasing value) and the matching 0/1 mask (no gradient); on
+    ties the lower index ranks first, as the fused kernels choose. Written as ranks (how many entries beat each one: a
+    comparison of every pair over the last dim, a handful of heads), not ``torch.topk``: under ``torch.compile`` the
+    mask is then point-wise work that the compiler fuses with the softmax before it and the gates after it, and a graph
+    that reads only the mask drops the indices. ``torch.topk`` would also leave the order of ties unspecified."""
     heads = torch.arange(probs.shape[-1], device=probs.device)
     mine, theirs = probs.unsqueeze(-1), probs.unsqueeze(-2)  # [..., i, 1] against [..., 1, j]
     beaten = (theirs > mine) | ((theirs == mine) & (heads < heads.unsqueeze(-1)))  # [..., i, j]: j ranks above i

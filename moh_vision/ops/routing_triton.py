@@ -1,14 +1,12 @@
 """MoH's routing and gated merge as one Triton kernel each way (``kernels.routing=fused``, the CUDA default).
 
-The computation of :func:`~moh_vision.ops.routing.route_merge_reference`, per block of tokens: from the stacked
-logits ``[T, L]`` the routed softmax, the top-k (ties: the lower head), the renormalised routed gates, the mix and the
-shared softmax, written as the gates ``[T, h]``; the heads times their gates in the merged layout ``[T, h d]``; per
-routed head the sums over tokens of the probabilities and the selection (atomics: the load-balance loss). Backward:
-from the merged output's gradient the heads' and the logits', one more kernel. Layers that route (``topk > 0``) only.
-On CUDA tensors, or CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1`` before Python starts: how
-``tests/test_fused_routing.py`` checks it). On an H100 (bf16) it took MoH-DiT-B/2's training step from 1.48x to 1.26x
-dense's (``docs/performance.md``).
-"""
+:func:`~moh_vision.ops.routing.route_merge_reference` per block of tokens: from the stacked logits ``[T, L]`` the routed
+softmax, the top-k (ties: the lower head), the renormalised routed gates, the mix and the shared softmax, written as the
+gates ``[T, h]``; the heads times their gates in the merged layout ``[T, h d]``; per routed head the sums over tokens
+of the probabilities and the selection (atomics: the load-balance loss). Backward: from the merged output's gradient
+the heads' and the logits', one more kernel. Layers that route (``topk > 0``) only; CUDA tensors, or CPU tensors under
+``TRITON_INTERPRET=1`` (``tests/test_fused_routing.py``). On an H100 (bf16) it took MoH-DiT-B/2's training step from
+1.48x to 1.26x dense's."""
 from __future__ import annotations
 
 from typing import Tuple
@@ -22,8 +20,7 @@ BLOCK_TOKENS, MERGE_COLUMNS = 32, 8  # tokens a block, a head's columns a step o
 
 
 def _jit(fn):
-    """``triton.jit`` (which gives Triton's interpreter under ``TRITON_INTERPRET=1``); the bare function without
-    triton."""
+    """``triton.jit`` (Triton's interpreter under ``TRITON_INTERPRET=1``); the bare function without triton."""
     return fn if triton is None else triton.jit(fn)
 
 
@@ -129,8 +126,7 @@ def _route_forward(Z, G, P, M, I, SUMS, T, stride_z, O, OUT, N, sob, soh, son, s
     g_row = G + rows.to(tl.int64)[:, None] * (HS + R)
     routed = tl.where(chosen, p * (K / kept * mu1)[:, None], 0.0)
     tl.store(g_row + HS + cr[None, :], routed.to(G.dtype.element_ty), mask=live[:, None] & in_r)
-    tl.store(M + rows.to(tl.int64)[:, None] * R + cr[None, :], chosen.to(M.dtype.element_ty),
-             mask=live[:, None] & in_r)
+    tl.store(M + rows.to(tl.int64)[:, None] * R + cr[None, :], chosen.to(M.dtype.element_ty), mask=live[:, None] & in_r)
     if HS > 1:
         cs = tl.arange(0, HSP)
         in_s = cs[None, :] < HS
@@ -152,10 +148,9 @@ def _route_forward(Z, G, P, M, I, SUMS, T, stride_z, O, OUT, N, sob, soh, son, s
 
 
 @_jit
-def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale, O, GM, DO, N, sob, soh, son, sod, sdb, sdh,
-                    sdn, sdd, R: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, RP: tl.constexpr,
-                    HSP: tl.constexpr, BLOCK: tl.constexpr, EPS: tl.constexpr, AUX: tl.constexpr,
-                    D: tl.constexpr, DC: tl.constexpr):
+def _route_backward(GG, Z, P, M, SUMS, GL, DZ, T, stride_z, loss_scale, O, GM, DO, N, sob, soh, son, sod, sdb, sdh, sdn,
+                    sdd, R: tl.constexpr, HS: tl.constexpr, K: tl.constexpr, RP: tl.constexpr, HSP: tl.constexpr,
+                    BLOCK: tl.constexpr, EPS: tl.constexpr, AUX: tl.constexpr, D: tl.constexpr, DC: tl.constexpr):
     # GG holds the gates; their gradient comes from the merged output's (GM), o's gradient (DO) on the way
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     live = rows < T
@@ -249,8 +244,7 @@ def _balance_loss(sums: Tensor, routed: int, tokens: int, with_loss: bool) -> Te
 
 
 def _gates_dtype(logits: Tensor) -> torch.dtype:
-    """float32 under autocast (low-precision logits), as autocast's softmax gives them to the formulas; else the
-    logits' dtype."""
+    """float32 under autocast (low-precision logits), as autocast's softmax gives it; else the logits' dtype."""
     return torch.float32 if torch.is_autocast_enabled(logits.device.type) else logits.dtype
 
 
@@ -275,8 +269,7 @@ class TritonRouteMerge(torch.autograd.Function):
         ctx.layout, ctx.lead = (routed, shared, topk), lead
         ctx.mark_non_differentiable(gates, probs, mask, index)  # the gates act through the merged output
         ctx.set_materialize_grads(False)
-        return (merged, gates.view(*lead, -1), probs.view(*lead, -1), mask.view(*lead, -1), index.view(*lead, -1),
-                loss)
+        return (merged, gates.view(*lead, -1), probs.view(*lead, -1), mask.view(*lead, -1), index.view(*lead, -1), loss)
 
     @staticmethod
     def backward(ctx, grad_merged, _gates, _probs, _mask, _index, grad_loss):

@@ -1,12 +1,11 @@
 """Which tracer, exporter or function transform runs a call: the question the kernel dispatch asks
 (:mod:`moh_vision.ops.dispatch`), answered in one place.
 
-A kernel is an opaque operator or a hand-written autograd Function. ``torch.compile`` keeps a ``torch.library``
-operator as one node of its graph; ``torch.jit.trace`` records it as one node (the FLOP counter gives it a
-handle); ``torch.fx``, the ONNX exporters, ``torch.export`` and the ``torch.func`` transforms need the plain
-operators of the reference formula. :func:`active_tracer` names the one running, cheaply (``torch.compile`` folds
-it to a constant: it asks ``is_compiling`` first, so compiled code never reaches the functorch query).
-"""
+A kernel is an opaque operator or a hand-written autograd Function. ``torch.compile`` keeps a ``torch.library`` operator
+as one node of its graph; ``torch.jit.trace`` records it as one node (the FLOP counter gives it a handle); ``torch.fx``,
+the ONNX exporters, ``torch.export`` and the ``torch.func`` transforms need the reference formula's plain operators.
+:func:`active_tracer` names the one running, cheaply (it asks ``is_compiling`` first, which ``torch.compile`` folds to
+a constant, so compiled code never reaches the functorch query)."""
 from __future__ import annotations
 
 from typing import Optional
@@ -37,12 +36,9 @@ def _functorch_transforms() -> tuple:
 
 
 def active_tracer(x: Optional[Tensor] = None) -> Optional[str]:
-    """The tracer, exporter or transform running this call (a name for messages), or None in eager mode.
-
-    ``x``: the caller's input; an ``fx.Proxy`` says fx is tracing even where the global flag is not set.
-    ``torch.func`` transforms are named ``"torch.func.<transform>"`` (``grad``, ``vmap``, ...), nested ones
-    joined by ``+``.
-    """
+    """The tracer, exporter or transform running this call (a name for messages), or None in eager mode. ``x``: the
+    caller's input; an ``fx.Proxy`` says fx is tracing even where the global flag is not set. ``torch.func`` transforms
+    are named ``"torch.func.<transform>"`` (``grad``, ``vmap``, ...), nested ones joined by ``+``."""
     if torch.compiler.is_compiling():  # first: folded to a constant by the compiler
         is_exporting = getattr(torch.compiler, "is_exporting", None)
         if is_exporting is not None and is_exporting():

@@ -40,11 +40,10 @@ class DiffusionTask:
     # set from the data and the task's options, never by model.kwargs
     model_arguments = ("input_size", "in_channels", "num_classes", "learn_sigma", "class_dropout_prob")
 
-    def __init__(self, model: Mapping[str, Any], attention: Mapping[str, Any],
-                 aux_loss_weight: Optional[float] = None, diffusion_steps: int = 1000, noise_schedule: str = "linear",
-                 learn_sigma: bool = True, class_dropout_prob: float = 0.1,
-                 sample: Optional[Mapping[str, Any]] = None, vae: Optional[Mapping[str, Any]] = None,
-                 kernels: Optional[Mapping[str, Any]] = None):
+    def __init__(self, model: Mapping[str, Any], attention: Mapping[str, Any], aux_loss_weight: Optional[float] = None,
+                 diffusion_steps: int = 1000, noise_schedule: str = "linear", learn_sigma: bool = True,
+                 class_dropout_prob: float = 0.1, sample: Optional[Mapping[str, Any]] = None,
+                 vae: Optional[Mapping[str, Any]] = None, kernels: Optional[Mapping[str, Any]] = None):
         self.model_cfg, self.attention_cfg = dict(model), dict(attention)
         self.kernels = dict(kernels) if kernels else None
         weight = self.attention_cfg["aux_loss_weight"] if aux_loss_weight is None else aux_loss_weight
