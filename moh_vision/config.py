@@ -31,9 +31,7 @@ from moh_vision.cli import CONFIG_DIR, run_cli
 from moh_vision.errors import ConfigError, os_error_line
 
 
-# ----------------------------------------------------------------------------------------------
-# Field metadata: what a type cannot say
-# ----------------------------------------------------------------------------------------------
+# ---- Field metadata: what a type cannot say --------------------------------------------------
 def option(default: Any = MISSING, *, at_least: Optional[float] = None, above: Optional[float] = None,
            at_most: Optional[float] = None, below: Optional[float] = None, choices: Sequence[Any] = (),
            path: Optional[str] = None, help: str = "") -> Any:
@@ -65,9 +63,7 @@ def _word(value: Any) -> str:
     return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
-# ----------------------------------------------------------------------------------------------
-# The schema
-# ----------------------------------------------------------------------------------------------
+# ---- The schema ------------------------------------------------------------------------------
 AMP = ("none", "bf16", "fp16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -412,9 +408,7 @@ def register_configs() -> None:
                     node={"defaults": [f"family/{model_family(name)}@_here_", "_self_"], "name": name})
 
 
-# ----------------------------------------------------------------------------------------------
-# Composition (the entry points' Hydra, tools and tests) and its errors
-# ----------------------------------------------------------------------------------------------
+# ---- Composition (the entry points' Hydra, tools and tests) and its errors -------------------
 def compose(config_name: str, overrides: Sequence[str] = ()) -> DictConfig:
     """``configs/<config_name>.yaml`` composed with Hydra overrides, as the entry points see it; a bad override is a
     one-line :class:`ConfigError`."""
@@ -558,9 +552,7 @@ def type_words(annotation: Any) -> str:
     return {int: "an integer", float: "a number", bool: "true or false", str: "text"}.get(annotation, "a value")
 
 
-# ----------------------------------------------------------------------------------------------
-# Values: what types cannot check
-# ----------------------------------------------------------------------------------------------
+# ---- Values: what types cannot check ---------------------------------------------------------
 def validate(cfg: DictConfig) -> Any:
     """Check every value of a composed ``train``/``eval`` config against the schema (ranges, choices, files, the
     attention's options, the model with its arguments) and return it as typed objects (``OmegaConf.to_object``).
@@ -745,9 +737,7 @@ def check_task_model(task: str, model: str) -> None:
                           f"({model_family(model)}){hint}")
 
 
-# ----------------------------------------------------------------------------------------------
-# Building what a group names
-# ----------------------------------------------------------------------------------------------
+# ---- Building what a group names -------------------------------------------------------------
 def _load(target: str) -> Any:
     module, _, attr = target.partition(":")
     return getattr(importlib.import_module(module), attr)

@@ -11,9 +11,7 @@ from torch import nn
 from moh_vision.checkpoints import atomic_write
 
 
-# ----------------------------------------------------------------------------------------------
-# Which heads of a layer are shared: the first ``shared_heads`` (official), or the learned mask
-# ----------------------------------------------------------------------------------------------
+# ---- Which heads of a layer are shared: the first ``shared_heads`` (official), or the learned mask ----
 def shared_mask_of(stat: Mapping[str, Any]) -> List[bool]:
     """Per head, whether it is shared: ``stat["shared_mask"]`` when the layer learns its shared heads
     (``attention.shared_heads=learned``), else the first ``stat["shared_heads"]`` heads."""

@@ -23,9 +23,7 @@ from moh_vision.config import check_optimizer
 from moh_vision.errors import ConfigError
 
 
-# ----------------------------------------------------------------------------------------------
-# Optimizer
-# ----------------------------------------------------------------------------------------------
+# ---- Optimizer -------------------------------------------------------------------------------
 def no_decay_names(model: nn.Module, extra_keywords: Sequence[str] = ()) -> set:
     """Names the model asks to exclude (``no_weight_decay``, ``no_weight_decay_keywords``) plus those holding one
     of ``extra_keywords`` (``optim.no_weight_decay_keywords``)."""
@@ -91,9 +89,7 @@ def _init_keywords(name: str) -> set:
         return set()
 
 
-# ----------------------------------------------------------------------------------------------
-# Schedule
-# ----------------------------------------------------------------------------------------------
+# ---- Schedule --------------------------------------------------------------------------------
 SCHEDULES = ("constant", "cosine", "tanh", "poly", "step", "multistep", "wsd")
 
 

@@ -28,9 +28,7 @@ from .distributed import DistInfo, all_reduce_max
 KEPT = ("loss", "ce", "aux", "num_samples", "routing")
 
 
-# ----------------------------------------------------------------------------------------------
-# The skip decision, on the device
-# ----------------------------------------------------------------------------------------------
+# ---- The skip decision, on the device --------------------------------------------------------
 def loss_for_backward(loss: Tensor, finite: Tensor, accum: int) -> Tensor:
     """``loss / accum``, or NaN where ``finite`` is false: the NaN seeds the backward and reaches the
     gradients (and through DDP every rank's), so the step is skipped everywhere without a host read."""
@@ -60,9 +58,7 @@ def step_unless(optimizer: torch.optim.Optimizer, skip: Tensor) -> None:
         del optimizer.grad_scale, optimizer.found_inf
 
 
-# ----------------------------------------------------------------------------------------------
-# The steps' records, on the device until read
-# ----------------------------------------------------------------------------------------------
+# ---- The steps' records, on the device until read --------------------------------------------
 @dataclass(frozen=True)
 class _Leaf:
     """Where a tensor of a step's records sits in its vector: its position among the step's tensors."""

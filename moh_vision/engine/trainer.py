@@ -111,9 +111,7 @@ class Trainer:
         self.last_row: Optional[Dict[str, Any]] = None  # the last epoch row (summary.json's results)
         self.routing_warnings: List[str] = []
 
-    # ------------------------------------------------------------------------------------------
-    # the loop
-    # ------------------------------------------------------------------------------------------
+    # ---- the loop ----------------------------------------------------------------------------
     def fit(self, task: Task, data: Data) -> Dict[str, Any]:
         """Train (or resume training) ``task``'s model on ``data`` under the device settings (TF32, cuDNN
         benchmarking); returns what summary.json holds."""
@@ -287,9 +285,7 @@ class Trainer:
         if self.dist.is_main:
             self.loggers.log_step(row, step=self.step)
 
-    # ------------------------------------------------------------------------------------------
-    # validation and the end of an epoch
-    # ------------------------------------------------------------------------------------------
+    # ---- validation and the end of an epoch --------------------------------------------------
     def evaluate_model(self, model: nn.Module, prefix: str = "val") -> Dict[str, float]:
         """The task's metrics of ``model`` on the validation set (all ranks), as ``<prefix>/<metric>``."""
         parts = self.parts
@@ -371,9 +367,7 @@ class Trainer:
             self.best = {"metric": metric, "value": value, "epoch": self.epoch, "step": self.step}
         return better
 
-    # ------------------------------------------------------------------------------------------
-    # checkpoints
-    # ------------------------------------------------------------------------------------------
+    # ---- checkpoints -------------------------------------------------------------------------
     def save(self, name: str = "last.pt", numbered: bool = False) -> None:
         """Write ``checkpoints/<name>`` and, if ``numbered``, ``checkpoints/step_<step>.pt`` (main rank; every rank
         joins the RNG gather), every step so far counted."""
@@ -477,9 +471,7 @@ class Trainer:
             return per_rank[self.dist.rank] if self.dist.rank < len(per_rank) else None
         return per_rank if self.dist.is_main else None
 
-    # ------------------------------------------------------------------------------------------
-    # summary
-    # ------------------------------------------------------------------------------------------
+    # ---- summary -----------------------------------------------------------------------------
     def _summary(self, wall: float) -> Dict[str, Any]:
         """summary.json: the run's results, throughput and health. A rerun of a finished run keeps the recorded
         summary, or evaluates the final weights again when it is gone or stale."""
