@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional
 
 import torch
-from torch import nn
 
 from moh_vision.checkpoints import atomic_write
 
