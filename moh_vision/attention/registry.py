@@ -36,9 +36,7 @@ _COMPOSED: Dict[tuple, type] = {}  # (variant, kernel) -> class; immutable once 
 COMPOSED_SEPARATOR = "__"  # a composed class is named <variant>__<kernel> in its kernel's module
 
 
-# ----------------------------------------------------------------------------------------------
-# The variant contract
-# ----------------------------------------------------------------------------------------------
+# ---- The variant contract --------------------------------------------------------------------
 class AttentionVariant:
     """Base of every registered variant: what the rest of the codebase asks a variant, with the answers of a dense
     attention as defaults. A variant's file is the only place that knows it. Class attributes a variant may set:
@@ -227,9 +225,7 @@ def layer_options(options: Dict[str, Any], index: int, num_layers: int) -> Dict[
     return picked
 
 
-# ----------------------------------------------------------------------------------------------
-# Asking a model about its attention layers
-# ----------------------------------------------------------------------------------------------
+# ---- Asking a model about its attention layers -----------------------------------------------
 def find_attention(model: nn.Module) -> List[Tuple[str, nn.Module]]:
     """(name, module) for every registry-built attention module in ``model``."""
     return [(n, m) for n, m in model.named_modules() if isinstance(m, AttentionVariant)]

@@ -44,9 +44,7 @@ Size2 = Tuple[int, int]
 __all__ = ["aggregated_attention", "aggregated_attention_reference", "local_window_mask"]
 
 
-# ----------------------------------------------------------------------------------------------
-# Window geometry (computed once per resolution, on the CPU)
-# ----------------------------------------------------------------------------------------------
+# ---- Window geometry (computed once per resolution, on the CPU) ------------------------------
 def window_slots(window: int) -> List[Tuple[int, int]]:
     """``(row, column)`` start of each slot's view in the padded map, in ``F.unfold``'s slot order."""
     return [(i, j) for i in range(window) for j in range(window)]
@@ -74,9 +72,7 @@ def _window_mask_on(resolution: Size2, window: int, device: torch.device) -> Ten
     return _cached_window_mask(resolution, window)[1].to(device)  # shared, read-only
 
 
-# ----------------------------------------------------------------------------------------------
-# The formula over shifted views
-# ----------------------------------------------------------------------------------------------
+# ---- The formula over shifted views ----------------------------------------------------------
 def _grid(t: Tensor, size: Size2) -> Tensor:
     """``[B, h, N, c]`` -> ``[B, h, H, W, c]`` (a view; sizes by index, so that ``torch.fx`` can trace it)."""
     return t.reshape(t.shape[0], t.shape[1], size[0], size[1], t.shape[-1])
@@ -153,9 +149,7 @@ def _weighted_values(attn_local, attn_pool, local_weight, v, v_pool, size, windo
     return local_sum(attn_local + local_weight, _padded(v, size, window), size, window) + attn_pool @ v_pool
 
 
-# ----------------------------------------------------------------------------------------------
-# The operator, forward and backward, on any device (float32 arithmetic)
-# ----------------------------------------------------------------------------------------------
+# ---- The operator, forward and backward, on any device (float32 arithmetic) ------------------
 def _probabilities(q, k_padded, k_pool, pool_bias, local_bias, lse, size, window) -> Tuple[Tensor, Tensor]:
     """The attention ``(local [B, h, N, L], pooled [B, h, N, P])``: ``exp(logits - lse)`` when ``lse`` is
     given, else the softmax; masked slots 0."""
@@ -299,9 +293,7 @@ def _backward(ctx, grad, _grad_lse):
 _aggregated_op.register_autograd(_backward, setup_context=_setup_context)
 
 
-# ----------------------------------------------------------------------------------------------
-# The op: the reference and its implementations (moh_vision.ops.dispatch chooses)
-# ----------------------------------------------------------------------------------------------
+# ---- The op: the reference and its implementations (moh_vision.ops.dispatch chooses) ---------
 AGGREGATED = Op("aggregated_attention", key="aggregated", reference=aggregated_attention_reference,
                 auto={"cpu": "fused", "cuda": "fused"})
 

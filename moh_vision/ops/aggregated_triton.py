@@ -195,9 +195,7 @@ def _backward_keys(Q, DO, DSL, AL, DK, DV, s_qb, s_qh, s_qn,
     tl.store(DV + out, dv.to(DV.dtype.element_ty), mask=live[:, None] & in_d[None, :])
 
 
-# ----------------------------------------------------------------------------------------------
-# Launchers
-# ----------------------------------------------------------------------------------------------
+# ---- Launchers -------------------------------------------------------------------------------
 def _pow2(n: int, least: int = 16) -> int:
     return max(least, triton.next_power_of_2(n))
 

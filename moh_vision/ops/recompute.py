@@ -34,9 +34,7 @@ def _float(*tensors: Tensor) -> List[Tensor]:
     return [t.float() if t.dtype in (torch.float16, torch.bfloat16) else t for t in tensors]
 
 
-# ----------------------------------------------------------------------------------------------
-# The ConvGLU's tail
-# ----------------------------------------------------------------------------------------------
+# ---- The ConvGLU's tail ----------------------------------------------------------------------
 def gated_tail_reference(x: Tensor, gate: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], weight: Tensor,
                          bias: Optional[Tensor], height: int, width: int, depthwise: str = "auto") -> Tensor:
     """``linear(GELU(dwconv(x)) * gate, weight, bias)`` for tokens ``x``, ``gate`` ``[B, N, hidden]`` of a
@@ -87,9 +85,7 @@ def gated_tail_recompute(x: Tensor, gate: Tensor, conv_weight: Tensor, conv_bias
         return _GatedTail.apply(*tensors, height, width, depthwise)
 
 
-# ----------------------------------------------------------------------------------------------
-# The aggregated attention's queries
-# ----------------------------------------------------------------------------------------------
+# ---- The aggregated attention's queries ------------------------------------------------------
 NORM_EPS = 1e-12  # F.normalize's
 
 
@@ -133,9 +129,7 @@ COSINE_QUERIES = Op("cosine_queries", key="recompute", reference=cosine_queries_
 COSINE_QUERIES.implement("recompute", **RECOMPUTE)(_CosineQueries.apply)
 
 
-# ----------------------------------------------------------------------------------------------
-# The pooled branch's pool
-# ----------------------------------------------------------------------------------------------
+# ---- The pooled branch's pool ----------------------------------------------------------------
 class _AveragePool(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, size: Size2) -> Tensor:
@@ -151,9 +145,7 @@ AVERAGE_POOL = Op("average_pool", key="recompute", reference=F.adaptive_avg_pool
 AVERAGE_POOL.implement("recompute", **RECOMPUTE)(_AveragePool.apply)
 
 
-# ----------------------------------------------------------------------------------------------
-# The position-bias MLP
-# ----------------------------------------------------------------------------------------------
+# ---- The position-bias MLP -------------------------------------------------------------------
 def _call(table: Tensor, mlp: Callable[[Tensor], Tensor]) -> Tensor:
     return mlp(table)
 
@@ -166,9 +158,7 @@ POSITION_MLP = Op("position_mlp", key="recompute", reference=_call, auto=AUTO)
 POSITION_MLP.implement("recompute", **RECOMPUTE)(_checkpointed)
 
 
-# ----------------------------------------------------------------------------------------------
-# What the models call
-# ----------------------------------------------------------------------------------------------
+# ---- What the models call --------------------------------------------------------------------
 def gated_tail(x: Tensor, gate: Tensor, conv_weight: Tensor, conv_bias: Optional[Tensor], weight: Tensor,
                bias: Optional[Tensor], height: int, width: int, kernels) -> Tensor:
     """``linear(GELU(dwconv(x)) * gate, weight, bias)`` (``kernels``: a :class:`~moh_vision.ops.Kernels`)."""

@@ -35,9 +35,7 @@ class Routing(NamedTuple):
     loss: Optional[Tensor]       # load-balance loss (float32 scalar) when asked for
 
 
-# ----------------------------------------------------------------------------------------------
-# The formulas
-# ----------------------------------------------------------------------------------------------
+# ---- The formulas ----------------------------------------------------------------------------
 def router_widths(routed: int, shared: int, topk: int) -> Tuple[int, int, int]:
     """Columns of ``wg``, ``wg_0`` and ``wg_1`` in the stacked logits (0: that router does not exist)."""
     return (routed if topk else 0), (2 if topk and shared else 0), (shared if shared > 1 else 0)
@@ -112,9 +110,7 @@ def route_merge_reference(heads: Tensor, logits: Tensor, routed: int, shared: in
     return merge_heads(heads, routing.gates), routing
 
 
-# ----------------------------------------------------------------------------------------------
-# The fused kernels
-# ----------------------------------------------------------------------------------------------
+# ---- The fused kernels -----------------------------------------------------------------------
 ROUTING = Op("moh_routing", key="routing", reference=route_merge_reference, auto={"cuda": "fused"})
 
 
