@@ -22,7 +22,6 @@ log = logging.getLogger(__name__)
 NON_MODULE_KEYS = ("name", "aux_loss_weight")
 
 
-# ----------------------------------------------------------------------------------------------
 def attention_kwargs(attention: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
     """Turn the ``attention`` config group into model kwargs: ``attention=<name>`` plus its options. ``name: null`` (the
     ``preset`` group) passes nothing, so a preset keeps its own per-layer heads. ``null`` options are dropped (timm

@@ -40,9 +40,7 @@ class ContinueTuningError(ConfigError):
     """The dense checkpoint cannot start this model; the message says why and what would."""
 
 
-# ----------------------------------------------------------------------------------------------
-# Reading a dense checkpoint
-# ----------------------------------------------------------------------------------------------
+# ---- Reading a dense checkpoint --------------------------------------------------------------
 @dataclass
 class DenseCheckpoint:
     """The tensors of a dense checkpoint and what is known about where they came from."""
@@ -73,9 +71,7 @@ def read_dense_checkpoint(path: Union[str, Path], weights: str = "auto") -> Dens
     return DenseCheckpoint(state, str(path), where, model_name, dict(config or {}) or None)
 
 
-# ----------------------------------------------------------------------------------------------
-# What the target model is
-# ----------------------------------------------------------------------------------------------
+# ---- What the target model is ----------------------------------------------------------------
 @dataclass
 class LayerStart:
     """One attention layer of the target and how it starts."""
@@ -149,9 +145,7 @@ def heads_per_layer(model: nn.Module) -> List[Tuple[int, int]]:
     return [(int(m.num_heads), int(m.head_dim)) for _, m in find_attention(model)]
 
 
-# ----------------------------------------------------------------------------------------------
-# Checks (each raises ContinueTuningError with the reason and the way out)
-# ----------------------------------------------------------------------------------------------
+# ---- Checks (each raises ContinueTuningError with the reason and the way out) ----------------
 def _module_of(key: str) -> str:
     parts = key.split(".")
     return parts[-2] if len(parts) > 1 else ""
@@ -247,9 +241,7 @@ def _layout_hint(reshaped: Sequence[str], missing: Sequence[str], unexpected: Se
             "moh_vision.models.continue_tuning.routing_like")
 
 
-# ----------------------------------------------------------------------------------------------
-# Routers
-# ----------------------------------------------------------------------------------------------
+# ---- Routers ---------------------------------------------------------------------------------
 def router_keys(model: nn.Module) -> List[str]:
     """State-dict keys of the variants' own parameters (what a dense checkpoint does not have)."""
     keys = []
@@ -274,9 +266,7 @@ def router_start(model: nn.Module, router_std: float = DEFAULT_ROUTER_STD,
     return weights, zero, random
 
 
-# ----------------------------------------------------------------------------------------------
-# The entry point
-# ----------------------------------------------------------------------------------------------
+# ---- The entry point -------------------------------------------------------------------------
 def init_from_dense(model: nn.Module, source: Union[str, Path, DenseCheckpoint], weights: str = "auto",
                     router_std: float = DEFAULT_ROUTER_STD, seed: int = 0) -> ConversionReport:
     """Copy a dense checkpoint into ``model`` (MoH or MHA over the same backbone) and start its routers. After this, a
@@ -303,9 +293,7 @@ def init_from_dense(model: nn.Module, source: Union[str, Path, DenseCheckpoint],
     return report
 
 
-# ----------------------------------------------------------------------------------------------
-# A MoH preset's budget on a dense backbone's heads
-# ----------------------------------------------------------------------------------------------
+# ---- A MoH preset's budget on a dense backbone's heads ---------------------------------------
 def routing_like(preset: str, backbone: str, **backbone_kwargs: Any) -> Dict[str, List[int]]:
     """Per-block ``shared_heads`` / ``topk`` that give ``backbone`` (a dense DiT or plain ViT) the routing of MoH
     ``preset`` on its own heads. The official MoH-DiT-XL/L presets have 8/16/24 heads per block while DiT has 16

@@ -43,9 +43,7 @@ def check_token_count(x: Tensor, expected: int) -> None:
         raise ValueError(f"unpatchify expected {expected} tokens, got {x.shape[1]}")
 
 
-# ---------------------------------------------------------------------------------------------
-# Fixed 2-D sine-cosine position embedding
-# ---------------------------------------------------------------------------------------------
+# ---- Fixed 2-D sine-cosine position embedding -----------------------------------------------
 def _sincos_1d(dim: int, positions: Tensor) -> Tensor:
     """``[M] -> [M, dim]``: sines of ``pos * omega`` then cosines, ``omega_i = 10000^(-i / (dim/2))``."""
     omega = 1.0 / 10000 ** (torch.arange(dim // 2, dtype=torch.float64) / (dim / 2.0))
@@ -64,9 +62,7 @@ def sincos_pos_embed_2d(dim: int, grid_size: Union[int, Tuple[int, int]]) -> Ten
     return torch.cat([_sincos_1d(dim // 2, cols), _sincos_1d(dim // 2, rows)], dim=1).float()
 
 
-# ---------------------------------------------------------------------------------------------
-# Conditioning: timesteps and class labels
-# ---------------------------------------------------------------------------------------------
+# ---- Conditioning: timesteps and class labels -----------------------------------------------
 class TimestepEmbedder(nn.Module):
     """Scalar (possibly fractional) timesteps -> 256-dim sinusoidal features -> MLP (``mlp.0``, SiLU, ``mlp.2``)."""
 
@@ -137,9 +133,7 @@ def drop_labels(labels: Tensor, force_drop_ids: Optional[Tensor], null_class: in
     return torch.where(drop, torch.full_like(labels, null_class), labels)
 
 
-# ---------------------------------------------------------------------------------------------
-# Blocks
-# ---------------------------------------------------------------------------------------------
+# ---- Blocks ---------------------------------------------------------------------------------
 class DiTBlock(nn.Module):
     """Pre-norm transformer block with adaLN-Zero: ``x += gate * f(modulate(norm(x), shift, scale))``."""
 
@@ -172,9 +166,7 @@ class FinalLayer(nn.Module):
         return self.linear(modulate(self.norm_final(x), shift, scale))
 
 
-# ---------------------------------------------------------------------------------------------
-# DiT
-# ---------------------------------------------------------------------------------------------
+# ---- DiT ------------------------------------------------------------------------------------
 class DiT(nn.Module):
     """Class-conditional diffusion transformer predicting epsilon (and, with ``learn_sigma``, the variance
     interpolation) for ``[B, C, H, W]`` inputs.
@@ -338,9 +330,7 @@ class DiT(nn.Module):
         return torch.cat([torch.cat([guided, guided], dim=0), rest], dim=1)
 
 
-# ---------------------------------------------------------------------------------------------
-# Presets and timm registration
-# ---------------------------------------------------------------------------------------------
+# ---- Presets and timm registration ----------------------------------------------------------
 def _runs(*pairs: Tuple[int, int]) -> List[int]:
     """``_runs((8, 9), (16, 10))`` = ``[8]*9 + [16]*10``: per-layer values written as in the paper tables."""
     return [value for value, count in pairs for _ in range(count)]

@@ -34,9 +34,7 @@ TIMM_CFG_KWARGS = ("pretrained_cfg", "pretrained_cfg_overlay", "cache_dir")
 register_notrace_module(HeadAttention)
 
 
-# ----------------------------------------------------------------------------------------------
-# Entry points: preset + user arguments -> timm's builder
-# ----------------------------------------------------------------------------------------------
+# ---- Entry points: preset + user arguments -> timm's builder ---------------------------------
 def preset_arguments(preset: Mapping[str, Any], kwargs: Mapping[str, Any]) -> Dict[str, Any]:
     """Constructor arguments of a registered model: its preset, overridden by the user's kwargs. A MoH preset's official
     routing (per-layer ``shared_heads``/``topk``) applies unless the user picks another attention or their own

@@ -53,9 +53,7 @@ def _inverse_softplus(value: float, shape: Sequence[int]) -> Tensor:
     return torch.log(torch.full(tuple(shape), value).exp() - 1)
 
 
-# ----------------------------------------------------------------------------------------------
-# Attention kernels
-# ----------------------------------------------------------------------------------------------
+# ---- Attention kernels -----------------------------------------------------------------------
 # Input checks on shapes: module-level and wrapped for torch.fx, so that any fx tracer (torchvision's
 # create_feature_extractor as well as timm's) records them as one call, run on the real input.
 @torch.fx.wrap
@@ -256,9 +254,7 @@ class TokenConv1x1(nn.Conv2d):
         return F.linear(x, self.weight.flatten(1), self.bias)
 
 
-# ----------------------------------------------------------------------------------------------
-# Blocks
-# ----------------------------------------------------------------------------------------------
+# ---- Blocks ----------------------------------------------------------------------------------
 class DWConv(nn.Module):
     """3x3 depthwise convolution over a token sequence laid out as an ``H x W`` image."""
 
@@ -326,9 +322,7 @@ class Block(nn.Module):
         return x + self.drop_path(self.mlp(self.norm2(x), H, W))
 
 
-# ----------------------------------------------------------------------------------------------
-# The model
-# ----------------------------------------------------------------------------------------------
+# ---- The model -------------------------------------------------------------------------------
 # Kernel arguments the model derives per stage; an attention option may not set them.
 _STAGE_ARGUMENTS = ("input_resolution", "pretrain_size", "sr_ratio", "window_size", "fixed_pool_size", "qkv_bias",
                     "attn_drop", "proj_drop", "kernels")
@@ -602,9 +596,7 @@ class TransNeXt(nn.Module):
         return take
 
 
-# ----------------------------------------------------------------------------------------------
-# Presets, pretrained configs and timm registration: entry points only assemble arguments
-# ----------------------------------------------------------------------------------------------
+# ---- Presets, pretrained configs and timm registration: entry points only assemble arguments ----
 _MICRO = dict(embed_dims=(48, 96, 192, 384), num_heads=(2, 4, 8, 16), depths=(2, 2, 15, 2))
 _TINY = dict(embed_dims=(72, 144, 288, 576), num_heads=(3, 6, 12, 24), depths=(2, 2, 15, 2))
 _SMALL = dict(embed_dims=(72, 144, 288, 576), num_heads=(3, 6, 12, 24), depths=(5, 5, 22, 5))

@@ -32,9 +32,7 @@ __all__ = ["PlainViT", "ViTBlock", "build_attention_stack", "to_2tuple_size", "c
 GLOBAL_POOLS = ("token", "avg", "")
 
 
-# ---------------------------------------------------------------------------------------------
-# Helpers shared with DiT
-# ---------------------------------------------------------------------------------------------
+# ---- Helpers shared with DiT ----------------------------------------------------------------
 def to_2tuple_size(size: Union[int, Sequence]) -> Tuple[int, int]:
     """``32 -> (32, 32)``; ``(H, W)`` stays; anything else is a :class:`ConfigError`."""
     if isinstance(size, int):
@@ -77,9 +75,7 @@ def build_attention_stack(attention: str, dim: int, depth: int, num_heads: Union
     return stack
 
 
-# ---------------------------------------------------------------------------------------------
-# Model
-# ---------------------------------------------------------------------------------------------
+# ---- Model ----------------------------------------------------------------------------------
 class ViTBlock(nn.Module):
     """Pre-norm transformer block around a given attention module (keys as timm's ``Block``)."""
 
@@ -285,9 +281,7 @@ class PlainViT(nn.Module):
         return take
 
 
-# ---------------------------------------------------------------------------------------------
-# timm ViT / DeiT checkpoints
-# ---------------------------------------------------------------------------------------------
+# ---- timm ViT / DeiT checkpoints ------------------------------------------------------------
 # Tensors of timm ViT variants a plain ViT does not have, and what they are.
 _FOREIGN_PARTS = {
     "dist_token": "a distillation token (deit_*_distilled: two heads)",
@@ -324,9 +318,7 @@ def checkpoint_filter_fn(state_dict: Dict[str, Tensor], model: PlainViT) -> Dict
     return out
 
 
-# ---------------------------------------------------------------------------------------------
-# Presets, pretrained configs and timm registration
-# ---------------------------------------------------------------------------------------------
+# ---- Presets, pretrained configs and timm registration --------------------------------------
 VIT_PRESETS: Dict[str, Dict[str, Any]] = {
     "plain_vit_tiny": dict(img_size=224, patch_size=16, embed_dim=192, depth=12, num_heads=3),
     "plain_vit_small": dict(img_size=224, patch_size=16, embed_dim=384, depth=12, num_heads=6),
