@@ -140,8 +140,7 @@ _MEASURED_CALL = "peak_memory: measured call"
 
 def _cpu_memory_trace(prof) -> Optional[tuple]:
     """The CPU allocations (bytes > 0) and frees (bytes < 0) the profiler recorded as ``(time_ns, address, bytes)`` in
-    time order, and the ``(start, end)`` time of the ``_MEASURED_CALL`` range; None where this torch does not expose its
-    event tree."""
+    time order, and the ``(start, end)`` time of the ``_MEASURED_CALL`` range; None where torch hides its event tree."""
     try:
         from torch._C._profiler import _EventType
         nodes = list(prof.profiler.kineto_results.experimental_event_tree())
@@ -214,8 +213,7 @@ def _parameter_copy(tensor: torch.Tensor, held: Set[int]) -> bool:
 def saved_tensor_bytes(call: Callable[[], object], parameters: Iterable[torch.Tensor] = ()) -> int:
     """Bytes of the tensors autograd saves for backward while ``call()`` runs, each distinct storage once at its full
     size; ``parameters``, tensors sharing their storage (``weight.t()``) and autocast's copies of them are left out (the
-    model holds the first anyway, the copies are per step, not per image). Only a forward saves, so ``call`` may be a
-    whole training step."""
+    model holds the first anyway; the copies are per step). Only a forward saves: ``call`` may be a training step."""
     held = {p.untyped_storage().data_ptr() for p in parameters}
     saved: Dict[int, int] = {}
 

@@ -118,8 +118,7 @@ def timms(root: Path, split: str, bench: DataBench, workers: int) -> DataLoader:
 
 def one_pass(loader: DataLoader, images: Dict[str, int], name: str) -> Callable[[], None]:
     """A call that loads every batch of one pass over ``loader`` and notes how many images it held. The trainer's loader
-    starts a new epoch each pass (new augmentations, as timm's loader draws), not the same sample of augmentations
-    again."""
+    starts a new epoch each pass (new augmentations, as timm's loader draws), never repeating a sample of them."""
     epochs = getattr(loader.sampler, "sampler", None)  # EpochKeys over an EpochSampler
 
     def call() -> None:

@@ -369,9 +369,8 @@ def _trace_inputs(model: nn.Module, x: torch.Tensor, model_kwargs: Dict[str, Any
 
 def flop_report(model: nn.Module, input_shape: Sequence[int],
                 model_kwargs: Optional[Dict[str, Any]] = None) -> FlopReport:
-    """Trace one forward of ``model`` on a batch-1 input of ``input_shape`` (C, H, W) and count it (every head:
-    dense-equivalent). ``model_kwargs`` are the other forward inputs (DiT: ``{"t": ..., "y": ...}``), batch 1, moved to
-    the model's device."""
+    """Count one traced forward of ``model`` (every head: dense-equivalent) on a batch-1 ``input_shape`` (C, H, W)
+    input; ``model_kwargs``: the other forward inputs (DiT: ``{"t": ..., "y": ...}``), batch 1, moved to its device."""
     param = next(model.parameters())
     dtype = param.dtype if param.is_floating_point() else torch.float32
     generator = torch.Generator().manual_seed(0)
@@ -409,7 +408,6 @@ def flop_report(model: nn.Module, input_shape: Sequence[int],
 
 def count_flops(model: nn.Module, input_shape: Sequence[int],
                 model_kwargs: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
-    """``params``, ``gflops`` (dense-equivalent), ``active_gflops``, ``pointwise_gflops`` and ``routed_layers`` of one
-    forward pass on one input of ``input_shape`` (C, H, W); the module docstring defines each. ``uncounted_ops`` appears
-    only if an op had no handle."""
+    """``params``, ``gflops`` (dense-equivalent), ``active_gflops``, ``pointwise_gflops``, ``routed_layers`` (defined in
+    the module docstring) of one forward on an ``input_shape`` (C, H, W) input; ``uncounted_ops`` if any."""
     return flop_report(model, input_shape, model_kwargs).as_dict()

@@ -24,9 +24,8 @@ def to_uint8(images: Tensor) -> np.ndarray:
 
 def save_class_grid(images: Tensor, labels: Tensor, path: os.PathLike, per_row: int,
                     class_names: Optional[Sequence[str]] = None, cell: int = 64) -> Path:
-    """Write a PNG with ``per_row`` samples of one class per row and the class name on the left (atomically). ``images``
-    are in [-1, 1], ordered class by class (as ``labels.repeat_interleave`` makes them); small images are scaled up
-    (nearest) to ``cell`` pixels."""
+    """Write a PNG (atomically): ``per_row`` samples of a class per row, its name on the left. ``images`` in [-1, 1],
+    class by class (as ``labels.repeat_interleave`` orders them); small ones scaled up (nearest) to ``cell`` px."""
     arr = to_uint8(images)
     n, h, w, _ = arr.shape
     rows = (n + per_row - 1) // per_row

@@ -56,8 +56,7 @@ def time_index(root: Path, rounds: int, settle_s: float) -> Dict[str, Any]:
 def bench_index(classes: int, train_per_class: int, val_per_class: int, rounds: int, root: Optional[str] = None,
                 out: Optional[str] = None, settle_s: float = 2.5) -> Dict[str, Any]:
     """The record: the tree, the machine and :func:`time_index`'s seconds (median and quartiles), printed and, with
-    ``out``, written there (JSON). The generated tree lives in a temporary folder (under ``root`` when given) and is
-    removed afterwards."""
+    ``out``, written there (JSON). The tree is made in a temporary folder (under ``root`` if given), then removed."""
     with tempfile.TemporaryDirectory(prefix="index_tree_", dir=root) as folder:
         tree = Path(folder)
         files = make_empty_tree(tree, classes, train_per_class, val_per_class)

@@ -1,5 +1,4 @@
-"""How a trained routed model uses its heads, on a few images (``tools/analyze_routing.py``; the figures:
-``docs/routing.md``).
+"""How a trained routed model uses its heads on a few images (``tools/analyze_routing.py``, ``docs/routing.md``).
 
 Each routed layer records which heads every token selected and the gates they got
 (``record_routing(model, keep_selection=True)``: nothing is left on the modules). :func:`analyse` sums them over the

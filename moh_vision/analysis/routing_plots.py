@@ -114,8 +114,7 @@ def plot_router_entropy(stats: Stats, path: Path, title: Optional[str] = None) -
 # -- Head utility ranking (MoA-style) ----------------------------------------------------------------------------------
 def utility_ranking(stat: Mapping[str, Any]) -> List[Dict[str, Any]]:
     """One layer's routed heads ranked by how often they are selected (ties: by gate mass): ``[{"rank", "head",
-    "selected", "selected_share", "gate_mass", "gate_share"}, ...]``. ``selected_share`` / ``gate_share`` are fractions
-    of the layer's routed total."""
+    "selected", "selected_share", "gate_mass", "gate_share"}, ...]``, shares of the layer's routed total."""
     heads = routed_heads_of(stat)
     load = routed_loads_of(stat)
     all_gates = stat.get("gate_mass") or [math.nan] * len(stat["load"])
