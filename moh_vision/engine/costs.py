@@ -123,9 +123,8 @@ def peak_memory_source(device: torch.device) -> str:
 class RunCosts:
     """What a run's step times turn into: rates per window, epoch and run, and their console text.
 
-    ``flops``: the FLOP report of one forward (``FitParts.flops``; empty when not counted); ``amp``: ``trainer.amp``
-    (which matrix units the peak is the one of); ``world_size``: processes, one device each (utilisation is against all
-    of their peaks)."""
+    ``flops``: one forward's FLOP report (``FitParts.flops``; empty when not counted); ``amp``: ``trainer.amp`` (which
+    precision's peak applies); ``world_size``: processes, one device each (utilisation is against all their peaks)."""
 
     def __init__(self, flops: Mapping[str, Any], device: torch.device, amp: str, world_size: int):
         self.device, self.world_size = device, world_size

@@ -9,9 +9,8 @@ from torch import nn
 
 
 class EMA:
-    """``ema = d * ema + (1 - d) * model`` for floating parameters; buffers are copied. ``warmup=True`` uses
-    ``d = min(decay, (1 + n) / (10 + n))`` at update ``n``, so a short run is not dominated by its random
-    initialisation."""
+    """``ema = d * ema + (1 - d) * model`` for floating parameters, buffers copied; ``warmup=True`` at update ``n`` uses
+    ``d = min(decay, (1 + n) / (10 + n))``, so a short run is not dominated by its random initialisation."""
 
     def __init__(self, model: nn.Module, decay: float = 0.9999, warmup: bool = False):
         self.decay, self.warmup = float(decay), bool(warmup)

@@ -1,8 +1,7 @@
 """What ``Trainer.fit`` builds before its first step, as plain functions of the config.
 
 ``build_parts`` returns the model and everything that trains it (``FitParts``): loaders whose order resumes mid-epoch
-(``Loaders``), the optimizer and the schedule (timm's), AMP, the grad scaler, EMA, and the compiled / DDP-wrapped model.
-"""
+(``Loaders``), the optimizer and schedule (timm's), AMP, the grad scaler, EMA, and the compiled / DDP-wrapped model."""
 from __future__ import annotations
 
 import contextlib

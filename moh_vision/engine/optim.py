@@ -98,9 +98,8 @@ def _steps(epochs: float, steps_per_epoch: int) -> int:
 
 
 def timm_schedule_args(sched: Mapping[str, Any], total_steps: int, steps_per_epoch: int) -> Dict[str, Any]:
-    """``create_scheduler_v2``'s arguments for a ``sched`` config, every length in optimizer steps (timm's epochs
-    are then steps: ``updates_per_epoch=1``): warm-up first (``warmup_prefix``), the cool-down last, the decay over
-    the steps between (at least 1)."""
+    """``create_scheduler_v2``'s arguments for a ``sched`` config, lengths in optimizer steps (timm's epochs are steps:
+    ``updates_per_epoch=1``): warm-up first (``warmup_prefix``), the cool-down last, the decay (>= 1 step) between."""
     name = sched["name"]
     if name not in SCHEDULES:
         raise ConfigError(f"sched.name={name} is unknown; available: {', '.join(SCHEDULES)}")
