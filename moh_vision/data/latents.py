@@ -129,8 +129,7 @@ def load_shard(path: os.PathLike) -> Dict[str, Any]:
 
 
 class LatentShards(Dataset):
-    """``(latent * scale_factor, label)`` for chosen images of a latents directory; shards are opened lazily in each
-    process.
+    """``(latent * scale_factor, label)`` for chosen images of a latents directory; shards open lazily per process.
 
     ``sample=True`` (training): a random flip copy and ``z = mean + std * eps`` from torch's global RNG;
     ``sample=False`` (validation): the unflipped copy and ``eps`` from a generator seeded by the index, leaving the
@@ -171,8 +170,7 @@ class LatentShards(Dataset):
 
 class LatentsData:
     """Data module over a latents directory (the trainer's data contract): ``data=latents data.root=<dir>``, the
-    directory ``tools/extract_latents.py out=`` wrote (``experiment=latent_diffusion`` sets the task and model that go
-    with it).
+    directory ``tools/extract_latents.py out=`` wrote (``experiment=latent_diffusion`` sets the matching task and model).
 
     ``img_size`` is the latent side (32 for 256 px), ``in_chans`` the latent channels (4). ``flip``: a random one of the
     stored flip copies per item (DiT's RandomHorizontalFlip); ``sample_posterior``: draw ``z ~ N(mean, std^2)`` per item

@@ -103,8 +103,7 @@ class SeededItems(Dataset):
 
     def __getitems__(self, keys: Sequence[Key]) -> List[Any]:
         """A batch (the DataLoader asks for one at a time): in one call where the dataset can draw each item's
-        augmentation from its own seed (``seeded_items(indices, seeds)``, torch's CPU generator only), else item by
-        item."""
+        augmentation from its own seed (``seeded_items(indices, seeds)``, torch's CPU generator only), else per item."""
         batched = getattr(self.dataset, "seeded_items", None)
         if batched is None:
             return [self[key] for key in keys]

@@ -3,8 +3,7 @@
 Notation: ``x0`` clean data, ``x_t`` its noised version at step ``t`` (0-based, so ``t = 0`` is one step of noise),
 ``alphas_cumprod[t]`` = prod_{s <= t} (1 - beta_s). The model is called as ``model(x_t, t, **model_kwargs)`` and
 predicts epsilon (or x0) in its first ``C`` output channels; with a learned variance it returns ``2C`` channels, the
-last ``C`` being ``v`` in [-1, 1] that interpolates the log variance between the posterior variance (v = -1) and beta_t
-(v = +1).
+last ``C`` being ``v`` in [-1, 1], interpolating the log variance from the posterior variance (-1) to beta_t (+1).
 
 A respaced process (fewer steps, see :mod:`.schedule`) carries a ``timestep_map``; every model call goes through it, so
 the model always sees the timesteps of the process it was trained on."""
@@ -39,8 +38,7 @@ def _work_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class GaussianDiffusion:
-    """A discrete Gaussian diffusion process defined by its ``betas`` (per-step noise variances in (0, 1], kept as
-    float64).
+    """A discrete Gaussian diffusion process defined by its ``betas`` (per-step noise variances in (0, 1], float64).
 
     ``mean_type``: what the model's first C channels predict, ``"eps"`` or ``"x0"``. ``var_type``: ``"learned_range"``
     (2C outputs), ``"fixed_small"`` (posterior variance) or ``"fixed_large"`` (beta_t). ``loss_type``: ``"mse"`` (MSE on

@@ -1,8 +1,7 @@
 """This package's C++ CPU kernels (one source file each under ``csrc/``, registering ``torch.library`` operators), built
 on first use by torch's extension builder (g++ and ninja, ~30 s once per machine, torch version and vector instruction
 set, :func:`vector_flags`; cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without a
-compiler the callers run their ATen formulas (the same values) and say so once; ``kernels=reference`` never builds them.
-"""
+compiler the callers run their ATen formulas (same values) and say so once; ``kernels=reference`` never builds them."""
 from __future__ import annotations
 
 import logging

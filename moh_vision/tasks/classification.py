@@ -27,9 +27,8 @@ def split_batch(batch) -> Tuple[Tensor, Tensor, int]:
 
 class ClassificationTask:
     """Cross-entropy (soft targets under mixup/cutmix, label smoothing otherwise) plus the routed layers' auxiliary loss
-    times ``aux_loss_weight`` (default: the attention config's). A ``Task`` (``moh_vision.tasks.protocols``): ``model``
-    is the model config, ``attention`` the attention config, ``kernels`` the kernels config (None: every op
-    ``auto``)."""
+    times ``aux_loss_weight`` (default: the attention config's). A ``Task`` (``moh_vision.tasks.protocols``): ``model``,
+    ``attention`` and ``kernels`` are those configs (kernels None: every op ``auto``)."""
     name = "classification"
     primary_metric, primary_mode = "val/acc1", "max"
     flops_kwargs = None  # the images are the model's only input

@@ -1,8 +1,7 @@
 """The trainer's two collaborators, written down: a ``Task`` and a ``Data`` object.
 
 The trainer (``moh_vision.engine.trainer``) never asks what concrete class it was given: it calls the members below and
-nothing else. A task never sees the trainer: its end-of-epoch work gets an ``EpochContext``, a frozen snapshot the
-trainer builds.
+nothing else. A task never sees the trainer: its end-of-epoch work gets an ``EpochContext``, a frozen snapshot.
 
 Data may declare optional capabilities (``DATA_CAPABILITIES``); read them with ``capability``, which supplies the
 documented default for data that do not declare one."""
@@ -61,8 +60,7 @@ class EpochContext:
     """What a task's end-of-epoch work may use: where the run stands and where to write.
 
     Built by the trainer after validation; ``model_for_eval`` is the EMA model when the run keeps one, else the trained
-    model without its DDP/compile wrapper. ``log_image(key, path, caption=...)`` sends an image file to the loggers at
-    this step."""
+    model without its DDP/compile wrapper. ``log_image(key, path, caption=...)`` logs an image file at this step."""
     epoch: int
     step: int
     last_epoch: bool
