@@ -4,10 +4,9 @@ A checkpoint is a dict of tensors and plain Python types only (loads with ``weig
 and :func:`atomic_write` write a fsynced temporary file and rename it over the target, so a crash or a full disk never
 leaves a half-written ``last.pt``; the previous one is kept as ``last.prev.pt`` for :func:`load_with_fallback`.
 :func:`load_file` reads any file (``.safetensors`` too) with one-line errors for a missing, truncated, corrupt or
-foreign one, and accepts ``argparse.Namespace`` (the official TransNeXt / MoH / DiT scripts pickle their arguments into
-their releases); :func:`find_weights` finds the weights in ours (``model`` / ``model_ema``), DiT's (``model`` /
-``ema``), timm's (``state_dict`` / ``state_dict_ema``) and plain state dicts, with DDP's and ``torch.compile``'s
-prefixes stripped."""
+foreign one, and accepts ``argparse.Namespace`` (official TransNeXt / MoH / DiT releases pickle their arguments);
+:func:`find_weights` finds the weights in ours (``model`` / ``model_ema``), DiT's (``model`` / ``ema``), timm's
+(``state_dict`` / ``state_dict_ema``) and plain state dicts, with DDP's and ``torch.compile``'s prefixes stripped."""
 from __future__ import annotations
 
 import argparse

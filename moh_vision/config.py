@@ -1,10 +1,9 @@
 """The one typed configuration of ``train.py`` and ``eval.py``: every option's type, default and allowed values.
 
-Why Hydra structured configs (dataclasses) and not pydantic: Hydra composes the config groups, the experiments and the
-sweeps; a dataclass registered in Hydra's ConfigStore types every option *while* Hydra composes (``trainer.epochs=abc``
-never reaches Python), ``--cfg job`` prints the typed result, and nothing else has to be installed. What types cannot
-say (``>= 1``, a choice, a readable checkpoint file) is each field's metadata, checked by :func:`validate` before
-anything is built or written.
+Why Hydra structured configs (dataclasses) and not pydantic: Hydra composes the config groups, experiments and sweeps; a
+dataclass registered in Hydra's ConfigStore types every option *while* Hydra composes (``trainer.epochs=abc`` never
+reaches Python), ``--cfg job`` prints the typed result, and it adds no dependency. What types cannot say (``>= 1``, a
+choice, a readable file) is each field's metadata, checked by :func:`validate` before anything is built or written.
 
 A group option, ``configs/<group>/<option>.yaml``, extends its schema (``defaults: [/schema/<group>/<schema>@_here_,
 _self_]``) and sets only what differs. Every group's ``name`` selects what Python builds (:data:`DATA_CLASSES`,
@@ -461,8 +460,7 @@ def hydra_main(config_name: str) -> Callable[[Callable[[Any], Any]], Callable[[]
 
 
 def explain(err: BaseException) -> Optional[str]:
-    """One line for a Hydra/OmegaConf composition error a user caused (a bad override, an unknown group option or
-    key); None for anything else."""
+    """One line for a composition error the user caused (a bad override, an unknown group option or key); else None."""
     from hydra.errors import HydraException, MissingConfigException, OverrideParseException
     from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException, ValidationError
 

@@ -1,5 +1,4 @@
-"""Datasets and transforms; :func:`cache_dir` is where the package caches what it derives (file indexes, the digits
-classifier)."""
+"""Datasets and transforms; :func:`cache_dir` holds what the package derives (file indexes, the digits classifier)."""
 import os
 from pathlib import Path
 
