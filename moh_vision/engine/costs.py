@@ -5,13 +5,12 @@ definition and how to read it: ``docs/training.md``).
 time*: everything between two steps, data wait, logging and checkpoints included), with no synchronisation beyond the
 loop's own. On CUDA a step never waits for the device (``step_on_device``): one step's host time is when it was queued,
 the clock synchronises at the end of each logging window, so a window's sum is exact, and the data wait bounds the
-device's idle time from above. Under DDP every figure is the slowest rank's (one small all-reduce with MAX per window
-and per epoch). :meth:`RunCosts.rates` gives the same keys for a logging window (``train/...``), an epoch row
-(``epoch/...``) and ``summary.json``: ``tflops`` counts 2 FLOPs per multiply-add
-(:mod:`moh_vision.analysis.device_peaks`) and is absent without a FLOP count, ``utilisation`` is absent without a known
-peak (every CPU), and a data wait of :data:`INPUT_BOUND_SHARE` of the step or more reads as input-bound. Peak memory:
-the CUDA allocator's peak, reset every training epoch, or the main process's resident-set peak since it started
-(``ru_maxrss``)."""
+device's idle time from above. Under DDP every figure is the slowest rank's (one small MAX all-reduce per window and per
+epoch). :meth:`RunCosts.rates` gives the same keys for a logging window (``train/...``), an epoch row (``epoch/...``)
+and ``summary.json``: ``tflops`` counts 2 FLOPs per multiply-add (:mod:`moh_vision.analysis.device_peaks`) and is absent
+without a FLOP count, ``utilisation`` is absent without a known peak (every CPU), and a data wait of
+:data:`INPUT_BOUND_SHARE` of the step or more reads as input-bound. Peak memory: the CUDA allocator's peak, reset every
+training epoch, or the main process's resident-set peak since it started (``ru_maxrss``)."""
 from __future__ import annotations
 
 import sys

@@ -1,16 +1,14 @@
 """The anchors' GPU settings, as options with the anchors' defaults, and what a run used of them.
 
-- ``trainer.tf32`` (on, as DiT's train.py sets ``allow_tf32`` for matmuls and cuDNN): fp32 matmuls and
-  convolutions run on TF32 tensor cores. CUDA only: on the CPU the same process-wide precision would let
-  oneDNN change what fp32 matmuls compute, and a CPU run has no TF32 to gain.
+- ``trainer.tf32`` (on, as DiT's train.py sets ``allow_tf32`` for matmuls and cuDNN): fp32 matmuls and convolutions run
+  on TF32 tensor cores. CUDA only: on the CPU it would let oneDNN change what fp32 matmuls compute, for no TF32 gain.
 - cuDNN benchmarking (on, as in timm's train.py) unless ``trainer.deterministic``: cuDNN times its kernels for each new
   shape and keeps the fastest (TransNeXt's depthwise convolutions otherwise take whatever its heuristic picks).
 - Fused AdamW where torch has a fused kernel for the device (CUDA, CPU; foreach elsewhere): one kernel for the whole
   update, and it takes the skip decision of a non-finite step on the device (``found_inf``), so the host never reads it.
 - ``trainer.grad_checkpointing``: the model's ``set_grad_checkpointing`` (set by ``fit_setup.build_parts``).
 
-The process-wide flags hold while a fit runs and are restored after it: a fit leaves the process as it
-found it. ``summary.json`` records what the run used (:func:`device_settings` yields it)."""
+Process-wide flags are restored after a fit; ``summary.json`` records what the run used (:func:`device_settings`)."""
 from __future__ import annotations
 
 import contextlib

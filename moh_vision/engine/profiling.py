@@ -1,11 +1,10 @@
 """``trainer.profile=<first>:<last>``: a ``torch.profiler`` profile of optimizer steps ``first`` to ``last`` (counted
-from 1, as the logs count them) of a real run, written into ``<run dir>/profile/`` (how to read it:
-``docs/training.md``): the Chrome / Perfetto trace ``trace_steps<first>-<last>_rank<r>.json`` (each optimizer step a
-range ``optimizer step <n>``, each wait for the next batch a range ``data wait``) and
+from 1, as the logs count them) of a real run, written by every rank into ``<run dir>/profile/`` (how to read it:
+``docs/training.md``): the Chrome / Perfetto trace ``trace_steps<first>-<last>_rank<r>.json`` (ranges
+``optimizer step <n>`` per step, ``data wait`` per wait for the next batch) and
 ``time_by_kind_steps<first>-<last>_rank<r>.md`` / ``.json``, the steps' wall time by kind of work
 (:mod:`moh_vision.analysis.profile_kinds`: the operators' host time on the CPU, the kernels' device time on CUDA), the
-data wait (operators inside it count as data wait) and the rest (host time between operators, or device idle time).
-Every rank writes its own files."""
+data wait (operators inside it count as data wait) and the rest (host time between operators, or device idle time)."""
 from __future__ import annotations
 
 import contextlib
