@@ -9,10 +9,9 @@ ImageNet's size on disk and decode time) and times one pass over each split with
   ``timm.data.create_transform``'s build of the same recipe, whose posterize gets the project's fix
   (``use_safe_posterize``: Pillow 13 refuses the recipe's 0-bit posterize), the one change, so that it runs at all.
 
-Mixup is in neither (it mixes batches in the training step). The candidates take turns
-(:func:`~moh_vision.analysis.benchmark.interleave`) with persistent workers, so a pass times loading, not process
-start-up; ``workers=0`` loads in the main process on one thread (one worker's rate). The ratio moh_vision / timm is
-taken per round."""
+Mixup is in neither (the training step mixes batches). The candidates take turns with persistent workers
+(:func:`~moh_vision.analysis.benchmark.interleave`), so a pass times loading, not process start-up; ``workers=0`` loads
+in the main process on one thread (one worker's rate). The ratio moh_vision / timm is per round."""
 from __future__ import annotations
 
 import tempfile

@@ -1,8 +1,7 @@
 """Figures of how routed attention layers use their heads (matplotlib, Agg backend, PNG files).
 
-Every function takes per-layer statistics in the format of
-:meth:`moh_vision.analysis.routing_stats.RoutingMeter.averages` (what the trainer dumps to ``routing.json`` each
-epoch)::
+Every function takes per-layer statistics as :meth:`moh_vision.analysis.routing_stats.RoutingMeter.averages` gives them
+(what the trainer dumps to ``routing.json`` each epoch)::
 
     {layer_name: {"load": [h floats], "entropy": float | None, "shared_heads": int, "topk": int,
                   "gate_mass": [h floats] (optional)}, ...}
