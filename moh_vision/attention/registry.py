@@ -44,15 +44,13 @@ class AttentionVariant:
     * ``option_ranges``: ``{option: allowed values}`` in words, for error messages and docs; the options themselves
       (types, defaults) are the keyword arguments of the variant's ``__init__``, mirrored by
       ``configs/attention/<name>.yaml`` (a test checks it).
-    * ``aux_reduction``: how the per-layer auxiliary losses combine: ``"mean"`` (MoH's official total) or ``"sum"``
-      (MoA's).
+    * ``aux_reduction``: how per-layer auxiliary losses combine: ``"mean"`` (MoH's official total) or ``"sum"`` (MoA's).
     * ``variant_parameters``: names of the submodules/parameters the variant adds over a dense attention of the same
       kernel (routers, experts). A checkpoint holding one of them is not dense.
     * ``flops_roles``: ``{child: role}`` for its own children: ``"per_head"`` (its cost scales with the heads a token
       activates), ``"query_rows"`` (only the query rows scale), ``"fixed"``.
-    * ``dense_start_refusal``: why the variant cannot start from a dense attention's weights (``None``: it can, see
-      :meth:`dense_start`).
-    """
+    * ``dense_start_refusal``: why the variant cannot start from a dense attention's weights (``None``: it can,
+      :meth:`dense_start`)."""
 
     attention_name = "?"
     option_ranges: Dict[str, str] = {}

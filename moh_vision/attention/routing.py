@@ -35,8 +35,7 @@ def resolve_moh_heads(num_heads: int, shared_heads: Optional[int] = None, topk: 
       ``1 / (2h)`` of the request;
     * ``a == h`` (e.g. ratio 1.0) gives a dense-weighted layer: every head shared, ``topk = 0``;
     * otherwise ``shared_heads = a // 2`` (or the given value) and ``topk = a - shared_heads``, i.e. about half of the
-      active heads are always on and half are routed, as in the official presets.
-    """
+      active heads are always on and half are routed, as in the official presets."""
     if num_heads < 1:
         raise ConfigError(f"num_heads={num_heads} must be at least 1")
     if activation_ratio is not None and topk is not None:

@@ -1,6 +1,5 @@
-"""What the tasks call to get a model: a registered name, the attention config group, and where its weights come from
-(``checkpoint_path``: this model's own; ``init_from``: a dense checkpoint to continue-tune from). Errors are one
-line."""
+"""What the tasks call to get a model: a registered name, the attention config group and its weights
+(``checkpoint_path``: this model's own; ``init_from``: a dense checkpoint to continue-tune from); one-line errors."""
 from __future__ import annotations
 
 import logging
@@ -23,9 +22,8 @@ NON_MODULE_KEYS = ("name", "aux_loss_weight")
 
 
 def attention_kwargs(attention: Optional[Mapping[str, Any]]) -> Dict[str, Any]:
-    """Turn the ``attention`` config group into model kwargs: ``attention=<name>`` plus its options. ``name: null`` (the
-    ``preset`` group) passes nothing, so a preset keeps its own per-layer heads. ``null`` options are dropped (timm
-    drops them too)."""
+    """Turn the ``attention`` config group into model kwargs: ``attention=<name>`` plus its non-null options (timm drops
+    nulls too). ``name: null`` (the ``preset`` group) passes nothing, so a preset keeps its own per-layer heads."""
     if not attention:
         return {}
     kwargs = {k: v for k, v in dict(attention).items() if k not in NON_MODULE_KEYS and v is not None}

@@ -2,17 +2,15 @@
 
 Op ``depthwise_conv`` (config key ``kernels.depthwise``):
 
-* ``reference``: the official layout, a contiguous NCHW image (``transpose``, copy, ``F.conv2d`` with one group
-  per channel): cuDNN's and oneDNN's NCHW depthwise kernels, not the channels-last grouped ones with slow shapes
-  (pytorch#34977);
+* ``reference``: the official layout, a contiguous NCHW image (``transpose``, copy, ``F.conv2d``, a group per channel):
+  cuDNN's and oneDNN's NCHW depthwise kernels, not the channels-last grouped ones with slow shapes (pytorch#34977);
 * ``channels_last``: the tokens read in place as a channels-last image (no copy; its output is tokens again): the
   CPU's default, where oneDNN's channels-last kernels and the element-wise work after them on contiguous tokens ran
   the default run's step 1.35x faster;
 * ``triton``: the CUDA candidate, reading the tokens in place (:mod:`~moh_vision.ops.depthwise_triton`);
 * ``written_grad``: the reference forward with its backward written out (the input's gradient as the convolution
   with the flipped kernel, the weight's as nine shifted sums that ``torch.compile`` fuses), a candidate under
-  ``torch.compile`` where cuDNN's or oneDNN's own depthwise backward is slow.
-"""
+  ``torch.compile`` where cuDNN's or oneDNN's own depthwise backward is slow."""
 from __future__ import annotations
 
 from typing import Optional
