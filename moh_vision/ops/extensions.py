@@ -1,5 +1,5 @@
 """This package's C++ CPU kernels (one source file each under ``csrc/``, registering ``torch.library`` operators), built
-on first use by torch's extension builder (g++ and ninja, ~30 s once per machine, torch version and vector instruction
+on first use by torch's extension builder (g++ and ninja, ~10 s once per machine, torch version and vector instruction
 set, :func:`vector_flags`; cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without a
 compiler the callers run their ATen formulas (same values) and say so once; ``kernels=reference`` never builds them."""
 from __future__ import annotations
@@ -45,7 +45,7 @@ def build(library: str, op: str, source: Path, what: str) -> bool:
     try:
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)  # "no CUDA runtime" on CPU hosts
         from torch.utils import cpp_extension
-        log.info("loading %s's C++ kernel (compiled on first use: ~30 s once per machine)", what)
+        log.info("loading %s's C++ kernel (compiled on first use: ~10 s once per machine)", what)
         version = "".join(c if c.isalnum() else "_" for c in torch.__version__)  # a build per torch (its ABI)
         isa, flags = vector_flags()
         cpp_extension.load(name=f"moh_vision_{library}_{version}{isa}", sources=[str(source)],
