@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Dict, Mapping, Optional
 
-import timm
 import torch
 from timm.layers import register_notrace_module
 from timm.models import build_model_with_cfg
