@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 from moh_vision.analysis.backbone_bench import bench_backbones
-from moh_vision.analysis.benchmark import DTYPES
-from moh_vision.cli import Option, boolean, integer, list_of, number, run_tool, text
+from moh_vision.analysis.benchmark import TIMING_OPTIONS
+from moh_vision.cli import Option, boolean, integer, list_of, run_tool, text
 
 OPTIONS = (
     Option("pairs", type=list_of(text), help="ours:peer pairs, or a set: default | big | quick "
@@ -32,10 +32,7 @@ OPTIONS = (
     Option("img_size", type=integer, minimum=32, help="image side in pixels (default 224; quick: 64)"),
     Option("rounds", type=integer, minimum=1, help="timed rounds, each runs both models once (default 15; quick: 2)"),
     Option("warmup", type=integer, minimum=0, help="untimed steps per model first (default 2; quick: 1)"),
-    Option("min_seconds", 0.0, number, "keep adding rounds until this much time", minimum=0),
-    Option("device", "auto", help="auto | cpu | cuda"),
-    Option("dtype", "float32", choices=tuple(DTYPES), help="autocast precision (float32: none)"),
-    Option("threads", type=integer, minimum=1, help="torch.set_num_threads (CPU)"),
+    *TIMING_OPTIONS,
     Option("compile", [False], list_of(boolean), "torch.compile both models (compilation untimed); "
            "false,true: each pair both ways"),
     Option("compile_mode", "default", help="torch.compile's mode (reduce-overhead: CUDA graphs)",

@@ -18,8 +18,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from moh_vision.analysis.benchmark import DTYPES, bench_kernels
-from moh_vision.cli import Option, attention_config, boolean, integer, list_of, number, run_tool, text, yaml_value
+from moh_vision.analysis.benchmark import TIMING_OPTIONS, bench_kernels
+from moh_vision.cli import Option, attention_config, boolean, integer, list_of, run_tool, text, yaml_value
 
 OPTIONS = (
     Option("model", required=True, help="a registered model"),
@@ -27,11 +27,8 @@ OPTIONS = (
     Option("batch", 4, integer, "images per step", minimum=1),
     Option("img_size", type=integer, minimum=8, help="image side (default: the model's; DiT: 256px)"),
     Option("rounds", 15, integer, "timed rounds (each runs every variant once)", minimum=1),
-    Option("min_seconds", 0.0, number, "keep adding rounds until this much time", minimum=0),
     Option("warmup", 2, integer, "untimed steps per variant first", minimum=0),
-    Option("device", "auto", help="auto | cpu | cuda"),
-    Option("dtype", "float32", choices=tuple(DTYPES), help="autocast precision (float32: none)"),
-    Option("threads", type=integer, minimum=1, help="torch.set_num_threads (CPU)"),
+    *TIMING_OPTIONS,
     Option("saved", True, boolean, "measure the bytes saved for backward per image"),
     Option("out", help="also write the markdown table here, and every number as JSON beside it (.json)"),
     Option("attention", help="the model's attention in every layer: mha | moh | moa | ... (default: as registered)"),

@@ -27,9 +27,9 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence
 
-from moh_vision.analysis.benchmark import DTYPES, bench_models
+from moh_vision.analysis.benchmark import TIMING_OPTIONS, bench_models
 from moh_vision.analysis.op_count import bench_ops
-from moh_vision.cli import Option, attention_config, boolean, integer, list_of, number, run_tool, text, yaml_value
+from moh_vision.cli import Option, attention_config, boolean, integer, list_of, run_tool, text, yaml_value
 
 OPS_PAIRS = ("moh_dit_s_2_75:dit_s_2",)  # ops=true without pairs=
 
@@ -38,11 +38,8 @@ OPTIONS = (
     Option("batch", 2, integer, "images per step", minimum=1),
     Option("img_size", type=integer, minimum=8, help="image side (default 224; DiT: 256px; quick: 64)"),
     Option("rounds", 15, integer, "timed rounds (each runs every candidate once)", minimum=1),
-    Option("min_seconds", 0.0, number, "keep adding rounds until this much time", minimum=0),
     Option("warmup", 2, integer, "untimed steps per candidate first", minimum=0),
-    Option("device", "auto", help="auto | cpu | cuda"),
-    Option("dtype", "float32", choices=tuple(DTYPES), help="autocast precision (float32: none)"),
-    Option("threads", type=integer, minimum=1, help="torch.set_num_threads (CPU)"),
+    *TIMING_OPTIONS,
     Option("quick", False, boolean, "one small pair at small inputs (smoke test)"),
     Option("compile", False, boolean, "torch.compile every model, as trainer.compile=true (compilation untimed)"),
     Option("compile_mode", "default", help="torch.compile's mode (reduce-overhead: CUDA graphs)",

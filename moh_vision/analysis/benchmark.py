@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from moh_vision.analysis.device_peaks import cpu_name
+from moh_vision.cli import Option, integer, number
 from moh_vision.errors import ConfigError
 from moh_vision.ops import Kernels, resolved
 
@@ -229,9 +230,15 @@ def saved_tensor_bytes(call: Callable[[], object], parameters: Iterable[torch.Te
     return sum(saved.values())
 
 
-
 # -- Where a benchmark runs --------------------------------------------------------------------------------------------
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# What every timing tool (tools/bench_models.py, bench_kernels.py, bench_backbones.py) takes after its rounds.
+TIMING_OPTIONS = (
+    Option("min_seconds", 0.0, number, "keep adding rounds until this much time", minimum=0),
+    Option("device", "auto", help="auto | cpu | cuda"),
+    Option("dtype", "float32", choices=tuple(DTYPES), help="autocast precision (float32: none)"),
+    Option("threads", type=integer, minimum=1, help="torch.set_num_threads (CPU)"),
+)
 
 
 def resolve_device(name: str) -> torch.device:
