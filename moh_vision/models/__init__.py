@@ -4,8 +4,8 @@ registered name or a built model; :func:`list_models` names every model this pac
 from . import transnext, dit, vit  # noqa: F401  (registration)
 from .dit import DiT
 from moh_vision.checkpoints import read_weights, state_dict_mismatch  # noqa: F401
-from .build import attention_kwargs, build_model, load_weights, unwrap_model  # noqa: F401
-from .families import list_models, model_class, model_family  # noqa: F401
+from .build import attention_kwargs, build_model, load_weights  # noqa: F401
+from .families import list_models, model_class, model_family, unwrap_model  # noqa: F401
 from .transnext import TransNeXt
 from .vit import PlainViT
 

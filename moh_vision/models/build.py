@@ -97,9 +97,3 @@ def load_weights(model: nn.Module, path: str) -> List[str]:
     for note in notes:
         log.info("checkpoint_path %s: %s", path, note)
     return notes
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain model inside DDP and/or ``torch.compile`` wrappers."""
-    model = getattr(model, "module", model)
-    return getattr(model, "_orig_mod", model)

@@ -65,13 +65,18 @@ def model_class(name: str) -> type:
     return _MODEL_CLASSES[name]
 
 
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The plain model inside DDP and/or ``torch.compile`` wrappers."""
+    model = getattr(model, "module", model)  # DistributedDataParallel
+    return getattr(model, "_orig_mod", model)  # torch.compile
+
+
 def model_family(model_or_name: Union[str, nn.Module]) -> str:
     """``"transnext"``, ``"dit"`` or ``"vit"``: the family tag of a registered name or of a built model
     (DDP / ``torch.compile`` wrappers and timm's ``features_only`` wrappers are looked through)."""
     if isinstance(model_or_name, str):
         return model_class(model_or_name).family
-    model = getattr(model_or_name, "module", model_or_name)  # DistributedDataParallel
-    model = getattr(model, "_orig_mod", model)  # torch.compile
+    model = unwrap_model(model_or_name)
     if not hasattr(type(model), "family"):
         model = getattr(model, "model", model)  # timm's feature wrappers keep the model as .model
     family = getattr(type(model), "family", None)
