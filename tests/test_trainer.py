@@ -1,6 +1,7 @@
 """The trainer in-process: its collaborators' interfaces (Task, Data, EpochContext), what a fit
 writes, and the rule that no attribute is created outside ``__init__``."""
 import ast
+import collections
 import dataclasses
 import inspect
 from pathlib import Path
@@ -12,7 +13,7 @@ import torch
 from helpers import ATTENTION_PRESET, model_config, read_summary, trainer_config
 from moh_vision.config import ConstantSched, OptimConfig
 from moh_vision.data.digits import DigitsData
-from moh_vision.data.sampler import SeededItems
+from moh_vision.data.sampler import EpochSampler, SeededItems
 from moh_vision.engine import bookkeeping, costs, fit_setup, preemption, step_on_device, trainer as trainer_module
 from moh_vision.engine.distributed import DistInfo
 from moh_vision.engine.loggers import Loggers
@@ -90,6 +91,21 @@ def test_seeded_batches_equal_seeded_items():
     assert not torch.equal(batch[0][0], items.dataset[0][0])  # the augmentation ran
     plain = SeededItems(torch.utils.data.TensorDataset(torch.arange(6.0)), seed=0)
     assert [x for (x,) in plain.__getitems__([4, 1])] == [4.0, 1.0]
+
+
+def test_repeated_copies_get_their_own_augmentation_seed():
+    """Repeated augmentation x3 over two ranks puts two copies of some images on one rank: every (rank, position)
+    holds a distinct (index, copy) key, and each copy's seed differs; without repeats every copy number is 0 and the
+    seeds are those of (seed, epoch, index), as before copy numbers."""
+    ranks = [EpochSampler(10, seed=1, rank=r, world_size=2, repeats=3) for r in (0, 1)]
+    keys = [k for sampler in ranks for k in sampler.keyed()]
+    assert len(keys) == len(set(keys)) == 10 and [i for i, _ in ranks[0].keyed()] == ranks[0].indices()
+    on_rank0 = collections.Counter(i for i, _ in ranks[0].keyed())
+    assert max(on_rank0.values()) >= 2, "the scenario: two copies of an image on one rank"
+    items = SeededItems(torch.utils.data.TensorDataset(torch.arange(10.0)), seed=1)
+    assert len({items.item_seed((0, i, c)) for i, c in keys}) == len(keys)
+    assert items.item_seed((0, 4, 0)) == items.item_seed((0, 4)) == items.item_seed(4)
+    assert {c for _, c in EpochSampler(10, rank=1, world_size=2, drop_last=True).keyed()} == {0}
 
 
 def test_digit_metrics_is_a_declared_capability():

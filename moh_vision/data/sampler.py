@@ -32,17 +32,27 @@ class EpochSampler(Sampler[int]):
         self.epoch, self.start = int(epoch), int(start)
 
     def indices(self) -> List[int]:
+        return [index for index, _ in self.keyed()]
+
+    def keyed(self) -> List[Tuple[int, int]]:
+        """This rank's ``(index, copy)`` pairs of the epoch: ``copy`` tells the ``repeats`` copies of an index apart
+        (0 without repeated augmentation), so that each copy draws its own augmentation (:class:`SeededItems`), as each
+        rank's loader draws its own in DeiT's sampler; a rank may hold two copies of one index."""
         g = torch.Generator().manual_seed(self.seed * 100_003 + self.epoch)
         order = torch.randperm(self.size, generator=g) if self.shuffle else torch.arange(self.size)
         if self.repeats > 1:
             order = order.repeat_interleave(self.repeats)
             total = math.ceil(len(order) / self.world) * self.world
+            copies = torch.arange(total) % self.repeats + torch.arange(total) // len(order) * self.repeats
             order = torch.cat([order, order[: total - len(order)]])
-            return order[self.rank:total:self.world][: self.per_rank].tolist()
+            mine = slice(self.rank, total, self.world)
+            return list(zip(order[mine].tolist(), copies[mine].tolist()))[: self.per_rank]
         total = self.per_rank * self.world
         if total > self.size:
             order = torch.cat([order, order[: total - self.size]])
-        return order[self.rank:total:self.world].tolist()
+        copies = torch.arange(total) // self.size  # an index repeated to even out the ranks is a second copy
+        mine = slice(self.rank, total, self.world)
+        return list(zip(order[mine].tolist(), copies[mine].tolist()))
 
     def __iter__(self) -> Iterator[int]:
         return iter(self.indices()[self.start:])
@@ -51,16 +61,17 @@ class EpochSampler(Sampler[int]):
         return max(0, self.per_rank - self.start)
 
 
-class EpochKeys(Sampler[Tuple[int, int]]):
-    """``sampler``'s indices as ``(epoch, index)`` keys for :class:`SeededItems`: the epoch travels with every index to
-    the loader's workers, so workers kept across epochs draw the new epoch's augmentation."""
+class EpochKeys(Sampler[Tuple[int, int, int]]):
+    """``sampler``'s indices as ``(epoch, index, copy)`` keys for :class:`SeededItems`: the epoch travels with every
+    index to the loader's workers, so workers kept across epochs draw the new epoch's augmentation, and the copy number
+    gives each repeated-augmentation copy its own."""
 
     def __init__(self, sampler: EpochSampler):
         self.sampler = sampler
 
-    def __iter__(self) -> Iterator[Tuple[int, int]]:
+    def __iter__(self) -> Iterator[Tuple[int, int, int]]:
         epoch = self.sampler.epoch  # read when the epoch's iteration starts, in the main process
-        return ((epoch, index) for index in self.sampler)
+        return ((epoch, index, copy) for index, copy in self.sampler.keyed()[self.sampler.start:])
 
     def __len__(self) -> int:
         return len(self.sampler)
@@ -80,13 +91,13 @@ class HeldIndices(Sampler[int]):
         return 0 if self.held else len(self.indices)
 
 
-Key = Union[int, Tuple[int, int]]  # an index (of the current ``epoch``) or an (epoch, index) key
+Key = Union[int, Tuple[int, ...]]  # an index (of the current ``epoch``), or an (epoch, index[, copy]) key
 
 
 class SeededItems(Dataset):
-    """Wraps a dataset so each item's random augmentation depends only on (seed, epoch, index): python, numpy and torch
-    are seeded per item, whichever worker loads it and wherever the run restarted. Items are asked for by index (in the
-    epoch set on ``epoch``) or by ``(epoch, index)`` key (:class:`EpochKeys`)."""
+    """Wraps a dataset so each item's random augmentation depends only on (seed, epoch, index, copy): python, numpy and
+    torch are seeded per item, whichever worker or rank loads it and wherever the run restarted. Items are asked for by
+    index (in the epoch set on ``epoch``, copy 0) or by ``(epoch, index[, copy])`` key (:class:`EpochKeys`)."""
 
     def __init__(self, dataset: Dataset, seed: int = 0):
         self.dataset, self.seed, self.epoch = dataset, int(seed), 0
@@ -99,7 +110,8 @@ class SeededItems(Dataset):
 
     def item_seed(self, key: Key) -> int:
         epoch, index = self._epoch_and_index(key)
-        return (self.seed * 1_000_003 + epoch * 9_973 + index * 7) % (2**31 - 1)
+        copy = int(key[2]) if isinstance(key, (tuple, list)) and len(key) > 2 else 0
+        return (self.seed * 1_000_003 + epoch * 9_973 + index * 7 + copy * 104_729) % (2**31 - 1)
 
     def __getitems__(self, keys: Sequence[Key]) -> List[Any]:
         """A batch (the DataLoader asks for one at a time): in one call where the dataset can draw each item's
