@@ -74,6 +74,18 @@ class EmaConfig:
     warmup: bool = option(False, help="decay min(decay, (1+n)/(10+n)) for short runs")
 
 
+@dataclass
+class DdpConfig:
+    broadcast_buffers: Any = option("auto", choices=("auto", True, False),
+                                    help="rank 0's buffers before every forward; auto: only if training changes them "
+                                    "(batch norms)")
+    gradient_as_bucket_view: bool = option(True, help="gradients as views of DDP's buckets: one copy fewer")
+    comm_hook: str = option("none", choices=("none", "bf16", "fp16"),
+                            help="compress gradients for the all-reduce (torch's hooks): half the bytes, for "
+                            "communication-bound recipes")
+    bucket_cap_mb: Optional[float] = option(None, above=0.0, help="DDP's bucket size (default: torch's 25 MB)")
+
+
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 
 
@@ -92,6 +104,7 @@ class TrainerConfig:
     throughput_warmup_steps: int = option(1, at_least=0, help="optimizer steps per process left out of "
                                           "summary images_per_sec (with compile=true the first step compiles)")
     ema: EmaConfig = field(default_factory=EmaConfig)
+    ddp: DdpConfig = field(default_factory=DdpConfig)
     device: str = option("auto", choices=DEVICES)
     num_workers: int = option(0, at_least=0)
     log_every: int = option(10, at_least=1, help="steps")
@@ -113,7 +126,8 @@ class TrainerConfig:
                                       "set_grad_checkpointing): less memory, one more forward per step")
     max_nonfinite_in_a_row: int = option(10, at_least=1)
     requeue_on_preempt: bool = option(True, help="inside a plain sbatch job: scontrol requeue after preemption")
-    progress: bool = True
+    progress: Any = option("auto", choices=("auto", True, False), help="the progress bar; auto: on a terminal only "
+                           "(none in a SLURM log)")
     count_flops: bool = True
 
 

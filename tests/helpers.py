@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,16 @@ def run_entry(script: str, *args: str, env: Optional[Dict[str, str]] = None, tim
     full_env = {**os.environ, "WANDB_MODE": "disabled", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
                 "HYDRA_FULL_ERROR": "1", **(env or {})}
     cmd = [*launcher, str(root / script), *args] if launcher else [sys.executable, str(root / script), *args]
-    proc = subprocess.run(cmd, cwd=root, env=full_env, capture_output=True, text=True, timeout=timeout)
+    with subprocess.Popen(cmd, cwd=root, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as child:  # its own process group: a hung run goes whole
+        try:
+            stdout, stderr = child.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(child.pid, signal.SIGKILL)  # torchrun's workers too, not only the agent
+            stdout, stderr = child.communicate()
+            raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s\n--- stdout\n{stdout[-4000:]}\n"
+                                 f"--- stderr\n{stderr[-6000:]}") from None
+    proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
     if check and proc.returncode != 0:
         raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
                              f"--- stderr\n{proc.stderr[-6000:]}")

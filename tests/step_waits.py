@@ -1,6 +1,7 @@
 """Count what makes a training step wait: host reads of tensors and Python-level collectives, per optimizer step.
 
-A *host read* is a call that turns a tensor into a host value: ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
+A *walk* is a call of ``nn.Module.named_modules`` (``modules()``, ``named_parameters()`` go through it) from
+outside a walk: host work that grows with the model's depth. A *host read* is a call that turns a tensor into a host value: ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
 ``float()``, ``int()``, ``bool()``, ``format()`` ... of a ``torch.Tensor`` (on CUDA each one waits for the device).
 They are counted by wrapping those methods of ``torch.Tensor``, which every tensor's Python-level call goes
 through; the reads that input loading makes of the loader's own host tensors (``torch.utils.data``,
@@ -57,13 +58,16 @@ class StepWaits:
         self.step = step
         self.reads: Dict[int, collections.Counter] = collections.defaultdict(collections.Counter)
         self.collectives: Dict[int, List[Dict[str, Any]]] = collections.defaultdict(list)
+        self.walks: Dict[int, int] = collections.Counter()  # walks of a module tree (named_modules: modules() too)
 
     @contextlib.contextmanager
     def counting(self) -> Iterator["StepWaits"]:
         originals = [(torch.Tensor, name, getattr(torch.Tensor, name)) for name in READS]
         originals += [(tdist, name, getattr(tdist, name)) for name in COLLECTIVES if hasattr(tdist, name)]
+        originals.append((torch.nn.Module, "named_modules", torch.nn.Module.named_modules))
+        wrap = {torch.Tensor: self._read, tdist: self._collective, torch.nn.Module: self._walk}
         for owner, name, original in originals:
-            setattr(owner, name, (self._read if owner is torch.Tensor else self._collective)(name, original))
+            setattr(owner, name, wrap[owner](name, original))
         try:
             yield self
         finally:
@@ -77,6 +81,13 @@ class StepWaits:
             return original(tensor, *args, **kwargs)
         return read
 
+    def _walk(self, name: str, original: Callable) -> Callable:
+        def walk(module, *args, **kwargs):
+            if not kwargs.get("prefix") and not args:  # a walk's own recursion passes a prefix: count the walk once
+                self.walks[self.step()] += 1
+            return original(module, *args, **kwargs)
+        return walk
+
     def _collective(self, name: str, original: Callable) -> Callable:
         def collective(*args, **kwargs):
             entry = {"name": name, "async": bool(kwargs.get("async_op")), "waited_at": None}
@@ -87,9 +98,9 @@ class StepWaits:
 
     def table(self) -> Dict[str, Dict[str, Any]]:
         """``{step: {"reads": {method: count}, "collectives": [{name, async, waited_at}]}}`` (JSON keys)."""
-        steps = sorted(set(self.reads) | set(self.collectives))
-        return {str(s): {"reads": dict(self.reads.get(s, {})), "collectives": list(self.collectives.get(s, []))}
-                for s in steps}
+        steps = sorted(set(self.reads) | set(self.collectives) | set(self.walks))
+        return {str(s): {"reads": dict(self.reads.get(s, {})), "collectives": list(self.collectives.get(s, [])),
+                         "walks": self.walks.get(s, 0)} for s in steps}
 
 
 def _loading_input() -> bool:
@@ -103,7 +114,8 @@ def _loading_input() -> bool:
 
 def waits_outside(table: Dict[str, Dict[str, Any]], first: int, last: int, every: int) -> List[str]:
     """What breaks the targets at the steps ``first``..``last`` that are not multiples of ``every`` (log
-    intervals may read): any host read; more than one collective; a collective not issued asynchronously,
+    intervals may read): any host read; any walk of the model's modules (host work that grows with depth); more than
+    one collective; a collective not issued asynchronously,
     or waited on at the step that issued it."""
     problems = []
     for step in range(first, last + 1):
@@ -112,6 +124,8 @@ def waits_outside(table: Dict[str, Dict[str, Any]], first: int, last: int, every
         counts = table.get(str(step), {"reads": {}, "collectives": []})
         if counts["reads"]:
             problems.append(f"step {step}: host reads {counts['reads']}")
+        if counts.get("walks"):
+            problems.append(f"step {step}: {counts['walks']} walks of the model's modules")
         calls = counts["collectives"]
         if len(calls) > 1:
             problems.append(f"step {step}: {len(calls)} collectives {[c['name'] for c in calls]}")

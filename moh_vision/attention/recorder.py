@@ -21,6 +21,7 @@ during ``backward`` (gradient checkpointing) are not recorded a second time."""
 from __future__ import annotations
 
 import contextvars
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
@@ -125,9 +126,15 @@ class RoutingRecorder:
 
     # --- what callers read --------------------------------------------------------------------
     def name_of(self, module: nn.Module) -> str:
+        if self.model is None:
+            return type(module).__name__
         if self._names is None:
-            self._names = {id(m): n for n, m in self.model.named_modules()} if self.model is not None else {}
-        return self._names.get(id(module), type(module).__name__)
+            self._names = _module_names(self.model)
+        found = self._names.get(id(module))
+        if found is None or found[0]() is not module:  # a module added since the names were taken: take them again
+            self._names = _module_names(self.model, fresh=True)
+            found = self._names.get(id(module))
+        return found[1] if found is not None and found[0]() is module else type(module).__name__
 
     def named_records(self) -> Iterator[tuple]:
         for record in self.records:
@@ -146,7 +153,7 @@ class RoutingRecorder:
             part = stacked.sum() if reduction == "sum" else stacked.mean()
             total = part if total is None else total + part
         if total is None:
-            param = next(self.model.parameters(), None) if self.model is not None else None
+            param = _first_parameter(self.model) if self.model is not None else None
             return torch.zeros((), device=param.device if param is not None else None)
         return coef * total
 
@@ -154,6 +161,26 @@ class RoutingRecorder:
         """Per routed layer (by module name) the :attr:`LayerRecord.stats` of its last call (``load`` sums to the active
         heads per token)."""
         return {name: dict(record.stats) for name, record in self.named_records()}
+
+
+# {model: {id(module): (weak reference to the module, its name), "first_parameter": weak reference}}: a memo of each model's module names, so that a
+# training step's recorder does not walk the model (held weakly: it keeps no model alive, and no model holds it)
+_NAMES: "weakref.WeakKeyDictionary[nn.Module, Dict[int, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _module_names(model: nn.Module, fresh: bool = False) -> Dict[int, Any]:
+    names = None if fresh else _NAMES.get(model)
+    if names is None:
+        names = _NAMES[model] = {id(m): (weakref.ref(m), n) for n, m in model.named_modules()}
+        first = next(model.parameters(), None)
+        names["first_parameter"] = weakref.ref(first) if first is not None else None
+    return names
+
+
+def _first_parameter(model: nn.Module) -> Optional[Tensor]:
+    """The model's first parameter (its device: where a zero aux loss goes), from the memo of its names."""
+    ref = _module_names(model)["first_parameter"]
+    return ref() if ref is not None else None
 
 
 def record_routing(model: Optional[nn.Module] = None, keep_selection: bool = False) -> RoutingRecorder:

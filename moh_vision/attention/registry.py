@@ -249,10 +249,11 @@ def active_head_fraction(model: nn.Module) -> Optional[float]:
     return sum(m.active_heads() for _, m in layers) / heads if heads else None
 
 
-def after_optimizer_step(model: nn.Module) -> None:
-    """Tell every attention layer that an optimizer step was taken (once per step)."""
-    for _, module in find_attention(model):
-        module.after_optimizer_step()
+def optimizer_step_hooks(model: nn.Module) -> List[Callable[[], None]]:
+    """The ``after_optimizer_step`` of every attention layer of ``model`` whose variant has one (the trainer finds them
+    once and calls each after every optimizer step, so a step never walks the model)."""
+    return [module.after_optimizer_step for _, module in find_attention(model)
+            if type(module).after_optimizer_step is not AttentionVariant.after_optimizer_step]
 
 
 def flops_roles_of(module: nn.Module) -> Dict[str, str]:

@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Dict
+import weakref
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -16,19 +17,29 @@ class EMA:
         self.decay, self.warmup = float(decay), bool(warmup)
         self.updates = 0
         self.module = copy.deepcopy(model).eval().requires_grad_(False)
+        self._listed: Optional[Tuple[Any, Tuple[List[torch.Tensor], ...]]] = None
 
     def current_decay(self) -> float:
         return min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
 
     @torch.no_grad()
     def update(self, model: nn.Module) -> None:
-        floating = [(e, p.detach()) for e, p in zip(self.module.parameters(), model.parameters())
-                    if e.dtype.is_floating_point]
-        if floating:
-            torch._foreach_lerp_([e for e, _ in floating], [p for _, p in floating], 1.0 - self.current_decay())
-        for e, b in zip(self.module.buffers(), model.buffers()):
+        ema_floats, floats, ema_buffers, buffers = self._pairs(model)
+        if floats:
+            torch._foreach_lerp_(ema_floats, floats, 1.0 - self.current_decay())
+        for e, b in zip(ema_buffers, buffers):
             e.copy_(b)
         self.updates += 1
+
+    def _pairs(self, model: nn.Module) -> Tuple[List[torch.Tensor], ...]:
+        """The tensors an update reads and writes, listed at the first update from ``model`` (a training step walks
+        neither model)."""
+        if self._listed is None or self._listed[0]() is not model:
+            floating = [(e, p.detach()) for e, p in zip(self.module.parameters(), model.parameters())
+                        if e.dtype.is_floating_point]
+            self._listed = (weakref.ref(model), ([e for e, _ in floating], [p for _, p in floating],
+                                                 list(self.module.buffers()), list(model.buffers())))
+        return self._listed[1]
 
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return self.module.state_dict()

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from moh_vision.data.sampler import EpochKeys, EpochSampler, HeldIndices, SeededItems, loader_options
-from moh_vision.errors import ConfigError
+from moh_vision.errors import ConfigError, RunError
 from moh_vision.tasks.protocols import Data, Task
 from .device_settings import optimizer_kernel
 from .distributed import DistInfo
@@ -109,6 +109,25 @@ def build_loaders(cfg: Any, data: Data, dist: DistInfo, seed: int) -> Loaders:
                    per_rank_batch=per_rank_batch, accum=accum, steps_per_epoch=steps_per_epoch)
 
 
+def first_readable_batch(items: SeededItems, collate: Callable, epoch: int, tries: int = 64) -> Any:
+    """A one-item batch of the first readable item of the training set (with its ``epoch`` augmentation): what a rank
+    whose first batch was all unreadable runs its zero step on (``Trainer._zero_step``)."""
+    for index in range(min(tries, len(items))):
+        batch = collate([items[(epoch, index)]])
+        if batch[0].shape[0]:
+            return batch
+    raise RunError(f"none of the first {min(tries, len(items))} training items is readable (see the skipped-image "
+                   f"warnings above)")
+
+
+def show_progress(progress: Any) -> bool:
+    """``trainer.progress``: true, false, or auto (a progress bar only on a terminal, none in a batch job's log)."""
+    if progress == "auto":
+        import sys
+        return sys.stderr.isatty()
+    return bool(progress)
+
+
 CUDA_GRAPH_MODES = ("reduce-overhead", "max-autotune")  # the torch.compile modes that replay CUDA graphs
 
 
@@ -119,8 +138,25 @@ def uses_cuda_graphs(compile_model: bool, compile_mode: str, device: torch.devic
     return bool(compile_model) and compile_mode in CUDA_GRAPH_MODES and device.type == "cuda"
 
 
-def wrap_model(model: nn.Module, compile_model: bool, dist: DistInfo, compile_mode: str = "default") -> nn.Module:
-    """The model that trains: ``torch.compile``d (with ``compile_mode``) when asked, inside DDP under torchrun."""
+def trained_buffers(model: nn.Module) -> bool:
+    """Whether training changes any of the model's buffers (batch norms' running statistics): only then must DDP
+    broadcast rank 0's buffers before every forward; TransNeXt's position tables and DiT's position embedding are
+    constants, the same on every rank since DDP's construction."""
+    from torch.nn.modules.batchnorm import _NormBase
+    return any(isinstance(m, _NormBase) and m.track_running_stats for m in model.modules())
+
+
+def ddp_options(ddp: Any, model: nn.Module) -> Dict[str, Any]:
+    """``trainer.ddp`` resolved for ``model``: what DDP is built with (summary.json's ``ddp``)."""
+    broadcast = trained_buffers(model) if ddp.broadcast_buffers == "auto" else bool(ddp.broadcast_buffers)
+    return {"broadcast_buffers": broadcast, "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
+            "comm_hook": ddp.comm_hook, "bucket_cap_mb": ddp.bucket_cap_mb}
+
+
+def wrap_model(model: nn.Module, compile_model: bool, dist: DistInfo, compile_mode: str = "default",
+               ddp: Optional[Dict[str, Any]] = None) -> nn.Module:
+    """The model that trains: ``torch.compile``d (with ``compile_mode``) when asked, inside DDP under torchrun (with
+    the :func:`ddp_options`). DDP broadcasts rank 0's weights and buffers to every rank when it is built."""
     if compile_model:
         from moh_vision.attention.recorder import compile_model as compiled
         wrapped = compiled(model, compile_mode)
@@ -128,8 +164,16 @@ def wrap_model(model: nn.Module, compile_model: bool, dist: DistInfo, compile_mo
         wrapped = model
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
+        ddp = dict(ddp or {"broadcast_buffers": True, "gradient_as_bucket_view": False, "comm_hook": "none",
+                           "bucket_cap_mb": None})
+        hook = ddp.pop("comm_hook")
+        if ddp.get("bucket_cap_mb") is None:
+            ddp.pop("bucket_cap_mb", None)
         ids = [dist.device.index] if dist.device.type == "cuda" else None
-        wrapped = DDP(wrapped, device_ids=ids)
+        wrapped = DDP(wrapped, device_ids=ids, **ddp)
+        if hook != "none":  # torch's own: gradients cast to bf16 / fp16 for the all-reduce, back to fp32 after
+            from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+            wrapped.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
     return wrapped
 
 
@@ -169,6 +213,7 @@ class FitParts:
     amp: AmpContext
     scaler: Optional[torch.amp.GradScaler]
     ema: Optional[EMA]
+    ddp: Dict[str, Any]  # the DDP options in effect (empty in one process)
     may_skip_images: bool  # the validation set can skip unreadable images (skip counts get columns)
 
 
@@ -186,13 +231,16 @@ def build_parts(cfg: Any, optim: Any, sched: Any, dist: DistInfo, seed: int, tas
         total_steps = min(total_steps, cfg.max_steps)
     optimizer = build_optimizer(model, **vars(optim), kernel=optimizer_kernel(dist.device))
     schedule = build_schedule(sched, optimizer, total_steps, loaders.steps_per_epoch)
+    ddp = ddp_options(cfg.ddp, model) if dist.enabled else {}
+    train_model = wrap_model(model, cfg.compile, dist, cfg.compile_mode, ddp)
+    # after DDP's broadcast: every rank's EMA starts from rank 0's weights (as DiT's train.py re-syncs it), not from
+    # the weights this rank initialised with its own seed
     ema = EMA(model, cfg.ema.decay, cfg.ema.warmup) if cfg.ema.enabled else None
     return FitParts(
-        task=task, model_name=task.model_cfg["name"], model=model,
-        train_model=wrap_model(model, cfg.compile, dist, cfg.compile_mode),
+        task=task, model_name=task.model_cfg["name"], model=model, train_model=train_model,
         params=sum(p.numel() for p in model.parameters()), flops=flops, loaders=loaders, total_steps=total_steps,
         optimizer=optimizer, schedule=schedule, amp=amp_context(cfg.amp, dist.device),
-        scaler=torch.amp.GradScaler(dist.device.type) if cfg.amp == "fp16" else None, ema=ema,
+        scaler=torch.amp.GradScaler(dist.device.type) if cfg.amp == "fp16" else None, ema=ema, ddp=ddp,
         # data that never skip (digits, latents) get no skipped-image columns unless something was skipped
         may_skip_images=getattr(data.val, "on_bad_image", None) is not None,
     )

@@ -15,13 +15,13 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from moh_vision import checkpoints as ckpt_io
-from moh_vision.attention import after_optimizer_step
+from moh_vision.attention import optimizer_step_hooks
 from moh_vision.errors import ConfigError, RunError
 from moh_vision.ops import Kernels, resolved
 from moh_vision.tasks.protocols import Data, EpochContext, Task
@@ -30,7 +30,8 @@ from .checkpoint_history import CheckpointHistory
 from .costs import RunCosts, StepClock, reset_peak_memory
 from .device_settings import device_settings, optimizer_kernel_of
 from .distributed import DistInfo, broadcast_object, reduce_sums
-from .fit_setup import FitParts, build_parts, flops_text, seed_everything, uses_cuda_graphs
+from .fit_setup import (FitParts, build_parts, first_readable_batch, flops_text, seed_everything, show_progress,
+                        uses_cuda_graphs)
 from .loggers import Loggers, write_json
 from .preemption import Preempted, StopSignals, slurm_torchrun_warning
 from .profiling import StepProfiler, parse_steps
@@ -110,6 +111,9 @@ class Trainer:
         self.start_row: Dict[str, Any] = {}  # trainer.val_at_start's validation, as start/<metric>
         self.last_row: Optional[Dict[str, Any]] = None  # the last epoch row (summary.json's results)
         self.routing_warnings: List[str] = []
+        self.step_hooks: List[Callable[[], None]] = []  # the layers' after_optimizer_step, found once per fit
+        self.params: List[nn.Parameter] = []  # the model's parameters, listed once per fit
+        self.filler: Any = None  # the last batch with images (what an all-unreadable batch's zero step runs)
 
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self, task: Task, data: Data) -> Dict[str, Any]:
@@ -121,6 +125,8 @@ class Trainer:
     def _fit(self, task: Task, data: Data) -> Dict[str, Any]:
         seed_everything(self.seed + self.dist.rank, self.cfg.deterministic, self.device)
         parts = self.parts = build_parts(self.cfg, self.optim_cfg, self.sched_cfg, self.dist, self.seed, task, data)
+        self.step_hooks = optimizer_step_hooks(parts.model)  # found once: no walk of the model in a step
+        self.params = list(parts.model.parameters())
         self.costs = RunCosts(parts.flops, self.device, self.cfg.amp, self.dist.world_size)
         if self.dist.is_main:  # what writes killed half-way left (this process holds the run directory)
             for leftover in ckpt_io.remove_partial_writes(self.ckpt_dir):
@@ -162,7 +168,7 @@ class Trainer:
         loaders.start_epoch(self.epoch, self.batch_in_epoch)
         reset_peak_memory(self.device)
         bar = None
-        if self.dist.is_main and self.cfg.progress:
+        if self.dist.is_main and show_progress(self.cfg.progress):
             from tqdm.auto import tqdm
             bar = tqdm(total=loaders.steps_per_epoch, initial=self.batch_in_epoch // loaders.accum,
                        desc=f"epoch {self.epoch}", dynamic_ncols=True, leave=False)
@@ -171,7 +177,10 @@ class Trainer:
         clock = StepClock(self.device)
         graphs = uses_cuda_graphs(self.cfg.compile, self.cfg.compile_mode, self.device)
         self.profiler.at_step(self.step)
+        batches_per_epoch = loaders.steps_per_epoch * loaders.accum
         for batch in clock.batches(self.profiler.batches(loaders.train)):
+            if self.batch_in_epoch >= batches_per_epoch:  # micro-batches short of a whole step: the next epoch's
+                break  # first step must not inherit their gradients
             if graphs:  # a new step: the previous one's graph outputs are used up (loss, metrics, routing copied)
                 torch.compiler.cudagraph_mark_step_begin()
             last_micro = (micro + 1) % loaders.accum == 0
@@ -179,9 +188,11 @@ class Trainer:
             with sync:
                 with parts.amp():
                     out = parts.task.training_step(parts.train_model, batch, self.device)
+                if out["loss"] is None:  # an all-unreadable batch: a zero loss through the same model keeps DDP
+                    out = self._zero_step(out)  # ranks in step (the same gradient all-reduce on every rank)
+                else:
+                    self.filler = batch
                 loss = out["loss"]
-                if loss is None:  # an all-unreadable batch: a zero loss keeps DDP ranks in step
-                    loss = sum(p.reshape(-1)[0] * 0.0 for p in parts.model.parameters())
                 finite = torch.isfinite(loss.detach())
                 loss_ok = finite if loss_ok is None else loss_ok & finite
                 scaled = loss_for_backward(loss, finite, loaders.accum)
@@ -221,13 +232,23 @@ class Trainer:
         if bar is not None:
             bar.close()
 
+    def _zero_step(self, empty: Dict[str, Any]) -> Dict[str, Any]:
+        """The training step of a batch whose images were all unreadable: the last batch that had images (or the first
+        readable item of the training set) through the training model, its loss times zero. Every rank then runs the
+        same forward, backward and gradient all-reduce; this rank adds nothing to the step."""
+        parts = self.parts
+        if self.filler is None:
+            self.filler = first_readable_batch(parts.loaders.items, parts.loaders.train.collate_fn, self.epoch)
+        out = parts.task.training_step(parts.train_model, self.filler, self.device)
+        return {"loss": out["loss"] * 0.0, "num_samples": 0, "skipped": empty["skipped"]}
+
     def _optimizer_step(self, loss_ok: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """Clip, step, schedule, EMA; skipped where the loss (``loss_ok``: every micro-batch's was finite) or the
         gradients are not finite. Returns, on the device and unread, the gradient norm before clipping (AMP: unscaled)
         and whether the step counts as skipped."""
         parts = self.parts
         self.lr = parts.schedule.apply(parts.optimizer, self.step)
-        params = [p for p in parts.model.parameters() if p.grad is not None]
+        params = [p for p in self.params if p.grad is not None]
         if parts.scaler is not None:
             parts.scaler.unscale_(parts.optimizer)
         norm = gradient_norm(params, self.cfg.clip_grad)
@@ -243,7 +264,8 @@ class Trainer:
                 parts.optimizer.step()
         if parts.ema is not None:  # every step, as timm's and DiT's loops do (a skipped step left the weights alone)
             parts.ema.update(parts.model)
-        after_optimizer_step(parts.model)  # step-counted schedules (learned shared heads): skipped steps count, as for lr
+        for hook in self.step_hooks:  # step-counted schedules (learned shared heads): skipped steps count, as for lr
+            hook()
         parts.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return norm, skipped
@@ -497,7 +519,7 @@ class Trainer:
             "skipped_images": self.counters["skipped_images"],
             "routing_warnings": list(self.routing_warnings),
             **self.settings, "optimizer_impl": optimizer_kernel_of(parts.optimizer),
-            "grad_checkpointing": bool(self.cfg.grad_checkpointing),
+            "grad_checkpointing": bool(self.cfg.grad_checkpointing), "ddp": dict(parts.ddp),
         }
         summary.update({k: v for k, v in parts.flops.items() if k != "params"})
         summary.update(self.costs.summary(self.throughput.steady().slowest(self.dist),

@@ -82,25 +82,26 @@ class ClassificationTask:
     # --- evaluation ------------------------------------------------------------------------------
     @torch.no_grad()
     def evaluate(self, model: nn.Module, loader, device: torch.device, amp=None) -> Dict[str, float]:
-        """Sums over this rank's share of the val set: loss, top-1 and top-5 hits, count, skipped."""
+        """Sums over this rank's share of the val set: loss, top-1 and top-5 hits, count, skipped. The sums stay on the
+        device until the last batch (one read for the whole set, not three a batch)."""
         model.eval()
-        sums = {"loss": 0.0, "acc1": 0.0, "acc5": 0.0, "count": 0.0, "skipped": 0.0}
+        totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss, top-1 hits, top-5 hits
+        count, skipped_total = 0, 0
         for batch in loader:
             x, y, skipped = split_batch(batch)
-            sums["skipped"] += skipped
+            skipped_total += skipped
             if x.shape[0] == 0:
                 continue
             x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
             with amp():
                 logits = model(x).float()
             k = min(5, logits.shape[-1])
-            top = logits.topk(k, dim=-1).indices
-            hit = top == y[:, None]
-            sums["loss"] += F.cross_entropy(logits, y, reduction="sum").item()
-            sums["acc1"] += hit[:, 0].sum().item()
-            sums["acc5"] += hit.any(dim=-1).sum().item()
-            sums["count"] += y.numel()
-        return sums
+            hit = logits.topk(k, dim=-1).indices == y[:, None]
+            totals += torch.stack([F.cross_entropy(logits, y, reduction="sum"), hit[:, 0].sum(),
+                                   hit.any(dim=-1).sum()]).double()
+            count += y.shape[0]
+        loss, acc1, acc5 = totals.tolist()
+        return {"loss": loss, "acc1": acc1, "acc5": acc5, "count": float(count), "skipped": float(skipped_total)}
 
     @staticmethod
     def finalize(sums: Dict[str, float], prefix: str = "val") -> Dict[str, float]:

@@ -1,0 +1,95 @@
+"""What a cluster run relies on, checked with real torchrun processes and gloo ranks on the CPU (issue 57): every rank
+holds the same model and EMA; the copies of a repeated-augmentation image are augmented differently; a rank whose
+batch held only unreadable images neither hangs the others nor changes the weights; an epoch's leftover micro-batches
+are not trained; validation reads the device once, not per batch; a SLURM log gets no progress bar; DDP's options
+are configuration, recorded in summary.json. ``tests/rank_probe.py`` records what each process saw."""
+import collections
+import sys
+
+import pytest
+import torch
+
+from helpers import REPO, read_summary, run_entry
+from test_data_imagefolder import add_bad_files, make_tree
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
+PROBE = str(REPO / "tests" / "rank_probe.py")
+
+
+def probe(tmp_path, ranks, *args, timeout=300):
+    """``train.py <args>`` on ``ranks`` gloo ranks, observed; (each rank's record, the run's output)."""
+    out = tmp_path / "probe"
+    proc = run_entry(PROBE, str(out), str(REPO / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}",
+                     launcher=(*TORCHRUN, f"--nproc_per_node={ranks}"), timeout=timeout)
+    return [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(ranks)], proc.stdout + proc.stderr
+
+
+def same_weights(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_ranks_keep_one_model_and_one_ema(tmp_path):  # two processes: ~15 s on 2 quiet cores
+    """Each rank initialises its model from its own seed; DDP broadcasts rank 0's weights when it is built and the EMA
+    must start from those (the EMA built before DDP started from each rank's own weights: rank 1's differed). With
+    ``grad_accum=2`` and an odd number of batches per rank the last micro-batch of an epoch is not trained (it carried
+    its gradient into the next epoch's first step). Validation reads the device once per set (it read three scalars a
+    batch), and the log of a run without a terminal has no progress bar."""
+    records, output = probe(tmp_path, 2, "model=plain_vit_nano", "data.img_size=16", "trainer.epochs=2",
+                            "trainer.batch_size=256", "trainer.grad_accum=2", "trainer.val_batch_size=16",
+                            "trainer.ema.enabled=true", "trainer.ema.decay=0.99", "trainer.count_flops=false")
+    first, second = records
+    assert same_weights(first["model"], second["model"])
+    assert same_weights(first["ema"], second["ema"]), "rank 1's EMA is not rank 0's"
+    assert not same_weights(first["ema"], first["model"]), "the EMA averages: it is not the last weights"
+    for record in records:
+        batches = len(record["keys"][0]) // record["per_rank_batch"]
+        trained = record["steps_per_epoch"] * record["accum"]
+        assert batches > trained, "the scenario: a micro-batch short of a whole step at the epoch's end"
+        assert record["forwards"] == {0: trained, 1: trained}
+        assert record["val_batches"] >= 10 and max(record["val_reads"]) <= 4, record["val_reads"]
+    assert "it/s]" not in output and "s/it]" not in output, "no progress bar in a log"
+
+
+def test_ddp_options_are_configuration(tmp_path):
+    """Buffers broadcast only where training changes them (none here), gradients as bucket views, and torch's bf16
+    compression hook: the ranks stay identical, and summary.json says what DDP was built with."""
+    records, _ = probe(tmp_path, 2, "model=plain_vit_nano", "data.img_size=16", "trainer.epochs=1",
+                       "trainer.max_steps=3", "trainer.batch_size=64", "trainer.count_flops=false",
+                       "trainer.ddp.comm_hook=bf16")
+    assert same_weights(records[0]["model"], records[1]["model"])
+    assert read_summary(tmp_path / "run")["ddp"] == {"broadcast_buffers": False, "gradient_as_bucket_view": True,
+                                                     "comm_hook": "bf16", "bucket_cap_mb": None}
+
+
+IMAGES = ("data=imagefolder", "model=plain_vit_nano", "data.img_size=16", "data.mixup=0", "data.cutmix=0",
+          "trainer.count_flops=false", "trainer.num_workers=0")
+
+
+def test_the_copies_of_a_repeated_image_are_augmented_differently(tmp_path):  # three processes: ~20 s
+    """DeiT's repeated augmentation x3 on three ranks: each image of the epoch is on every rank (a third of the set per
+    epoch, as DeiT's sampler), and no two ranks trained on the same augmented image (each copy's augmentation seed had
+    no copy number: all three were byte-identical)."""
+    root = make_tree(tmp_path / "data", n_train=8)
+    records, _ = probe(tmp_path, 3, *IMAGES, f"data.root={root}", "data.repeated_aug=3", "trainer.epochs=1",
+                       "trainer.batch_size=12")
+    copies = collections.Counter(index for record in records for index, _ in record["keys"][0])
+    assert set(copies.values()) == {3} and len(copies) == 8, "the scenario: every image on three ranks"
+    seen = [{h for _, hashes in record["images"] for h in hashes} for record in records]
+    assert all(len(s) == 8 for s in seen), "each rank trained on 8 distinct images"
+    assert not (seen[0] & seen[1]) and not (seen[0] & seen[2]) and not (seen[1] & seen[2])
+
+
+def test_a_rank_whose_batch_is_all_unreadable_keeps_in_step(tmp_path):  # two processes: ~15 s (it hung before)
+    """One image per rank and a quarter of the files unreadable: a rank whose batch lost its only image runs a zero
+    step through the DDP model, so the other rank's gradient all-reduce completes; the ranks stay identical."""
+    root = make_tree(tmp_path / "data", n_train=3)
+    add_bad_files(root)  # 3 of the 12 training files
+    records, _ = probe(tmp_path, 2, *IMAGES, f"data.root={root}", "data.repeated_aug=1", "trainer.epochs=3",
+                       "trainer.batch_size=2", timeout=240)
+    empty = [epoch for record in records for epoch, hashes in record["images"] if not hashes]
+    assert empty, "the scenario: some rank met a batch of unreadable images only"
+    assert same_weights(records[0]["model"], records[1]["model"])
+    summary = read_summary(tmp_path / "run")
+    assert summary["steps"] == 3 * 6 and summary["skipped_images"] == 3  # the unreadable files, each named once
