@@ -13,6 +13,9 @@ Counts are keyed by the trainer's ``step`` at the time of the call: key ``s`` ho
 optimizer step that made the trainer's step ``s`` (logging, checkpoints) and the forward and backward of the
 next one.
 
+:class:`DeviceTraffic` counts the same waits below Python, per operator, under torch's ``FakeTensorMode`` with a fake
+``cuda`` device (no GPU needed): every host-to-device copy and every read of device data that a step would make.
+
 ``python tests/step_waits.py <out.json> <script> <args...>`` runs ``<script>`` (train.py) with every Trainer it
 builds counted, and writes each process's counts to ``<out.json>`` (``.rank<r>`` appended under torchrun).
 """
@@ -27,6 +30,9 @@ from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 import torch.distributed as tdist
+from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 READS = ("item", "tolist", "cpu", "numpy", "__float__", "__int__", "__bool__", "__index__", "__complex__",
          "__format__", "__array__")
@@ -135,6 +141,66 @@ def waits_outside(table: Dict[str, Dict[str, Any]], first: int, last: int, every
             elif call["waited_at"] == step:
                 problems.append(f"step {step}: {call['name']} waited on in the step that issued it")
     return problems
+
+
+class DeviceTraffic(TorchDispatchMode):
+    """The host-to-device copies (``copies``) and device reads (``reads``) of the operators dispatched while it is open,
+    each as ``"<operator> <from>-><to> at <file>:<line> <function>"`` (the innermost ``moh_vision`` frame). Open it
+    inside a ``FakeTensorMode``: tensors then have devices and shapes but no values, so it runs on any machine.
+
+    A copy: ``_to_copy`` or ``copy_`` of a CPU tensor into a device tensor (``tensor.to(device)``, ``torch.tensor(...,
+    device=...)``), or a CPU tensor of one or more dimensions handed to an operator on device tensors (an index: the
+    operator copies it first). A 0-dim CPU tensor is not counted: CUDA kernels take it as a scalar argument. Copies from
+    the ``allowed`` tensors (the batch's own transfer) are left out. A read: ``_to_copy`` or ``copy_`` of a device
+    tensor to the CPU, or an operator that needs the data on the host (``.item()``, ``bool()``, ``.tolist()``,
+    ``nonzero``, a boolean mask, ...: those the fake mode cannot answer without values). A read of a scalar answers 0
+    so that the code runs on and every read is counted; an operator whose output shape depends on the data raises."""
+
+    def __init__(self, allowed=()):
+        super().__init__()
+        self.allowed = {id(t) for t in allowed}
+        self.copies: List[str] = []
+        self.reads: List[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default):
+            source = args[0] if func is torch.ops.aten._to_copy.default else args[1]
+            target = torch.device(kwargs.get("device") or source.device) if func is torch.ops.aten._to_copy.default \
+                else args[0].device
+            self._note(func, source.device, target, allowed=id(source) in self.allowed)
+        else:
+            tensors = [leaf for leaf in tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)]
+            on_device = next((t.device for t in tensors if t.device.type != "cpu"), None)
+            if on_device is not None:
+                for host in (t for t in tensors if t.device.type == "cpu" and t.ndim > 0):
+                    self._note(func, host.device, on_device, allowed=id(host) in self.allowed)
+        try:
+            return func(*args, **kwargs)
+        except (DataDependentOutputException, DynamicOutputShapeException):
+            self.reads.append(f"{func} {args[0].device}->host at {_caller()}")
+            if func is torch.ops.aten._local_scalar_dense.default:
+                return False if args[0].dtype == torch.bool else 0
+            raise
+
+    def _note(self, func, source: torch.device, target: torch.device, allowed: bool) -> None:
+        if source.type == "cpu" and target.type != "cpu" and not allowed:
+            self.copies.append(f"{func} {source}->{target} at {_caller()}")
+        elif source.type != "cpu" and target.type == "cpu":
+            self.reads.append(f"{func} {source}->{target} at {_caller()}")
+
+
+def _caller() -> str:
+    """``file:line function`` of the innermost frame in ``moh_vision`` (else the innermost outside torch)."""
+    frame, fallback = sys._getframe(1), None
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if f"{os.sep}moh_vision{os.sep}" in name:
+            return f"{os.path.basename(name)}:{frame.f_lineno} {frame.f_code.co_name}"
+        if fallback is None and f"{os.sep}torch{os.sep}" not in name and name != __file__:
+            fallback = f"{os.path.basename(name)}:{frame.f_lineno} {frame.f_code.co_name}"
+        frame = frame.f_back
+    return fallback or "?"
 
 
 def counting_trainer(trainer_class: type, tables: List[Dict[str, Any]]) -> type:

@@ -141,11 +141,17 @@ def test_two_gloo_ranks_step_without_host_waits(tmp_path):  # torchrun, two proc
     assert read_summary(tmp_path / "run")["steps"] == STEPS
 
 
+# The diffusion experiment shrunk as the default run is, without its sample grid and sample metrics at the end.
+DIFFUSION = ("experiment=diffusion", "task.sample.per_class=0", "task.sample.eval_per_class=0")
+
+
 @pytest.mark.gpu
-def test_cuda_steps_do_not_synchronize(tmp_path, train_in_process, monkeypatch):
+@pytest.mark.parametrize("experiment", [(), DIFFUSION], ids=["classification", "diffusion"])
+def test_cuda_steps_do_not_synchronize(tmp_path, train_in_process, monkeypatch, experiment):
     """On CUDA, torch's sync debug mode reports every operation that waits for the device, the ones no Python call
-    shows too (a nonzero, a masked index): none in a step outside log intervals. The run's records say TF32,
-    cuDNN benchmarking and fused AdamW."""
+    shows too (a nonzero, a masked index, a blocking copy from pageable memory): none in a step outside log intervals,
+    in either task (the diffusion step's schedules are placed on the device in the first step). The run's records say
+    TF32, cuDNN benchmarking and fused AdamW."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     syncs = collections.defaultdict(list)
@@ -166,7 +172,7 @@ def test_cuda_steps_do_not_synchronize(tmp_path, train_in_process, monkeypatch):
                     torch.cuda.set_sync_debug_mode(previous)
 
     monkeypatch.setattr(run_module, "Trainer", Watching)
-    assert train_in_process(*SHRUNK, "trainer.device=cuda", f"hydra.run.dir={tmp_path}")[0] == 0
+    assert train_in_process(*SHRUNK, *experiment, "trainer.device=cuda", f"hydra.run.dir={tmp_path}")[0] == 0
     assert {step: found for step, found in syncs.items() if 1 <= step < STEPS and step % LOG_EVERY} == {}
     assert syncs[LOG_EVERY], "a log step synchronises, and the debug mode sees it"
     summary = read_summary(tmp_path)

@@ -6,7 +6,11 @@ predicts epsilon (or x0) in its first ``C`` output channels; with a learned vari
 last ``C`` being ``v`` in [-1, 1], interpolating the log variance from the posterior variance (-1) to beta_t (+1).
 
 A respaced process (fewer steps, see :mod:`.schedule`) carries a ``timestep_map``; every model call goes through it, so
-the model always sees the timesteps of the process it was trained on."""
+the model always sees the timesteps of the process it was trained on.
+
+The schedules are defined on the host (float64 attributes) and read on the device of the data: the first call on a
+device copies them there once (:meth:`GaussianDiffusion.schedules_on`), so a training or sampling step makes no
+host-to-device copy and no device read (a blocking copy from pageable memory makes the host wait for the stream)."""
 import math
 from typing import Callable, Dict, Iterator, Optional, Sequence, Union
 
@@ -20,6 +24,11 @@ MEAN_TYPES = ("eps", "x0")
 VAR_TYPES = ("learned_range", "fixed_small", "fixed_large")
 LOSS_TYPES = ("mse", "rescaled_mse", "kl", "rescaled_kl")
 SAMPLERS = ("ddpm", "ddim")
+# The per-step schedules, float64 [T] attributes of a GaussianDiffusion; read on a device through schedules_on.
+SCHEDULES = ("betas", "log_betas", "alphas_cumprod", "alphas_cumprod_prev", "sqrt_alphas_cumprod",
+             "sqrt_one_minus_alphas_cumprod", "sqrt_recip_alphas_cumprod", "sqrt_recipm1_alphas_cumprod",
+             "posterior_variance", "posterior_log_variance_clipped", "posterior_mean_coef1", "posterior_mean_coef2",
+             "fixed_large_variance", "log_fixed_large_variance")
 
 
 def uniform_timesteps(batch_size: int, num_timesteps: int, device=None, generator=None) -> torch.Tensor:
@@ -44,7 +53,8 @@ class GaussianDiffusion:
     (2C outputs), ``"fixed_small"`` (posterior variance) or ``"fixed_large"`` (beta_t). ``loss_type``: ``"mse"`` (MSE on
     the mean target, plus the VB term when the variance is learned: DiT's hybrid loss), ``"rescaled_mse"`` (VB scaled by
     T/1000), ``"kl"`` (VB only) or ``"rescaled_kl"`` (VB times T). ``timestep_map``: the original timestep of each step,
-    for respaced processes (None: identity)."""
+    for respaced processes (None: identity). The schedules (:data:`SCHEDULES`) and the map stay on the host; each
+    device gets its copy once, at its first use (:meth:`schedules_on`)."""
 
     def __init__(self, betas, mean_type: str = "eps", var_type: str = "learned_range", loss_type: str = "mse",
                  timestep_map: Optional[Sequence[int]] = None):
@@ -57,6 +67,7 @@ class GaussianDiffusion:
         if betas.ndim != 1 or len(betas) == 0 or not bool(((betas > 0) & (betas <= 1)).all()):
             raise ConfigError("betas must be a non-empty 1-D sequence of values in (0, 1]")
         self.betas = betas
+        self.log_betas = torch.log(betas)
         self.num_timesteps = T = len(betas)
         self.timestep_map = (torch.arange(T) if timestep_map is None
                              else torch.as_tensor(timestep_map, dtype=torch.long).clone())
@@ -81,21 +92,34 @@ class GaussianDiffusion:
         self.posterior_mean_coef2 = (1.0 - ac_prev) * alphas.sqrt() / (1.0 - ac)
 
         # fixed_large uses beta_t, except at t = 0 where the posterior variance gives a better decoder NLL.
-        self._fixed_large_variance = torch.cat([first, betas[1:]])
+        self.fixed_large_variance = torch.cat([first, betas[1:]])
+        self.log_fixed_large_variance = torch.log(self.fixed_large_variance)
+        self._placed: Dict[torch.device, Dict[str, torch.Tensor]] = {}
 
     @property
     def learn_sigma(self) -> bool:
         return self.var_type == "learned_range"
 
     # -- Helpers -------------------------------------------------------------------------------------------------------
-    @staticmethod
-    def _extract(schedule: torch.Tensor, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-        """schedule[t] as a [B, 1, ..., 1] tensor on like's device, cast after indexing in float64."""
-        values = schedule.to(like.device)[t.to(like.device)].to(_work_dtype(like))
+    def schedules_on(self, device: Union[str, torch.device]) -> Dict[str, torch.Tensor]:
+        """The :data:`SCHEDULES` (float64) and the ``timestep_map`` on ``device``, by name: copied there at the first
+        call for that device (one copy of the schedules stacked, one of the map) and kept; later calls copy nothing."""
+        device = torch.device(device)
+        placed = self._placed.get(device)
+        if placed is None:
+            table = torch.stack([getattr(self, name) for name in SCHEDULES]).to(device)
+            placed = dict(zip(SCHEDULES, table.unbind(0)), timestep_map=self.timestep_map.to(device))
+            self._placed[device] = self._placed[table.device] = placed  # "cuda" and "cuda:0" alike
+        return placed
+
+    def _extract(self, name: str, t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+        """Schedule ``name`` (of :data:`SCHEDULES`) at ``t`` as a [B, 1, ..., 1] tensor on like's device, gathered in
+        float64 and then cast."""
+        values = self.schedules_on(like.device)[name][t.to(like.device)].to(_work_dtype(like))
         return values.view(-1, *([1] * (like.ndim - 1)))
 
     def _call_model(self, model, x, t, model_kwargs):
-        original_t = self.timestep_map.to(t.device)[t]
+        original_t = self.schedules_on(t.device)["timestep_map"][t]
         return model(x, original_t, **(model_kwargs or {}))
 
     def _split_output(self, output: torch.Tensor, x: torch.Tensor):
@@ -112,40 +136,39 @@ class GaussianDiffusion:
         return output, None
 
     def _predict_xstart_from_eps(self, x_t, t, eps):
-        return self._extract(self.sqrt_recip_alphas_cumprod, t, x_t) * x_t \
-            - self._extract(self.sqrt_recipm1_alphas_cumprod, t, x_t) * eps
+        return self._extract("sqrt_recip_alphas_cumprod", t, x_t) * x_t \
+            - self._extract("sqrt_recipm1_alphas_cumprod", t, x_t) * eps
 
     def _predict_eps_from_xstart(self, x_t, t, x0):
-        return (self._extract(self.sqrt_recip_alphas_cumprod, t, x_t) * x_t - x0) \
-            / self._extract(self.sqrt_recipm1_alphas_cumprod, t, x_t)
+        return (self._extract("sqrt_recip_alphas_cumprod", t, x_t) * x_t - x0) \
+            / self._extract("sqrt_recipm1_alphas_cumprod", t, x_t)
 
     # -- Forward process and posterior ---------------------------------------------------------------------------------
     def q_sample(self, x0: torch.Tensor, t: torch.Tensor, noise: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Draw x_t ~ q(x_t | x0) = N(sqrt(ab_t) x0, (1 - ab_t) I), using ``noise`` if given."""
         if noise is None:
             noise = torch.randn_like(x0)
-        return self._extract(self.sqrt_alphas_cumprod, t, x0) * x0 \
-            + self._extract(self.sqrt_one_minus_alphas_cumprod, t, x0) * noise
+        return self._extract("sqrt_alphas_cumprod", t, x0) * x0 \
+            + self._extract("sqrt_one_minus_alphas_cumprod", t, x0) * noise
 
     def q_posterior_mean_variance(self, x0, x_t, t):
         """Mean, variance and clipped log variance of q(x_{t-1} | x_t, x0)."""
-        mean = self._extract(self.posterior_mean_coef1, t, x_t) * x0 \
-            + self._extract(self.posterior_mean_coef2, t, x_t) * x_t
-        variance = self._extract(self.posterior_variance, t, x_t)
-        log_variance = self._extract(self.posterior_log_variance_clipped, t, x_t)
+        mean = self._extract("posterior_mean_coef1", t, x_t) * x0 \
+            + self._extract("posterior_mean_coef2", t, x_t) * x_t
+        variance = self._extract("posterior_variance", t, x_t)
+        log_variance = self._extract("posterior_log_variance_clipped", t, x_t)
         return mean, variance, log_variance
 
     # -- Reverse process p(x_{t-1} | x_t) ------------------------------------------------------------------------------
     def _p_from_output(self, pred, var_values, x, t, clip_denoised=False, denoised_fn=None) -> Dict[str, torch.Tensor]:
         if var_values is not None:
-            min_log = self._extract(self.posterior_log_variance_clipped, t, x)
-            max_log = self._extract(torch.log(self.betas), t, x)
+            min_log = self._extract("posterior_log_variance_clipped", t, x)
+            max_log = self._extract("log_betas", t, x)
             frac = (var_values + 1) / 2
             log_variance = frac * max_log + (1 - frac) * min_log
         else:
-            fixed = self.posterior_variance if self.var_type == "fixed_small" else self._fixed_large_variance
-            log_fixed = self.posterior_log_variance_clipped if self.var_type == "fixed_small" else torch.log(fixed)
-            log_variance = self._extract(log_fixed, t, x).expand_as(x)
+            fixed = "posterior_log_variance_clipped" if self.var_type == "fixed_small" else "log_fixed_large_variance"
+            log_variance = self._extract(fixed, t, x).expand_as(x)
 
         x0 = pred if self.mean_type == "x0" else self._predict_xstart_from_eps(x, t, pred)
         if denoised_fn is not None:
@@ -219,8 +242,8 @@ class GaussianDiffusion:
         out = self.p_mean_variance(model, x, t, clip_denoised, denoised_fn, model_kwargs)
         # Re-derive eps from the (possibly clipped) x0 so both stay consistent.
         eps = self._predict_eps_from_xstart(x, t, out["pred_xstart"])
-        ab = self._extract(self.alphas_cumprod, t, x)
-        ab_prev = self._extract(self.alphas_cumprod_prev, t, x)
+        ab = self._extract("alphas_cumprod", t, x)
+        ab_prev = self._extract("alphas_cumprod_prev", t, x)
         sigma = eta * torch.sqrt((1 - ab_prev) / (1 - ab)) * torch.sqrt(1 - ab / ab_prev)
         mean = out["pred_xstart"] * ab_prev.sqrt() + torch.sqrt(1 - ab_prev - sigma ** 2) * eps
         sample = mean

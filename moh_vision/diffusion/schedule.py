@@ -1,7 +1,8 @@
 """Noise schedules and timestep respacing.
 
-Schedules are float64 torch tensors: the cumulative products over 1000 steps lose accuracy in float32, and the closed
-forms built from them (posterior coefficients, log variances) amplify it."""
+Schedules are float64 torch tensors on the host: the cumulative products over 1000 steps lose accuracy in float32, and
+the closed forms built from them (posterior coefficients, log variances) amplify it. A ``GaussianDiffusion`` copies them
+(and the respacing's timestep map) to a device once, at their first use there."""
 import math
 from typing import Iterable, List, Sequence, Tuple, Union
 
