@@ -118,10 +118,12 @@ class DiffusionTask:
         """Diffusion loss on the validation images at timesteps and noise fixed by a seed (comparable across runs)."""
         model.eval()
         g = torch.Generator(device="cpu").manual_seed(1234)
-        sums = {"loss": 0.0, "mse": 0.0, "vb": 0.0, "count": 0.0, "skipped": 0.0}
+        keys = ("loss", "mse", "vb")
+        totals = torch.zeros(len(keys), dtype=torch.float64, device=device)  # read once, after the last batch
+        count, skipped_total = 0, 0
         for batch in loader:
             x, y, skipped = split_batch(batch)
-            sums["skipped"] += skipped
+            skipped_total += skipped
             if x.shape[0] == 0:
                 continue
             t = torch.randint(0, self.diffusion.num_timesteps, (x.shape[0],), generator=g).to(device)
@@ -129,11 +131,10 @@ class DiffusionTask:
             with amp():
                 terms = self.diffusion.training_losses(model, x.to(device), t, model_kwargs={"y": y.to(device)},
                                                        noise=noise)
-            for key in ("loss", "mse", "vb"):
-                if key in terms:
-                    sums[key] += terms[key].float().sum().item()
-            sums["count"] += x.shape[0]
-        return sums
+            totals += torch.stack([terms[key].float().sum().double() if key in terms else totals.new_zeros(())
+                                   for key in keys])
+            count += x.shape[0]
+        return {**dict(zip(keys, totals.tolist())), "count": float(count), "skipped": float(skipped_total)}
 
     @staticmethod
     def finalize(sums: Dict[str, float], prefix: str = "val") -> Dict[str, float]:
