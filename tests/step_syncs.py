@@ -53,7 +53,7 @@ def watching_trainer(trainer_class: type, warmup: int, checked: int, record: Dic
                 return super().fit(task, data)
             except _Checked:
                 record.update(passed=True, steps=self.step)
-            except Exception as error:  # noqa: BLE001  (the record says what it was)
+            except Exception as error:  # noqa: BLE001 - the record says what it was
                 _sync_debug_off(self.device)
                 if not record.get("checking"):
                     raise  # set-up or warm-up failed: not this check's question

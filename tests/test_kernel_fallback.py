@@ -6,16 +6,14 @@ An error the formula raises too, running out of memory and the package's one-lin
 The failures are injected into the CPU's implementations (``tests/failing_kernels.py`` for a real ``train.py``)."""
 import dataclasses
 import logging
-import sys
 
 import pytest
 import torch
-import torch.nn.functional as F
-from helpers import FAST_TRAIN, REPO, read_summary, run_entry, run_in_triton_interpreter
+from helpers import FAST_TRAIN, read_summary, run_entry, run_in_triton_interpreter
 
 from moh_vision.errors import ConfigError
-from moh_vision.ops import OPS, Kernels, aggregated_attention, aggregated_attention_reference, depthwise_conv, \
-    failures, kernels_in_use, reset_failures
+from moh_vision.ops import (OPS, Kernels, aggregated_attention, aggregated_attention_reference, depthwise_conv,
+                            failures, kernels_in_use, reset_failures)
 from moh_vision.ops import aggregated as ops_aggregated
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -176,14 +176,14 @@ def run_or_fall_back(op: str, implementation: str, fn: Callable, formula: Callab
         return formula(*args, **kwargs)
     try:
         return fn(*args, **kwargs)
-    except Exception as error:  # noqa: BLE001  (what the formula does with the same arguments decides)
+    except Exception as error:  # noqa: BLE001 - what the formula does with the same arguments decides
         if _kept(error):
             raise
         failure = error
     rejected = False
     try:
         result = formula(*args, **kwargs)
-    except Exception:  # noqa: BLE001
+    except Exception:  # noqa: BLE001 - bad input, below
         rejected = True
     if rejected:  # bad input: the formula rejects it too (raised here, so that the formula's error is not its context)
         raise failure
