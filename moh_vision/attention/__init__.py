@@ -9,9 +9,9 @@ import logging
 import pkgutil
 from importlib.metadata import entry_points
 
-from .registry import (AttentionVariant, active_head_fraction, attention_class, attention_options, build_attention,
-                       find_attention, flops_roles_of, layer_options, list_attention, list_kernels,
-                       optimizer_step_hooks, register_attention, register_kernel, routed_layer_names, routed_modules,
+from .registry import (AttentionVariant, active_head_fraction, after_optimizer_step, attention_class,
+                       attention_options, build_attention, find_attention, flops_roles_of, layer_options, list_attention,
+                       list_kernels, optimizer_step_hooks, register_attention, register_kernel, routed_layer_names, routed_modules,
                        variant_class, variant_option_defaults)
 from .recorder import LayerRecord, RoutingRecorder, active_recorder, record_routing
 from .kernels import DotProductAttention, HeadAttention, dot_product_attention
@@ -36,5 +36,6 @@ from .moa import MoA  # noqa: E402
 __all__ = ["AttentionVariant", "register_attention", "register_kernel", "build_attention", "list_attention",
            "list_kernels", "attention_class", "variant_class", "attention_options", "variant_option_defaults",
            "layer_options", "record_routing", "RoutingRecorder", "routed_layer_names", "LayerRecord", "active_recorder",
-           "routed_modules", "find_attention", "active_head_fraction", "optimizer_step_hooks", "flops_roles_of",
+           "routed_modules", "find_attention", "active_head_fraction", "after_optimizer_step",
+           "optimizer_step_hooks", "flops_roles_of",
            "HeadAttention", "DotProductAttention", "dot_product_attention", "MoH", "MoA"]

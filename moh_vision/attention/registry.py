@@ -249,6 +249,13 @@ def active_head_fraction(model: nn.Module) -> Optional[float]:
     return sum(m.active_heads() for _, m in layers) / heads if heads else None
 
 
+def after_optimizer_step(model: nn.Module) -> None:
+    """Tell every attention layer that an optimizer step was taken (once per step; a loop that steps often keeps
+    :func:`optimizer_step_hooks` instead, found once)."""
+    for hook in optimizer_step_hooks(model):
+        hook()
+
+
 def optimizer_step_hooks(model: nn.Module) -> List[Callable[[], None]]:
     """The ``after_optimizer_step`` of every attention layer of ``model`` whose variant has one (the trainer finds them
     once and calls each after every optimizer step, so a step never walks the model)."""
