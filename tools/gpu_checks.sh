@@ -1,19 +1,13 @@
 #!/usr/bin/env bash
-# The checks that need a CUDA GPU, in one go. Parts run in the order listed below, `sync` first (a kernel that fails
-# there fails every later part), then `backbones` (issue 52: on the change and on the commit before it); every log,
-# table and .json record lands in <out_dir>/runs, and <out_dir>/gpu_checks.tar.gz holds them
+# The checks that need a CUDA GPU, in one go. Run part `backbones` first (issue 52: on the change and on the commit
+# before it); every log, table and .json record lands in <out_dir>/runs, and <out_dir>/gpu_checks.tar.gz holds them
 # all but checkpoints (refreshed after each step, so a run cut short still returns what it finished; PACK_TO=<dir>
 # writes it there instead). Each step runs under `timeout`.
 #
 #   bash tools/gpu_checks.sh <out_dir> [parts] [quick]
 #   bash tools/gpu_checks.sh wheels <dir>     # here: the wheels part `train` needs on a GPU machine
 #
-# parts (comma-separated; default sync,backbones,tests):
-#   sync       one recipe's real training steps each (train.py, the ImageNet recipes on random data written by
-#              tests/step_syncs.py: MoH-TransNeXt-S/80 in fp16 at batch 16, MoH-DiT-XL/2-90 in fp32 at batch 16 on
-#              random 32x32x4 latents, EMA on), 3 warm-up steps then 3 under torch.cuda.set_sync_debug_mode("error"):
-#              runs/sync_<recipe>.json says passed or holds the first synchronising call's stack, with torch's version,
-#              the device and runs/sync_<recipe>.log the kernels that fell back (TIMEOUT_SYNC, default 150 s a recipe).
+# parts (comma-separated; default backbones,tests):
 #   backbones  TransNeXt-T beside Swin-T, bf16, batch 64: a profile (each model's time by kind of work and top
 #              kernels) with TransNeXt-T's pieces under every CUDA implementation (components); then
 #              tools/bench_kernels.py on TransNeXt-T, the same weights under kernels variants (auto; the aggregated
@@ -41,8 +35,8 @@ if [[ ${1:-} == wheels ]]; then
     grep -iE '^(antlr4-python3-runtime|iopath|yacs|termcolor|portalocker|tabulate)==')
   exec python3 -m pip wheel -q --no-deps -w "$dir" $pins $deps
 fi
-out=${1:?usage: bash tools/gpu_checks.sh <out_dir> [sync,backbones,tests,models,routing,train] [quick]}
-parts=",${2:-sync,backbones,tests},"
+out=${1:?usage: bash tools/gpu_checks.sh <out_dir> [backbones,tests,models,routing,train] [quick]}
+parts=",${2:-backbones,tests},"
 quick=${3:-}
 mkdir -p "$out/runs"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled MPLBACKEND=Agg PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -67,31 +61,6 @@ run() {  # run <name> <tool> <args...>: one timed step, its table and record und
   python3 -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__, 'cuda', torch.version.cuda)"
   python3 -c "import triton; print('triton', triton.__version__)" 2>&1 || true
 } | tee "$out/runs/env.txt"
-
-if [[ $parts == *,sync,* ]]; then  # first: see the header
-  data="$out/runs/sync_data"
-  python3 tests/step_syncs.py data "$data"
-  warmup=3 checked=3 batch=16 cls=() dit=()
-  if [[ -n "$quick" ]]; then  # the same recipes, shrunk models
-    warmup=1 checked=2 batch=4 cls=(model=transnext_nano attention=moh data.img_size=32) dit=(model=dit_tiny_2 attention=moh)
-  fi
-  common=(trainer.device=$device trainer.batch_size=$batch trainer.log_every=1000 trainer.progress=false
-          trainer.count_flops=false trainer.num_workers=2 logger=none)
-  for recipe in moh_transnext_small_80 moh_dit_xl_2_90; do
-    step "sync: $recipe"
-    if [[ $recipe == moh_dit_* ]]; then
-      args=(data.root="$data/latents" data.val_size=8 "${dit[@]}")
-    else
-      args=(data=imagefolder data.root="$data/images" data.index_cache=null "${cls[@]}")  # 2 classes, not 1000
-      [[ $device == cpu ]] && args+=(trainer.amp=none)  # fp16 autocast is CUDA's
-    fi
-    timeout "${TIMEOUT_SYNC:-150}" python3 tests/step_syncs.py "$out/runs/sync_$recipe.json" $warmup $checked train.py \
-      experiment=$recipe "${args[@]}" "${common[@]}" hydra.run.dir="$out/runs/sync_$recipe" \
-      >"$out/runs/sync_$recipe.log" 2>&1
-    tail -1 "$out/runs/sync_$recipe.log" >&2
-    pack
-  done
-fi
 
 tiny=transnext_tiny:swin_tiny_patch4_window7_224
 base=transnext_base:swin_base_patch4_window7_224

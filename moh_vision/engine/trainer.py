@@ -23,7 +23,7 @@ from torch import nn
 from moh_vision import checkpoints as ckpt_io
 from moh_vision.attention import optimizer_step_hooks
 from moh_vision.errors import ConfigError, RunError
-from moh_vision.ops import Kernels, kernels_in_use
+from moh_vision.ops import Kernels, resolved
 from moh_vision.tasks.protocols import Data, EpochContext, Task
 from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, write_routing_artifacts
 from .checkpoint_history import CheckpointHistory
@@ -538,7 +538,7 @@ class Trainer:
             summary["activation_ratio"] = attn["activation_ratio"]
         kernels = Kernels.of(self.config.get("kernels"))
         summary["kernels"] = kernels.as_dict()  # as configured, and what runs on this device
-        summary["kernels_in_use"] = kernels_in_use(kernels, self.dist.device)
+        summary["kernels_in_use"] = resolved(kernels, self.dist.device)
         summary["checkpoint"] = str(self.ckpt_dir / "last.pt")
         if previous is not None and previous.get("steps") == self.step:
             # the same training state as the recorded run: never replace a recorded result with nothing / NaN

@@ -13,18 +13,15 @@ gated_tail, ...     ``recompute``       ``recompute`` (eager training: keep inpu
 ==================  ==================  =====================================================  ================
 
 ``python train.py kernels=reference`` runs every model on the reference formulas alone; ``docs/performance.md`` lists
-the record that keeps each ``auto`` entry. An implementation that fails (raises where the formula does not) falls back
-to the formula for the rest of the process, with one warning; :func:`kernels_in_use` says so (``summary.json``)."""
+the record that keeps each ``auto`` entry."""
 from . import aggregated_flex  # noqa: F401  (registers the flex candidate)
 from .aggregated import aggregated_attention, aggregated_attention_reference, local_window_mask
 from .depthwise import depthwise_conv
-from .dispatch import (AUTO, OPS, REFERENCE, Kernels, Op, choices, failures, kernels_in_use, reset_failures,
-                       resolved)
+from .dispatch import AUTO, OPS, REFERENCE, Kernels, Op, choices, resolved
 from .recompute import average_pool, cosine_queries, gated_tail, position_mlp
 from .routing import Routing, load_balance_loss, merge_heads, route, route_merge, topk_mask
 
-__all__ = ["Kernels", "Op", "OPS", "AUTO", "REFERENCE", "choices", "resolved", "kernels_in_use", "failures",
-           "reset_failures", "aggregated_attention",
+__all__ = ["Kernels", "Op", "OPS", "AUTO", "REFERENCE", "choices", "resolved", "aggregated_attention",
            "aggregated_attention_reference", "local_window_mask", "depthwise_conv", "gated_tail", "cosine_queries",
            "average_pool", "position_mlp", "Routing", "route", "route_merge", "merge_heads", "topk_mask",
            "load_balance_loss"]

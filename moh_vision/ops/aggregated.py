@@ -34,13 +34,12 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .dispatch import EAGER_OR_COMPILED, Op, run_or_fall_back
+from .dispatch import EAGER_OR_COMPILED, Op
 from .extensions import load_cpu_kernels
 from .tracing import JIT_TRACE
 
 Tensor = torch.Tensor
 Size2 = Tuple[int, int]
-NAME = "aggregated_attention"  # the op (moh_vision.ops.dispatch)
 
 __all__ = ["aggregated_attention", "aggregated_attention_reference", "local_window_mask"]
 
@@ -230,83 +229,42 @@ def _contiguous(dtype: torch.dtype, *tensors: Tensor) -> List[Tensor]:
     return [t.to(dtype).contiguous() for t in tensors]
 
 
-# The operator's kernels per device. Each falls back to the float32 formulas above where it raises and they do not
-# (ops.dispatch.run_or_fall_back): in eager calls, in compiled graphs (which call the operator) and in backward,
-# which then takes the formulas' gradients from the kernel's (or the formulas') log-sum-exp.
-def _forward_op(kernel, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
-    args = (q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window)
-    return run_or_fall_back(NAME, "fused", kernel, _forward_formulas, args)
-
-
-def _backward_op(kernel, grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width,
-                 window):
-    args = (grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width, window)
-    return run_or_fall_back(NAME, "fused", kernel, _backward_formulas, args)
-
-
-def _forward_formulas(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
-    return _forward_plain(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
-
-
-def _backward_formulas(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width, window):
-    return _backward_plain(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, (height, width),
-                           window)
-
-
-def _cpu_forward(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
-    """The C++ forward (the formulas where it could not be built)."""
+@_aggregated_op.register_kernel("cpu")
+def _aggregated_cpu(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
     if not cpu_kernels_available():
-        return _forward_formulas(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window)
+        return _forward_plain(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
     args = _contiguous(_arithmetic_dtype(q.dtype), q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight)
     out, lse = torch.ops.moh_aggregated.forward(*args, height, width, window)
     return out.to(q.dtype), lse
 
 
-def _cpu_backward(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width, window):
-    """The C++ backward (the formulas where it could not be built)."""
+@_aggregated_backward_op.register_kernel("cpu")
+def _aggregated_backward_cpu(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width,
+                             window):
     inputs = (q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight)
     if not cpu_kernels_available():
-        return _backward_formulas(grad, *inputs, lse, height, width, window)
+        return _backward_plain(grad, *inputs, lse, (height, width), window)
     grads = torch.ops.moh_aggregated.backward(*_contiguous(_arithmetic_dtype(q.dtype), grad, *inputs, lse), height,
                                               width, window)
     return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
 
 
-def _cuda_forward(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
-    """The Triton forward (the formulas for sizes it does not take)."""
+@_aggregated_op.register_kernel("cuda")
+def _aggregated_cuda(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
     from . import aggregated_triton as kernels
     if not kernels.supports(k_pool.shape[-2], q.shape[-1]):
-        return _forward_formulas(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window)
+        return _forward_plain(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
     return kernels.forward(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
 
 
-def _cuda_backward(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width, window):
-    """The Triton backward (the formulas for sizes it does not take)."""
+@_aggregated_backward_op.register_kernel("cuda")
+def _aggregated_backward_cuda(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width,
+                              window):
     from . import aggregated_triton as kernels
     args = (q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, (height, width), window)
     if not kernels.supports(k_pool.shape[-2], q.shape[-1]):
         return _backward_plain(grad, *args)
     return kernels.backward(grad, *args)
-
-
-@_aggregated_op.register_kernel("cpu")
-def _aggregated_cpu(*args):
-    return _forward_op(_cpu_forward, *args)
-
-
-@_aggregated_backward_op.register_kernel("cpu")
-def _aggregated_backward_cpu(*args):
-    return _backward_op(_cpu_backward, *args)
-
-
-@_aggregated_op.register_kernel("cuda")
-def _aggregated_cuda(*args):
-    return _forward_op(_cuda_forward, *args)
-
-
-@_aggregated_backward_op.register_kernel("cuda")
-def _aggregated_backward_cuda(*args):
-    return _backward_op(_cuda_backward, *args)
 
 
 @_aggregated_op.register_fake
@@ -336,7 +294,7 @@ _aggregated_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---- The op: the reference and its implementations (moh_vision.ops.dispatch chooses) ---------
-AGGREGATED = Op(NAME, key="aggregated", reference=aggregated_attention_reference,
+AGGREGATED = Op("aggregated_attention", key="aggregated", reference=aggregated_attention_reference,
                 auto={"cpu": "fused", "cuda": "fused"})
 
 

@@ -18,7 +18,6 @@ from typing import Optional, Tuple
 
 import torch
 
-from .dispatch import formula_backward, run_or_fall_back
 from .triton import tl, triton
 
 Tensor = torch.Tensor
@@ -120,29 +119,11 @@ class _DepthwiseTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        grad_x, grad_weight, grad_bias = run_or_fall_back("depthwise_conv", "triton", _backward, _formula_backward,
-                                                          (x, weight, ctx.has_bias, grad, *ctx.geometry))
-        return grad_x, grad_weight, grad_bias, None, None
-
-
-def _backward(x: Tensor, weight: Tensor, has_bias: bool, grad: Tensor, height: int, width: int):
-    """The input's, weight's and bias's gradients (None without a bias), by the kernels."""
-    k = weight.shape[-1]
-    grad = grad.contiguous()
-    grad_x = _correlated(grad, _taps(weight, True), None, height, width, k)
-    grad_weight, grad_bias = _weight_grad(grad, x, height, width, k)
-    return grad_x, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype) if has_bias else None
-
-
-def _formula_backward(x: Tensor, weight: Tensor, has_bias: bool, grad: Tensor, height: int, width: int):
-    """The same gradients from the formula (``F.conv2d``'s autograd): where the kernels' backward fails."""
-    from .depthwise import depthwise_conv_reference
-    bias = weight.new_zeros(weight.shape[0]) if has_bias else None  # the bias's gradient does not read the bias
-
-    def formula(x, weight, bias):
-        return (depthwise_conv_reference(x, weight, bias, height, width),)
-
-    return formula_backward(formula, (x, weight, bias), (True, True, has_bias), (grad,))
+        (height, width), k = ctx.geometry, weight.shape[-1]
+        grad = grad.contiguous()
+        grad_x = _correlated(grad, _taps(weight, True), None, height, width, k)
+        grad_weight, grad_bias = _weight_grad(grad, x, height, width, k)
+        return (grad_x, grad_weight.to(weight.dtype), grad_bias.to(weight.dtype) if ctx.has_bias else None, None, None)
 
 
 def depthwise_conv_triton(x: Tensor, weight: Tensor, bias: Optional[Tensor], height: int, width: int) -> Tensor:

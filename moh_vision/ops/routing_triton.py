@@ -13,7 +13,6 @@ from typing import Tuple
 
 import torch
 
-from .dispatch import formula_backward, run_or_fall_back
 from .triton import tl, triton
 
 Tensor = torch.Tensor
@@ -267,53 +266,28 @@ class TritonRouteMerge(torch.autograd.Function):
                                                         **_meta(routed, shared, topk, out_dtype, d))
         loss = _balance_loss(sums, routed, T, with_loss)
         ctx.save_for_backward(z, heads, gates, probs, mask, sums)
-        ctx.layout, ctx.lead, ctx.gates_dtype = (routed, shared, topk), lead, out_dtype
+        ctx.layout, ctx.lead = (routed, shared, topk), lead
         ctx.mark_non_differentiable(gates, probs, mask, index)  # the gates act through the merged output
         ctx.set_materialize_grads(False)
         return (merged, gates.view(*lead, -1), probs.view(*lead, -1), mask.view(*lead, -1), index.view(*lead, -1), loss)
 
     @staticmethod
     def backward(ctx, grad_merged, _gates, _probs, _mask, _index, grad_loss):
+        z, heads, gates, probs, mask, sums = ctx.saved_tensors
+        routed, shared, topk = ctx.layout
+        B, h, N, d = heads.shape
+        T = z.shape[0]
+        if grad_merged is None:  # only the loss was used
+            grad_merged = heads.new_zeros(B, N, h * d)
+        grad_merged = grad_merged.contiguous()
         aux = grad_loss is not None and grad_loss.dim() == 0
-        grad_heads, grad = run_or_fall_back("moh_routing", "fused", _backward, _formula_backward,
-                                            (ctx, grad_merged, grad_loss if aux else None))
+        grad = z.new_empty(z.shape)  # contiguous, whatever the logits' row stride
+        grad_heads = torch.empty_like(heads)  # o's own layout, as attention's backward expects
+        _route_backward[(triton.cdiv(T, BLOCK_TOKENS),)](gates, z, probs, mask, sums, grad_loss if aux else sums, grad,
+                                                         T, z.stride(0), float(routed) / T, heads, grad_merged,
+                                                         grad_heads, N, *heads.stride(), *grad_heads.stride(),
+                                                         AUX=aux, **_meta(routed, shared, topk, probs.dtype, d))
         return grad_heads, grad.view(*ctx.lead, -1), None, None, None, None, None
-
-
-def _backward(ctx, grad_merged, grad_loss) -> Tuple[Tensor, Tensor]:
-    """The heads' and the logits' rows' gradients, by the backward kernel."""
-    z, heads, gates, probs, mask, sums = ctx.saved_tensors
-    routed, shared, topk = ctx.layout
-    B, h, N, d = heads.shape
-    T = z.shape[0]
-    if grad_merged is None:  # only the loss was used
-        grad_merged = heads.new_zeros(B, N, h * d)
-    grad_merged = grad_merged.contiguous()
-    aux = grad_loss is not None
-    grad = z.new_empty(z.shape)  # contiguous, whatever the logits' row stride
-    grad_heads = torch.empty_like(heads)  # o's own layout, as attention's backward expects
-    _route_backward[(triton.cdiv(T, BLOCK_TOKENS),)](gates, z, probs, mask, sums, grad_loss if aux else sums, grad,
-                                                     T, z.stride(0), float(routed) / T, heads, grad_merged,
-                                                     grad_heads, N, *heads.stride(), *grad_heads.stride(),
-                                                     AUX=aux, **_meta(routed, shared, topk, probs.dtype, d))
-    return grad_heads, grad
-
-
-def _formula_backward(ctx, grad_merged, grad_loss) -> Tuple[Tensor, Tensor]:
-    """The same gradients from the formulas (:func:`~moh_vision.ops.routing.route_merge_reference`, the logits in the
-    gates' dtype as the forward read them): where the backward kernel fails."""
-    from .routing import route_merge_reference
-    z, heads = ctx.saved_tensors[:2]
-    routed, shared, topk = ctx.layout
-
-    def formula(heads: Tensor, z: Tensor):
-        logits = z.unflatten(0, ctx.lead).to(ctx.gates_dtype)
-        merged, routing = route_merge_reference(heads, logits, routed, shared, topk, grad_loss is not None)
-        return merged, routing.loss
-
-    grad_heads, grad = formula_backward(formula, (heads, z), (True, True), (grad_merged, grad_loss))
-    return (torch.zeros_like(heads) if grad_heads is None else grad_heads,
-            torch.zeros_like(z) if grad is None else grad.to(z.dtype))
 
 
 def triton_route_merge(heads: Tensor, logits: Tensor, routed: int, shared: int, topk: int,
