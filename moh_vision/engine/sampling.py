@@ -312,10 +312,13 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
         settings = {"num_samples": num_samples, "labels": label_mode(cfg), "seed": int(cfg.seed),
                     "vae": task.vae_cfg["path"], **{k: task.sample_cfg[k] for k in (*OVERRIDABLE, "guidance_channels")}}
         parts = out / f".parts-{run_digest(info, {**settings, 'world_size': dist.world_size})}"
+        size = int(task.sample_cfg["batch_size"])
+        sampled = batches_per_rank(num_samples, size, dist.world_size) * size * dist.world_size
         if dist.is_main:
-            log.info("sampling %d images (%d classes) from %s [%s weights, step %s]: %s", num_samples,
-                     task.null_class, info["checkpoint"], info["weights"], info["step"],
-                     ", ".join(f"{k}={v}" for k, v in settings.items() if k != "num_samples"))
+            log.info("sampling %d images (%d classes; %d in full batches of %d on %d ranks) from %s [%s weights, step "
+                     "%s]: %s", num_samples, task.null_class, sampled, size, dist.world_size, info["checkpoint"],
+                     info["weights"], info["step"], ", ".join(f"{k}={v}" for k, v in settings.items()
+                                                               if k != "num_samples"))
         with device_settings(bool(cfg.tf32), deterministic=True, device=device):  # TF32 for sampling only
             merged = sample_images(task, model, settings["labels"], num_samples, task.null_class, int(cfg.seed),
                                    device, parts, dist, bool(cfg.progress), int(cfg.decode_batch_size))
@@ -337,6 +340,7 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
                    "per_class_max": int(counts.max()), "image_shape": list(images.shape[1:]),
                    "space": "latent (decoded)" if task.vae_cfg["path"] else "pixel", "world_size": dist.world_size,
                    "rank_seeds": [rank_seed(int(cfg.seed), r, dist.world_size) for r in range(dist.world_size)],
+                   "num_sampled": sampled,
                    "files": files, "metrics": metrics, "wall_time_s": time.time() - start}
         write_json(out / "sample.json", summary)
         shutil.rmtree(parts, ignore_errors=True)
