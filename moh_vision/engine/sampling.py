@@ -319,7 +319,7 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
                      "%s]: %s", num_samples, task.null_class, sampled, size, dist.world_size, info["checkpoint"],
                      info["weights"], info["step"], ", ".join(f"{k}={v}" for k, v in settings.items()
                                                                if k != "num_samples"))
-        with device_settings(bool(cfg.tf32), deterministic=True, device=device):  # TF32 for sampling only
+        with device_settings(bool(cfg.tf32), deterministic=True, device=device):  # TF32 while sampling only; restored
             merged = sample_images(task, model, settings["labels"], num_samples, task.null_class, int(cfg.seed),
                                    device, parts, dist, bool(cfg.progress), int(cfg.decode_batch_size))
         if merged is None:
