@@ -4,6 +4,7 @@ activations (torch-fidelity's port, a random-weight copy: the real file is 91 MB
 import json
 import math
 import re
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from PIL import Image
 from scipy import linalg
 
 from helpers import load_tool
+from moh_vision.analysis import generative_metrics, metrics
 from moh_vision.analysis.adm_evaluation import NpzImages, read_reference
 from moh_vision.analysis.generative_metrics import adm_metrics, inception_score
 from moh_vision.analysis.inception import InceptionActivations, check_inception_weights
@@ -128,6 +130,34 @@ def test_inception_score_closed_forms():
     assert inception_score(one_hot, split_size=10) == pytest.approx(5.0)
 
 
+def confident_softmaxes(labels, rng, columns=1008):
+    """Made-up Inception softmaxes, each confident in its sample's class (ADM's graph has 1008 outputs)."""
+    logits = rng.normal(size=(len(labels), columns))
+    logits[np.arange(len(labels)), labels] += 12.0
+    e = np.exp(logits - logits.max(axis=1, keepdims=True))
+    return e / e.sum(axis=1, keepdims=True)
+
+
+def test_balanced_samples_are_written_in_an_order_that_keeps_the_inception_score(caplog):
+    """tools/sample.py's balanced labels (per_class=), 10 of each of 1000 classes: the Inception Score over ADM's
+    consecutive splits of 5,000 is the score of the same samples in a random order, not the collapsed score of
+    samples sorted by class (each split would see 500 classes)."""
+    from moh_vision.engine.sampling import balanced_labels
+
+    rng = np.random.default_rng(0)
+    labels = balanced_labels(10_000, 1000, seed=0).numpy()
+    probs = confident_softmaxes(labels, rng)  # in the order the tool writes the samples
+    shuffled = inception_score(probs[rng.permutation(len(probs))])
+    in_class_order = probs[np.argsort(labels, kind="stable")]
+    assert inception_score(probs) == pytest.approx(shuffled, rel=0.02)
+    assert inception_score(in_class_order) < 0.6 * shuffled
+    with caplog.at_level("WARNING", logger=generative_metrics.__name__):
+        adm_metrics({"probs": probs}, {})
+        assert "they are ordered" not in caplog.text
+        adm_metrics({"probs": in_class_order}, {})  # an npz sorted elsewhere: said, and still ADM's number
+        assert "they are ordered (by class?)" in caplog.text
+
+
 def test_inconsistent_activations_fail_with_one_line(activations):
     samples, reference = activations
     with pytest.raises(ConfigError, match="holds mu but not sigma"):
@@ -193,6 +223,70 @@ def test_cuda_gives_the_cpu_numbers(random_inception_weights, activations):
     assert torch.backends.cudnn.allow_tf32, "the caller's TF32 setting is restored"
     for key in ("pool", "spatial", "probs"):
         np.testing.assert_allclose(gpu[key], cpu[key], rtol=1e-3, atol=1e-4, err_msg=key)
+
+
+def precision_views():
+    """What every precision setting of torch reads as: cuBLAS and cuDNN TF32, the matmul precision, the per-backend
+    fp32 precisions."""
+    return (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32,
+            torch.get_float32_matmul_precision(), *(owner.fp32_precision for owner in metrics._FP32_PRECISIONS))
+
+
+FLOAT32 = (False, False, "highest", *["ieee"] * len(metrics._FP32_PRECISIONS))
+
+
+@contextmanager
+def settings(*assignments):
+    """Apply ``(owner, attribute, value)`` assignments (owner None: set_float32_matmul_precision), restore torch's
+    defaults after."""
+    defaults = [owner.fp32_precision for owner in metrics._FP32_PRECISIONS]
+    for owner, name, value in assignments:
+        torch.set_float32_matmul_precision(value) if owner is None else setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision("highest")
+        torch.backends.cudnn.allow_tf32 = True
+        for owner, value in zip(metrics._FP32_PRECISIONS, defaults):
+            owner.fp32_precision = value
+
+
+TF32_ON = ((None, None, "high"), (torch.backends.cudnn, "allow_tf32", True))
+
+
+def test_every_metric_is_computed_without_tf32_whatever_the_caller_set(tiny_inception, activations, monkeypatch):
+    """tools/sample.py samples with TF32 on; the Inception forward, the Frechet distances and the neighbour distances
+    of the metrics then still see TF32 off in every setting, give the numbers of the float32 path, and the caller's
+    settings are back afterwards."""
+    seen = []
+
+    def spy(what, real):
+        return lambda *args: seen.append((what, precision_views())) or real(*args)
+
+    monkeypatch.setattr(generative_metrics, "squared_distances",
+                        spy("distances", generative_metrics.squared_distances))
+    monkeypatch.setattr(generative_metrics, "frechet_distance", spy("frechet", generative_metrics.frechet_distance))
+    inception = InceptionActivations(tiny_inception)
+    inception.net.register_forward_pre_hook(lambda module, inputs: seen.append(("inception", precision_views())))
+    batch = images(0, n=2)
+    plain_metrics, plain_activations = adm_metrics(*activations), inception(batch)
+    for assignments in (TF32_ON, ((torch.backends.cuda.matmul, "allow_tf32", True),),
+                        ((None, None, "high"), (torch.backends.cuda.matmul, "allow_tf32", False)),  # a mix
+                        ((None, None, "medium"), (torch.backends.cudnn.conv, "fp32_precision", "tf32"))):
+        seen.clear()
+        with settings(*assignments):
+            before = [owner.fp32_precision for owner in metrics._FP32_PRECISIONS], \
+                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+            found, acts = adm_metrics(*activations), inception(batch)
+            generative_metrics.precision_recall(activations[1]["pool"], activations[0]["pool"])  # called alone
+            after = [owner.fp32_precision for owner in metrics._FP32_PRECISIONS], \
+                torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+        assert {what for what, _ in seen} == {"distances", "frechet", "inception"}, assignments
+        assert all(views == FLOAT32 for _, views in seen), (assignments, seen)
+        assert after == before, "the caller's settings are restored"
+        assert found == plain_metrics
+        for key, value in acts.items():
+            np.testing.assert_array_equal(value, plain_activations[key])
 
 
 def test_npz_images_stream_what_np_load_reads(tmp_path):
@@ -296,6 +390,11 @@ def test_inception_weights_must_be_a_torch_fidelity_state_dict(tmp_path):
     torch.save({"weight": torch.zeros(1)}, tmp_path / "other.pth")
     with pytest.raises(ConfigError, match="not a torch-fidelity InceptionV3 state dict"):
         check_inception_weights(tmp_path / "other.pth")
+    torch.save({"Conv2d_1a_3x3.conv.weight": torch.zeros(1), "fc.weight": torch.zeros(1000, 2048)},
+               tmp_path / "imagenet.pth")
+    with pytest.raises(ConfigError, match=r"has fc.weight \[1000, 2048\] \(torchvision's ImageNet Inception.*, not "
+                                          r"the 1008-class classifier"):
+        check_inception_weights(tmp_path / "imagenet.pth")
 
 
 # ---------------------------------------------------------------------------------------------

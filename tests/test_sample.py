@@ -1,6 +1,8 @@
 """tools/sample.py: class-conditional sampling from a trainer checkpoint or released weights, DiT's random labels,
 the ADM .npz, guidance, rank sharding, ADM's metrics and the digits proxy metrics."""
 import json
+import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -78,8 +80,8 @@ def test_cli_writes_adm_npz_grid_labels_and_digits_metrics(checkpoint, tmp_path)
         arr = npz["arr_0"]
     assert arr.dtype == np.uint8 and arr.shape == (23, 16, 16, 3)  # grayscale digits repeated to RGB
     assert (arr[..., 0] == arr[..., 2]).all() and arr.std() > 0
-    labels = np.load(tmp_path / "labels.npy")  # DiT's: drawn at random per batch of 8
-    assert labels.tolist() == sampler.random_labels(23, NUM_CLASSES, 8, seed=0).tolist()
+    labels = np.load(tmp_path / "labels.npy")  # DiT's: drawn at random with the noise
+    assert labels.shape == (23,) and labels.dtype == np.int64 and 0 <= labels.min() and labels.max() < NUM_CLASSES
     assert (tmp_path / "samples.png").is_file() and not list(tmp_path.glob(".parts-*"))
     info = json.loads((tmp_path / "sample.json").read_text())
     assert info["weights"] == "model_ema" and info["step"] == 7 and info["model"] == "dit_tiny_2"
@@ -113,7 +115,7 @@ def test_compile_samples_what_eager_samples(checkpoint, tmp_path, monkeypatch):
 def test_guidance_weights_and_seed_decide_the_samples(checkpoint, tmp_path):
     def draw(*overrides):
         cfg, task, model, _, _ = sampling(checkpoint, "steps=2", *overrides)
-        labels = sampler.balanced_labels(10, task.null_class)
+        labels = sampler.balanced_labels(10, task.null_class, seed=0)
         return task.sample(model, labels, torch.device("cpu"), seed=int(cfg.seed))
 
     plain = draw("cfg_scale=1")
@@ -123,32 +125,116 @@ def test_guidance_weights_and_seed_decide_the_samples(checkpoint, tmp_path):
     assert not torch.allclose(plain, draw("cfg_scale=1", "ema=false")), "EMA weights by default"
 
 
-def test_ranks_split_batches_without_changing_the_samples(checkpoint, tmp_path):
-    cfg, task, model, _, _ = sampling(checkpoint, "steps=2", "batch_size=4", "cfg_scale=2")
+def dit_protocol(task, model, num_samples, seed, world_size, batch_size):
+    """DiT's sample_ddp.py, written out from its description: rank r of W seeds one stream with seed * W + r and
+    draws each batch's labels, then its noise, from it; sample i of its batch t is sample t * B * W + i * W + r; full
+    batches, a multiple of B * W, the first N kept."""
+    from moh_vision.analysis.grids import to_uint8
+
+    images, labels = {}, {}
+    for rank in range(world_size):
+        stream = torch.Generator().manual_seed(seed * world_size + rank)
+        for t in range(-(-num_samples // (batch_size * world_size))):
+            y = torch.randint(0, NUM_CLASSES, (batch_size,), generator=stream)
+            x = task.sample(model, y, torch.device("cpu"), generator=stream)
+            for i in range(batch_size):
+                where = t * batch_size * world_size + i * world_size + rank
+                images[where], labels[where] = x[i], int(y[i])
+    return to_uint8(torch.stack([images[j] for j in range(num_samples)])), np.array([labels[j] for j in
+                                                                                      range(num_samples)])
+
+
+def test_each_rank_samples_from_its_own_seed_as_dits_sample_ddp(checkpoint, tmp_path):
+    """Two ranks (run one after the other here; under a real torchrun below) give sample_ddp.py's samples: ten kept
+    of the twelve that two ranks' two full batches of three make."""
+    cfg, task, model, _, _ = sampling(checkpoint, "steps=2", "batch_size=3", "cfg_scale=2")
     cpu = torch.device("cpu")
-    labels = sampler.random_labels(10, NUM_CLASSES, 4, seed=0)
-    single = sampler.sample_images(task, model, labels, 0, cpu, tmp_path / "one", DistInfo(), progress=False)
-    for rank in (1, 0):  # batches 0..2 of 4, 4, 2 samples; rank 0 takes 0 and 2, rank 1 takes 1
-        sampler.sample_batches(task, model, labels, range(rank, 3, 2), 0, cpu, _mkdir(tmp_path / "two"))
-    images, merged_labels = sampler.merge_parts(tmp_path / "two", 3)
-    assert np.array_equal(images, single[0]) and np.array_equal(merged_labels, single[1])
+    for rank in (1, 0):
+        sampler.sample_rank(task, model, "random", 10, NUM_CLASSES, 5, cpu, _mkdir(tmp_path / "two"),
+                            DistInfo(rank=rank, world_size=2))
+    images, labels = sampler.merge_parts(tmp_path / "two", 10, 3, 2)
+    expected_images, expected_labels = dit_protocol(task, model, 10, seed=5, world_size=2, batch_size=3)
+    assert np.array_equal(labels, expected_labels) and np.array_equal(images, expected_images)
+    one = sampler.sample_images(task, model, "random", 10, NUM_CLASSES, 5, cpu, tmp_path / "one", DistInfo(),
+                                progress=False)
+    assert not np.array_equal(one[0], images), "one rank of seed 5 draws other samples than two ranks of seed 5"
 
 
-def test_random_labels_are_uniform_drawn_per_batch_and_seeded():
-    labels = sampler.random_labels(20_000, NUM_CLASSES, 250, seed=0)
-    counts = np.bincount(labels.numpy(), minlength=NUM_CLASSES)
-    assert np.abs(counts - 2000).max() < 5 * np.sqrt(20_000 * 0.1 * 0.9)  # each class 2000 +- 5 sd
-    assert torch.equal(sampler.random_labels(250, NUM_CLASSES, 250, seed=0), labels[:250]), \
-        "a batch's labels depend on the seed and the batch only (not on the total, the ranks or a resumed run)"
-    assert not torch.equal(labels[:250], labels[250:500]) and not torch.equal(
-        labels, sampler.random_labels(20_000, NUM_CLASSES, 250, seed=1))
-    balanced = sampler.draw_labels("balanced", 23, NUM_CLASSES, 8, seed=0)
-    assert balanced.tolist() == sorted(balanced.tolist()) and np.bincount(balanced).tolist() == [3, 3, 3] + [2] * 7
+@pytest.mark.slow  # two torchrun workers and three single-process runs
+def test_torchrun_ranks_sample_what_their_seeds_sample_alone(checkpoint, tmp_path):
+    """Under a real torchrun (two gloo ranks), rank r of 2 with seed s draws what one process draws with seed 2s + r:
+    its samples are every other sample of the output, from r on; rank 0 alone writes the outputs."""
+    common = ("steps=2", "batch_size=3", "cfg_scale=2", "progress=false")
+    run_entry("tools/sample.py", f"ckpt={checkpoint}", "num_samples=10", "seed=4", f"out={tmp_path / 'two'}",
+              *common, launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"))
+    two = np.load(tmp_path / "two" / "samples.npz")["arr_0"]
+    two_labels = np.load(tmp_path / "two" / "labels.npy")
+    summary = json.loads((tmp_path / "two" / "sample.json").read_text())
+    assert (summary["world_size"], summary["rank_seeds"], two.shape[0]) == (2, [8, 9], 10)
+    for rank in (0, 1):
+        alone = sampler.sample(options(f"ckpt={checkpoint}", "num_samples=5", f"seed={8 + rank}",
+                                       f"out={tmp_path / str(rank)}", *common))
+        assert np.array_equal(np.load(alone["files"]["npz"])["arr_0"], two[rank::2])
+        assert np.array_equal(np.load(alone["files"]["labels"]), two_labels[rank::2])
+    same_seed = sampler.sample(options(f"ckpt={checkpoint}", "num_samples=10", "seed=4", f"out={tmp_path / 'one'}",
+                                       *common))
+    assert not np.array_equal(np.load(same_seed["files"]["npz"])["arr_0"], two), "not invariant to world size"
+    assert sorted(p.name for p in (tmp_path / "two").iterdir()) == ["labels.npy", "sample.json", "samples.npz",
+                                                                    "samples.png"]
+
+
+def written(summary):
+    return np.load(summary["files"]["npz"])["arr_0"], np.load(summary["files"]["labels"])
+
+
+def test_a_rerun_resumes_the_stream_after_the_stored_batches(checkpoint, tmp_path, monkeypatch):
+    from moh_vision.tasks.diffusion import DiffusionTask
+
+    words = (f"ckpt={checkpoint}", "num_samples=9", "steps=2", "batch_size=3", "progress=false")
+    whole = written(sampler.sample(options(*words, f"out={tmp_path / 'whole'}")))
+    real, calls = DiffusionTask.sample, []
+
+    def stops_at_the_third_batch(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(DiffusionTask, "sample", stops_at_the_third_batch)
+    with pytest.raises(KeyboardInterrupt):
+        sampler.sample(options(*words, f"out={tmp_path / 'again'}"))
+    calls.clear()
+    resumed = written(sampler.sample(options(*words, f"out={tmp_path / 'again'}")))
+    assert len(calls) == 1, "the two stored batches are not sampled again"
+    assert np.array_equal(resumed[0], whole[0]) and np.array_equal(resumed[1], whole[1])
+    monkeypatch.undo()
+    _, task, model, _, _ = sampling(checkpoint, "steps=2", "batch_size=3")
+    expected = dit_protocol(task, model, 9, seed=0, world_size=1, batch_size=3)  # the stream went on after batch 2
+    assert np.array_equal(resumed[0], expected[0]) and np.array_equal(resumed[1], expected[1])
+
+
+def test_balanced_labels_are_balanced_shuffled_and_seeded(checkpoint, tmp_path, monkeypatch):
+    balanced = sampler.balanced_labels(23, NUM_CLASSES, seed=0)
+    assert np.bincount(balanced).tolist() == [3, 3, 3] + [2] * 7
+    assert balanced.tolist() != sorted(balanced.tolist()), "not sorted by class"
+    assert torch.equal(balanced, sampler.balanced_labels(23, NUM_CLASSES, seed=0))
+    assert not torch.equal(balanced, sampler.balanced_labels(23, NUM_CLASSES, seed=1))
     with pytest.raises(ConfigError, match="per_class= asks for balanced classes"):
         sampler.label_mode(options("ckpt=x", "per_class=2", "labels=random"))
     assert sampler.label_mode(options("ckpt=x", "per_class=2")) == "balanced"
     assert sampler.label_mode(options("ckpt=x", "num_samples=20")) == "random"
     assert sampler.label_mode(options("ckpt=x", "num_samples=20", "labels=balanced")) == "balanced"
+    # the tool writes them in that order; the grid still shows one class per row
+    from moh_vision.analysis import grids
+
+    rows, real_grid = [], grids.save_class_grid
+    monkeypatch.setattr(grids, "save_class_grid",
+                        lambda images, labels, *a, **kw: rows.append(labels.tolist()) or real_grid(images, labels,
+                                                                                                   *a, **kw))
+    _, labels = written(sampler.sample(options(f"ckpt={checkpoint}", "per_class=2", "steps=2", "batch_size=8",
+                                               "progress=false", f"out={tmp_path}")))
+    assert labels.tolist() == sampler.balanced_labels(20, NUM_CLASSES, seed=0).tolist()
+    assert rows == [sorted(labels.tolist())]
 
 
 def test_released_weights_sample_with_dits_protocol(tmp_path):
@@ -188,13 +274,24 @@ def test_released_weights_sample_with_dits_protocol(tmp_path):
         sampler.load_model(options(), "cpu")
 
 
-def test_fid_ref_adds_adms_numbers_to_sample_json(checkpoint, tmp_path, tiny_inception):
-    np.savez(tmp_path / "ref.npz", arr_0=np.random.default_rng(0).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8))
-    summary = sampler.sample(options(f"ckpt={checkpoint}", "progress=false", "num_samples=8", "steps=2",
-                                     "batch_size=4", f"out={tmp_path / 'out'}", f"fid_ref={tmp_path / 'ref.npz'}",
-                                     f"inception_weights={tiny_inception}"))
+def test_fid_ref_adds_adms_numbers_to_sample_json(checkpoint, tmp_path, tiny_inception, monkeypatch):
+    """ADM's numbers in sample.json, computed in float32 while the sampling ran with TF32 (set here by hand: on the
+    CPU the tool's tf32=true leaves the settings alone)."""
+    from test_generative_metrics import FLOAT32, TF32_ON, precision_views, settings
+
     from moh_vision.analysis import generative_metrics as adm
     from moh_vision.analysis.inception import InceptionActivations
+
+    seen, real_distances = [], adm.squared_distances
+    monkeypatch.setattr(adm, "squared_distances", lambda *args: seen.append(precision_views()) or real_distances(*args))
+    np.savez(tmp_path / "ref.npz", arr_0=np.random.default_rng(0).integers(0, 256, (6, 16, 16, 3), dtype=np.uint8))
+    with settings(*TF32_ON):
+        on = precision_views()
+        summary = sampler.sample(options(f"ckpt={checkpoint}", "progress=false", "num_samples=8", "steps=2",
+                                         "batch_size=4", f"out={tmp_path / 'out'}", f"fid_ref={tmp_path / 'ref.npz'}",
+                                         f"inception_weights={tiny_inception}"))
+        assert precision_views() == on
+    assert seen and all(views == FLOAT32 for views in seen)
 
     # the same numbers from the written samples.npz (the 2048-d FID, seconds on a CPU, is not computed twice)
     inception = InceptionActivations(tiny_inception)
@@ -208,6 +305,40 @@ def test_fid_ref_adds_adms_numbers_to_sample_json(checkpoint, tmp_path, tiny_inc
         np.savez(tmp_path / "bad.npz", images=np.zeros((2, 16, 16, 3), np.uint8))
         sampler.check_metric_inputs(options("ckpt=x", f"fid_ref={tmp_path / 'bad.npz'}",
                                             f"inception_weights={tiny_inception}"))
+
+
+@pytest.mark.parametrize("case,message", [
+    ("torchvision", r"inception_weights=.*has fc.weight \[1000, 2048\] \(torchvision's ImageNet Inception, "
+                    r"inception_v3_google-\*.pth\), not the 1008-class classifier .*nothing is downloaded"),
+    ("missing_key", r"inception_weights=.* does not fit torch-fidelity's InceptionV3 \(.*Missing key.*Mixed_7c"),
+    ("no_torch_fidelity", r"need torch-fidelity, .*: pip install torch-fidelity==0.4.0"),
+    ("statistics_width", r"the reference's mu is 100-d but this Inception's pool activations are 2048-d"),
+])
+def test_a_wrong_metric_input_is_one_error_line_before_any_sample(case, message, checkpoint, tmp_path,
+                                                                   tiny_inception, monkeypatch, capsys):
+    ref, weights = tmp_path / "ref.npz", tmp_path / "weights.pth"
+    np.savez(ref, arr_0=np.zeros((4, 16, 16, 3), np.uint8))
+    state = torch.load(tiny_inception, weights_only=True)
+    if case == "torchvision":  # torchvision's ImageNet Inception: the same module names, 1000 classes, AuxLogits
+        import torchvision
+        state = torchvision.models.inception_v3(weights=None, aux_logits=True, init_weights=False).state_dict()
+    elif case == "missing_key":
+        state = {k: v for k, v in state.items() if not k.startswith("Mixed_7c.")}
+    elif case == "no_torch_fidelity":
+        monkeypatch.setitem(sys.modules, "torch_fidelity", None)
+    else:
+        np.savez(ref, arr_0=np.zeros((4, 16, 16, 3), np.uint8), mu=np.zeros(100), sigma=np.eye(100))
+    torch.save(state, weights)
+    started = []
+    monkeypatch.setattr(sampler, "load_model", lambda *args: started.append("load_model"))
+    monkeypatch.setattr(sampler, "sample_images", lambda *args: started.append("sample_images"))
+    with pytest.raises(SystemExit) as exited:
+        load_tool("sample").main([f"ckpt={checkpoint}", "num_samples=4", f"out={tmp_path / 'out'}", f"fid_ref={ref}",
+                                  f"inception_weights={weights}", "progress=false"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exited.value.code == 2 and len(err) == 1 and err[0].startswith("error: "), err
+    assert re.search(message, err[0]), err[0]
+    assert started == [], "refused before the checkpoint is read, let alone sampled"
 
 
 def _mkdir(path: Path) -> Path:

@@ -6,8 +6,10 @@
 
 ``samples``: ``arr_0`` uint8 [N, H, W, 3] (tools/sample.py's or DiT's sample_ddp.py's .npz); ``ref``: one of ADM's
 reference batches (its stored mu/sigma and mu_s/sigma_s are used) or a folder of images; ``inception``: a LOCAL copy
-of torch-fidelity's port of TF's 2015-12-05 Inception (nothing is downloaded). Prints the numbers and writes them,
-with their definitions, as JSON. Definitions and layer correspondence: moh_vision/analysis/generative_metrics.py and
+of torch-fidelity's port of TF's 2015-12-05 Inception (nothing is downloaded), checked before any image is read.
+Everything is computed in float32 (no TF32, whatever torch's settings); a samples file ordered by class (its Inception
+Score far from that of the same samples shuffled) is warned about. Prints the numbers and writes them, with their
+definitions, as JSON. Definitions and layer correspondence: moh_vision/analysis/generative_metrics.py and
 moh_vision/analysis/inception.py.
 """
 from __future__ import annotations

@@ -5,9 +5,11 @@
     torchrun --nproc_per_node=8 tools/sample.py ckpt=last.pt num_samples=50000 cfg_scale=1.5 steps=250 \\
         guidance_channels=3 out=samples/xl_90 [fid_ref=VIRTUAL_imagenet256_labeled.npz inception_weights=...]
 
-Labels are drawn uniformly at random per batch, as DiT's sample_ddp.py draws them (per_class= or labels=balanced:
-every class equally often). Writes ``samples.npz`` (ADM's evaluator input), ``labels.npy``, ``samples.png`` and
-``sample.json`` into ``out``; the samples do not depend on the number of ranks (:mod:`moh_vision.engine.sampling`).
+Seeds and labels as DiT's sample_ddp.py: rank r of W draws its labels (uniform) and noise from one stream seeded
+seed * W + r, so the samples of a seed depend on the number of ranks and the batch size (per_class= or
+labels=balanced: every class equally often, shuffled). Writes ``samples.npz`` (ADM's evaluator input), ``labels.npy``,
+``samples.png`` and ``sample.json`` into ``out`` (:mod:`moh_vision.engine.sampling`); the metric inputs are checked
+before the first sample, the metrics computed in float32.
 """
 from __future__ import annotations
 
@@ -26,11 +28,11 @@ OPTIONS = (
     Option("num_samples", type=integer, minimum=1, help="total (50000 for FID-50K)"),
     Option("per_class", type=integer, minimum=1, help="or this many of every class (balanced labels; "
            "8 x classes samples when neither is set)"),
-    Option("labels", choices=("random", "balanced"), help="random: uniform per batch, as DiT's sample_ddp.py "
-           "draws them (the default) | balanced: every class equally, sorted (the default with per_class=)"),
+    Option("labels", choices=("random", "balanced"), help="random: uniform, as DiT's sample_ddp.py draws them (the "
+           "default) | balanced: every class equally, in a seeded shuffle (the default with per_class=)"),
     Option("ema", True, boolean, "sample the EMA weights (false: the raw training weights)"),
-    Option("seed", 0, integer, "batch k uses seed (seed, k)"),
-    Option("batch_size", type=integer, minimum=1, help=f"samples per model call {KEEP}"),
+    Option("seed", 0, integer, "rank r of W draws from one stream seeded seed * W + r (DiT's sample_ddp.py)"),
+    Option("batch_size", type=integer, minimum=1, help=f"samples per model call and rank {KEEP}"),
     Option("decode_batch_size", 32, integer, "latents per VAE decoder call", minimum=1),
     Option("steps", type=yaml_value, help=f"respaced steps: 250, ddim50, ... {KEEP}"),
     Option("sampler", choices=("ddpm", "ddim"), help=KEEP),
@@ -39,7 +41,8 @@ OPTIONS = (
     Option("clip_denoised", type=boolean, help=f"pixel space: true; latents: false {KEEP}"),
     Option("vae", help="local AutoencoderKL dir to decode latents (default: the checkpoint's task.vae.path)"),
     Option("device", "auto", help="auto | cuda | cpu (cuda:LOCAL_RANK under torchrun)"),
-    Option("tf32", True, boolean, "TF32 matmuls on Ampere+ (DiT's sample_ddp.py default)"),
+    Option("tf32", True, boolean, "TF32 matmuls and convolutions on Ampere+ for sampling (DiT's sample_ddp.py "
+           "default); the metrics are float32 either way"),
     Option("compile", False, boolean, "torch.compile the model (its first call compiles; the rest reuse the graph)"),
     Option("progress", True, boolean, "show a progress bar"),
     Option("grid_classes", 10, integer, "rows of samples.png: classes evenly spaced over all classes", minimum=1),

@@ -14,7 +14,7 @@ import logging
 import zipfile
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Dict, Iterator, Mapping, Union
+from typing import Any, Dict, Iterator, Mapping, Optional, Union
 
 import numpy as np
 import torch
@@ -22,6 +22,7 @@ import torch
 from moh_vision.errors import ConfigError
 from .generative_metrics import FRECHET_INPUTS, adm_metrics, check_stored_statistics
 from .inception import InceptionActivations
+from .metrics import full_float32
 
 log = logging.getLogger(__name__)
 
@@ -124,8 +125,9 @@ def read_samples(path: Union[str, Path], option: str = "samples") -> NpzImages:
     return NpzImages(_existing_file(path, option, ".npz with arr_0 (uint8 [N, H, W, 3])"), f"{option}=")
 
 
-def read_reference(path: Union[str, Path], side: int, option: str = "ref") -> Reference:
-    """An ADM reference batch (``arr_0`` and any stored statistics) or a folder of images cropped to ``side``."""
+def read_reference(path: Union[str, Path], side: Optional[int], option: str = "ref") -> Reference:
+    """An ADM reference batch (``arr_0`` and any stored statistics) or a folder of images cropped to ``side`` (None
+    while the samples' side is not known: a check)."""
     where = Path(str(path)).expanduser()
     if where.is_dir():
         return Reference(FolderImages(where, side))
@@ -149,6 +151,16 @@ def _existing_file(path: Union[str, Path], option: str, expected: str) -> Path:
 
 
 # -- The evaluation ----------------------------------------------------------------------------------------------------
+def check_evaluation_inputs(ref: Union[str, Path], weights: Union[str, Path], ref_option: str = "ref",
+                            weights_option: str = "inception") -> None:
+    """What an evaluation needs, checked before any image is sampled or evaluated: torch-fidelity, Inception weights
+    that build its network (on the CPU), a readable reference whose stored statistics fit that network."""
+    inception = InceptionActivations(weights, "cpu", option=weights_option)
+    reference = read_reference(ref, side=None, option=ref_option)
+    check_statistics_widths(reference.statistics, inception.widths())
+
+
+@full_float32()
 def evaluate_images(samples, reference: Reference, inception: InceptionActivations, batch_size: int = 64,
                     progress: bool = True) -> Dict[str, Any]:
     """ADM's five numbers of the sample images against the reference, and where each reference statistic came from."""

@@ -11,27 +11,33 @@ Inception activations, with ADM's definitions:
   of reference images inside some sample ball.
 
 Distances are squared Euclidean, as ADM compares them, in float32 throughout (ADM tries float16 first: a sample within
-float16 round-off of a ball's edge may count otherwise). :func:`adm_metrics` takes the activations as mappings of
+float16 round-off of a ball's edge may count otherwise), and never in TF32, whatever the caller set
+(:func:`~moh_vision.analysis.metrics.full_float32`). :func:`adm_metrics` takes the activations as mappings of
 arrays, so each number can be checked without Inception weights (:mod:`moh_vision.analysis.inception` computes them,
 :mod:`moh_vision.analysis.adm_evaluation` runs the whole evaluation)."""
 from __future__ import annotations
 
+import logging
 from typing import Dict, Mapping, Optional, Tuple, Union
 
 import numpy as np
 import torch
 
-from moh_vision.analysis.metrics import frechet_distance
+from moh_vision.analysis.metrics import frechet_distance, full_float32
 from moh_vision.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 Activations = Mapping[str, np.ndarray]
 NEIGHBOURS = 3  # ADM's nhood_sizes=(3,)
 IS_SPLIT_SIZE = 5000
+ORDER_TOLERANCE = 0.1  # IS of ADM's consecutive splits vs of a shuffle: beyond 10% apart the order is to blame
 # (activations key, reference mean key, reference covariance key) of each Frechet distance
 FRECHET_INPUTS = {"fid": ("pool", "mu", "sigma"), "sfid": ("spatial", "mu_s", "sigma_s")}
 DISTANCE_BLOCK = 1024  # rows of a pairwise distance block: 1024 x 50,000 float32 is 200 MB
 
 
+@full_float32()
 def adm_metrics(samples: Activations, reference: Activations, neighbours: int = NEIGHBOURS,
                 split_size: int = IS_SPLIT_SIZE, device: Union[str, torch.device] = "cpu") -> Dict[str, float]:
     """``fid``, ``sfid``, ``inception_score``, ``precision`` and ``recall`` of the samples against the reference.
@@ -50,6 +56,7 @@ def adm_metrics(samples: Activations, reference: Activations, neighbours: int = 
             out[name] = frechet_distance(*ours, *theirs)
     if "probs" in samples:
         out["inception_score"] = inception_score(samples["probs"], split_size)
+        warn_if_ordered(samples["probs"], out["inception_score"], split_size)
     if "pool" in samples and "pool" in reference:
         ref, fake = _features(reference, "pool", "reference"), _features(samples, "pool", "samples")
         _check_same_width(fake[0], ref[0], "samples' pool", "reference's pool")
@@ -121,7 +128,23 @@ def inception_score(probs: np.ndarray, split_size: int = IS_SPLIT_SIZE) -> float
     return float(np.mean(scores))
 
 
+def warn_if_ordered(probs: np.ndarray, score: float, split_size: int = IS_SPLIT_SIZE, seed: int = 0) -> Optional[float]:
+    """Warn, and return the shuffled score, when ``score`` (ADM's consecutive splits) and the Inception Score of the
+    same rows in a fixed-seed shuffle are more than :data:`ORDER_TOLERANCE` apart: samples sorted by class give each
+    split a few classes and a score several times too low (ADM's evaluator gives it too). One split: no order."""
+    if len(probs) <= split_size:
+        return None
+    shuffled = inception_score(np.asarray(probs)[np.random.default_rng(seed).permutation(len(probs))], split_size)
+    if abs(score - shuffled) <= ORDER_TOLERANCE * shuffled:
+        return None
+    log.warning("the Inception Score over ADM's consecutive splits of %d samples is %.4g but %.4g over the same samples "
+                "shuffled: they are ordered (by class?), so each split sees a few classes; shuffle arr_0 before "
+                "evaluating (tools/sample.py writes its samples shuffled)", split_size, score, shuffled)
+    return shuffled
+
+
 # -- Precision and recall: k-nearest-neighbour manifolds ---------------------------------------------------------------
+@full_float32()
 def precision_recall(reference: np.ndarray, samples: np.ndarray, neighbours: int = NEIGHBOURS,
                      device: Union[str, torch.device] = "cpu") -> Tuple[float, float]:
     """(share of samples inside the reference manifold, share of reference points inside the samples' manifold)."""

@@ -20,7 +20,6 @@ check against the graph itself."""
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Union
 
@@ -28,16 +27,31 @@ import numpy as np
 import torch
 
 from moh_vision.errors import ConfigError
+from .metrics import full_float32
 
 INCEPTION_FILE = "weights-inception-2015-12-05-6726825d.pth"
+INCEPTION_CLASSES = 1008  # the 2015-12-05 graph's softmax; torchvision's ImageNet Inception has 1000
+POOL_WIDTH = 2048
 SPATIAL_LAYER = "Mixed_6d.branch1x1"  # TF's mixed_6/conv (see the module docstring)
 SPATIAL_CHANNELS = 7
 _PROBE_KEY = "Conv2d_1a_3x3.conv.weight"  # a key every torch-fidelity InceptionV3 state dict has
+TORCH_FIDELITY = "torch-fidelity==0.4.0"  # requirements.txt
+
+
+def _hint(option: str) -> str:
+    return f"{option}= must name a local copy of torch-fidelity's {INCEPTION_FILE} (nothing is downloaded)"
 
 
 def check_inception_weights(path: Union[str, os.PathLike, None], option: str = "inception") -> Path:
-    """The path of a readable torch-fidelity InceptionV3 state dict, or a one-line ConfigError naming ``option``."""
-    hint = f"{option}= must name a local copy of torch-fidelity's {INCEPTION_FILE} (nothing is downloaded)"
+    """The path of a readable state dict of torch-fidelity's InceptionV3 with the 2015-12-05 graph's 1008-class
+    classifier, torch-fidelity importable; else a one-line ConfigError naming ``option`` and the fix. Every other key
+    and shape is checked where the network is built (:class:`InceptionActivations`)."""
+    hint = _hint(option)
+    try:
+        import torch_fidelity.feature_extractor_inceptionv3  # noqa: F401
+    except ImportError as err:
+        raise ConfigError(f"FID / sFID / IS / precision-recall need torch-fidelity, its port of the Inception ADM's "
+                          f"evaluator uses ({err}): pip install {TORCH_FIDELITY}") from None
     if not path:
         raise ConfigError(f"FID / sFID / IS / precision-recall need Inception weights; {hint}")
     path = Path(str(path)).expanduser()
@@ -49,19 +63,14 @@ def check_inception_weights(path: Union[str, os.PathLike, None], option: str = "
         raise ConfigError(f"{option}={path} is not a readable state dict ({type(err).__name__}); {hint}")
     if not isinstance(state, dict) or _PROBE_KEY not in state:
         raise ConfigError(f"{option}={path} is not a torch-fidelity InceptionV3 state dict; {hint}")
+    classifier = state.get("fc.weight")
+    if not torch.is_tensor(classifier) or tuple(classifier.shape) != (INCEPTION_CLASSES, POOL_WIDTH):
+        found = f"fc.weight {list(classifier.shape)}" if torch.is_tensor(classifier) else "no fc.weight"
+        known = " (torchvision's ImageNet Inception, inception_v3_google-*.pth)" if torch.is_tensor(classifier) and \
+            tuple(classifier.shape) == (1000, POOL_WIDTH) else ""
+        raise ConfigError(f"{option}={path} has {found}{known}, not the {INCEPTION_CLASSES}-class classifier of the "
+                          f"2015-12-05 TF Inception that ADM's evaluator uses; {hint}")
     return path
-
-
-@contextmanager
-def full_float32():
-    """No TF32 inside: cuDNN's default rounds convolution inputs to 10 mantissa bits on Ampere and later GPUs, while the
-    port was checked against TF's features in float32 (the setting is restored afterwards)."""
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    try:
-        yield
-    finally:
-        torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 class InceptionActivations:
@@ -69,11 +78,17 @@ class InceptionActivations:
 
     def __init__(self, weights: Union[str, os.PathLike], device: Union[str, torch.device] = "cpu",
                  option: str = "inception"):
-        from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
         path = check_inception_weights(weights, option)
+        from torch_fidelity.feature_extractor_inceptionv3 import FeatureExtractorInceptionV3
         self.device = torch.device(device)
-        self.net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
-                                               feature_extractor_weights_path=str(path)).to(self.device)
+        try:
+            net = FeatureExtractorInceptionV3("inception-v3-compat", ["2048", "logits_unbiased"],
+                                              feature_extractor_weights_path=str(path))
+        except RuntimeError as err:  # load_state_dict's missing or unexpected keys and shape mismatches, one line
+            why = " ".join(str(err).split())
+            raise ConfigError(f"{option}={path} does not fit torch-fidelity's InceptionV3 "
+                              f"({why if len(why) <= 300 else why[:297] + '...'}); {_hint(option)}") from None
+        self.net = net.to(self.device)
         self._spatial: Optional[torch.Tensor] = None
         self.net.get_submodule(SPATIAL_LAYER).register_forward_hook(self._keep_spatial)
 

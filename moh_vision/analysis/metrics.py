@@ -10,8 +10,9 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Dict, Optional, Tuple
+from typing import Dict, Iterator, Optional, Tuple
 
 import numpy as np
 import torch
@@ -23,6 +24,47 @@ from moh_vision.data import CACHE_ENV, cache_dir  # noqa: F401  (cache_dir: also
 log = logging.getLogger(__name__)
 
 Tensor = torch.Tensor
+
+# torch's per-backend fp32 precisions (torch >= 2.9; a value "none" defers to the backend's, then the global, one)
+_FP32_PRECISIONS = (torch.backends.cuda.matmul, torch.backends.cudnn.conv, torch.backends.cudnn.rnn,
+                    torch.backends.mkldnn.matmul, torch.backends.mkldnn.conv, torch.backends.mkldnn.rnn)
+
+
+@contextmanager
+def full_float32() -> Iterator[None]:
+    """No TF32 (nor bf16) inside, whatever the caller set: ``allow_tf32`` off for cuBLAS and cuDNN,
+    ``torch.get_float32_matmul_precision() == "highest"`` and every per-backend precision ``"ieee"``; the caller's
+    settings are restored afterwards. Metric numbers are computed in float32 whatever precision the sampling used
+    (TF32 rounds matmul and convolution inputs to 10 mantissa bits on Ampere and later GPUs). The legacy flags are
+    set too: torch refuses to run a matmul whose legacy and per-backend settings disagree."""
+    matmul, cudnn = _legacy_precision()
+    leaves = [owner.fp32_precision for owner in _FP32_PRECISIONS]
+    torch.set_float32_matmul_precision("highest")
+    torch.backends.cudnn.allow_tf32 = False
+    for owner in _FP32_PRECISIONS:
+        owner.fp32_precision = "ieee"
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul)
+        torch.backends.cudnn.allow_tf32 = cudnn
+        for owner, value in zip(_FP32_PRECISIONS, leaves):
+            owner.fp32_precision = value
+
+
+def _legacy_precision() -> Tuple[str, bool]:
+    """The caller's ``get_float32_matmul_precision()`` and cuDNN ``allow_tf32``, also after a mix of legacy and
+    per-backend settings that torch refuses to report as one value (e.g. ``set_float32_matmul_precision("high")``,
+    then ``allow_tf32 = False``): then cuBLAS's flag and cuDNN's convolution precision."""
+    try:
+        matmul = torch.get_float32_matmul_precision()
+    except RuntimeError:
+        matmul = "high" if torch.backends.cuda.matmul.allow_tf32 else "highest"
+    try:
+        cudnn = bool(torch.backends.cudnn.allow_tf32)
+    except RuntimeError:
+        cudnn = torch.backends.cudnn.conv.fp32_precision == "tf32"
+    return matmul, cudnn
 
 
 def frechet_distance(mu1: np.ndarray, sigma1: np.ndarray, mu2: np.ndarray, sigma2: np.ndarray) -> float:
@@ -177,6 +219,7 @@ def load_or_train_classifier(path: Optional[Path], img_size: int) -> DigitsClass
 
 
 @torch.no_grad()
+@full_float32()
 def digits_sample_metrics(classifier: DigitsClassifier, samples: Tensor, labels: Tensor,
                           reference: Optional[Tensor] = None) -> Dict[str, float]:
     """``sample/class_acc``: % of samples the classifier labels with their conditioning class; ``sample/fd_digits``:

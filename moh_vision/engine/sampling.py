@@ -1,15 +1,20 @@
 """Class-conditional samples from a trained DiT / MoH-DiT checkpoint, for grids and FID (``tools/sample.py``).
 
 The model and task are rebuilt from the checkpoint's config (EMA weights by default); latents are decoded with the VAE
-of ``task.vae.path`` (or ``vae=``). Labels follow DiT's ``sample_ddp.py`` (``labels=random``: uniform per batch, so
-class counts vary as in the published FID-50K runs) unless ``labels=balanced`` (the default with ``per_class=``: every
-class ``N // C`` or one more times, sorted). Batch ``k`` draws its noise (and random labels, from a separate stream)
-from seed ``(seed, k)`` and ranks take every WORLD_SIZE-th batch, so the output does not depend on the number of ranks
-(DiT's per-rank seeds make it depend on them); finished batches are kept in ``out/.parts-<hash>/`` until the end, so a
-rerun with the same settings and ``out`` resumes. Rank 0 writes ``samples.npz`` (``arr_0`` uint8 [N, H, W, 3], the input
-of ADM's evaluation suite), ``labels.npy``, ``samples.png`` (a labelled grid, rows = classes) and ``sample.json`` (what
-was sampled and the metrics: the digits proxies for digits checkpoints, ADM's five numbers with ``fid_ref`` and
-``inception_weights``). :func:`sample` takes the options of ``tools/sample.py`` (a mapping with attribute access)."""
+of ``task.vae.path`` (or ``vae=``). Seeds, labels and order follow DiT's ``sample_ddp.py``: rank ``r`` of ``W`` draws
+everything from one stream seeded ``seed * W + r``, each batch's labels (``labels=random``: uniform, so class counts
+vary as in the published FID-50K runs) then its noise; sample ``i`` of that rank's batch ``t`` is output sample
+``t * B * W + i * W + r`` (``B``: the per-rank batch size); every rank samples the same number of full batches, a
+multiple of ``B * W`` in all, and the first ``N`` are kept. So the samples of a seed depend on ``W`` and ``B``, as DiT's
+do. ``labels=balanced`` (the default with ``per_class=``): every class ``N // C`` or one more times, in an order
+shuffled with the seed, not sorted (ADM's Inception Score takes consecutive splits of 5,000: sorted, each would see a
+few classes). Finished batches are kept, with the stream's state after them, in ``out/.parts-<hash>/`` until the end,
+so a rerun with the same settings, ranks and ``out`` resumes where it stopped. Rank 0 writes ``samples.npz``
+(``arr_0`` uint8 [N, H, W, 3], the input of ADM's evaluation suite), ``labels.npy``, ``samples.png`` (a labelled grid,
+rows = classes) and ``sample.json`` (what was sampled and the metrics: the digits proxies for digits checkpoints, ADM's
+five numbers with ``fid_ref`` and ``inception_weights``, computed in float32 whatever ``tf32`` sampled with). Every
+input of a metric is checked before the first sample. :func:`sample` takes the options of ``tools/sample.py`` (a
+mapping with attribute access)."""
 from __future__ import annotations
 
 import hashlib
@@ -28,6 +33,7 @@ import torch
 from moh_vision.checkpoints import atomic_write
 from moh_vision.config import build_data, group_name
 from moh_vision.errors import ConfigError
+from .device_settings import device_settings
 from .distributed import barrier, cleanup, init_distributed
 from .loggers import write_json
 from .run import rebuild_run, shared_output_dir, weights_of
@@ -36,25 +42,16 @@ log = logging.getLogger(__name__)
 
 DEFAULT_OUT = "outputs/sample/%Y-%m-%d/%H-%M-%S"  # strftime pattern; under torchrun rank 0's time decides
 LABEL_MODES = ("random", "balanced")
-LABEL_STREAM = 0x1AB  # keeps the random labels' stream apart from the batch's noise stream
+LABEL_STREAM = 0x1AB  # the balanced labels' shuffle: its own stream, apart from the ranks' sampling streams
 ADM_METRICS = ("fid", "sfid", "inception_score", "precision", "recall")
 OVERRIDABLE = ("steps", "sampler", "cfg_scale", "clip_denoised", "batch_size")
 
 
 # -- What to sample ----------------------------------------------------------------------------------------------------
-def balanced_labels(num_samples: int, num_classes: int) -> torch.Tensor:
-    """``num_samples`` labels, each class ``N // C`` or one more times, sorted by class."""
-    return torch.sort(torch.arange(num_samples) % num_classes, stable=True).values
-
-
-def random_labels(num_samples: int, num_classes: int, batch_size: int, seed: int) -> torch.Tensor:
-    """DiT's ``sample_ddp.py`` labels: every batch of ``batch_size`` draws its own uniformly at random (batch ``k`` from
-    the stream ``(seed, k)``, apart from its noise)."""
-    parts = []
-    for k, start in enumerate(range(0, num_samples, batch_size)):
-        stream = np.random.default_rng([LABEL_STREAM, int(seed), k])
-        parts.append(stream.integers(0, num_classes, min(batch_size, num_samples - start)))
-    return torch.from_numpy(np.concatenate(parts)).long()
+def balanced_labels(num_samples: int, num_classes: int, seed: int) -> torch.Tensor:
+    """``num_samples`` labels, each class ``N // C`` or one more times, in an order shuffled with ``seed``."""
+    order = np.random.default_rng([LABEL_STREAM, int(seed)]).permutation(num_samples)
+    return torch.from_numpy(order % num_classes).long()
 
 
 def label_mode(cfg: Mapping[str, Any]) -> str:
@@ -64,18 +61,25 @@ def label_mode(cfg: Mapping[str, Any]) -> str:
             raise ConfigError("per_class= asks for balanced classes, but labels=random: drop one of them (random "
                               "labels: give num_samples=)")
         return "balanced"
-    return cfg.labels or "random"
-
-
-def draw_labels(mode: str, num_samples: int, num_classes: int, batch_size: int, seed: int) -> torch.Tensor:
+    mode = cfg.labels or "random"
     if mode not in LABEL_MODES:
         raise ConfigError(f"labels={mode}: use {' or '.join(LABEL_MODES)}")
-    return balanced_labels(num_samples, num_classes) if mode == "balanced" else \
-        random_labels(num_samples, num_classes, batch_size, seed)
+    return mode
 
 
-def batch_seed(seed: int, k: int) -> int:
-    return int(seed) * 1_000_003 + int(k)
+def rank_seed(seed: int, rank: int, world_size: int) -> int:
+    """The seed of rank ``rank``'s one stream, as DiT's ``sample_ddp.py`` seeds it."""
+    return int(seed) * int(world_size) + int(rank)
+
+
+def batches_per_rank(num_samples: int, batch_size: int, world_size: int) -> int:
+    """Full batches each rank samples: ``num_samples`` rounded up to a multiple of ``batch_size * world_size``."""
+    return math.ceil(num_samples / (batch_size * world_size))
+
+
+def sample_indices(batch: int, rank: int, world_size: int, batch_size: int) -> np.ndarray:
+    """Where the samples of rank ``rank``'s ``batch``-th batch go in the output (``sample_ddp.py``'s file numbers)."""
+    return batch * batch_size * world_size + np.arange(batch_size) * world_size + rank
 
 
 def sample_count(cfg: Mapping[str, Any], num_classes: int) -> int:
@@ -180,54 +184,69 @@ def run_digest(info: Dict[str, Any], settings: Dict[str, Any]) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
-def part_path(parts: Path, k: int) -> Path:
-    return parts / f"batch_{k:06d}.npz"
+def part_path(parts: Path, rank: int, batch: int) -> Path:
+    return parts / f"rank{rank:04d}_batch{batch:06d}.npz"
 
 
 @torch.no_grad()
-def sample_batches(task, model, labels: torch.Tensor, batches: Iterable[int], seed: int, device: torch.device,
-                   parts: Path, bar=None, decode_batch_size: int = 32) -> None:
-    """Sample, decode (``decode_batch_size`` latents at a time) and store the given batches, skipping stored ones."""
+def sample_rank(task, model, mode: str, num_samples: int, num_classes: int, seed: int, device: torch.device,
+                parts: Path, dist, bar=None, decode_batch_size: int = 32) -> None:
+    """This rank's batches (see the module docstring), decoded ``decode_batch_size`` latents at a time and stored with
+    their output indices and the stream's state after them; a stored batch is not sampled again, the stream goes on
+    from its state."""
     from moh_vision.analysis.grids import to_uint8
     size = int(task.sample_cfg["batch_size"])
-    for k in batches:
-        path = part_path(parts, k)
-        chunk = labels[k * size:(k + 1) * size]
-        if not path.exists():
-            latents = task.sample(model, chunk, device, seed=batch_seed(seed, k))
+    balanced = balanced_labels(num_samples, num_classes, seed) if mode == "balanced" else None
+    stream = torch.Generator(device=device).manual_seed(rank_seed(seed, dist.rank, dist.world_size))
+    for batch in range(batches_per_rank(num_samples, size, dist.world_size)):
+        path = part_path(parts, dist.rank, batch)
+        if path.exists():
+            with np.load(path) as part:
+                stream.set_state(torch.from_numpy(part["stream"]))
+        else:
+            index = sample_indices(batch, dist.rank, dist.world_size, size)
+            if balanced is None:
+                labels = torch.randint(0, num_classes, (size,), generator=stream, device=device).cpu()
+            else:  # indices past N are sampled and dropped, as sample_ddp.py's: any class
+                labels = balanced[torch.from_numpy(index % num_samples)]
+            latents = task.sample(model, labels, device, generator=stream)
             images = np.concatenate([to_uint8(task.decode(x)) for x in latents.split(decode_batch_size)])
-            atomic_write(path, lambda f: np.savez(f, images=images, labels=chunk.numpy()))
+            state = stream.get_state().numpy()
+            atomic_write(path, lambda f: np.savez(f, images=images, labels=labels.numpy(), index=index, stream=state))
         if bar is not None:
-            bar.update(len(chunk))
+            bar.update(size)
 
 
-def merge_parts(parts: Path, num_batches: int) -> Tuple[np.ndarray, np.ndarray]:
-    arrays, labels = [], []
-    for k in range(num_batches):
-        with np.load(part_path(parts, k)) as part:
-            arrays.append(part["images"])
-            labels.append(part["labels"])
-    return np.concatenate(arrays), np.concatenate(labels).astype(np.int64)
+def merge_parts(parts: Path, num_samples: int, batch_size: int, world_size: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Every rank's batches in output order, the first ``num_samples`` kept."""
+    images = labels = None
+    for rank in range(world_size):
+        for batch in range(batches_per_rank(num_samples, batch_size, world_size)):
+            with np.load(part_path(parts, rank, batch)) as part:
+                index, keep = part["index"], part["index"] < num_samples
+                if images is None:
+                    images = np.empty((num_samples, *part["images"].shape[1:]), dtype=np.uint8)
+                    labels = np.empty(num_samples, dtype=np.int64)
+                images[index[keep]], labels[index[keep]] = part["images"][keep], part["labels"][keep]
+    return images, labels
 
 
-def sample_images(task, model, labels: torch.Tensor, seed: int, device: torch.device, parts: Path, dist,
-                  progress: bool = True, decode_batch_size: int = 32) -> Optional[Tuple[np.ndarray, np.ndarray]]:
-    """All ranks sample their batches of ``labels``; rank 0 returns (uint8 NHWC images, labels), others None."""
-    num_samples = len(labels)
+def sample_images(task, model, mode: str, num_samples: int, num_classes: int, seed: int, device: torch.device,
+                  parts: Path, dist, progress: bool = True, decode_batch_size: int = 32
+                  ) -> Optional[Tuple[np.ndarray, np.ndarray]]:
+    """All ranks sample their batches; rank 0 returns (uint8 NHWC images, labels) in output order, others None."""
     size = int(task.sample_cfg["batch_size"])
-    num_batches = (num_samples + size - 1) // size
-    mine = list(range(dist.rank, num_batches, dist.world_size))
     bar = None
     if progress and dist.is_main:
         from tqdm.auto import tqdm
-        bar = tqdm(total=sum(len(labels[k * size:(k + 1) * size]) for k in mine), unit="img",
+        bar = tqdm(total=batches_per_rank(num_samples, size, dist.world_size) * size, unit="img",
                    desc=f"sampling (rank 0 of {dist.world_size})", dynamic_ncols=True)
     parts.mkdir(parents=True, exist_ok=True)
-    sample_batches(task, model, labels, mine, seed, device, parts, bar, decode_batch_size)
+    sample_rank(task, model, mode, num_samples, num_classes, seed, device, parts, dist, bar, decode_batch_size)
     if bar is not None:
         bar.close()
     barrier(dist)
-    return merge_parts(parts, num_batches) if dist.is_main else None
+    return merge_parts(parts, num_samples, size, dist.world_size) if dist.is_main else None
 
 
 # -- Outputs and metrics (rank 0) --------------------------------------------------------------------------------------
@@ -255,14 +274,13 @@ def digits_metrics(task, data, images: np.ndarray, labels: np.ndarray, classifie
 
 
 def check_metric_inputs(cfg: Mapping[str, Any]) -> None:
-    """Fail before sampling, not after hours of it, when the metric inputs are wrong."""
+    """Fail before sampling, not after hours of it, when the metric inputs are wrong: torch-fidelity, the Inception
+    weights (the network ADM's evaluator uses, built once), the reference and its statistics."""
     if cfg.fid_ref is None:
         return
-    from moh_vision.analysis.adm_evaluation import read_reference
-    from moh_vision.analysis.inception import check_inception_weights
-
-    check_inception_weights(cfg.inception_weights, option="inception_weights")
-    read_reference(cfg.fid_ref, side=None, option="fid_ref")
+    from moh_vision.analysis.adm_evaluation import check_evaluation_inputs
+    check_evaluation_inputs(cfg.fid_ref, cfg.inception_weights, ref_option="fid_ref",
+                            weights_option="inception_weights")
 
 
 def adm_sample_metrics(images: np.ndarray, cfg: Mapping[str, Any], device: torch.device) -> Dict[str, float]:
@@ -282,9 +300,6 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     try:
         out = shared_output_dir(Path(cfg.out or time.strftime(DEFAULT_OUT)), dist)
         device = dist.device
-        if device.type == "cuda":
-            torch.backends.cuda.matmul.allow_tf32 = bool(cfg.tf32)
-            torch.backends.cudnn.allow_tf32 = bool(cfg.tf32)
         check_metric_inputs(cfg)
         task, model, data, info = (load_released_model if cfg.model else load_model)(cfg, device)
         if cfg.compile:  # the first call compiles; the other steps reuse it (a smaller last batch compiles once more)
@@ -296,15 +311,17 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
         num_samples = sample_count(cfg, task.null_class)
         settings = {"num_samples": num_samples, "labels": label_mode(cfg), "seed": int(cfg.seed),
                     "vae": task.vae_cfg["path"], **{k: task.sample_cfg[k] for k in (*OVERRIDABLE, "guidance_channels")}}
-        parts = out / f".parts-{run_digest(info, settings)}"
+        parts = out / f".parts-{run_digest(info, {**settings, 'world_size': dist.world_size})}"
+        size = int(task.sample_cfg["batch_size"])
+        sampled = batches_per_rank(num_samples, size, dist.world_size) * size * dist.world_size
         if dist.is_main:
-            log.info("sampling %d images (%d classes) from %s [%s weights, step %s]: %s", num_samples,
-                     task.null_class, info["checkpoint"], info["weights"], info["step"],
-                     ", ".join(f"{k}={v}" for k, v in settings.items() if k != "num_samples"))
-        labels = draw_labels(settings["labels"], num_samples, task.null_class, int(task.sample_cfg["batch_size"]),
-                             int(cfg.seed))
-        merged = sample_images(task, model, labels, int(cfg.seed), device, parts, dist, bool(cfg.progress),
-                               int(cfg.decode_batch_size))
+            log.info("sampling %d images (%d classes; %d in full batches of %d on %d ranks) from %s [%s weights, step "
+                     "%s]: %s", num_samples, task.null_class, sampled, size, dist.world_size, info["checkpoint"],
+                     info["weights"], info["step"], ", ".join(f"{k}={v}" for k, v in settings.items()
+                                                               if k != "num_samples"))
+        with device_settings(bool(cfg.tf32), deterministic=True, device=device):  # TF32 while sampling only; restored
+            merged = sample_images(task, model, settings["labels"], num_samples, task.null_class, int(cfg.seed),
+                                   device, parts, dist, bool(cfg.progress), int(cfg.decode_batch_size))
         if merged is None:
             return {}
         images, labels = merged
@@ -322,6 +339,8 @@ def sample(cfg: Mapping[str, Any]) -> Dict[str, Any]:
         summary = {**info, **settings, "num_classes": task.null_class, "per_class_min": int(counts.min()),
                    "per_class_max": int(counts.max()), "image_shape": list(images.shape[1:]),
                    "space": "latent (decoded)" if task.vae_cfg["path"] else "pixel", "world_size": dist.world_size,
+                   "rank_seeds": [rank_seed(int(cfg.seed), r, dist.world_size) for r in range(dist.world_size)],
+                   "num_sampled": sampled,
                    "files": files, "metrics": metrics, "wall_time_s": time.time() - start}
         write_json(out / "sample.json", summary)
         shutil.rmtree(parts, ignore_errors=True)

@@ -147,8 +147,9 @@ class DiffusionTask:
 
     # --- sampling ----------------------------------------------------------------------------
     def sample(self, model: nn.Module, labels: Tensor, device: torch.device, seed: int = 0,
-               progress: bool = False) -> Tensor:
-        """Class-conditional samples for ``labels`` (in data space, before any VAE decoding)."""
+               progress: bool = False, generator: Optional[torch.Generator] = None) -> Tensor:
+        """Class-conditional samples for ``labels`` (in data space, before any VAE decoding); every random draw comes
+        from ``generator`` (on ``device``), else from one seeded with ``seed``."""
         cfg = self.sample_cfg
         diffusion = create_diffusion(str(cfg["steps"]), **self.diffusion_args)
         fn = guided_model_fn(model, float(cfg["cfg_scale"]), self.null_class, cfg["guidance_channels"])
@@ -157,7 +158,7 @@ class DiffusionTask:
             clip = not self.vae_cfg["path"]
         c, s = self.data.in_chans, self.data.img_size
         outs = []
-        g = torch.Generator(device=device).manual_seed(seed)
+        g = generator if generator is not None else torch.Generator(device=device).manual_seed(seed)
         for chunk in labels.split(int(cfg["batch_size"])):
             chunk = chunk.to(device)
             noise = torch.randn((len(chunk), c, s, s), generator=g, device=device)
