@@ -1,7 +1,8 @@
 """Count what makes a training step wait: host reads of tensors and Python-level collectives, per optimizer step.
 
 A *walk* is a call of ``nn.Module.named_modules`` (``modules()``, ``named_parameters()`` go through it) from
-outside a walk: host work that grows with the model's depth. A *host read* is a call that turns a tensor into a host value: ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
+outside a walk: host work that grows with the model's depth. A *host read* is a call that turns a tensor into a host
+value: ``.item()``, ``.tolist()``, ``.cpu()``, ``.numpy()``,
 ``float()``, ``int()``, ``bool()``, ``format()`` ... of a ``torch.Tensor`` (on CUDA each one waits for the device).
 They are counted by wrapping those methods of ``torch.Tensor``, which every tensor's Python-level call goes
 through; the reads that input loading makes of the loader's own host tensors (``torch.utils.data``,

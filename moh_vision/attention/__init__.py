@@ -11,8 +11,8 @@ from importlib.metadata import entry_points
 
 from .registry import (AttentionVariant, active_head_fraction, after_optimizer_step, attention_class,
                        attention_options, build_attention, find_attention, flops_roles_of, layer_options, list_attention,
-                       list_kernels, optimizer_step_hooks, register_attention, register_kernel, routed_layer_names, routed_modules,
-                       variant_class, variant_option_defaults)
+                       list_kernels, optimizer_step_hooks, register_attention, register_kernel, routed_layer_names,
+                       routed_modules, variant_class, variant_option_defaults)
 from .recorder import LayerRecord, RoutingRecorder, active_recorder, record_routing
 from .kernels import DotProductAttention, HeadAttention, dot_product_attention
 

@@ -163,8 +163,9 @@ class RoutingRecorder:
         return {name: dict(record.stats) for name, record in self.named_records()}
 
 
-# {model: {id(module): (weak reference to the module, its name), "first_parameter": weak reference}}: a memo of each model's module names, so that a
-# training step's recorder does not walk the model (held weakly: it keeps no model alive, and no model holds it)
+# {model: {id(module): (weak reference to the module, its name), "first_parameter": weak reference}}: a memo of each
+# model's module names, so that a training step's recorder does not walk the model (held weakly: it keeps no model
+# alive, and no model holds it)
 _NAMES: "weakref.WeakKeyDictionary[nn.Module, Dict[int, Any]]" = weakref.WeakKeyDictionary()
 
 

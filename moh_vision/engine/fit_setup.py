@@ -164,13 +164,10 @@ def wrap_model(model: nn.Module, compile_model: bool, dist: DistInfo, compile_mo
         wrapped = model
     if dist.enabled:
         from torch.nn.parallel import DistributedDataParallel as DDP
-        ddp = dict(ddp or {"broadcast_buffers": True, "gradient_as_bucket_view": False, "comm_hook": "none",
-                           "bucket_cap_mb": None})
-        hook = ddp.pop("comm_hook")
-        if ddp.get("bucket_cap_mb") is None:
-            ddp.pop("bucket_cap_mb", None)
+        options = {k: v for k, v in (ddp or {}).items() if v is not None}  # none given: torch's defaults
+        hook = options.pop("comm_hook", "none")
         ids = [dist.device.index] if dist.device.type == "cuda" else None
-        wrapped = DDP(wrapped, device_ids=ids, **ddp)
+        wrapped = DDP(wrapped, device_ids=ids, **options)
         if hook != "none":  # torch's own: gradients cast to bf16 / fp16 for the all-reduce, back to fp32 after
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             wrapped.register_comm_hook(None, getattr(default_hooks, f"{hook}_compress_hook"))
