@@ -8,16 +8,21 @@ runs the formula everywhere; under ``torch.jit.trace``, ``torch.fx``, the ONNX e
 ``torch.func`` the formula runs unless the implementation says it runs there (the ``torch.library`` operators under
 ``torch.jit.trace``, where the FLOP counter counts them as one node); ``auto`` runs the device's winner where it can run
 the call, else the formula; an explicit choice runs where it can, and is a one-line error on a device it does not
-support."""
+support. An implementation that raises on its first eager call on a device where the formula does not falls back to
+the formula for the rest of the run (:class:`KernelRuns`)."""
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union
 
 import torch
+import torch.utils.checkpoint
 
-from moh_vision.errors import ConfigError
+from moh_vision.errors import ConfigError, RunError
 from .tracing import COMPILE, active_tracer
+
+log = logging.getLogger(__name__)
 
 AUTO, REFERENCE = "auto", "reference"
 EAGER = (None,)
@@ -69,9 +74,11 @@ class Op:
 
     def choose(self, choice: str, x: torch.Tensor) -> Impl:
         """The implementation that runs a call on ``x`` when the config says ``choice`` (see the module docstring)."""
+        return self._choose(choice, x, active_tracer(x))
+
+    def _choose(self, choice: str, x: torch.Tensor, tracer: Optional[str]) -> Impl:
         if choice == REFERENCE:
             return self.reference
-        tracer = active_tracer(x)
         if choice == AUTO:
             if tracer not in EAGER_OR_COMPILED:
                 return self.reference
@@ -89,7 +96,14 @@ class Op:
         return impl
 
     def __call__(self, choice: str, *args: Any, **kwargs: Any) -> Any:
-        return self.choose(choice, args[0]).fn(*args, **kwargs)
+        x = args[0]
+        tracer = active_tracer(x)
+        impl = self._choose(choice, x, tracer)
+        if tracer is not None:  # traced or compiled: what runs is the graph's (a kernel fails when the graph runs)
+            return impl.fn(*args, **kwargs)
+        if impl is self.reference:
+            return RUNS.ran(self.name, REFERENCE, x.device.type, impl.fn, args, kwargs)
+        return RUNS.guarded(self.name, impl.name, x.device.type, impl.fn, self.reference.fn, args, kwargs)
 
 
 @dataclass(frozen=True)
@@ -144,3 +158,125 @@ def resolved(kernels: Kernels, device: Union[str, torch.device]) -> Dict[str, st
             name = REFERENCE
         picked[op.name] = name
     return picked
+
+
+# ---- Kernels that fail on their first call ---------------------------------------------------------
+def _not_a_failure() -> Tuple[type, ...]:
+    """Errors a first call raises that are not a kernel failing to compile or launch: out of memory (the formula needs
+    more), this package's one-line errors, and the early stop of ``torch.utils.checkpoint``'s recomputation (raised
+    through the call on purpose, once backward has the tensors it needs)."""
+    stop = getattr(torch.utils.checkpoint, "_StopRecomputationError", None)
+    return (torch.OutOfMemoryError, MemoryError, ConfigError, RunError) + ((stop,) if stop is not None else ())
+
+
+NOT_A_FAILURE = _not_a_failure()
+
+
+def first_line(error: BaseException) -> str:
+    """``"<type>: <first line of the message>"``."""
+    lines = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {lines[0].strip()}" if lines else type(error).__name__
+
+
+class KernelRuns:
+    """What ran in this run: the implementations of each op that completed a call, per device type, and the ones that
+    failed on their first call (``summary.json``'s ``kernels_ran`` and ``kernel_fallbacks``).
+
+    A kernel that has never run on a device (a Triton kernel compiled at its first launch) may fail to compile or launch
+    there. :meth:`guarded` runs an implementation's first call on a device inside ``try``: where it raises and the
+    formula, on the same arguments, does not, the formula's result is returned, one warning names the op, the
+    implementation and the error's first line, and every later call of that op on that device runs the formula
+    without trying the implementation again. Where the formula raises too, the error is the caller's (a wrong shape)
+    and the implementation's own error is raised; so are running out of memory and this package's errors
+    (:data:`NOT_A_FAILURE`). Later calls are not inside ``try``: a kernel that launched once is the op's.
+
+    The state is this process's, kept here in the ops layer (models hold none); the trainer resets it when a run starts
+    (:meth:`reset`). A failure in a forward switches the op to its formula from that call on, so that a checkpointed
+    block's recomputation makes the choice its forward made; an implementation that fails after writing into
+    autograd's graph would break that, and none does (the Triton and C++ kernels raise before anything is saved)."""
+
+    def __init__(self) -> None:
+        self.done: Set[Tuple[str, str, str]] = set()       # (op, implementation, device type): a call completed
+        self.failed: Dict[Tuple[str, str, str], str] = {}  # the same keys: the first call's error, one line
+        self.order: List[Tuple[str, str, str]] = []        # ``done`` in the order the calls completed
+
+    def reset(self) -> None:
+        """Forget what ran and what failed (a new run; tests)."""
+        self.done.clear()
+        self.failed.clear()
+        self.order.clear()
+
+    def ran(self, op: str, implementation: str, device: str, fn: Callable, args: Sequence[Any],
+            kwargs: Optional[Mapping[str, Any]] = None) -> Any:
+        """``fn(*args, **kwargs)``, recorded as ``implementation`` of ``op`` on ``device`` (no fallback)."""
+        out = fn(*args, **(kwargs or {}))
+        self._note((op, implementation, device))
+        return out
+
+    def guarded(self, op: str, implementation: str, device: str, fn: Callable, formula: Callable,
+                args: Sequence[Any], kwargs: Optional[Mapping[str, Any]] = None) -> Any:
+        """``fn(*args, **kwargs)``, implementation (or part of one, e.g. ``"fused backward kernel"``) ``implementation``
+        of ``op`` on ``device``, with ``formula`` (same arguments, same result) in its place where its first call fails
+        (see the class docstring)."""
+        key, kwargs = (op, implementation, device), kwargs or {}
+        if key in self.done:
+            return fn(*args, **kwargs)
+        if key in self.failed:
+            return self.ran(op, REFERENCE, device, formula, args, kwargs) if _is_impl(op, implementation) \
+                else formula(*args, **kwargs)
+        try:
+            out = fn(*args, **kwargs)
+        except NOT_A_FAILURE:
+            raise
+        except Exception as error:  # noqa: BLE001 - whether the formula takes the same arguments decides, below
+            failure = error
+        else:
+            self._note(key)
+            return out
+        try:
+            out = formula(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - the arguments are wrong: the implementation's error is the caller's
+            rejected = True
+        else:
+            rejected = False
+        if rejected:
+            raise failure  # outside the handler: the formula's error is not its context
+        self.failed[key] = first_line(failure)
+        if _is_impl(op, implementation):  # a part's formula (a backward's) is not the op's reference
+            self._note((op, REFERENCE, device))
+        config = f" (kernels.{OPS[op].key}=reference runs the formulas from the start)" if op in OPS else ""
+        log.warning("kernel fallback: %s's %s failed on its first call on %s (%s); the reference formula runs in its "
+                    "place for the rest of this run%s", op, implementation, device, self.failed[key], config)
+        return out
+
+    def _note(self, key: Tuple[str, str, str]) -> None:
+        if key not in self.done:
+            self.done.add(key)
+            self.order.append(key)
+
+    def kernels_ran(self, device: Union[str, torch.device]) -> Dict[str, List[str]]:
+        """``{op: [implementation, ...]}``: what completed a call on ``device``'s type in this run, in order
+        (``reference`` where an implementation fell back to it)."""
+        device_type = torch.device(device).type
+        ran: Dict[str, List[str]] = {}
+        for op, name, where in self.order:
+            if where == device_type and (name == REFERENCE or _is_impl(op, name)):
+                ran.setdefault(op, []).append(name)
+        return ran
+
+    def fallbacks(self, device: Union[str, torch.device]) -> Dict[str, Dict[str, str]]:
+        """``{op: {implementation: its first call's error}}`` on ``device``'s type in this run."""
+        device_type = torch.device(device).type
+        failed: Dict[str, Dict[str, str]] = {}
+        for (op, name, where), error in self.failed.items():
+            if where == device_type:
+                failed.setdefault(op, {})[name] = error
+        return failed
+
+
+def _is_impl(op: str, name: str) -> bool:
+    """Whether ``name`` is one of ``op``'s registered implementations (not a part of one)."""
+    return op in OPS and name in OPS[op].impls
+
+
+RUNS = KernelRuns()  # this process's record (like OPS, the ops layer's; reset by the trainer at a run's start)
