@@ -34,12 +34,13 @@ from typing import List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from .dispatch import EAGER_OR_COMPILED, Op
+from .dispatch import EAGER_OR_COMPILED, RUNS, Op
 from .extensions import load_cpu_kernels
 from .tracing import JIT_TRACE
 
 Tensor = torch.Tensor
 Size2 = Tuple[int, int]
+NAME = "aggregated_attention"  # the op's name (moh_vision.ops.dispatch)
 
 __all__ = ["aggregated_attention", "aggregated_attention_reference", "local_window_mask"]
 
@@ -229,42 +230,76 @@ def _contiguous(dtype: torch.dtype, *tensors: Tensor) -> List[Tensor]:
     return [t.to(dtype).contiguous() for t in tensors]
 
 
-@_aggregated_op.register_kernel("cpu")
-def _aggregated_cpu(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
-    if not cpu_kernels_available():
-        return _forward_plain(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
+def _cpu_forward(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
     args = _contiguous(_arithmetic_dtype(q.dtype), q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight)
     out, lse = torch.ops.moh_aggregated.forward(*args, height, width, window)
     return out.to(q.dtype), lse
 
 
-@_aggregated_backward_op.register_kernel("cpu")
-def _aggregated_backward_cpu(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width,
-                             window):
+def _cpu_backward(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width, window):
     inputs = (q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight)
-    if not cpu_kernels_available():
-        return _backward_plain(grad, *inputs, lse, (height, width), window)
     grads = torch.ops.moh_aggregated.backward(*_contiguous(_arithmetic_dtype(q.dtype), grad, *inputs, lse), height,
                                               width, window)
     return tuple(g.to(t.dtype) for g, t in zip(grads, inputs))
 
 
-@_aggregated_op.register_kernel("cuda")
-def _aggregated_cuda(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
+def _cuda_forward(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
     from . import aggregated_triton as kernels
-    if not kernels.supports(k_pool.shape[-2], q.shape[-1]):
-        return _forward_plain(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
     return kernels.forward(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
 
 
-@_aggregated_backward_op.register_kernel("cuda")
-def _aggregated_backward_cuda(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width,
-                              window):
+def _cuda_backward(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width, window):
     from . import aggregated_triton as kernels
-    args = (q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, (height, width), window)
+    return kernels.backward(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, (height, width),
+                            window)
+
+
+def _forward_formulas(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, height, width, window):
+    return _forward_plain(q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, (height, width), window)
+
+
+def _backward_formulas(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, height, width, window):
+    return _backward_plain(grad, q, k, v, k_pool, v_pool, pool_bias, local_bias, local_weight, lse, (height, width),
+                           window)
+
+
+def _kernel(part: str, kernel, formulas, args):
+    """The kernel (looked up by name when it runs) in the operator, or its formulas where its first call on this device
+    fails (:meth:`~moh_vision.ops.dispatch.KernelRuns.guarded`): in eager calls, compiled graphs and backward alike;
+    what autograd saves is the operator's either way."""
+    return RUNS.guarded(NAME, f"fused {part}", args[1].device.type, globals()[kernel], formulas, args)
+
+
+@_aggregated_op.register_kernel("cpu")
+def _aggregated_cpu(*args):
+    if not cpu_kernels_available():
+        return _forward_formulas(*args)
+    return _kernel("forward kernel", "_cpu_forward", _forward_formulas, args)
+
+
+@_aggregated_backward_op.register_kernel("cpu")
+def _aggregated_backward_cpu(*args):
+    if not cpu_kernels_available():
+        return _backward_formulas(*args)
+    return _kernel("backward kernel", "_cpu_backward", _backward_formulas, args)
+
+
+@_aggregated_op.register_kernel("cuda")
+def _aggregated_cuda(*args):
+    from . import aggregated_triton as kernels
+    q, k_pool = args[0], args[3]
     if not kernels.supports(k_pool.shape[-2], q.shape[-1]):
-        return _backward_plain(grad, *args)
-    return kernels.backward(grad, *args)
+        return _forward_formulas(*args)
+    return _kernel("forward kernel", "_cuda_forward", _forward_formulas, args)
+
+
+@_aggregated_backward_op.register_kernel("cuda")
+def _aggregated_backward_cuda(*args):
+    from . import aggregated_triton as kernels
+    q, k_pool = args[1], args[4]
+    if not kernels.supports(k_pool.shape[-2], q.shape[-1]):
+        return _backward_formulas(*args)
+    return _kernel("backward kernel", "_cuda_backward", _backward_formulas, args)
 
 
 @_aggregated_op.register_fake
@@ -294,7 +329,7 @@ _aggregated_op.register_autograd(_backward, setup_context=_setup_context)
 
 
 # ---- The op: the reference and its implementations (moh_vision.ops.dispatch chooses) ---------
-AGGREGATED = Op("aggregated_attention", key="aggregated", reference=aggregated_attention_reference,
+AGGREGATED = Op(NAME, key="aggregated", reference=aggregated_attention_reference,
                 auto={"cpu": "fused", "cuda": "fused"})
 
 

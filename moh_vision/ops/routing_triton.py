@@ -9,10 +9,11 @@ the heads' and the logits', one more kernel. Layers that route (``topk > 0``) on
 1.48x to 1.26x dense's."""
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
+from .dispatch import RUNS
 from .triton import tl, triton
 
 Tensor = torch.Tensor
@@ -273,21 +274,48 @@ class TritonRouteMerge(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_merged, _gates, _probs, _mask, _index, grad_loss):
-        z, heads, gates, probs, mask, sums = ctx.saved_tensors
-        routed, shared, topk = ctx.layout
-        B, h, N, d = heads.shape
-        T = z.shape[0]
-        if grad_merged is None:  # only the loss was used
-            grad_merged = heads.new_zeros(B, N, h * d)
-        grad_merged = grad_merged.contiguous()
+        heads = ctx.saved_tensors[1]
         aux = grad_loss is not None and grad_loss.dim() == 0
-        grad = z.new_empty(z.shape)  # contiguous, whatever the logits' row stride
-        grad_heads = torch.empty_like(heads)  # o's own layout, as attention's backward expects
-        _route_backward[(triton.cdiv(T, BLOCK_TOKENS),)](gates, z, probs, mask, sums, grad_loss if aux else sums, grad,
-                                                         T, z.stride(0), float(routed) / T, heads, grad_merged,
-                                                         grad_heads, N, *heads.stride(), *grad_heads.stride(),
-                                                         AUX=aux, **_meta(routed, shared, topk, probs.dtype, d))
+        # the formulas' gradients where the kernel fails on its first call on this device (ops.dispatch.KernelRuns)
+        grad_heads, grad = RUNS.guarded("moh_routing", "fused backward kernel", heads.device.type, _backward_kernel,
+                                        _backward_formulas, (ctx, grad_merged, grad_loss if aux else None))
         return grad_heads, grad.view(*ctx.lead, -1), None, None, None, None, None
+
+
+def _backward_kernel(ctx, grad_merged: Optional[Tensor], grad_loss: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """The heads' gradient and the logits' rows' ``[T, L]``, by the backward kernel."""
+    z, heads, gates, probs, mask, sums = ctx.saved_tensors
+    routed, shared, topk = ctx.layout
+    B, h, N, d = heads.shape
+    T = z.shape[0]
+    if grad_merged is None:  # only the loss was used
+        grad_merged = heads.new_zeros(B, N, h * d)
+    grad_merged = grad_merged.contiguous()
+    aux = grad_loss is not None
+    grad = z.new_empty(z.shape)  # contiguous, whatever the logits' row stride
+    grad_heads = torch.empty_like(heads)  # o's own layout, as attention's backward expects
+    _route_backward[(triton.cdiv(T, BLOCK_TOKENS),)](gates, z, probs, mask, sums, grad_loss if aux else sums, grad,
+                                                     T, z.stride(0), float(routed) / T, heads, grad_merged,
+                                                     grad_heads, N, *heads.stride(), *grad_heads.stride(),
+                                                     AUX=aux, **_meta(routed, shared, topk, probs.dtype, d))
+    return grad_heads, grad
+
+
+def _backward_formulas(ctx, grad_merged: Optional[Tensor], grad_loss: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
+    """The same gradients through :func:`~moh_vision.ops.routing.route_merge_reference` (the logits read in the gates'
+    dtype, as the kernels compute them), recomputed from the saved heads and logits."""
+    from .routing import route_merge_reference
+    z, heads, gates = ctx.saved_tensors[:3]
+    routed, shared, topk = ctx.layout
+    with torch.enable_grad():
+        heads_, z_ = heads.detach().requires_grad_(), z.detach().requires_grad_()
+        logits = z_.view(*ctx.lead, -1).to(gates.dtype)
+        merged, routing = route_merge_reference(heads_, logits, routed, shared, topk, grad_loss is not None)
+        pairs = [(out, g) for out, g in ((merged, grad_merged), (routing.loss, grad_loss)) if g is not None]
+        grads = torch.autograd.grad([out for out, _ in pairs], (heads_, z_), [g for _, g in pairs],
+                                    allow_unused=True) if pairs else (None, None)
+    grad_heads, grad = (torch.zeros_like(t) if g is None else g.to(t.dtype) for g, t in zip(grads, (heads, z)))
+    return grad_heads, grad
 
 
 def triton_route_merge(heads: Tensor, logits: Tensor, routed: int, shared: int, topk: int,
