@@ -24,6 +24,7 @@ from moh_vision import checkpoints as ckpt_io
 from moh_vision.attention import optimizer_step_hooks
 from moh_vision.errors import ConfigError, RunError
 from moh_vision.ops import Kernels, resolved
+from moh_vision.ops.dispatch import RUNS
 from moh_vision.tasks.protocols import Data, EpochContext, Task
 from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, write_routing_artifacts
 from .checkpoint_history import CheckpointHistory
@@ -123,6 +124,7 @@ class Trainer:
             return self._fit(task, data)
 
     def _fit(self, task: Task, data: Data) -> Dict[str, Any]:
+        RUNS.reset()  # which kernels ran, and fell back, in this run (summary.json)
         seed_everything(self.seed + self.dist.rank, self.cfg.deterministic, self.device)
         parts = self.parts = build_parts(self.cfg, self.optim_cfg, self.sched_cfg, self.dist, self.seed, task, data)
         self.step_hooks = optimizer_step_hooks(parts.model)  # found once: no walk of the model in a step
@@ -539,6 +541,8 @@ class Trainer:
         kernels = Kernels.of(self.config.get("kernels"))
         summary["kernels"] = kernels.as_dict()  # as configured, and what runs on this device
         summary["kernels_in_use"] = resolved(kernels, self.dist.device)
+        summary["kernels_ran"] = RUNS.kernels_ran(self.dist.device)  # this process's eager calls
+        summary["kernel_fallbacks"] = RUNS.fallbacks(self.dist.device)  # first calls that failed: the formula ran
         summary["checkpoint"] = str(self.ckpt_dir / "last.pt")
         if previous is not None and previous.get("steps") == self.step:
             # the same training state as the recorded run: never replace a recorded result with nothing / NaN
