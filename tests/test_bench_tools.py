@@ -121,9 +121,9 @@ def test_gpu_checks_script_parses_and_names_its_parts():
     assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
     usage = subprocess.run(["bash", str(script)], capture_output=True, text=True)
     assert usage.returncode != 0
-    assert "usage: bash tools/gpu_checks.sh <out_dir> [backbones,tests,models,routing,train]" in usage.stderr
+    assert "usage: bash tools/gpu_checks.sh <out_dir> [steps,backbones,tests,models,routing,train]" in usage.stderr
     text = script.read_text()
-    assert all(f"*,{part},*" in text for part in ("backbones", "tests", "models", "routing", "train"))
+    assert all(f"*,{part},*" in text for part in ("steps", "backbones", "tests", "models", "routing", "train"))
 
 
 def test_bench_data_quick_times_both_loaders_on_a_generated_tree(tmp_path, capsys):

@@ -190,7 +190,8 @@ B, N, d, L = 2, 5, 4, 4 + 2 + 2
 for step in range(2):
     h = torch.randn(B, heads, N, d, generator=g, requires_grad=True)
     z = torch.randn(B, N, L, generator=g, requires_grad=True)
-    merged, _, _, _, _, loss = kernels.triton_route_merge(h, z, heads - shared, shared, topk, True)
+    merged, _, _, _, _, loss = kernels.triton_route_merge(h, z, heads - shared, shared, topk, True,
+                                                               formula=route_merge_reference)
     fused = torch.autograd.grad((merged.square().sum(), loss), (h, z))
     m, routing = route_merge_reference(h, z, heads - shared, shared, topk, True)
     formula = torch.autograd.grad((m.square().sum(), routing.loss), (h, z))
@@ -225,3 +226,26 @@ def test_a_train_py_run_reports_the_fallback_in_summary_json(tmp_path):
     if ops_aggregated.cpu_kernels_available():
         assert list(summary["kernel_fallbacks"]["aggregated_attention"]) == ["fused backward kernel"]
     json.dumps(summary)  # plain JSON
+
+
+def test_the_gpu_checks_step_of_each_recipe_runs_on_the_cpu_and_records_what_ran(tmp_path, monkeypatch):
+    """``tools/gpu_checks.sh`` part ``steps`` (``moh_vision.engine.step_check``), as its ``quick`` dry run: each recipe
+    with a tiny model (the recipe's AMP, scaler, clipping, EMA, mixup and task kept), a warm-up step and the checked
+    step (CUDA's sync debug mode needs CUDA: on the CPU the steps just run); with a kernel failing, the record names
+    the fallback, and a recipe that cannot be built is a failed entry, not a crash."""
+    from moh_vision.engine import step_check
+    failing_impl(monkeypatch, "depthwise_conv", "channels_last")
+    out = tmp_path / "steps.json"
+    status = step_check.main([str(out), "2",
+                              "moh_transnext_small_80+model=transnext_nano+attention=moh+data.img_size=32",
+                              "moh_dit_xl_2_90+model=dit_tiny_2+attention=moh", "moh_dit_xl_2_90+model=no_such_model"])
+    classification, diffusion, broken = json.loads(out.read_text())
+    assert status == 1 and (classification["passed"], diffusion["passed"], broken["passed"]) == (True, True, False)
+    assert classification["amp"] == "fp16" and diffusion["ema"] and diffusion["task"] == "diffusion"
+    assert classification["sync_debug_mode"] is None and classification["stage"] == "done"
+    assert classification["kernels_ran"]["depthwise_conv"] == ["reference"]
+    assert list(classification["kernel_fallbacks"]) == ["depthwise_conv"]
+    assert classification["kernels_ran"]["moh_routing"] == ["reference"] and "aggregated_attention" in \
+        classification["kernels_ran"]
+    assert diffusion["kernels_ran"] == {"moh_routing": ["reference"]} and diffusion["kernel_fallbacks"] == {}
+    assert broken["stage"] == "build" and broken["error"] and "Traceback" in broken["stack"]

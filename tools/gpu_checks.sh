@@ -7,7 +7,13 @@
 #   bash tools/gpu_checks.sh <out_dir> [parts] [quick]
 #   bash tools/gpu_checks.sh wheels <dir>     # here: the wheels part `train` needs on a GPU machine
 #
-# parts (comma-separated; default backbones,tests):
+# parts (comma-separated; default steps,backbones,tests):
+#   steps      one training step of each recipe's model (experiment=moh_transnext_small_80: MoH-TransNeXt-S/80, fp16;
+#              experiment=moh_dit_xl_2_90: MoH-DiT-XL/2-90 on ImageNet-256's latents, EMA), batch STEP_BATCH (default
+#              4), after a warm-up step, under torch.cuda.set_sync_debug_mode("error") (the batch copied to the device
+#              before it): runs/steps.json records per recipe whether it passed, the error and its stack, and which
+#              kernels ran and which fell back to their formulas (python -m moh_vision.engine.step_check; needs
+#              Hydra: see `wheels`). TIMEOUT_STEPS, default 300 s.
 #   backbones  TransNeXt-T beside Swin-T, bf16, batch 64: a profile (each model's time by kind of work and top
 #              kernels) with TransNeXt-T's pieces under every CUDA implementation (components); then
 #              tools/bench_kernels.py on TransNeXt-T, the same weights under kernels variants (auto; the aggregated
@@ -35,8 +41,8 @@ if [[ ${1:-} == wheels ]]; then
     grep -iE '^(antlr4-python3-runtime|iopath|yacs|termcolor|portalocker|tabulate)==')
   exec python3 -m pip wheel -q --no-deps -w "$dir" $pins $deps
 fi
-out=${1:?usage: bash tools/gpu_checks.sh <out_dir> [backbones,tests,models,routing,train] [quick]}
-parts=",${2:-backbones,tests},"
+out=${1:?usage: bash tools/gpu_checks.sh <out_dir> [steps,backbones,tests,models,routing,train] [quick]}
+parts=",${2:-steps,backbones,tests},"
 quick=${3:-}
 mkdir -p "$out/runs"
 export PYTHONUNBUFFERED=1 WANDB_MODE=disabled MPLBACKEND=Agg PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -61,6 +67,16 @@ run() {  # run <name> <tool> <args...>: one timed step, its table and record und
   python3 -c "import torch, timm; print('torch', torch.__version__, 'timm', timm.__version__, 'cuda', torch.version.cuda)"
   python3 -c "import triton; print('triton', triton.__version__)" 2>&1 || true
 } | tee "$out/runs/env.txt"
+
+if [[ $parts == *,steps,* ]]; then
+  step "steps: a training step of each recipe's model, $device, sync debug mode error"
+  recipes=(moh_transnext_small_80 moh_dit_xl_2_90)
+  [[ -n "$quick" ]] && recipes=("moh_transnext_small_80+model=transnext_nano+attention=moh+data.img_size=32"
+                                "moh_dit_xl_2_90+model=dit_tiny_2+attention=moh")
+  timeout "${TIMEOUT_STEPS:-300}" python3 -m moh_vision.engine.step_check "$out/runs/steps.json" "${STEP_BATCH:-4}" \
+    "${recipes[@]}" 2>&1 | tail -40 | tee "$out/runs/steps.log"
+  pack
+fi
 
 tiny=transnext_tiny:swin_tiny_patch4_window7_224
 base=transnext_base:swin_base_patch4_window7_224

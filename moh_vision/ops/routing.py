@@ -122,7 +122,8 @@ def route_merge_fused(heads: Tensor, logits: Tensor, routed: int, shared: int, t
     if topk == 0 or heads.dtype != logits.dtype:
         return route_merge_reference(heads, logits, routed, shared, topk, with_loss)
     from .routing_triton import triton_route_merge
-    merged, gates, probs, mask, index, loss = triton_route_merge(heads, logits, routed, shared, topk, with_loss)
+    merged, gates, probs, mask, index, loss = triton_route_merge(heads, logits, routed, shared, topk, with_loss,
+                                                                 formula=route_merge_reference)
     return merged, Routing(gates, probs, mask, index, loss if loss.dim() == 0 else None)
 
 

@@ -9,7 +9,7 @@ the heads' and the logits', one more kernel. Layers that route (``topk > 0``) on
 1.48x to 1.26x dense's."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 
@@ -255,7 +255,7 @@ class TritonRouteMerge(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, heads: Tensor, logits: Tensor, routed: int, shared: int, topk: int, with_loss: bool,
-                out_dtype: torch.dtype):
+                out_dtype: torch.dtype, formula: Optional[Callable] = None):
         B, h, N, d = heads.shape
         lead = logits.shape[:-1]
         z = token_rows(logits)
@@ -267,7 +267,7 @@ class TritonRouteMerge(torch.autograd.Function):
                                                         **_meta(routed, shared, topk, out_dtype, d))
         loss = _balance_loss(sums, routed, T, with_loss)
         ctx.save_for_backward(z, heads, gates, probs, mask, sums)
-        ctx.layout, ctx.lead = (routed, shared, topk), lead
+        ctx.layout, ctx.lead, ctx.formula = (routed, shared, topk), lead, formula
         ctx.mark_non_differentiable(gates, probs, mask, index)  # the gates act through the merged output
         ctx.set_materialize_grads(False)
         return (merged, gates.view(*lead, -1), probs.view(*lead, -1), mask.view(*lead, -1), index.view(*lead, -1), loss)
@@ -276,10 +276,13 @@ class TritonRouteMerge(torch.autograd.Function):
     def backward(ctx, grad_merged, _gates, _probs, _mask, _index, grad_loss):
         heads = ctx.saved_tensors[1]
         aux = grad_loss is not None and grad_loss.dim() == 0
-        # the formulas' gradients where the kernel fails on its first call on this device (ops.dispatch.KernelRuns)
-        grad_heads, grad = RUNS.guarded("moh_routing", "fused backward kernel", heads.device.type, _backward_kernel,
-                                        _backward_formulas, (ctx, grad_merged, grad_loss if aux else None))
-        return grad_heads, grad.view(*ctx.lead, -1), None, None, None, None, None
+        args = (ctx, grad_merged, grad_loss if aux else None)
+        if ctx.formula is None:
+            grad_heads, grad = _backward_kernel(*args)
+        else:  # the formulas' gradients where the kernel fails on its first call on this device (ops.dispatch)
+            grad_heads, grad = RUNS.guarded("moh_routing", "fused backward kernel", heads.device.type,
+                                            _backward_kernel, _backward_formulas, args)
+        return grad_heads, grad.view(*ctx.lead, -1), None, None, None, None, None, None
 
 
 def _backward_kernel(ctx, grad_merged: Optional[Tensor], grad_loss: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
@@ -302,15 +305,15 @@ def _backward_kernel(ctx, grad_merged: Optional[Tensor], grad_loss: Optional[Ten
 
 
 def _backward_formulas(ctx, grad_merged: Optional[Tensor], grad_loss: Optional[Tensor]) -> Tuple[Tensor, Tensor]:
-    """The same gradients through :func:`~moh_vision.ops.routing.route_merge_reference` (the logits read in the gates'
-    dtype, as the kernels compute them), recomputed from the saved heads and logits."""
-    from .routing import route_merge_reference
+    """The same gradients through the formulas the forward was given
+    (:func:`~moh_vision.ops.routing.route_merge_reference`; the logits read in the gates' dtype, as the kernels compute
+    them), recomputed from the saved heads and logits."""
     z, heads, gates = ctx.saved_tensors[:3]
     routed, shared, topk = ctx.layout
     with torch.enable_grad():
         heads_, z_ = heads.detach().requires_grad_(), z.detach().requires_grad_()
         logits = z_.view(*ctx.lead, -1).to(gates.dtype)
-        merged, routing = route_merge_reference(heads_, logits, routed, shared, topk, grad_loss is not None)
+        merged, routing = ctx.formula(heads_, logits, routed, shared, topk, grad_loss is not None)
         pairs = [(out, g) for out, g in ((merged, grad_merged), (routing.loss, grad_loss)) if g is not None]
         grads = torch.autograd.grad([out for out, _ in pairs], (heads_, z_), [g for _, g in pairs],
                                     allow_unused=True) if pairs else (None, None)
@@ -318,8 +321,9 @@ def _backward_formulas(ctx, grad_merged: Optional[Tensor], grad_loss: Optional[T
     return grad_heads, grad
 
 
-def triton_route_merge(heads: Tensor, logits: Tensor, routed: int, shared: int, topk: int,
-                       with_loss: bool) -> Tuple[Tensor, ...]:
+def triton_route_merge(heads: Tensor, logits: Tensor, routed: int, shared: int, topk: int, with_loss: bool,
+                       formula: Optional[Callable] = None) -> Tuple[Tensor, ...]:
     """(merged, gates, probs, mask, index, loss or an empty tensor); float32 gates under autocast, as autocast's
-    softmax gives them to the formulas."""
-    return TritonRouteMerge.apply(heads, logits, routed, shared, topk, with_loss, _gates_dtype(logits))
+    softmax gives them to the formulas. ``formula``: the routing's formulas, whose gradients backward takes where its
+    kernel fails on its first call (none: the kernel's error is raised)."""
+    return TritonRouteMerge.apply(heads, logits, routed, shared, topk, with_loss, _gates_dtype(logits), formula)
