@@ -218,8 +218,8 @@ def active_recorder() -> Optional[RoutingRecorder]:
 
 def compile_model(model: nn.Module, mode: str = "default") -> nn.Module:
     """``torch.compile(model, mode=mode)``: what ``trainer.compile``, ``tools/sample.py compile=true`` and
-    ``tools/bench_models.py compile=true`` call. Compiled routed layers read the open recorder from :data:`_TRACED`, so
-    the model is one graph with the recorder open on every supported torch (2.11, the pinned one;
+    ``benchmarks/bench_models.py compile=true`` call. Compiled routed layers read the open recorder from
+    :data:`_TRACED`, so the model is one graph with the recorder open on every supported torch (2.11, the pinned one;
     ``tests/test_compile_routing.py``)."""
     return torch.compile(model, mode=mode)
 
