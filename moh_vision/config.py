@@ -669,7 +669,7 @@ def check_path(key: str, value: str, kind: str) -> None:
 def check_attention(attention: Dict[str, Any]) -> None:
     """The ``attention`` group: a registered variant (or null: the model preset's own), known options of the right
     types; their ranges are checked when the model is built (:func:`check_model`)."""
-    from moh_vision.attention import attention_class, attention_options, list_attention, list_kernels
+    from moh_vision.attention import attention_class, attention_options, list_attention, list_forms
 
     name = attention.get("name")
     weight = attention.get("aux_loss_weight")
@@ -684,9 +684,9 @@ def check_attention(attention: Dict[str, Any]) -> None:
         raise ConfigError(f"attention.name={name} is unknown; registered: {', '.join(list_attention())}")
     known: List[str] = []
     hints: Dict[str, Any] = {}
-    for kernel in list_kernels():
-        known += [o for o in attention_options(name, kernel) if o not in known]
-        for klass in attention_class(name, kernel).__mro__:
+    for form in list_forms():
+        known += [o for o in attention_options(name, form) if o not in known]
+        for klass in attention_class(name, form).__mro__:
             if "__init__" in vars(klass):
                 hints = {**typing.get_type_hints(klass.__init__), **hints}
     for key, value in attention.items():

@@ -41,13 +41,20 @@ def run_entry(script: str, *args: str, env: Optional[Dict[str, str]] = None, tim
     return proc
 
 
-def load_tool(name: str):
-    """Import ``tools/<name>.py`` as a module (the tools are scripts, not a package)."""
+def load_tool(name: str, folder: str = "tools"):
+    """Import ``tools/<name>.py`` (or ``<folder>/<name>.py``) as a module (the tools are scripts, not a package)."""
     import importlib.util
-    spec = importlib.util.spec_from_file_location(f"tool_{name}", REPO / "tools" / f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"{folder}_{name}", REPO / folder / f"{name}.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # as an import does (a dataclass's annotations are looked up there)
     spec.loader.exec_module(module)
     return module
+
+
+def load_benchmark(name: str):
+    """Import ``benchmarks/<name>.py`` as a module; its siblings (``harness``, ...) import from ``benchmarks/``, which
+    pytest puts on the path (``pyproject.toml``), as running the script does."""
+    return load_tool(name, "benchmarks")
 
 
 def read_summary(run_dir: Path) -> dict:

@@ -1,4 +1,4 @@
-"""``tools/bench_backbones.py``: our backbones beside timm peers in one interleaved run (the timings are for a
+"""``benchmarks/bench_backbones.py``: our backbones beside timm peers in one interleaved run (the timings are for a
 quiet machine; here: the plumbing, the consistency of the figures, and the saved-for-backward counter)."""
 import json
 import math
@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import load_tool
-from moh_vision.analysis.backbone_bench import PAIR_SETS, parse_pairs, saved_tensor_bytes
+from helpers import load_benchmark
+from bench_backbones import PAIR_SETS, parse_pairs, saved_tensor_bytes
 from moh_vision.errors import ConfigError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -37,8 +37,8 @@ def test_quick_run_gives_finite_consistent_rows_eager_and_compiled(tmp_path, mon
 
     monkeypatch.setattr(recorder, "compile_model", compile_model)
     out = tmp_path / "b.md"
-    rows = load_tool("bench_backbones").main(["quick=true", "warmup=0", "compile=false,true",
-                                              "compile_mode=reduce-overhead", f"out={out}"])
+    rows = load_benchmark("bench_backbones").main(["quick=true", "warmup=0", "compile=false,true",
+                                                   "compile_mode=reduce-overhead", f"out={out}"])
     assert [(r["pair"], r["compiled"]) for r in rows] == [(PAIR_SETS["quick"][0], False),
                                                           (PAIR_SETS["quick"][0], True)]
     assert compiled == [("TransNeXt", "reduce-overhead"), ("PyramidVisionTransformerV2", "reduce-overhead")]
@@ -122,13 +122,13 @@ def test_a_bad_pair_is_one_config_error_line(spec, message, capsys):
     with pytest.raises(ConfigError, match=message):
         parse_pairs([spec])
     with pytest.raises(SystemExit) as exited:
-        load_tool("bench_backbones").main([f"pairs={spec}"])
+        load_benchmark("bench_backbones").main([f"pairs={spec}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert exited.value.code == 2 and len(err) == 1 and err[0].startswith("error: ") and message in err[0]
 
 
 def test_profile_lists_where_a_step_goes(tmp_path):
-    from moh_vision.analysis.backbone_bench import bench_backbones
+    from bench_backbones import bench_backbones
 
     rows = bench_backbones(quick=True, rounds=1, warmup=0, saved=False, profile=True, out=str(tmp_path / "b.md"))
     profiled = rows[0]["ours"]["top_ops"]
@@ -145,7 +145,7 @@ def test_profile_lists_where_a_step_goes(tmp_path):
 
 
 def test_components_land_in_the_record_beside_the_pairs(tmp_path):
-    from moh_vision.analysis.backbone_bench import bench_backbones
+    from bench_backbones import bench_backbones
 
     out = tmp_path / "b.md"
     rows = bench_backbones(quick=True, rounds=1, warmup=0, saved=False, with_components=True, out=str(out),
@@ -159,7 +159,7 @@ def test_components_land_in_the_record_beside_the_pairs(tmp_path):
 
 
 def test_components_time_each_aggregated_stage_piece():
-    from moh_vision.analysis.backbone_bench import component_table, component_times
+    from bench_backbones import component_table, component_times
 
     rows = component_times("transnext_nano", 1, 1, torch.device("cpu"), torch.float32)
     assert [r["stage"] for r in rows] == [1, 2, 3]  # stage 4 attends fully

@@ -5,12 +5,12 @@ import subprocess
 import pytest
 import torch
 
-from helpers import REPO, load_tool
+from helpers import REPO, load_benchmark
 
 
 def test_bench_models_quick_compares_moh_with_its_dense_twin(tmp_path, capsys):
-    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "kernels.routing=reference",
-                                           f"out={tmp_path / 't.md'}"])
+    rows = load_benchmark("bench_models").main(["quick=true", "rounds=1", "warmup=0", "kernels.routing=reference",
+                                                f"out={tmp_path / 't.md'}"])
     assert [r["model"] for r in rows] == ["dit_s_2", "moh_dit_s_2_75"]
     assert rows[0]["infer_x_dense"]["median"] == 1.0 and rows[0]["train_x_dense"]["n"] == 1
     assert all(r["infer_img_s"] > 0 and r["train_img_s"] > 0 and r["train_peak_mb"] > 0 for r in rows)
@@ -26,10 +26,10 @@ def test_bench_models_quick_compares_moh_with_its_dense_twin(tmp_path, capsys):
 def test_bench_models_counts_what_each_step_launches(tmp_path):
     """``launches=true``: on the CPU, the ATen operators a step calls at top level. MoH's routing adds
     operators to every layer, inference and training alike; the table gets the two columns."""
-    from moh_vision.analysis.benchmark import launches
+    from harness import launches
 
-    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "launches=true",
-                                           f"out={tmp_path / 't.md'}"])
+    rows = load_benchmark("bench_models").main(["quick=true", "rounds=1", "warmup=0", "launches=true",
+                                                f"out={tmp_path / 't.md'}"])
     dense, moh = rows
     for mode in ("infer", "train"):
         assert 0 < dense[f"{mode}_launches"]["aten_ops"] < moh[f"{mode}_launches"]["aten_ops"]
@@ -40,11 +40,11 @@ def test_bench_models_counts_what_each_step_launches(tmp_path):
 
 
 def test_bench_kernels_times_one_model_under_each_kernels_variant(tmp_path):
-    """``tools/bench_kernels.py``: one model per variant with the same weights, the ratio to the first variant,
+    """``benchmarks/bench_kernels.py``: one model per variant with the same weights, the ratio to the first variant,
     and the bytes kept for backward, which the recomputing pieces lower."""
-    rows = load_tool("bench_kernels").main(["model=transnext_nano", "batch=2", "rounds=1", "warmup=0",
-                                            "variants=auto,recompute=reference+routing=reference", "attention=moh",
-                                            f"out={tmp_path / 'k.md'}"])
+    rows = load_benchmark("bench_kernels").main(["model=transnext_nano", "batch=2", "rounds=1", "warmup=0",
+                                                 "variants=auto,recompute=reference+routing=reference", "attention=moh",
+                                                 f"out={tmp_path / 'k.md'}"])
     assert [r["kernels"] for r in rows] == ["auto", "recompute=reference+routing=reference"]
     assert rows[1]["resolved"] == {"aggregated": "auto", "routing": "reference", "depthwise": "auto",
                                    "recompute": "reference"}
@@ -54,7 +54,7 @@ def test_bench_kernels_times_one_model_under_each_kernels_variant(tmp_path):
     assert [r["kernels"] for r in record["rows"]] == ["auto", "recompute=reference+routing=reference"]
     assert "| recompute=reference+routing=reference |" in (tmp_path / "k.md").read_text()
     with pytest.raises(SystemExit):
-        load_tool("bench_kernels").main(["model=transnext_nano", "variants=auto,routing=cuda"])
+        load_benchmark("bench_kernels").main(["model=transnext_nano", "variants=auto,routing=cuda"])
 
 
 def test_cpu_peak_memory_replays_allocations_and_frees_in_order():
@@ -62,7 +62,7 @@ def test_cpu_peak_memory_replays_allocations_and_frees_in_order():
     its saved tensors after allocating the gradients): the peak is both, not their net zero."""
     import torch
 
-    from moh_vision.analysis.benchmark import peak_memory
+    from harness import peak_memory
 
     n = 1 << 20
 
@@ -75,11 +75,11 @@ def test_cpu_peak_memory_replays_allocations_and_frees_in_order():
 
 
 def test_bench_models_times_a_dense_model_as_moh_against_itself():
-    from moh_vision.analysis.benchmark import build_for_bench
+    from harness import build_for_bench
     from moh_vision.attention import find_attention
 
-    rows = load_tool("bench_models").main(["pairs=dit_s_2:dit_s_2", "img_size=64", "rounds=1", "warmup=0",
-                                           "attention=moh", "attention.activation_ratio=0.5"])
+    rows = load_benchmark("bench_models").main(["pairs=dit_s_2:dit_s_2", "img_size=64", "rounds=1", "warmup=0",
+                                                "attention=moh", "attention.activation_ratio=0.5"])
     assert [r["model"] for r in rows] == ["dit_s_2", "dit_s_2 (moh 0.5)"]
     model = build_for_bench("dit_s_2", 64, torch.device("cpu"), {"name": "moh", "activation_ratio": 0.5})
     layers = [m for _, m in find_attention(model)]
@@ -94,7 +94,7 @@ def test_bench_models_compiles_every_model_and_leaves_compilation_untimed(monkey
         compiled.append(model)
         return torch._dynamo.optimize("eager")(model)
 
-    from moh_vision.analysis import benchmark
+    import harness as benchmark
 
     warmups = []
 
@@ -106,8 +106,8 @@ def test_bench_models_compiles_every_model_and_leaves_compilation_untimed(monkey
     monkeypatch.setattr(torch, "compile", compile_fast)
     monkeypatch.setattr(benchmark, "interleave", interleave)
     torch._dynamo.reset()
-    rows = load_tool("bench_models").main(["quick=true", "rounds=1", "warmup=0", "compile=true",
-                                           "compile_mode=reduce-overhead"])
+    rows = load_benchmark("bench_models").main(["quick=true", "rounds=1", "warmup=0", "compile=true",
+                                                "compile_mode=reduce-overhead"])
     assert [(type(m).__name__, r["model"], r["compiled"]) for m, r in zip(compiled, rows)] == [
         ("DiT", "dit_s_2", True), ("DiT", "moh_dit_s_2_75", True)]
     assert warmups == [1, 1]  # inference, training: the call that compiles is never a timed one
@@ -127,9 +127,9 @@ def test_gpu_checks_script_parses_and_names_its_parts():
 
 
 def test_bench_data_quick_times_both_loaders_on_a_generated_tree(tmp_path, capsys):
-    """``tools/bench_data.py quick=true``: a tiny JPEG tree, this project's loaders and timm's, one interleaved
+    """``benchmarks/bench_data.py quick=true``: a tiny JPEG tree, this project's loaders and timm's, one interleaved
     round; the table and its JSON record. A tree that exists is read, not written to."""
-    record = load_tool("bench_data").main(["quick=true", f"root={tmp_path / 'tree'}", f"out={tmp_path / 'd.md'}"])
+    record = load_benchmark("bench_data").main(["quick=true", f"root={tmp_path / 'tree'}", f"out={tmp_path / 'd.md'}"])
     assert [(r["split"], r["workers"]) for r in record["rows"]] == [("train", 0), ("val", 0)]
     assert record["tree"] == {"classes": 2, "train_images": 16, "val_images": 8,
                               "mean_jpeg_bytes": record["tree"]["mean_jpeg_bytes"]}
@@ -141,5 +141,5 @@ def test_bench_data_quick_times_both_loaders_on_a_generated_tree(tmp_path, capsy
     assert json.loads((tmp_path / "d.json").read_text())["rows"] == record["rows"]
     assert "timm" in capsys.readouterr().out
     files = sorted((tmp_path / "tree").rglob("*.JPEG"))
-    load_tool("bench_data").main(["quick=true", f"root={tmp_path / 'tree'}", "splits=val"])
+    load_benchmark("bench_data").main(["quick=true", f"root={tmp_path / 'tree'}", "splits=val"])
     assert sorted((tmp_path / "tree").rglob("*.JPEG")) == files

@@ -5,7 +5,7 @@
   recorder each compile once (the compiled code reads the recorder from a plain slot, not a ContextVar);
 * a recorder adds no statistics work to the forward: the forward hands over tensors it made, and the
   statistics are computed when read;
-* ``tools/bench_models.py ops=true`` reports the operators each call dispatches, dense against MoH.
+* ``benchmarks/bench_models.py ops=true`` reports the operators each call dispatches, dense against MoH.
 """
 import json
 
@@ -14,10 +14,10 @@ import torch._dynamo as dynamo
 from torch._dynamo.utils import counters
 
 import moh_vision  # noqa: F401  (registers the models)
-from moh_vision.analysis.op_count import count_ops
+from op_count import count_ops
 from moh_vision.attention import build_attention, record_routing, routed_modules
 
-from helpers import load_tool
+from helpers import load_benchmark
 from test_module_state import inputs, make
 
 
@@ -76,7 +76,7 @@ def test_a_recorder_adds_no_statistics_work_to_the_forward():
 
 
 def test_bench_models_counts_operators_dense_against_moh(tmp_path, monkeypatch):
-    from moh_vision.analysis import op_count
+    import op_count
 
     monkeypatch.setattr(op_count, "LAYER_SHAPES", ((64, 4),))
     monkeypatch.setattr(op_count, "LAYER_TOKENS", (2, 16))
@@ -86,8 +86,8 @@ def test_bench_models_counts_operators_dense_against_moh(tmp_path, monkeypatch):
     assert sorted(timed) == ["dense", "moh", "ratio"] and min(timed.values()) > 0
     monkeypatch.setattr(op_count, "host_us", lambda layers, x, train, **kw: {"dense": 1.0, "moh": 3.0, "ratio": 2.5})
     out = tmp_path / "ops.md"
-    rows = load_tool("bench_models").main(["ops=true", "pairs=dit_tiny_2:dit_tiny_2", "attention=moh",
-                                           "attention.activation_ratio=0.5", f"out={out}"])
+    rows = load_benchmark("bench_models").main(["ops=true", "pairs=dit_tiny_2:dit_tiny_2", "attention=moh",
+                                                "attention.activation_ratio=0.5", f"out={out}"])
     by = {r["figure"]: r for r in rows}
     layer = by["one attention layer, dim 64 / 4 heads, infer ops"]
     assert 0 < layer["dense"] < layer["moh"]
@@ -105,14 +105,15 @@ def test_bench_models_counts_operators_dense_against_moh(tmp_path, monkeypatch):
 def test_bench_models_counts_operators_under_cpu_autocast(tmp_path, monkeypatch):
     """``ops=true dtype=bfloat16``: every call under CPU autocast, as GPU runs train; "kernels" rows leave out
     the views; MoH's routing (the formulas on the CPU) adds operators to every layer."""
-    from moh_vision.analysis import op_count
+    import op_count
 
     monkeypatch.setattr(op_count, "LAYER_SHAPES", ((64, 4),))
     monkeypatch.setattr(op_count, "LAYER_TOKENS", (2, 16))
     monkeypatch.setattr(op_count, "host_us", lambda layers, x, train, **kw: {"dense": 1.0, "moh": 1.5, "ratio": 1.5})
     out = tmp_path / "ops.md"
-    rows = load_tool("bench_models").main(["ops=true", "dtype=bfloat16", "graphs=false", "pairs=dit_tiny_2:dit_tiny_2",
-                                           "attention=moh", "attention.activation_ratio=0.75", f"out={out}"])
+    rows = load_benchmark("bench_models").main(["ops=true", "dtype=bfloat16", "graphs=false",
+                                                "pairs=dit_tiny_2:dit_tiny_2", "attention=moh",
+                                                "attention.activation_ratio=0.75", f"out={out}"])
     by = {r["figure"]: r for r in rows}
     for mode in ("infer", "train"):
         ops, kernels = (by[f"one attention layer, dim 64 / 4 heads, {mode} {what}"] for what in ("ops", "kernels"))

@@ -54,7 +54,7 @@ def save_dense(model, path, name=None, fmt="trainer", **kwargs):
 # ---------------------------------------------------------------------------------------------
 # Step 0: with every head active the MoH model IS the dense model
 # ---------------------------------------------------------------------------------------------
-# Per layer: heads 1/2/4/8 (transnext_nano's stages: aggregated kernel in 1-3, full attention in 4).
+# Per layer: heads 1/2/4/8 (transnext_nano's stages: aggregated form in 1-3, full attention in 4).
 TRANSNEXT_ALL_ACTIVE = {
     "ratio_1.0 (shared only, wg_1)": dict(activation_ratio=1.0),
     "shared + every routed head (wg, wg_0 mix, wg_1)": dict(shared_heads=[1, 1, 2, 3], topk=[0, 1, 2, 5]),
@@ -69,7 +69,7 @@ def test_transnext_all_heads_active_reproduces_dense(tmp_path, routing):
     moh = timm.create_model("transnext_nano", attention="moh", **routing)
     report = init_from_dense(moh, path)
     assert report.exact and report.head_fraction == 1.0
-    assert {a.kernel_name for _, a in moh.named_modules() if hasattr(a, "kernel_name")} == {
+    assert {a.form_name for _, a in moh.named_modules() if hasattr(a, "form_name")} == {
         "transnext_aggregated", "transnext_full"}
     x = torch.randn(3, 3, 32, 32)
     with torch.no_grad():

@@ -64,7 +64,7 @@ NOT_RUN = (("python", "-m", "pytest"), ("mkdocs",))  # the suite itself; the sit
 RUN_MARK = re.compile(r"<!--\s*run:(?P<args>[^>]*)-->\s*$")
 FIGURE = re.compile(r"(?<![\d.])(?P<num>\d+(?:\.\d+)?)<!--\s*bench:\s*(?P<record>\S+)\s+(?P<key>\S+)"
                     r"(?:\s+\*(?P<scale>[-+.\deE]+))?\s*-->")
-REPO_PATH = re.compile(r"`((?:moh_vision|configs|tools|tests|docs)/[\w./-]+)`")
+REPO_PATH = re.compile(r"`((?:moh_vision|configs|tools|benchmarks|tests|docs)/[\w./-]+)`")
 OTHER_REPOS = {"tests/test_models.py"}  # timm's own test file (docs/models.md)
 
 

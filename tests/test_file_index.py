@@ -119,11 +119,11 @@ def test_the_cache_folder_follows_the_projects_cache(tmp_path, monkeypatch):
 
 
 def test_the_index_benchmark_times_scan_first_and_second_start(tmp_path):
-    from helpers import load_tool
+    from helpers import load_benchmark
 
     out = tmp_path / "record.json"
-    record = load_tool("bench_index").main(["classes=3", "train_per_class=4", "val_per_class=2", "rounds=1",
-                                            f"root={tmp_path}", f"out={out}"])
+    record = load_benchmark("bench_index").main(["classes=3", "train_per_class=4", "val_per_class=2", "rounds=1",
+                                                 f"root={tmp_path}", f"out={out}"])
     assert json.loads(out.read_text()) == record and record["files"] == 18
     assert all(record[key]["median"] > 0 for key in ("scan_s", "first_s", "second_s"))
     assert not list(tmp_path.glob("index_tree_*"))  # the generated tree is removed

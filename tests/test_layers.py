@@ -1,5 +1,6 @@
-"""Layers import one way (ARCHITECTURE.md): ops <- attention <- models <- tasks, engine <- entry points and
-tools; analysis and data never import engine; no import circle, lazy imports inside functions included."""
+"""Layers import one way (ARCHITECTURE.md): ops <- attention <- models <- tasks, engine <- entry points, tools and
+benchmarks/; analysis and data never import engine; the package never imports benchmarks/ (they stand beside it);
+no import circle, lazy imports inside functions included."""
 from __future__ import annotations
 
 import ast
@@ -21,11 +22,24 @@ ALLOWED = {
     "engine": {"attention", "models", "ops", "data", "diffusion", "analysis", "tasks", "config"},
 }
 BASE = {"errors", "cli", "checkpoints"}  # the bottom: imported by anyone, importing no other layer
+# command-line applications outside engine/: tools/convert_checkpoint.py's and tools/extract_latents.py's logic
+APPLICATIONS = {"moh_vision.models.conversion", "moh_vision.data.extract_latents"}
 
 
 def _module_name(path: Path) -> str:
     parts = path.relative_to(REPO).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imported_names(path: Path) -> Set[str]:
+    """Every module name a file imports, anywhere in it (absolute imports; relative ones are the package's own)."""
+    names: Set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and not node.level:
+            names.add(node.module or "")
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return names
 
 
 def module_imports() -> Dict[str, Set[str]]:
@@ -98,3 +112,27 @@ def test_no_import_circle():
         if start not in state:
             visit(start, [start])
     assert not cycles, "\n".join(" -> ".join(c) for c in cycles)
+
+
+def test_the_package_never_imports_the_benchmarks():
+    """benchmarks/ imports moh_vision, not the other way: no module of the package names a benchmark module (the
+    scripts and their siblings, imported by plain name from beside them, or as ``benchmarks.*``)."""
+    bench = {p.stem for p in (REPO / "benchmarks").glob("*.py")} | {"benchmarks"}
+    wrong = [f"{path.relative_to(REPO)} -> {name}" for path in sorted((REPO / "moh_vision").rglob("*.py"))
+             for name in _imported_names(path) if name.split(".")[0] in bench]
+    assert not wrong, "\n".join(wrong)
+    uses = [name for path in (REPO / "benchmarks").glob("*.py") for name in _imported_names(path)]
+    assert any(name.startswith("moh_vision") for name in uses)  # the check above looks at real imports
+
+
+def test_every_library_module_serves_the_library():
+    """moh_vision holds no module that only tools/ or benchmarks/ import (issue 60): each module outside engine/ (whose
+    applications are what train.py, eval.py and tools/ call) is imported by another module of the package, is a
+    package's face (``__init__``), an attention variant (the registry imports every module of its package) or one of
+    the two command-line applications that live with what they convert (APPLICATIONS)."""
+    graph = module_imports()
+    imported = {dep for deps in graph.values() for dep in deps}
+    imported |= {dep.rsplit(".", 1)[0] for dep in imported}
+    lonely = [m for m in graph if layer(m) not in ("engine", "attention") and m not in imported
+              and m not in APPLICATIONS and not (REPO / m.replace(".", "/") / "__init__.py").exists()]
+    assert not lonely, f"only tools, benchmarks or tests import {sorted(lonely)}: move them beside the package"

@@ -7,7 +7,7 @@ import timm
 from helpers import Spy
 
 import moh_vision  # noqa: F401  (registers the models)
-from moh_vision.analysis.benchmark import saved_tensor_bytes
+from harness import saved_tensor_bytes
 from moh_vision.errors import ConfigError
 from moh_vision.ops import OPS, Kernels, choices, resolved
 from moh_vision.ops.recompute import _GatedTail, gated_tail_reference

@@ -1,6 +1,6 @@
 """Profiles on demand (issue 53): ``trainer.profile=<first>:<last>`` writes a Chrome / Perfetto trace of those
 optimizer steps and the time they took by kind of work, data wait included; the kinds are the ones
-``tools/bench_backbones.py`` sorts by (``moh_vision.analysis.profile_kinds``)."""
+``benchmarks/bench_backbones.py`` sorts by (``moh_vision.analysis.profile_kinds``)."""
 import json
 
 import pytest

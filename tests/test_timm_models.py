@@ -72,6 +72,26 @@ def test_our_models_are_exactly_those_registered_from_our_modules():
     assert model_family(features) == "transnext" and model_family(timm.create_model("dit_tiny_2")) == "dit"
 
 
+
+def test_wrapped_models_are_looked_through_with_timms_unwrap_model():
+    """The project keeps no unwrapping helper of its own (issue 60): ``moh_vision.models.unwrap_model`` is timm's,
+    which looks through ``torch.compile`` and DDP (anything holding the model as ``.module``), nested either way; the
+    family tag and the routing recorder's layer names are read through it."""
+    from timm.utils.model import unwrap_model as timms
+    from moh_vision.attention import record_routing
+    from moh_vision.models import unwrap_model
+
+    class Wrapper(torch.nn.Module):  # what DistributedDataParallel looks like from outside: the model as .module
+        def __init__(self, module):
+            super().__init__()
+            self.module = module
+
+    model = timm.create_model("dit_tiny_2", attention="moh")
+    assert unwrap_model is timms
+    for wrapped in (torch.compile(model), Wrapper(torch.compile(model)), torch.compile(Wrapper(model))):
+        assert unwrap_model(wrapped) is model and model_family(wrapped) == "dit"
+        assert record_routing(wrapped).model is model
+
 def test_unknown_model_names_are_config_errors_with_suggestions():
     from moh_vision.models.families import check_model_name
     with pytest.raises(ConfigError, match="did you mean transnext_nano"):

@@ -85,8 +85,8 @@ def test_dense_presets_build_with_dense_attention(name):
     for stage in range(1, 5):
         layers = stage_attention(model, stage)
         assert layers and all(m.attention_name == "mha" for m in layers)
-        expected_kernel = "transnext_full" if stage == 4 else "transnext_aggregated"
-        assert all(m.kernel_name == expected_kernel for m in layers)
+        expected_form = "transnext_full" if stage == 4 else "transnext_aggregated"
+        assert all(m.form_name == expected_form for m in layers)
         assert all(m.head_dim == 24 for m in layers)
 
 
@@ -266,7 +266,7 @@ def test_moh_with_zero_router_and_all_heads_equals_dense_model():
 
 
 def _moa_as_dense(moa, dense):
-    """Give ``dense`` (mha over the same kernel) MoA's weights with its one key/value head repeated
+    """Give ``dense`` (mha over the same form) MoA's weights with its one key/value head repeated
     for every head, so that ``dense(x) == E * moa(x)`` when MoA's router is uniform over all E."""
     E, d = moa.num_heads, moa.head_dim
     k_w, v_w = moa.kv_proj.weight[:d], moa.kv_proj.weight[d:]
@@ -284,16 +284,16 @@ def _moa_as_dense(moa, dense):
 
 
 @pytest.mark.parametrize("kv_bias", [False, True], ids=["official-no-kv-bias", "kv-bias"])
-@pytest.mark.parametrize("kernel,args", [
+@pytest.mark.parametrize("form,args", [
     ("transnext_aggregated", dict(input_resolution=8, sr_ratio=4, pretrain_size=8)),
     ("transnext_full", dict(input_resolution=(3, 4))),
 ])
-def test_one_head_keys_values_broadcast_to_all_heads(kernel, args, kv_bias):
+def test_one_head_keys_values_broadcast_to_all_heads(form, args, kv_bias):
     """MoA over the TransNeXt kernels: its single key/value head behaves exactly like that head
-    copied into every head of the dense kernel."""
+    copied into every head of the dense form."""
     torch.manual_seed(4)
     E, dim = 4, 32
-    moa = build_attention("moa", dim, E, kernel=kernel, topk=E, kv_bias=kv_bias, **args).eval()
+    moa = build_attention("moa", dim, E, form=form, topk=E, kv_bias=kv_bias, **args).eval()
     assert moa.kv_proj.out_features == 2 * moa.head_dim
     assert (moa.kv_proj.bias is not None) == kv_bias
     with torch.no_grad():
@@ -301,7 +301,7 @@ def test_one_head_keys_values_broadcast_to_all_heads(kernel, args, kv_bias):
             moa.kv_proj.bias.normal_()
         if hasattr(moa, "learnable_bias"):
             moa.learnable_bias.normal_()
-    dense = build_attention("mha", dim, E, kernel=kernel, **args).eval()
+    dense = build_attention("mha", dim, E, form=form, **args).eval()
     _moa_as_dense(moa, dense)
     x = torch.randn(2, moa.num_tokens, dim)
     with torch.no_grad():
@@ -310,8 +310,8 @@ def test_one_head_keys_values_broadcast_to_all_heads(kernel, args, kv_bias):
 
 def test_fused_and_explicit_full_attention_agree():
     torch.manual_seed(5)
-    fused = build_attention("moh", 48, 4, kernel="transnext_full", input_resolution=4, shared_heads=1, topk=2)
-    explicit = build_attention("moh", 48, 4, kernel="transnext_full", input_resolution=4, shared_heads=1, topk=2,
+    fused = build_attention("moh", 48, 4, form="transnext_full", input_resolution=4, shared_heads=1, topk=2)
+    explicit = build_attention("moh", 48, 4, form="transnext_full", input_resolution=4, shared_heads=1, topk=2,
                                fused_attn=False)
     explicit.load_state_dict(fused.state_dict())
     x = torch.randn(2, 16, 48)
@@ -321,7 +321,7 @@ def test_fused_and_explicit_full_attention_agree():
 def test_position_bias_equals_direct_mlp_over_all_pairs():
     """The separable gather equals evaluating the bias MLP on every (query, key) offset."""
     torch.manual_seed(6)
-    attn = build_attention("mha", 24, 2, kernel="transnext_aggregated", input_resolution=(6, 8), sr_ratio=2,
+    attn = build_attention("mha", 24, 2, form="transnext_aggregated", input_resolution=(6, 8), sr_ratio=2,
                            pretrain_size=(7, 5))
     qh, qw = torch.meshgrid(torch.arange(6.0), torch.arange(8.0), indexing="ij")
     kh = F.adaptive_avg_pool1d(torch.arange(6.0)[None], 3)[0]

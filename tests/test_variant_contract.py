@@ -59,17 +59,17 @@ def test_every_variant_answers_the_contract(name):
 def test_composed_classes_are_importable_by_name():
     m = build_attention("moh", 32, 4, activation_ratio=0.5)
     cls = type(m)
-    assert cls.__module__ == "moh_vision.attention.kernels" and cls.__qualname__ == "moh__sdpa"
-    from moh_vision.attention import kernels
+    assert cls.__module__ == "moh_vision.attention.forms" and cls.__qualname__ == "moh__sdpa"
+    from moh_vision.attention import forms
     from moh_vision.models import transnext
-    assert getattr(kernels, "moh__sdpa") is cls
+    assert getattr(forms, "moh__sdpa") is cls
     assert getattr(transnext, "moa__transnext_full").__qualname__ == "moa__transnext_full"
     again = pickle.loads(pickle.dumps(m))
     assert type(again) is cls and torch.equal(again.wg.weight, m.wg.weight)
     with pytest.raises(AttributeError):
-        kernels.not_a_class  # noqa: B018
+        forms.not_a_class  # noqa: B018
     with pytest.raises(AttributeError):
-        kernels.nope__sdpa  # noqa: B018
+        forms.nope__sdpa  # noqa: B018
 
 
 def test_unknown_attention_lists_the_known_ones():

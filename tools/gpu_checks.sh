@@ -16,12 +16,12 @@
 #              Hydra: see `wheels`). TIMEOUT_STEPS, default 300 s.
 #   backbones  TransNeXt-T beside Swin-T, bf16, batch 64: a profile (each model's time by kind of work and top
 #              kernels) with TransNeXt-T's pieces under every CUDA implementation (components); then
-#              tools/bench_kernels.py on TransNeXt-T, the same weights under kernels variants (auto; the aggregated
+#              benchmarks/bench_kernels.py on TransNeXt-T, the same weights under kernels variants (auto; the aggregated
 #              attention's reference and flex; the depthwise convolution's channels_last, triton, written_grad;
 #              no recompute): the records that decide the CUDA defaults; then TransNeXt-T/-B beside Swin-T/-B at
 #              batch 128 and TransNeXt-B beside Swin-B at batch 32 (peak memory). TIMEOUT_BENCH (default 120 s) a step.
 #   tests      the `gpu` tests (routing, aggregated attention, depthwise kernels; TIMEOUT_TESTS, default 150 s).
-#   models     tools/bench_models.py, bf16, batch 32 (MoH against its dense twin), and tools/bench_kernels.py on
+#   models     benchmarks/bench_models.py, bf16, batch 32 (MoH against its dense twin), and benchmarks/bench_kernels.py on
 #              MoH-DiT-B/2 with kernels.routing=reference against the fused routing.
 #   routing    the MoH/dense pairs (DiT-S/2, DiT-B/2, TransNeXt-Base) in bf16, batch 32, eager and compiled.
 #   train      the README's first command on the GPU with bf16 autocast, eval.py on its checkpoint, a short
@@ -53,10 +53,10 @@ limit=${TIMEOUT_BENCH:-120}
 
 pack() { tar -czf "${PACK_TO:-$out}/gpu_checks.tar.gz" --exclude='*.pt' -C "$out" runs; }
 step() { echo "== $*" >&2; }
-run() {  # run <name> <tool> <args...>: one timed step, its table and record under runs/<name>.*
+run() {  # run <name> <benchmark> <args...>: one timed step, its table and record under runs/<name>.*
   local name=$1 tool=$2; shift 2
   step "$name"
-  timeout "$limit" python3 "tools/$tool.py" "$@" out="$out/runs/$name.md" 2>"$out/runs/$name.err"
+  timeout "$limit" python3 "benchmarks/$tool.py" "$@" out="$out/runs/$name.md" 2>"$out/runs/$name.err"
   pack
 }
 

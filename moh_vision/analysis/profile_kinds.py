@@ -1,5 +1,5 @@
 """Kinds of work in a ``torch.profiler`` profile: an operator's (CUDA: a kernel's) kind by its name, and the time of a
-profile's events summed by kind. ``tools/bench_backbones.py`` (profile=true) and the trainer's
+profile's events summed by kind. ``benchmarks/bench_backbones.py`` (profile=true) and the trainer's
 ``trainer.profile=<first>:<last>`` (:mod:`moh_vision.engine.profiling`) both sort by these."""
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pluggable attention: ``build_attention(name, dim, num_heads, kernel=..., **options)``.
+"""Pluggable attention: ``build_attention(name, dim, num_heads, form=..., **options)``.
 
 Importing this package imports every module in it (each variant file registers itself: a new variant is one file here
 with a ``@register_attention`` class plus one YAML in ``configs/attention/``), then every entry point of the group
@@ -11,10 +11,10 @@ from importlib.metadata import entry_points
 
 from .registry import (AttentionVariant, active_head_fraction, after_optimizer_step, attention_class,
                        attention_options, build_attention, find_attention, flops_roles_of, layer_options, list_attention,
-                       list_kernels, optimizer_step_hooks, register_attention, register_kernel, routed_layer_names,
+                       list_forms, optimizer_step_hooks, register_attention, register_form, routed_layer_names,
                        routed_modules, variant_class, variant_option_defaults)
 from .recorder import LayerRecord, RoutingRecorder, active_recorder, record_routing
-from .kernels import DotProductAttention, HeadAttention, dot_product_attention
+from .forms import DotProductAttention, HeadAttention, dot_product_attention
 
 _log = logging.getLogger(__name__)
 
@@ -33,8 +33,8 @@ for _entry in entry_points(group="moh_vision.attention"):
 from .moh import MoH  # noqa: E402
 from .moa import MoA  # noqa: E402
 
-__all__ = ["AttentionVariant", "register_attention", "register_kernel", "build_attention", "list_attention",
-           "list_kernels", "attention_class", "variant_class", "attention_options", "variant_option_defaults",
+__all__ = ["AttentionVariant", "register_attention", "register_form", "build_attention", "list_attention",
+           "list_forms", "attention_class", "variant_class", "attention_options", "variant_option_defaults",
            "layer_options", "record_routing", "RoutingRecorder", "routed_layer_names", "LayerRecord", "active_recorder",
            "routed_modules", "find_attention", "active_head_fraction", "after_optimizer_step",
            "optimizer_step_hooks", "flops_roles_of",

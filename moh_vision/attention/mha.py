@@ -4,5 +4,5 @@ from .registry import AttentionVariant, register_attention
 
 @register_attention("mha")
 class MHA(AttentionVariant):
-    """Mixin that leaves the kernel as it is: ``build_attention("mha", ...)`` is the kernel's own dense
+    """Mixin that leaves the form as it is: ``build_attention("mha", ...)`` is the form's own dense
     attention. Every contract answer is the dense default of :class:`AttentionVariant`."""

@@ -53,7 +53,7 @@ def cv_squared_loss(gates: Tensor) -> Tensor:
 
 @register_attention("moa")
 class MoA(RoutedMixin):
-    """Mixin: MoA experts over any kernel. ``num_heads`` is the number of experts E.
+    """Mixin: MoA experts over any form. ``num_heads`` is the number of experts E.
 
     Args:
         topk: experts per token; or ``activation_ratio`` (``topk = round(ratio * E)``); an explicit ``topk`` wins.
@@ -75,9 +75,9 @@ class MoA(RoutedMixin):
 
     def __init__(self, dim: int, num_heads: int, *, topk: Optional[int] = None,
                  activation_ratio: Optional[float] = 0.75, noisy_gating: bool = False, switch_weight: float = 1.0,
-                 zloss_weight: float = 0.1, cv_weight: float = 0.0, kv_bias: bool = False, **kernel_options):
+                 zloss_weight: float = 0.1, cv_weight: float = 0.0, kv_bias: bool = False, **form_options):
         self.kv_bias = bool(kv_bias)
-        super().__init__(dim, num_heads, **kernel_options)
+        super().__init__(dim, num_heads, **form_options)
         E = self.num_heads
         if topk is None:
             if activation_ratio is None:

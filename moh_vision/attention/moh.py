@@ -60,7 +60,7 @@ class Route(NamedTuple):
 
 @register_attention("moh")
 class MoH(SharedPlusTopK, RoutedMixin):
-    """Mixin: MoH head routing over any kernel. Build with ``build_attention("moh", ...)``.
+    """Mixin: MoH head routing over any form. Build with ``build_attention("moh", ...)``.
 
     Args:
         shared_heads: always-active heads (the first ``shared_heads`` head indices); ``"learned"``: each layer learns
@@ -85,8 +85,8 @@ class MoH(SharedPlusTopK, RoutedMixin):
 
     def __init__(self, dim: int, num_heads: int, *, shared_heads: Union[int, str, None] = None,
                  topk: Optional[int] = None, activation_ratio: Optional[float] = None, learn_shared_steps: int = 500,
-                 shared_estimator: str = "ste", **kernel_options):
-        super().__init__(dim, num_heads, **kernel_options)
+                 shared_estimator: str = "ste", **form_options):
+        super().__init__(dim, num_heads, **form_options)
         learned = isinstance(shared_heads, str)
         if learned:
             if shared_heads != LEARNED:

@@ -40,8 +40,8 @@ class RandomHeads(SharedPlusTopK, RoutedMixin):
     variant_parameters = ("router",)  # a buffer, but a dense checkpoint does not have it either
 
     def __init__(self, dim: int, num_heads: int, *, shared_heads: Optional[int] = None, topk: Optional[int] = None,
-                 activation_ratio: Optional[float] = 0.75, seed: int = 0, **kernel_options):
-        super().__init__(dim, num_heads, **kernel_options)
+                 activation_ratio: Optional[float] = 0.75, seed: int = 0, **form_options):
+        super().__init__(dim, num_heads, **form_options)
         if isinstance(seed, bool) or not isinstance(seed, int):
             raise ConfigError(f"random_heads seed={seed!r} must be an integer")
         if topk is not None:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Optional
 
 import torch
+from timm.utils.model import unwrap_model
 from torch import nn
 
 Tensor = torch.Tensor
@@ -100,7 +101,7 @@ class RoutingRecorder:
     """
 
     def __init__(self, model: Optional[nn.Module] = None, keep_selection: bool = False):
-        self.model = _unwrap(model) if model is not None else None
+        self.model = unwrap_model(model) if model is not None else None
         self.keep_selection = bool(keep_selection)
         self.records: List[LayerRecord] = []
         self._token: Optional[contextvars.Token] = None
@@ -218,12 +219,7 @@ def active_recorder() -> Optional[RoutingRecorder]:
 
 def compile_model(model: nn.Module, mode: str = "default") -> nn.Module:
     """``torch.compile(model, mode=mode)``: what ``trainer.compile``, ``tools/sample.py compile=true`` and
-    ``tools/bench_models.py compile=true`` call. Compiled routed layers read the open recorder from :data:`_TRACED`, so
-    the model is one graph with the recorder open on every supported torch (2.11, the pinned one;
+    ``benchmarks/bench_models.py compile=true`` call. Compiled routed layers read the open recorder from
+    :data:`_TRACED`, so the model is one graph with the recorder open on every supported torch (2.11, the pinned one;
     ``tests/test_compile_routing.py``)."""
     return torch.compile(model, mode=mode)
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    model = getattr(model, "module", model)  # DistributedDataParallel
-    return getattr(model, "_orig_mod", model)  # torch.compile

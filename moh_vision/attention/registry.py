@@ -2,16 +2,16 @@
 
 An attention module is two things composed by inheritance:
 
-* a *kernel*: how a head attends (scaled dot-product, TransNeXt's cosine attention, TransNeXt's aggregated local +
-  pooled attention). A kernel owns the projections and produces per-head outputs; it is what a backbone asks for.
+* a *form*: how a head attends (scaled dot-product, TransNeXt's cosine attention, TransNeXt's aggregated local +
+  pooled attention). A form owns the projections and produces per-head outputs; it is what a backbone asks for.
 * a *variant*: what is done with the heads (``mha``: all heads, equal weight; ``moh``: shared plus routed top-k heads
   with learned gates; ``moa``: top-k query/output experts over one shared key/value head). A variant is a mixin (an
-  :class:`AttentionVariant`) that overrides the kernel's steps.
+  :class:`AttentionVariant`) that overrides the form's steps.
 
-``build_attention(name, dim, num_heads, kernel=...)`` returns ``Variant + Kernel`` as one ``nn.Module``, so parameters
+``build_attention(name, dim, num_heads, form=...)`` returns ``Variant + Form`` as one ``nn.Module``, so parameters
 sit directly on the module (``attn.qkv``, ``attn.wg``, ...) exactly where the official checkpoints keep them. A composed
-class is importable by name from its kernel's module (``moh_vision.attention.kernels.moh__sdpa``,
-``moh_vision.models.transnext.moh__transnext_full``), so pickling a model finds it: registering a kernel gives its
+class is importable by name from its form's module (``moh_vision.attention.forms.moh__sdpa``,
+``moh_vision.models.transnext.moh__transnext_full``), so pickling a model finds it: registering a form gives its
 module a ``__getattr__`` that composes such names on demand.
 
 Discovery: every module of this package is imported on ``import moh_vision.attention``, and so is every entry point of
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import inspect
 import sys
+import warnings
 from collections.abc import Sequence
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
@@ -30,10 +31,13 @@ from torch import nn
 from moh_vision.errors import ConfigError
 
 _VARIANTS: Dict[str, type] = {}
-_KERNELS: Dict[str, type] = {}
-_COMPOSED: Dict[tuple, type] = {}  # (variant, kernel) -> class; immutable once made
+_FORMS: Dict[str, type] = {}
+_COMPOSED: Dict[tuple, type] = {}  # (variant, form) -> class; immutable once made
 
-COMPOSED_SEPARATOR = "__"  # a composed class is named <variant>__<kernel> in its kernel's module
+# Before issue 60 a form was called a "kernel" (``build_attention(..., kernel=...)``, a ViT's ``kernel`` option); the
+# old key is still taken, with a deprecation warning: "kernel" now names an op's implementation only (kernels.<key>).
+OLD_FORM_KEY = "kernel"
+COMPOSED_SEPARATOR = "__"  # a composed class is named <variant>__<form> in its form's module
 
 
 # ---- The variant contract --------------------------------------------------------------------
@@ -46,7 +50,7 @@ class AttentionVariant:
       ``configs/attention/<name>.yaml`` (a test checks it).
     * ``aux_reduction``: how per-layer auxiliary losses combine: ``"mean"`` (MoH's official total) or ``"sum"`` (MoA's).
     * ``variant_parameters``: names of the submodules/parameters the variant adds over a dense attention of the same
-      kernel (routers, experts). A checkpoint holding one of them is not dense.
+      form (routers, experts). A checkpoint holding one of them is not dense.
     * ``flops_roles``: ``{child: role}`` for its own children: ``"per_head"`` (its cost scales with the heads a token
       activates), ``"query_rows"`` (only the query rows scale), ``"fixed"``.
     * ``dense_start_refusal``: why the variant cannot start from a dense attention's weights (``None``: it can,
@@ -73,7 +77,7 @@ class AttentionVariant:
 
     def dense_start(self, router_std: float, generator: torch.Generator) -> Dict[str, torch.Tensor]:
         """Start values of :attr:`variant_parameters` (state-dict names relative to this module) for a layer whose
-        kernel weights were copied from a dense attention (continue-tuning)."""
+        form weights were copied from a dense attention (continue-tuning)."""
         if self.dense_start_refusal:
             raise ConfigError(self.dense_start_refusal)
         return {}
@@ -87,7 +91,7 @@ class AttentionVariant:
 
 
 def register_attention(name: str) -> Callable[[type], type]:
-    """Register an attention variant (an :class:`AttentionVariant` mixin over a kernel) under ``name``."""
+    """Register an attention variant (an :class:`AttentionVariant` mixin over a form) under ``name``."""
     if not name.isidentifier():
         raise ValueError(f"attention name '{name}' must be a Python identifier")
 
@@ -103,16 +107,16 @@ def register_attention(name: str) -> Callable[[type], type]:
     return wrap
 
 
-def register_kernel(name: str) -> Callable[[type], type]:
-    """Register an attention kernel (a complete dense multi-head attention) under ``name``."""
+def register_form(name: str) -> Callable[[type], type]:
+    """Register an attention form (a complete dense multi-head attention) under ``name``."""
     if not name.isidentifier():
-        raise ValueError(f"kernel name '{name}' must be a Python identifier")
+        raise ValueError(f"form name '{name}' must be a Python identifier")
 
     def wrap(cls: type) -> type:
-        if name in _KERNELS and _KERNELS[name] is not cls:
-            raise ValueError(f"kernel '{name}' is already registered by {_KERNELS[name].__qualname__}")
-        cls.kernel_name = name
-        _KERNELS[name] = cls
+        if name in _FORMS and _FORMS[name] is not cls:
+            raise ValueError(f"form '{name}' is already registered by {_FORMS[name].__qualname__}")
+        cls.form_name = name
+        _FORMS[name] = cls
         _serve_composed_classes(sys.modules[cls.__module__])
         return cls
 
@@ -120,15 +124,15 @@ def register_kernel(name: str) -> Callable[[type], type]:
 
 
 def composed_class(name: str) -> type:
-    """The composed class named ``<variant>__<kernel>`` (what pickle looks up); AttributeError for other names."""
-    variant, sep, kernel = name.partition(COMPOSED_SEPARATOR)
-    if not sep or variant not in _VARIANTS or kernel not in _KERNELS:
+    """The composed class named ``<variant>__<form>`` (what pickle looks up); AttributeError for other names."""
+    variant, sep, form = name.partition(COMPOSED_SEPARATOR)
+    if not sep or variant not in _VARIANTS or form not in _FORMS:
         raise AttributeError(name)
-    return attention_class(variant, kernel)
+    return attention_class(variant, form)
 
 
 def _serve_composed_classes(module) -> None:
-    """Give a kernel's module a module-level ``__getattr__`` (PEP 562) that answers composed names."""
+    """Give a form's module a module-level ``__getattr__`` (PEP 562) that answers composed names."""
     previous = getattr(module, "__getattr__", None)
     if getattr(previous, "serves_composed_classes", False):
         return
@@ -150,8 +154,8 @@ def list_attention() -> List[str]:
     return list(_VARIANTS)
 
 
-def list_kernels() -> List[str]:
-    return list(_KERNELS)
+def list_forms() -> List[str]:
+    return list(_FORMS)
 
 
 def variant_class(name: str) -> type:
@@ -161,25 +165,25 @@ def variant_class(name: str) -> type:
     return _VARIANTS[name]
 
 
-def attention_class(name: str, kernel: str = "sdpa") -> type:
-    """The composed ``nn.Module`` class for variant ``name`` over ``kernel``."""
+def attention_class(name: str, form: str = "sdpa") -> type:
+    """The composed ``nn.Module`` class for variant ``name`` over ``form``."""
     variant = variant_class(name)
-    if kernel not in _KERNELS:
-        raise ConfigError(f"unknown attention kernel '{kernel}'; known: {', '.join(list_kernels())}")
-    base = _KERNELS[kernel]
+    if form not in _FORMS:
+        raise ConfigError(f"unknown attention form '{form}'; known: {', '.join(list_forms())}")
+    base = _FORMS[form]
     key = (variant, base)
     if key not in _COMPOSED:
         cls = type(f"{variant.__name__}{base.__name__}", (variant, base), {})
-        # importable by name: pickle / torch.save(model) look it up in the kernel's module
-        cls.__module__, cls.__qualname__ = base.__module__, f"{name}{COMPOSED_SEPARATOR}{kernel}"
+        # importable by name: pickle / torch.save(model) look it up in the form's module
+        cls.__module__, cls.__qualname__ = base.__module__, f"{name}{COMPOSED_SEPARATOR}{form}"
         _COMPOSED[key] = cls
     return _COMPOSED[key]
 
 
-def attention_options(name: str, kernel: str = "sdpa") -> List[str]:
+def attention_options(name: str, form: str = "sdpa") -> List[str]:
     """Keyword options the composed class accepts (besides ``dim`` and ``num_heads``)."""
     names: List[str] = []
-    for klass in attention_class(name, kernel).__mro__:
+    for klass in attention_class(name, form).__mro__:
         if "__init__" not in vars(klass) or klass in (nn.Module, object):
             continue
         for p in inspect.signature(klass.__init__).parameters.values():
@@ -197,15 +201,30 @@ def variant_option_defaults(name: str) -> Dict[str, Any]:
     return {p.name: p.default for p in inspect.signature(init).parameters.values() if p.kind is p.KEYWORD_ONLY}
 
 
-def build_attention(name: str, dim: int, num_heads: int, kernel: str = "sdpa", **options: Any) -> nn.Module:
-    """Build attention ``name`` (``mha``, ``moh``, ``moa``, ...) of width ``dim`` with ``num_heads`` heads; ``kernel``
+def pop_old_form_key(options: Dict[str, Any], form: str) -> str:
+    """``form``, or the value ``options`` gives under the old key ``kernel`` (removed from ``options``, with a
+    :class:`DeprecationWarning`); both given and different: :class:`ConfigError`."""
+    if OLD_FORM_KEY not in options:
+        return form
+    old = options.pop(OLD_FORM_KEY)
+    warnings.warn(f"the attention option '{OLD_FORM_KEY}' is now called 'form' ({OLD_FORM_KEY}={old} -> form={old}); "
+                  f"'{OLD_FORM_KEY}' names an op's implementation (kernels.<key>)", DeprecationWarning, stacklevel=3)
+    if form not in ("sdpa", old):
+        raise ConfigError(f"form={form} and the old {OLD_FORM_KEY}={old} disagree; give form= only")
+    return old
+
+
+def build_attention(name: str, dim: int, num_heads: int, form: str = "sdpa", **options: Any) -> nn.Module:
+    """Build attention ``name`` (``mha``, ``moh``, ``moa``, ...) of width ``dim`` with ``num_heads`` heads; ``form``
     picks how a head attends (``sdpa`` for plain ViT/DiT blocks; backbones register their own). Unknown names and
-    options raise :class:`ConfigError` with the allowed values."""
-    cls = attention_class(name, kernel)
-    allowed = attention_options(name, kernel)
+    options raise :class:`ConfigError` with the allowed values. The old ``kernel=`` is taken for ``form=``, with a
+    deprecation warning."""
+    form = pop_old_form_key(options, form)
+    cls = attention_class(name, form)
+    allowed = attention_options(name, form)
     unknown = sorted(set(options) - set(allowed))
     if unknown:
-        raise ConfigError(f"attention '{name}' (kernel '{kernel}') got unknown option(s) {', '.join(unknown)}; "
+        raise ConfigError(f"attention '{name}' (form '{form}') got unknown option(s) {', '.join(unknown)}; "
                           f"it takes: {', '.join(allowed)}")
     return cls(dim, num_heads, **options)
 
@@ -264,7 +283,7 @@ def optimizer_step_hooks(model: nn.Module) -> List[Callable[[], None]]:
 
 
 def flops_roles_of(module: nn.Module) -> Dict[str, str]:
-    """``{child: role}`` declared by the module's kernel and variant (the variant's win)."""
+    """``{child: role}`` declared by the module's form and variant (the variant's win)."""
     roles: Dict[str, str] = {}
     for klass in reversed(type(module).__mro__):
         roles.update(vars(klass).get("flops_roles", {}))
@@ -273,4 +292,4 @@ def flops_roles_of(module: nn.Module) -> Dict[str, str]:
 
 def describe(module: nn.Module) -> Optional[str]:
     name = getattr(module, "attention_name", None)
-    return None if name is None else f"{name}[{module.kernel_name}]"
+    return None if name is None else f"{name}[{module.form_name}]"

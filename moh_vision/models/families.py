@@ -10,6 +10,7 @@ import re
 from typing import Dict, Iterable, List, Mapping, Union
 
 import timm
+from timm.utils.model import unwrap_model  # the plain model inside DDP / torch.compile / ModelEma
 from torch import nn
 
 from moh_vision.errors import ConfigError
@@ -63,12 +64,6 @@ def model_class(name: str) -> type:
         check_model_name(name)
         raise ConfigError(f"'{name}' is a timm model, not one of moh-vision's ({', '.join(list_models())})")
     return _MODEL_CLASSES[name]
-
-
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The plain model inside DDP and/or ``torch.compile`` wrappers."""
-    model = getattr(model, "module", model)  # DistributedDataParallel
-    return getattr(model, "_orig_mod", model)  # torch.compile
 
 
 def model_family(model_or_name: Union[str, nn.Module]) -> str:

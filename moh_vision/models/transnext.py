@@ -30,8 +30,8 @@ from timm.models._features import feature_take_indices
 from torch.utils.checkpoint import checkpoint
 
 from moh_vision import ops
-from moh_vision.attention import HeadAttention, attention_options, build_attention, layer_options, register_kernel
-from moh_vision.attention.kernels import broadcast_kv_heads
+from moh_vision.attention import HeadAttention, attention_options, build_attention, layer_options, register_form
+from moh_vision.attention.forms import broadcast_kv_heads
 from moh_vision.errors import ConfigError
 from moh_vision.ops import Kernels
 from .factory import build_from_preset, instance_cfg
@@ -57,9 +57,9 @@ def _inverse_softplus(value: float, shape: Sequence[int]) -> Tensor:
 # Input checks on shapes: module-level and wrapped for torch.fx, so that any fx tracer (torchvision's
 # create_feature_extractor as well as timm's) records them as one call, run on the real input.
 @torch.fx.wrap
-def check_token_count(x: Tensor, num_tokens: int, resolution: Size2, kernel: str) -> None:
+def check_token_count(x: Tensor, num_tokens: int, resolution: Size2, owner: str) -> None:
     if x.shape[1] != num_tokens:
-        raise ConfigError(f"{kernel} was built for a {resolution[0]}x{resolution[1]} token grid ({num_tokens} tokens) "
+        raise ConfigError(f"{owner} was built for a {resolution[0]}x{resolution[1]} token grid ({num_tokens} tokens) "
                           f"but got {x.shape[1]} tokens; build the model with the img_size of its inputs")
 
 
@@ -121,7 +121,7 @@ class _TransNeXtAttention(HeadAttention):
         return f"{super().extra_repr()}, input_resolution={self.input_resolution}, pretrain_size={self.pretrain_size}"
 
 
-@register_kernel("transnext_full")
+@register_form("transnext_full")
 class TransNeXtFullAttention(_TransNeXtAttention):
     """Stage-4 attention: every token attends to every token, ``softmax(q_s k_n^T + B) v`` with length-scaled cosine
     queries ``q_s``, normalised keys ``k_n`` and the continuous position bias ``B``; ``qkv`` and ``proj`` as in the
@@ -153,7 +153,7 @@ class TransNeXtFullAttention(_TransNeXtAttention):
         return (F.dropout(attn, dropout) if dropout else attn) @ v
 
 
-@register_kernel("transnext_aggregated")
+@register_form("transnext_aggregated")
 class TransNeXtAggregatedAttention(_TransNeXtAttention):
     """Stages 1-3: pixel-focused local attention and pooled global attention under ONE softmax. Each query sees (a) its
     ``window_size x window_size`` neighbourhood (zero-padded at the border, padded slots masked, plus a learned per-head
@@ -323,7 +323,7 @@ class Block(nn.Module):
 
 
 # ---- The model -------------------------------------------------------------------------------
-# Kernel arguments the model derives per stage; an attention option may not set them.
+# Form arguments the model derives per stage; an attention option may not set them.
 _STAGE_ARGUMENTS = ("input_resolution", "pretrain_size", "sr_ratio", "window_size", "fixed_pool_size", "qkv_bias",
                     "attn_drop", "proj_drop", "kernels")
 
@@ -420,18 +420,18 @@ class TransNeXt(nn.Module):
         for i in range(NUM_STAGES):
             stride = STAGE_STRIDES[i]
             resolution = (self.img_size[0] // stride, self.img_size[1] // stride)
-            kernel_args: Dict[str, Any] = dict(
+            form_args: Dict[str, Any] = dict(
                 input_resolution=resolution,
                 pretrain_size=(self.pretrain_size[0] // stride, self.pretrain_size[1] // stride),
                 qkv_bias=qkv_bias, attn_drop=attn_drop_rate, proj_drop=drop_rate, kernels=self.kernels)
             if sr_ratios[i] == 1:
-                kernel = "transnext_full"
+                form = "transnext_full"
             else:
-                kernel = "transnext_aggregated"
-                kernel_args.update(sr_ratio=sr_ratios[i], window_size=window_sizes[i] or 3,
+                form = "transnext_aggregated"
+                form_args.update(sr_ratio=sr_ratios[i], window_size=window_sizes[i] or 3,
                                    fixed_pool_size=fixed_pool_size)
             options = {k: v for k, v in layer_options(attention_options, i, NUM_STAGES).items() if v is not None}
-            self._check_options(attention_names[i], kernel, options)
+            self._check_options(attention_names[i], form, options)
 
             first = i == 0
             patch_embed = OverlapPatchEmbed(patch_size=7 if first else 3, stride=4 if first else 2,
@@ -439,8 +439,8 @@ class TransNeXt(nn.Module):
             start = sum(depths[:i])
             blocks = nn.ModuleList([
                 Block(embed_dims[i],
-                      build_attention(attention_names[i], embed_dims[i], num_heads[i], kernel=kernel,
-                                      **kernel_args, **options),
+                      build_attention(attention_names[i], embed_dims[i], num_heads[i], form=form,
+                                      **form_args, **options),
                       mlp_ratio=mlp_ratios[i], drop=drop_rate, drop_path=drop_path[start + j], kernels=self.kernels)
                 for j in range(depths[i])])
             setattr(self, f"patch_embed{i + 1}", patch_embed)
@@ -453,8 +453,8 @@ class TransNeXt(nn.Module):
         self.pretrained_cfg = self.default_cfg = instance_cfg(_cfg(), self.instance_cfg())
 
     @staticmethod
-    def _check_options(name: str, kernel: str, options: Dict[str, Any]) -> None:
-        allowed = [o for o in attention_options(name, kernel) if o not in _STAGE_ARGUMENTS]
+    def _check_options(name: str, form: str, options: Dict[str, Any]) -> None:
+        allowed = [o for o in attention_options(name, form) if o not in _STAGE_ARGUMENTS]
         unknown = sorted(set(options) - set(allowed))
         if unknown:
             raise ConfigError(f"TransNeXt got unknown argument(s) {', '.join(unknown)}: neither a model argument nor "

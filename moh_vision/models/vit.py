@@ -21,6 +21,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from moh_vision.attention import build_attention, layer_options
+from moh_vision.attention.registry import pop_old_form_key
 from moh_vision.errors import ConfigError
 from .families import register_family, register_timm_equivalents
 from .factory import build_from_preset
@@ -55,21 +56,21 @@ def build_attention_stack(attention: str, dim: int, depth: int, num_heads: Union
                           defaults: Optional[Dict[str, Any]] = None, owner: str = "model") -> List[nn.Module]:
     """One registry attention per block. ``num_heads``, ``head_dim`` and every option may be a scalar or one value
     per block (:func:`~moh_vision.attention.layer_options`); ``defaults`` are the backbone's own choices (e.g.
-    ``qkv_bias``) that user options override. ``options["kernel"]`` picks the kernel (``sdpa`` if absent). Errors name
-    the block they come from."""
+    ``qkv_bias``) that user options override. ``options["form"]`` picks the attention's form (``sdpa`` if absent; the
+    old key ``kernel`` is taken with a deprecation warning). Errors name the block they come from."""
     if depth < 1:
         raise ConfigError(f"{owner} depth={depth} must be at least 1")
     heads = _per_layer(num_heads, depth, "num_heads", owner)
     head_dims = _per_layer(head_dim, depth, "head_dim", owner)
     options = dict(options)
-    kernel = options.pop("kernel", "sdpa")
+    form = pop_old_form_key(options, options.pop("form", "sdpa"))
     stack = []
     for i in range(depth):
         try:
             opts = {**(defaults or {}), **layer_options(options, i, depth)}
             if head_dims[i] is not None:
                 opts["head_dim"] = head_dims[i]
-            stack.append(build_attention(attention, dim, int(heads[i]), kernel=kernel, **opts))
+            stack.append(build_attention(attention, dim, int(heads[i]), form=form, **opts))
         except ConfigError as err:
             raise ConfigError(f"{owner} block {i}: {err}") from None
     return stack

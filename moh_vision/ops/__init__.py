@@ -1,19 +1,23 @@
 """The ops the models call, each with its reference formula and its kernels in one place, one dispatch choosing.
 
 A model calls one function per op; which implementation runs is the ``kernels`` config (:class:`Kernels`, held by the
-model as plain configuration) and the call's device and tracer state (:meth:`~moh_vision.ops.dispatch.Op.choose`):
+model as plain configuration) and the call's device and tracer state (:meth:`~moh_vision.ops.dispatch.Op.choose`).
+Each family of ops (``kernels.<key>``), its implementations, and ``auto`` per device:
 
-==================  ==================  =====================================================  ================
-op                  ``kernels.<key>``   implementations besides ``reference``                  ``auto``
-==================  ==================  =====================================================  ================
-aggregated_attention ``aggregated``     ``fused`` (C++ / Triton), ``flex`` (CUDA candidate)     fused
-moh_routing         ``routing``         ``fused`` (C++ / Triton: routing + gated merge)         fused
-depthwise_conv      ``depthwise``       ``triton`` (CUDA candidate), ``written_grad``           reference
-gated_tail, ...     ``recompute``       ``recompute`` (eager training: keep inputs only)        recompute
-==================  ==================  =====================================================  ================
+- ``aggregated`` (``aggregated_attention``): ``reference``; ``fused`` (C++ on the CPU, Triton on CUDA); ``flex``
+  (FlexAttention, CUDA). ``auto``: ``fused`` on the CPU, ``fused`` on CUDA.
+- ``routing`` (``moh_routing``: routing and gated merge): ``reference``; ``fused`` (one Triton kernel each way, CUDA).
+  ``auto``: ``reference`` on the CPU, ``fused`` on CUDA.
+- ``depthwise`` (``depthwise_conv``): ``reference`` (NCHW, the official layout); ``channels_last`` (the tokens read in
+  place); ``triton`` (CUDA); ``written_grad`` (its backward written out). ``auto``: ``channels_last`` on the CPU,
+  ``reference`` on CUDA.
+- ``recompute`` (``gated_tail``, ``cosine_queries``, ``average_pool``, ``position_mlp``): ``reference``; ``recompute``
+  (eager training: keep the inputs, recompute the rest in backward). ``auto``: ``recompute`` on the CPU, ``recompute``
+  on CUDA.
 
-``python train.py kernels=reference`` runs every model on the reference formulas alone; ``docs/performance.md`` lists
-the record that keeps each ``auto`` entry."""
+``python train.py kernels=reference`` runs every model on the reference formulas alone. ``docs/performance.md`` has
+the same table with the record that keeps each ``auto`` entry; ``tests/test_ops_docs.py`` checks both against the
+registered implementations."""
 from . import aggregated_flex  # noqa: F401  (registers the flex candidate)
 from .aggregated import aggregated_attention, aggregated_attention_reference, local_window_mask
 from .depthwise import depthwise_conv

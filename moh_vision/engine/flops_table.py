@@ -21,7 +21,7 @@ from moh_vision.attention import active_head_fraction, find_attention
 from moh_vision.checkpoints import run_config
 from moh_vision.errors import ConfigError
 from moh_vision.models import build_model, list_models, model_family
-from .flop_count import flop_report
+from moh_vision.analysis.flop_count import flop_report
 
 log = logging.getLogger(__name__)
 

@@ -5,8 +5,8 @@ dispatched is (at most) one launch. :func:`steady_count` counts every operator d
 backward) with a ``TorchDispatchMode``, the same way for dense and MoH, so the counts measured on a CPU are the launches
 a GPU would see before any fusion; the "kernels" rows leave out the views (operators that alias their input, and
 ``_unsafe_view``), which launch nothing. With ``dtype=bfloat16`` (or ``float16``) every call runs under CPU autocast, as
-GPU training does. :func:`ops_report` puts dense and MoH side by side (``tools/bench_models.py ops=true``), every layer
-and model with the default kernels (all ``auto``):
+GPU training does. :func:`ops_report` puts dense and MoH side by side (``benchmarks/bench_models.py ops=true``), every
+layer and model with the default kernels (all ``auto``):
 
 * one attention layer (dims 384 / 6 heads and 768 / 12, batch 8, 196 tokens), inference, and a training forward+backward
   with the routing recorder open and the aux loss added, as the trainer runs it;
@@ -189,7 +189,7 @@ def layer_rows(attention: Dict, dtype: Optional[torch.dtype] = None) -> List[Dic
 def model_rows(moh: torch.nn.Module, dense: torch.nn.Module, label: str, batch: int = 2,
                graphs: bool = True, dtype: Optional[torch.dtype] = None) -> List[Dict]:
     """Whole-model operator counts (inference, training) and, with ``graphs``, :func:`graph_counts`."""
-    from .benchmark import model_inputs
+    from harness import model_inputs
     inputs = model_inputs(dense, batch)
     rows = count_rows(label, {"dense": dense, "moh": moh}, inputs, dtype)
     if graphs:
@@ -224,10 +224,10 @@ def ops_report(pairs: Sequence[Tuple[torch.nn.Module, torch.nn.Module, str]], at
 
 def bench_ops(pairs: Sequence[str], img_size: int = 64, attention: Optional[Dict] = None, graphs: bool = True,
               out: Optional[str] = None, dtype: str = "float32") -> List[Dict]:
-    """``tools/bench_models.py ops=true``: :func:`ops_report` for ``moh:dense`` model pairs built at ``img_size``
+    """``bench_models.py ops=true``: :func:`ops_report` for ``moh:dense`` model pairs built at ``img_size``
     (operator counts do not depend on it), every call under CPU autocast to ``dtype`` (``bfloat16``: as GPU runs train);
     prints the table, and with ``out`` writes it and ``<out>.json``."""
-    from .benchmark import DTYPES, build_for_bench, write_record
+    from harness import DTYPES, build_for_bench, write_record
     built = []
     for pair in pairs:
         moh, _, dense = pair.partition(":")

@@ -1,19 +1,27 @@
-"""How long an image-folder tree takes to index (:mod:`moh_vision.data.file_index`): a scan without the cache, the first
-start with it (the scan, and the index kept) and the next (the index read back and checked), each the whole
-``ImageFolderData`` construction a run's start-up waits for. ``tools/bench_index.py`` runs it on a generated tree of
-empty files (their names are all an index reads)."""
+"""Time the image-folder file index on a generated tree of empty files (ImageNet's names, 1000 classes).
+
+    python benchmarks/bench_index.py                              # 1000 classes x (200 train + 10 val): 210,000 files
+    python benchmarks/bench_index.py classes=10 train_per_class=20 rounds=1   # a few seconds
+    python benchmarks/bench_index.py rounds=5 out=docs/bench/<folder>/file_index.json
+
+The seconds a run's start-up waits for ``ImageFolderData``: scanning the tree (no cache), the first start with
+the cache (scan and keep) and the next (read back and checked); median and quartiles over the rounds. The tree
+is generated in a temporary folder (``root``: under that folder) and removed; its files are empty (their names are
+all an index reads: :mod:`moh_vision.data.file_index`).
+"""
 from __future__ import annotations
 
 import json
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Sequence
 
 from tqdm.auto import tqdm
 
+from harness import Spread, machine_description
 from moh_vision.checkpoints import atomic_write
-from .benchmark import Spread, machine_description
+from moh_vision.cli import Option, integer, run_tool
 
 SCAN_ONLY = dict(img_size=32, auto_augment=None, mixup=None, cutmix=None, re_prob=None, repeated_aug=1)
 
@@ -69,3 +77,25 @@ def bench_index(classes: int, train_per_class: int, val_per_class: int, rounds: 
     if out:
         atomic_write(out, lambda f: f.write(text.encode()), what="record")
     return record
+
+
+OPTIONS = (
+    Option("classes", 1000, integer, "class folders", minimum=1),
+    Option("train_per_class", 200, integer, "training files per class", minimum=1),
+    Option("val_per_class", 10, integer, "validation files per class", minimum=1),
+    Option("rounds", 3, integer, "rounds of (scan, first start, second start)", minimum=1),
+    Option("root", help="generate the tree under this folder (default: the system's temporary folder)"),
+    Option("out", help="write the record (JSON) here"),
+)
+
+
+def bench(opts) -> dict:
+    return bench_index(opts.classes, opts.train_per_class, opts.val_per_class, opts.rounds, opts.root, opts.out)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    return run_tool(bench, argv, OPTIONS, __doc__)
+
+
+if __name__ == "__main__":
+    main()

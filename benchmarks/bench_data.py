@@ -1,6 +1,17 @@
-"""Loader benchmark: this project's image pipelines against timm's, on one JPEG tree, in one interleaved run.
+"""Time this project's image loaders against timm's on a generated ImageNet-like JPEG tree.
 
-``tools/bench_data.py`` generates an ImageNet-like class-folder tree (:func:`make_jpeg_tree`: 500 x 375 JPEGs of about
+    python benchmarks/bench_data.py                                   # 4 classes of 500x375 JPEGs, workers 0 and 2
+    python benchmarks/bench_data.py quick=true                        # a few seconds, for CI
+    python benchmarks/bench_data.py workers=0,4 rounds=5 out=bench_data.md   # + bench_data.json
+    python benchmarks/bench_data.py root=/data/flowers workers=0,8    # an existing train/ + val/ tree (only read)
+
+For each split (train: the TransNeXt recipe's augmentation; val: resize and crop) and worker count, one
+pass of this project's loader (``ImageFolderData`` in the trainer's loaders) and one of timm's
+(``create_loader`` with the same recipe) per round, the candidates taking turns; images/s (median and
+quartiles), per worker (``workers=0``: the main process on one thread, i.e. one worker's rate) and the
+per-round ratio.
+
+How it times: it generates an ImageNet-like class-folder tree (:func:`make_jpeg_tree`: 500 x 375 JPEGs of about
 ImageNet's size on disk and decode time) and times one pass over each split with
 
 * **moh_vision**: ``ImageFolderData`` with the TransNeXt recipe in the trainer's loaders (``SeededItems`` over an
@@ -10,12 +21,13 @@ ImageNet's size on disk and decode time) and times one pass over each split with
   (``use_safe_posterize``: Pillow 13 refuses the recipe's 0-bit posterize), the one change, so that it runs at all.
 
 Mixup is in neither (the training step mixes batches). The candidates take turns with persistent workers
-(:func:`~moh_vision.analysis.benchmark.interleave`), so a pass times loading, not process start-up; ``workers=0`` loads
-in the main process on one thread (one worker's rate). The ratio moh_vision / timm is per round."""
+(``harness.interleave``), so a pass times loading, not process start-up; ``workers=0`` loads
+in the main process on one thread (one worker's rate). The ratio moh_vision / timm is per round.
+"""
 from __future__ import annotations
 
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -23,7 +35,8 @@ import numpy as np
 import torch
 from torch.utils.data import DataLoader
 
-from moh_vision.analysis.benchmark import Spread, interleave, machine_description, write_record
+from harness import Spread, interleave, machine_description, write_record
+from moh_vision.cli import Option, boolean, integer, list_of, run_tool, text
 from moh_vision.data.imagefolder import ImageFolderData
 from moh_vision.data.sampler import EpochKeys, EpochSampler, SeededItems, loader_options
 from moh_vision.data.transforms import RECIPE_RE_COUNT, RECIPE_RE_MODE, use_safe_posterize
@@ -35,7 +48,7 @@ LOADERS = ("moh_vision", "timm")
 
 @dataclass
 class DataBench:
-    """What one run measures (``tools/bench_data.py``'s options)."""
+    """What one run measures (this script's options)."""
     root: Optional[str] = None  # the tree: made here if it has no train/ (default: a temporary directory)
     classes: int = 4
     train_per_class: int = 48
@@ -197,3 +210,34 @@ def bench_data(bench: DataBench, out: Optional[str] = None) -> dict:
               "timm": timm.__version__, "pillow": PIL.__version__, "settings": settings, "tree": tree, "rows": rows}
     write_record(out, table + "\n", record)
     return record
+
+
+OPTIONS = (
+    Option("root", help="the tree: used as it is if it has train/, else generated there (default: a temporary dir)"),
+    Option("classes", 4, integer, "classes of the generated tree", minimum=1),
+    Option("train_per_class", 48, integer, "generated training images per class", minimum=1),
+    Option("val_per_class", 16, integer, "generated validation images per class", minimum=1),
+    Option("image_size", [500, 375], list_of(integer), "width,height of the generated JPEGs", minimum=8),
+    Option("img_size", 224, integer, "the model's input side", minimum=8),
+    Option("batch", 32, integer, "images per batch", minimum=1),
+    Option("workers", [0, 2], list_of(integer), "loader worker counts (0: in the main process)", minimum=0),
+    Option("splits", ["train", "val"], list_of(text), "which pipelines", choices=("train", "val")),
+    Option("rounds", 3, integer, "timed passes per candidate (interleaved)", minimum=1),
+    Option("seed", 0, integer, "the tree's and the sampler's seed", minimum=0),
+    Option("quick", False, boolean, "a tiny tree, one round: a smoke test for CI"),
+    Option("out", help="also write the markdown table here, and every number to .json beside it"),
+)
+
+
+def bench(opts) -> dict:
+    settings = {f.name: opts[f.name] for f in fields(DataBench)}
+    settings["image_size"] = tuple(settings["image_size"])
+    return bench_data(DataBench(**{**settings, **(QUICK_DATA if opts.quick else {})}), opts.out)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> dict:
+    return run_tool(bench, argv, OPTIONS, __doc__)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,13 +1,13 @@
-"""Attention kernels: complete dense multi-head attentions, split into the steps variants override.
+"""Attention forms: complete dense multi-head attentions, split into the steps variants override.
 
-Every kernel follows one pipeline::
+Every form follows one pipeline::
 
     heads = self.heads(x)            # [B, h, N, d] per-head outputs (projections + attention)
     y = self.output(heads, gates)    # optional per-token head gates, then the output projection
 
 ``heads`` reads its queries/keys/values through ``project_q`` / ``project_kv`` / ``project_qkv``, so a variant that owns
 other projections (MoA) only overrides those; a variant that weights heads (MoH) only passes ``gates`` to ``output``.
-Keys and values may have one head that all query heads share (``k.shape[1] == 1``); kernels broadcast it."""
+Keys and values may have one head that all query heads share (``k.shape[1] == 1``); forms broadcast it."""
 from __future__ import annotations
 
 from typing import Optional, Tuple
@@ -18,7 +18,7 @@ from torch import nn
 
 from moh_vision.errors import ConfigError
 from moh_vision.ops import Kernels, merge_heads
-from .registry import register_kernel
+from .registry import register_form
 
 Tensor = torch.Tensor
 
@@ -43,7 +43,7 @@ class HeadAttention(nn.Module):
     """Base of every kernel: dims, projections, and the gated output projection. ``kernels``: the ``kernels``
     config (:class:`~moh_vision.ops.Kernels`, plain configuration) that picks each op's implementation."""
 
-    kernel_name = "base"
+    form_name = "base"
     is_routed = False
     # FLOPs: which children scale with the heads a token activates (see registry.flops_roles_of)
     flops_roles = {"qkv": "query_rows", "proj": "per_head", "proj_drop": "fixed"}
@@ -79,7 +79,7 @@ class HeadAttention(nn.Module):
         q, k, v = qkv.reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4).unbind(0)
         return q, k, v
 
-    # --- the kernel ----------------------------------------------------------------------------
+    # --- the form ------------------------------------------------------------------------------
     def heads(self, x: Tensor) -> Tensor:
         """Per-head attention outputs ``[B, h, N, d]`` before the output projection."""
         raise NotImplementedError
@@ -118,7 +118,7 @@ def dot_product_attention(q: Tensor, k: Tensor, v: Tensor, dropout_p: float = 0.
     return attn @ v
 
 
-@register_kernel("sdpa")
+@register_form("sdpa")
 class DotProductAttention(HeadAttention):
     """Scaled dot-product multi-head attention in timm's ``Attention`` layout (``qkv``, ``proj``). ``fused_attn=True``
     calls ``F.scaled_dot_product_attention`` (flash/memory-efficient kernels where available); ``False`` runs the

@@ -1,14 +1,32 @@
-"""This codebase's backbones against timm peers of similar FLOPs, in one interleaved run (``tools/bench_backbones.py``).
+"""This codebase's backbones against timm peers of similar FLOPs, in one interleaved run.
+
+    python benchmarks/bench_backbones.py                                  # TransNeXt-Micro/PVTv2-b1, TransNeXt-T/Swin-T
+    python benchmarks/bench_backbones.py pairs=big device=cuda batch=64 dtype=bfloat16 compile=false,true
+    python benchmarks/bench_backbones.py pairs=transnext_micro:pvt_v2_b1 threads=1 batch=4 rounds=5 out=b.md
+    python benchmarks/bench_backbones.py quick=true                       # tiny models at 64 px (CI smoke test)
+
+Each ``ours:peer`` pair is built at one image size and timed interleaved, round by round: a training step
+(forward, loss, backward, AdamW) and inference (eval, no gradients). Per pair: GFLOPs per image of both (the
+project's fvcore count), ms per step, "x peer" (ours/peer in the same round) as median [quartiles], that
+ratio per GFLOP (x peer over the GFLOPs ratio: 1.0 means ours costs what its FLOPs predict), images/s, the
+MiB per image that autograd saves for backward (``saved``; parameters excluded, machine-independent) and,
+on CUDA, the training peak memory. ``pairs=big`` adds TransNeXt-S/Swin-S and TransNeXt-B/Swin-B to the
+default two. ``compile=false,true`` times each pair eager and compiled. ``profile=true`` adds where a
+training step's time goes: each model's operators (CUDA: kernels) by self time. ``components=true`` times
+our models' pieces alone, per stage, under every implementation that runs on the device (the depthwise
+convolution, the aggregated attention). ``kernels.<key>=<value>`` sets our models' kernels config (as ``train.py``
+takes it). ``out=t.md`` also writes ``t.json`` (every number, torch and timm versions, the machine, the options).
 
 The architecture's promise is that a backbone costs what its peers of the same FLOPs cost (timm's Swin and PVTv2). Both
 models of an ``ours:peer`` pair are built at the same image size (ours through
-:func:`~moh_vision.analysis.benchmark.build_for_bench`) and their steps interleaved round by round
-(:mod:`~moh_vision.analysis.benchmark`), so "x peer" is a per-round ratio, reported as median [quartiles], of training
+``harness.build_for_bench``) and their steps interleaved round by round
+(``benchmarks/harness.py``), so "x peer" is a per-round ratio, reported as median [quartiles], of training
 steps (forward, loss, backward, AdamW) and of inference (eval mode, no gradients); "per GFLOP" divides it by the GFLOPs
 ratio (1.0: ours costs what its FLOPs predict). Beside them: GFLOPs per image (the project's one counter), saved MiB per
-image (:func:`saved_tensor_bytes`: what autograd keeps for backward, which sets training memory on a GPU and does not
-depend on the machine) and, on CUDA, the training peak memory. ``compile=[False, True]`` times each pair eager and
-``torch.compile``d in one invocation (same weights, compilation left out of the timings)."""
+image (``harness.saved_tensor_bytes``: what autograd keeps for backward, which sets training memory on a GPU and does
+not depend on the machine) and, on CUDA, the training peak memory. ``compile=[False, True]`` times each pair eager and
+``torch.compile``d in one invocation (same weights, compilation left out of the timings).
+"""
 from __future__ import annotations
 
 import statistics
@@ -18,12 +36,13 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from harness import (DTYPES, TIMING_OPTIONS, Spread, build_for_bench, interleave, kernels_text, machine_description,
+                     make_step, model_inputs, paired_ratio, peak_memory, resolve_device, rounds_bar, saved_tensor_bytes,
+                     synchronizer, where_measured, write_record)
+from moh_vision.analysis.profile_kinds import counted_events, own_time_us, time_by_kind
+from moh_vision.cli import Option, boolean, integer, list_of, run_tool, text
 from moh_vision.errors import ConfigError
 from moh_vision.ops import Kernels
-from .benchmark import (DTYPES, Spread, build_for_bench, interleave, kernels_text, machine_description, make_step,
-                        model_inputs, paired_ratio, peak_memory, resolve_device, rounds_bar, saved_tensor_bytes,
-                        synchronizer, where_measured, write_record)
-from .profile_kinds import counted_events, own_time_us, time_by_kind
 
 # Peers of about the same FLOPs (fvcore GFLOPs at 224 px: TransNeXt-Micro 2.7 vs PVTv2-b1 2.1, TransNeXt-Tiny 5.7 vs
 # Swin-T 4.5, TransNeXt-Small 10.3 vs Swin-S 8.7, TransNeXt-Base 18.4 vs Swin-B 15.4).
@@ -95,7 +114,7 @@ def build_pair(ours: str, peer: str, img_size: int, device: torch.device,
 # -- What a model is: FLOPs, parameters, bytes saved for backward ------------------------------------------------------
 def describe(model: nn.Module, batch: int, device: torch.device, dtype: torch.dtype, saved: bool) -> Dict[str, object]:
     """``gflops``, ``active_gflops``, ``params_m`` and (``saved``) ``saved_mib_per_image`` of ``model``."""
-    from .flop_count import count_flops
+    from moh_vision.analysis.flop_count import count_flops
     counted = count_flops(model, model.pretrained_cfg["input_size"])
     info: Dict[str, object] = {"gflops": counted["gflops"], "active_gflops": counted["active_gflops"],
                                "params_m": counted["params"] / 1e6}
@@ -170,7 +189,7 @@ def arithmetic_rate(info: Dict[str, object], timings: Dict[str, object], device:
                     dtype: torch.dtype) -> Dict[str, float]:
     """The training step's ``train_tflops`` (the trainer's convention: :mod:`~moh_vision.analysis.device_peaks`) and, on
     a GPU of the peaks table, ``train_utilisation`` against its dense peak for ``dtype``."""
-    from .device_peaks import device_name, peak_tflops, run_precision, training_gflops_per_image
+    from moh_vision.analysis.device_peaks import device_name, peak_tflops, run_precision, training_gflops_per_image
     out = {"train_tflops": training_gflops_per_image(info) * timings["train_img_s"] / 1e3}
     amp = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype, "none")
     peak = peak_tflops(device_name(device), run_precision(amp)) if device.type == "cuda" else None
@@ -374,3 +393,39 @@ def bench_backbones(pairs: Optional[Sequence[str]] = None, batch: Optional[int] 
         write_record(out, table, record)
     print(table)
     return rows
+
+
+OPTIONS = (
+    Option("pairs", type=list_of(text), help="ours:peer pairs, or a set: default | big | quick "
+           "(default: transnext_micro:pvt_v2_b1,transnext_tiny:swin_tiny_patch4_window7_224)"),
+    Option("batch", type=integer, minimum=1, help="images per step (default 2; quick: 1)"),
+    Option("img_size", type=integer, minimum=32, help="image side in pixels (default 224; quick: 64)"),
+    Option("rounds", type=integer, minimum=1, help="timed rounds, each runs both models once (default 15; quick: 2)"),
+    Option("warmup", type=integer, minimum=0, help="untimed steps per model first (default 2; quick: 1)"),
+    *TIMING_OPTIONS,
+    Option("compile", [False], list_of(boolean), "torch.compile both models (compilation untimed); "
+           "false,true: each pair both ways"),
+    Option("compile_mode", "default", help="torch.compile's mode (reduce-overhead: CUDA graphs)",
+           choices=("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")),
+    Option("saved", type=boolean, help="measure the bytes saved for backward per image (default: on the CPU)"),
+    Option("quick", False, boolean, "tiny models at 64 px, batch 1, 2 rounds (smoke test)"),
+    Option("profile", False, boolean, "also each model's top operators (CUDA: kernels) by self time in one step"),
+    Option("components", False, boolean, "also time each of our models' pieces alone (the depthwise convolution, "
+           "the aggregated attention, each implementation) per stage"),
+    Option("kernels.*", type=text, help="one entry of our models' kernels config, e.g. kernels.depthwise=triton"),
+    Option("out", help="also write the markdown table here, and every number as JSON beside it (.json)"),
+)
+
+
+def bench(opts) -> List[Dict]:
+    return bench_backbones(opts.pairs, opts.batch, opts.img_size, opts.rounds, opts.warmup, opts.min_seconds,
+                           opts.device, opts.dtype, opts.threads, opts.compile, opts.compile_mode, opts.saved,
+                           opts.quick, opts.out, opts.profile, opts.components, opts.kernels_options)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[Dict]:
+    return run_tool(bench, argv, OPTIONS, __doc__)
+
+
+if __name__ == "__main__":
+    main()

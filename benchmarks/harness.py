@@ -1,11 +1,13 @@
-"""Timing that can tell: dense and MoH side by side in one process, a median and a spread per figure.
+"""The timing every script of ``benchmarks/`` shares: dense and MoH side by side in one process, a median and a spread
+per figure.
 
-Every benchmark of the project (``tools/bench_models.py``, ``tools/bench_kernels.py``, ``tools/bench_backbones.py``)
+Every timing benchmark (``benchmarks/bench_models.py``, ``bench_kernels.py``, ``bench_backbones.py``, ``bench_data.py``)
 times its candidates with :func:`interleave`: after a warm-up, each *round* calls every candidate once, in an order that
 rotates from round to round, each call timed on its own. A slow phase of the machine then hits all candidates of a round
 alike, and the ratio of two candidates is taken *per round* (:func:`paired_ratio`), whose median and quartiles the
-tables report. Here: :func:`bench_models` (MoH models against their dense twins) and :func:`bench_kernels` (one model
-under several ``kernels`` configs: whether an implementation pays on the whole model's step, and what it saves)."""
+tables report. Here too: what a step keeps in memory (:func:`peak_memory`, :func:`saved_tensor_bytes`) and launches
+(:func:`launches`), a model built for a benchmark and its step (:func:`build_for_bench`, :func:`make_step`), and the
+record a run writes (:func:`write_record`)."""
 from __future__ import annotations
 
 import contextlib
@@ -23,8 +25,7 @@ from torch import nn
 
 from moh_vision.analysis.device_peaks import cpu_name
 from moh_vision.cli import Option, integer, number
-from moh_vision.errors import ConfigError
-from moh_vision.ops import Kernels, resolved
+from moh_vision.ops import Kernels
 
 
 @dataclass
@@ -232,7 +233,7 @@ def saved_tensor_bytes(call: Callable[[], object], parameters: Iterable[torch.Te
 
 # -- Where a benchmark runs --------------------------------------------------------------------------------------------
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# What every timing tool (tools/bench_models.py, bench_kernels.py, bench_backbones.py) takes after its rounds.
+# What every timing script (bench_models.py, bench_kernels.py, bench_backbones.py) takes after its rounds.
 TIMING_OPTIONS = (
     Option("min_seconds", 0.0, number, "keep adding rounds until this much time", minimum=0),
     Option("device", "auto", help="auto | cpu | cuda"),
@@ -257,11 +258,7 @@ def where_measured(device: torch.device) -> str:
     return f"cpu ({machine_description()}), {torch.get_num_threads()} threads"
 
 
-# -- Whole MoH models against their dense twins (``tools/bench_models.py``) --------------------------------------------
-DEFAULT_PAIRS = ("moh_transnext_base_50:transnext_base", "moh_dit_xl_2_75:dit_xl_2", "moh_dit_b_2_75:dit_b_2")
-QUICK_PAIRS = ("moh_dit_s_2_75:dit_s_2",)
-
-
+# -- A model, its inputs and its steps --------------------------------------------------------------------------------
 def build_for_bench(name: str, img_size: int, device: torch.device, attention: Optional[Dict] = None,
                     kernels: Optional[Kernels] = None) -> torch.nn.Module:
     """Model ``name`` as registered, or with ``attention`` (a config group) in every layer, running ``kernels``."""
@@ -330,56 +327,14 @@ def time_candidates(models: Dict[Any, torch.nn.Module], base: Any, batch: int, r
     return rows
 
 
-def bench_pair(moh: str, dense: str, batch: int, img_size: int, rounds: int, warmup: int, min_seconds: float,
-               device: torch.device, dtype: torch.dtype, attention: Optional[Dict] = None,
-               kernels: Optional[Kernels] = None, compile_models: bool = False, compile_mode: str = "default",
-               count_launches: bool = False) -> List[Dict]:
-    """The dense twin and the MoH model (with ``attention``, if given), both with ``kernels``, interleaved round by
-    round; ``compile_models``: each one ``torch.compile``d with ``compile_mode`` (as ``trainer.compile=true``), its
-    first call per mode (the compilation) left out of the timings."""
-    label = moh if attention is None else f"{moh} ({attention_label(attention)})"
-    models = {dense: build_for_bench(dense, img_size, device, kernels=kernels),
-              label: build_for_bench(moh, img_size, device, attention, kernels)}
-    if compile_models:
-        from moh_vision.attention.recorder import compile_model
-
-        models = {key: compile_model(m, compile_mode) for key, m in models.items()}
-        warmup = max(warmup, 1)
-    timed = time_candidates(models, dense, batch, rounds, warmup, min_seconds, device, dtype, f"{label} vs {dense}",
-                            count_launches)
-    rows = []
-    for key, row in timed.items():
-        row = {"model": key, "batch": batch, "compiled": compile_models, **row}
-        for mode in ("infer", "train"):
-            row[f"{mode}_x_dense"] = row.pop(f"{mode}_x_base")
-        rows.append(row)
-    return rows
-
-
 def attention_label(attention: Dict) -> str:
     """``moh 0.5`` for ``{"name": "moh", "activation_ratio": 0.5, ...}`` (the options a row was run with)."""
     ratio = attention.get("activation_ratio")
     return attention.get("name", "?") + ("" if ratio is None else f" {ratio:g}")
 
 
-def _spread(d: Dict[str, float]) -> str:
+def spread_text(d: Dict[str, float]) -> str:
     return f"{d['median']:.3f} [{d['q1']:.3f}-{d['q3']:.3f}]"
-
-
-def models_table(rows: Sequence[Dict], header: str) -> str:
-    def launched(d: Dict[str, float]) -> str:  # kernels (GPU-busy ms) on CUDA, ATen operators on the CPU
-        return f"{d['kernels']} ({d['device_ms']:.2f} ms)" if "kernels" in d else f"{d['aten_ops']}"
-
-    counted = "infer_launches" in rows[0]
-    extra = (" inference launches | training launches |", "---|---|") if counted else ("", "")
-    lines = [header, "", "| model | inference ms | x dense | training ms | x dense | training peak MB |"
-             + extra[0], "|---|---|---|---|---|---|" + extra[1]]
-    for r in rows:
-        peak = "-" if r.get("train_peak_mb") is None else f"{r['train_peak_mb']:.0f}"
-        more = f" {launched(r['infer_launches'])} | {launched(r['train_launches'])} |" if counted else ""
-        lines.append(f"| {r['model']} | {r['infer_ms']['median']:.1f} | {_spread(r['infer_x_dense'])} | "
-                     f"{r['train_ms']['median']:.1f} | {_spread(r['train_x_dense'])} | {peak} |" + more)
-    return "\n".join(lines) + "\n"
 
 
 def write_record(out: Optional[str], table: str, record: Dict) -> None:
@@ -389,101 +344,7 @@ def write_record(out: Optional[str], table: str, record: Dict) -> None:
         Path(out).with_suffix(".json").write_text(json.dumps(record, indent=1))
 
 
-def bench_models(pairs: Optional[Sequence[str]] = None, batch: int = 2, img_size: Optional[int] = None,
-                 rounds: int = 15, warmup: int = 2, min_seconds: float = 0.0, device: str = "auto",
-                 dtype: str = "float32", threads: Optional[int] = None, quick: bool = False, out: Optional[str] = None,
-                 attention: Optional[Dict] = None, kernels: Optional[Kernels] = None, compile_models: bool = False,
-                 compile_mode: str = "default", count_launches: bool = False) -> List[Dict]:
-    """Images/s of each ``moh:dense`` pair (inference and training), print the table and return its rows; ``out`` also
-    gets the table, and every number goes to ``<out>.json``. ``quick``: one small pair at 64 px. ``attention``: the MoH
-    side's attention in every layer (e.g. ``{"name": "moh", "activation_ratio": 0.5}``; None: as registered);
-    ``kernels``: both models' kernels config; ``compile_models``: every model ``torch.compile``d with ``compile_mode``;
-    ``count_launches``: two more columns (:func:`launches`)."""
-    from moh_vision.models import model_family
-    if threads:
-        torch.set_num_threads(threads)
-    where, torch_dtype = resolve_device(device), DTYPES[dtype]
-    kernels = Kernels.of(kernels)
-    rows = []
-    for pair in pairs or (QUICK_PAIRS if quick else DEFAULT_PAIRS):
-        moh, _, dense = pair.partition(":")
-        if not dense:
-            raise ConfigError(f"pairs wants moh:dense, got {pair}")
-        size = img_size or (64 if quick else (256 if model_family(moh) == "dit" else 224))
-        rows += bench_pair(moh, dense, batch, size, rounds, warmup, min_seconds, where, torch_dtype, attention,
-                           kernels, compile_models, compile_mode, count_launches)
-    mode = "" if compile_mode == "default" else f" (mode {compile_mode})"
-    compiled = f", every model torch.compile'd{mode}" if compile_models else ""
-    header = (f"{where_measured(where)}, {dtype}, batch {batch}{compiled}, kernels {kernels_text(kernels)}; dense and "
-              f"MoH interleaved, {rounds}+ rounds: median ms per step, and the per-round ratio to the dense twin as "
-              f"median [quartiles]")
-    table = models_table(rows, header)
-    print(table)
-    write_record(out, table, {"header": header, "torch": torch.__version__, "kernels": kernels.as_dict(), "rows": rows})
-    return rows
-
-
-# -- One model under several kernels configs (``tools/bench_kernels.py``) ----------------------------------------------
 def kernels_text(kernels: Kernels) -> str:
     """``auto`` when every entry is ``auto``, else the entries that are not, ``routing=reference,...``."""
     changed = [f"{key}={value}" for key, value in kernels.as_dict().items() if value != "auto"]
     return ",".join(changed) or "auto"
-
-
-def parse_kernels(text: str) -> Kernels:
-    """``auto``, ``reference`` (every entry), or ``key=value`` entries joined by ``+`` (the rest ``auto``)."""
-    if text in ("auto", "reference"):
-        return Kernels(**{key: text for key in Kernels().as_dict()})
-    entries = dict(part.split("=", 1) if "=" in part else (part, "") for part in text.split("+"))
-    if any(not value for value in entries.values()):
-        raise ConfigError(f"kernels variant '{text}': give auto, reference or key=value entries joined by '+'")
-    return Kernels.of(entries)
-
-
-def bench_kernels(model: str, variants: Sequence[str] = ("auto", "reference"), batch: int = 4,
-                  img_size: Optional[int] = None, rounds: int = 15, warmup: int = 2, min_seconds: float = 0.0,
-                  device: str = "auto", dtype: str = "float32", threads: Optional[int] = None,
-                  attention: Optional[Dict] = None, saved: bool = True, out: Optional[str] = None) -> List[Dict]:
-    """``model`` (with ``attention``, if given) under each ``kernels`` variant (:func:`parse_kernels`), the same
-    weights, its inference and training steps interleaved round by round: ms, the per-round ratio to the first variant
-    (``x first``), the training peak memory and (``saved``) the MiB per image autograd keeps for backward
-    (:func:`saved_tensor_bytes`)."""
-    from moh_vision.models import build_model, model_family
-    if threads:
-        torch.set_num_threads(threads)
-    where, torch_dtype = resolve_device(device), DTYPES[dtype]
-    if img_size is None and model_family(model) != "dit":  # the model's own size (DiT: 256px, 32x32 latents)
-        with torch.device("meta"):
-            img_size = build_model(model, attention=attention).pretrained_cfg["input_size"][-1]
-    size = img_size or 256
-    models = {variant: build_for_bench(model, size, where, attention, parse_kernels(variant)) for variant in variants}
-    first = models[variants[0]]
-    for m in models.values():
-        m.load_state_dict(first.state_dict())
-    timed = time_candidates(models, variants[0], batch, rounds, warmup, min_seconds, where, torch_dtype,
-                            f"{model}, kernels {' / '.join(variants)}")
-    rows = []
-    for variant, row in timed.items():
-        kernels = parse_kernels(variant)
-        row = {"model": model, "kernels": variant, "resolved": kernels.as_dict(), "in_use": resolved(kernels, where),
-               "batch": batch, "img_size": size, **row}
-        if saved:
-            step = make_step(models[variant], batch, where, True, torch_dtype)
-            row["saved_mib_per_image"] = saved_tensor_bytes(step, models[variant].parameters()) / batch / 2 ** 20
-        rows.append(row)
-    label = model if attention is None else f"{model} ({attention_label(attention)})"
-    header = (f"{label} at {size} px, {where_measured(where)}, {dtype}, batch {batch}; the kernels variants "
-              f"interleaved, {rounds}+ rounds: median ms per step, and the per-round ratio to the first variant "
-              f"({variants[0]}) as median [quartiles]")
-    lines = [header, "", "| kernels | inference ms | x first | training ms | x first | training peak MB | saved MiB/img |",
-             "|---|---|---|---|---|---|---|"]
-    for r in rows:
-        peak = "-" if r.get("train_peak_mb") is None else f"{r['train_peak_mb']:.0f}"
-        kept = f"{r['saved_mib_per_image']:.1f}" if "saved_mib_per_image" in r else "-"
-        lines.append(f"| {r['kernels']} | {r['infer_ms']['median']:.1f} | {_spread(r['infer_x_base'])} | "
-                     f"{r['train_ms']['median']:.1f} | {_spread(r['train_x_base'])} | {peak} | {kept} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
-    write_record(out, table, {"header": header, "torch": torch.__version__, "machine": where_measured(where),
-                        "rows": rows})
-    return rows
