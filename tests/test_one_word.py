@@ -18,9 +18,10 @@ from moh_vision.models.vit import build_attention_stack
 
 # Identifiers outside ops/ that contain "kernel", each an implementation: the kernels config and the ops' own keyword
 # (``ops.route_merge(..., kernel=self.kernels.routing)``), the optimizer's implementation, PyTorch's ``kernel_size``.
-KERNELS_CONFIG = {"kernels", "Kernels", "KernelsConfig", "TRACED_KERNELS", "traced_kernels", "_kernel_choices"}
+KERNELS_CONFIG = {"kernels", "Kernels", "KernelsConfig", "TRACED_KERNELS", "traced_kernels", "_kernel_choices",
+                  "kernels_ran", "kernel_fallbacks", "kernels_in_use"}  # summary.json: which implementations ran
 OPTIMIZER = {"optimizer_kernel", "optimizer_kernel_of"}
-OPTIMIZER_KEYWORD = {"engine/optim.py", "engine/fit_setup.py"}  # build_optimizer(..., kernel=optimizer_kernel(...))
+OPTIMIZER_KEYWORD = {"engine/optim.py", "engine/fit_setup.py", "engine/step_check.py"}  # build_optimizer(..., kernel=optimizer_kernel(...))
 
 
 def _names(node: ast.AST):
