@@ -25,7 +25,7 @@ HISTORY_DIR = "config_history"
 FREE_TO_CHANGE = (
     "trainer.resume", "trainer.extend", "trainer.progress", "trainer.log_every", "trainer.ckpt_every_steps",
     "trainer.num_workers", "trainer.val_every_epochs", "trainer.val_batch_size", "trainer.val_at_start",
-    "trainer.count_flops", "trainer.requeue_on_preempt", "trainer.throughput_warmup_steps",
+    "trainer.count_flops", "trainer.requeue_on_preempt", "trainer.dist_timeout_s", "trainer.throughput_warmup_steps",
     "trainer.max_nonfinite_in_a_row", "trainer.device", "trainer.compile", "trainer.compile_mode", "trainer.tf32",
     "trainer.grad_checkpointing", "logger", "tag",
     "model.checkpoint_path", "model.init_from", "data.root", "task.sample", "task.vae",
