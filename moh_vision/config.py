@@ -410,6 +410,10 @@ def register_configs() -> None:
 
     from moh_vision.models import list_models, model_family
 
+    from moh_vision.engine.run_dir import run_name
+
+    if not OmegaConf.has_resolver("run_name"):  # hydra.run.dir's (configs/hydra/default.yaml)
+        OmegaConf.register_new_resolver("run_name", run_name)
     store = ConfigStore.instance()
     if "train_schema.yaml" in store.repo:
         return
