@@ -126,6 +126,8 @@ class TrainerConfig:
                                       "set_grad_checkpointing): less memory, one more forward per step")
     max_nonfinite_in_a_row: int = option(10, at_least=1)
     requeue_on_preempt: bool = option(True, help="inside a plain sbatch job: scontrol requeue after preemption")
+    dist_timeout_s: float = option(1800.0, above=0.0, help="DDP: how long joining the process group and each "
+                                   "collective may wait (a rank-0-only phase included) before the run stops")
     progress: Any = option("auto", choices=("auto", True, False), help="the progress bar; auto: on a terminal only "
                            "(none in a SLURM log)")
     count_flops: bool = True
@@ -408,6 +410,10 @@ def register_configs() -> None:
 
     from moh_vision.models import list_models, model_family
 
+    from moh_vision.engine.run_dir import run_name
+
+    if not OmegaConf.has_resolver("run_name"):  # hydra.run.dir's (configs/hydra/default.yaml)
+        OmegaConf.register_new_resolver("run_name", run_name)
     store = ConfigStore.instance()
     if "train_schema.yaml" in store.repo:
         return

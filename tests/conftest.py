@@ -18,6 +18,10 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def pytest_configure(config):
+    for name in [name for name in os.environ if name.startswith("SLURM_")]:
+        # a suite run inside a SLURM job: runs land in outputs/.../<date>/<time> as the tests expect (not in the job's
+        # directory), and a preemption test must not requeue the job it runs in (tests/test_slurm_requeue.py sets them)
+        del os.environ[name]
     from moh_vision.config import register_configs
     register_configs()  # the schema and the model presets, for tests that compose with Hydra's own API
     if os.environ.get("PYTEST_XDIST_WORKER"):

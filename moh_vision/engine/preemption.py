@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+from datetime import timedelta
 from typing import Any, Dict, Mapping, Optional
 
 import torch
@@ -83,14 +84,18 @@ class StopSignals:
                     pass
         if self.dist.enabled and self.group is None:  # every rank enters at the same point: a group is made here
             import torch.distributed as tdist
-            self.group = tdist.new_group(backend="gloo")
+            self.group = tdist.new_group(backend="gloo", timeout=timedelta(seconds=self.dist.timeout_s))
             self.flag = torch.zeros(1)
             self.flag_memory = self.flag.numpy()
         return self
 
     def __exit__(self, *exc: Any) -> None:
         if self.reduction is not None:  # done long ago; a process group must not go with work pending
-            self.reduction.wait()
+            try:
+                self.reduction.wait()
+            except RuntimeError:  # the ranks broke apart: the error that brought us here says why
+                if exc[0] is None:
+                    raise
             self.reduction = None
         self._restore()
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import logging
 import os
 import shutil
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Dict, Optional
@@ -15,9 +14,10 @@ from omegaconf import DictConfig, OmegaConf
 
 from moh_vision import checkpoints as ckpt_io
 from moh_vision.config import EvalConfig, TrainConfig, build_data, build_task, group_name, validate
-from moh_vision.errors import ConfigError
+from moh_vision.cli import user_error_in
+from moh_vision.errors import ConfigError, RunError, os_error_line
 from moh_vision.tasks.protocols import EpochContext
-from .distributed import broadcast_object, cleanup, init_distributed
+from .distributed import broadcast_object, cleanup, init_distributed, settle_failure
 from .loggers import Loggers, write_json
 from .run_dir import RunLock
 from .trainer import Preempted, Trainer
@@ -26,6 +26,14 @@ log = logging.getLogger(__name__)
 
 # Exit status after a preemption signal: the checkpoint is saved and the job should be requeued.
 REQUEUE_EXIT_CODE = 124
+
+
+class StoppedForRequeue(SystemExit):
+    """The exit after a preemption: saved, the run directory's lock to be released, then the requeue asked."""
+
+    def __init__(self, requeue: bool):
+        super().__init__(REQUEUE_EXIT_CODE)
+        self.requeue = requeue
 
 
 def hydra_output_dir() -> Path:
@@ -95,7 +103,7 @@ def requeue_slurm_job() -> None:
 def train(cfg: DictConfig) -> Dict[str, Any]:
     run: TrainConfig = validate(cfg)  # every value checked: nothing is built or written before this
     config = OmegaConf.to_container(cfg, resolve=True)
-    dist = init_distributed(run.trainer.device)
+    dist = init_distributed(run.trainer.device, run.trainer.dist_timeout_s)
     out_dir = shared_output_dir(hydra_output_dir(), dist)
     lock = RunLock(out_dir)  # rank 0 holds it for all ranks
     problem = None
@@ -110,32 +118,50 @@ def train(cfg: DictConfig) -> Dict[str, Any]:
         raise ConfigError(problem)
     try:
         return _train_in(out_dir, run, config, dist)
+    except StoppedForRequeue as stop:
+        lock.release()  # before the requeue: the requeued job may start on another node at once
+        if stop.requeue:
+            requeue_slurm_job()
+        raise
     finally:
         lock.release()
 
 
+def one_line(err: BaseException) -> str:
+    """What a rank's failure says to the other ranks: its ``error:`` line, or the exception's first line."""
+    user_error = user_error_in(err)
+    if user_error is not None:
+        return str(user_error)
+    text = str(err).strip().splitlines()
+    return os_error_line(err) or f"{type(err).__name__}{': ' + text[0] if text else ''}"
+
+
 def _train_in(out_dir: Path, run: TrainConfig, config: Dict[str, Any], dist) -> Dict[str, Any]:
-    """``train`` once this process holds the run directory."""
-    data = build_data(run.data)
-    task = build_task(run.task, model=config["model"], attention=config["attention"], kernels=config["kernels"])
-    loggers = make_loggers(run.logger, run.tag, out_dir, dist.is_main, config,
-                           _previous_wandb_id(run.trainer.resume, out_dir), "train")
-    trainer = Trainer(run.trainer, out_dir, dist, loggers, optim=run.optim, sched=run.sched, config=config,
-                      seed=run.seed)
+    """``train`` once this process holds the run directory. A failure here is settled with the other ranks before
+    this one leaves the process group (:func:`~moh_vision.engine.distributed.settle_failure`)."""
+    loggers = None
     try:
+        data = build_data(run.data)
+        task = build_task(run.task, model=config["model"], attention=config["attention"], kernels=config["kernels"])
+        loggers = make_loggers(run.logger, run.tag, out_dir, dist.is_main, config,
+                               _previous_wandb_id(run.trainer.resume, out_dir), "train")
+        trainer = Trainer(run.trainer, out_dir, dist, loggers, optim=run.optim, sched=run.sched, config=config,
+                          seed=run.seed)
         summary = trainer.fit(task, data)
     except Preempted as stop:
         loggers.finish(exit_code=REQUEUE_EXIT_CODE)
-        if dist.is_main and run.trainer.requeue_on_preempt:
-            requeue_slurm_job()
         log.warning("stopped by %s at step %d; checkpoint saved to %s; resume with trainer.resume=auto "
                     "(same output dir) or trainer.resume=%s", stop, trainer.step, trainer.last_good_checkpoint,
                     trainer.last_good_checkpoint)
         cleanup(dist)
-        sys.exit(REQUEUE_EXIT_CODE)
-    except BaseException:
-        loggers.finish(exit_code=1)
+        raise StoppedForRequeue(dist.is_main and run.trainer.requeue_on_preempt) from None
+    except BaseException as err:
+        if loggers is not None:
+            loggers.finish(exit_code=1)
+        cause = None if isinstance(err, SystemExit) else settle_failure(err, dist, one_line(err))
         cleanup(dist)
+        if cause is not None:
+            raise RunError(cause) from err
         raise
     loggers.finish(summary=summary)
     cleanup(dist)

@@ -1,5 +1,6 @@
-"""The run directory's own rules: one run at a time (:class:`RunLock`), what a resumed run may change in its config
-(:func:`config_changes`), and the record of every config the run was trained with (:func:`record_config`)."""
+"""The run directory's own rules: its name in a SLURM job (:func:`run_name`), one run at a time (:class:`RunLock`),
+what a resumed run may change in its config (:func:`config_changes`), and the record of every config the run was trained
+with (:func:`record_config`)."""
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ HISTORY_DIR = "config_history"
 FREE_TO_CHANGE = (
     "trainer.resume", "trainer.extend", "trainer.progress", "trainer.log_every", "trainer.ckpt_every_steps",
     "trainer.num_workers", "trainer.val_every_epochs", "trainer.val_batch_size", "trainer.val_at_start",
-    "trainer.count_flops", "trainer.requeue_on_preempt", "trainer.throughput_warmup_steps",
+    "trainer.count_flops", "trainer.requeue_on_preempt", "trainer.dist_timeout_s", "trainer.throughput_warmup_steps",
     "trainer.max_nonfinite_in_a_row", "trainer.device", "trainer.compile", "trainer.compile_mode", "trainer.tf32",
     "trainer.grad_checkpointing", "logger", "tag",
     "model.checkpoint_path", "model.init_from", "data.root", "task.sample", "task.vae",
@@ -39,11 +40,31 @@ FREE_TO_CHANGE = (
 ADDED_LATER = {"optim.momentum": 0.9, "optim.layer_decay": None, "optim.kwargs": {}, "sched.cooldown_epochs": 0}
 
 
+# -- A SLURM job's directory -------------------------------------------------------------------------------------------
+def slurm_job(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """This process's SLURM job as its requeues keep it: ``<job id>``, or ``<array job id>_<task id>`` for an array
+    task (``%A_%a`` in sbatch's file names); None outside SLURM."""
+    environ = os.environ if environ is None else environ
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return environ.get("SLURM_JOB_ID") or None
+
+
+def run_name(job_name: str, default: str) -> str:
+    """The ``${run_name:}`` resolver of ``hydra.run.dir``: ``slurm-<job>`` for a ``train`` job inside SLURM, the same
+    after every requeue, so the requeued job resumes from its directory's last.pt; ``default`` (the date and time)
+    otherwise."""
+    job = slurm_job()
+    return f"slurm-{job}" if job and job_name == "train" else default
+
+
 # -- One run per directory ---------------------------------------------------------------------------------------------
 class RunLock:
-    """``<run dir>/.run.lock``, holding the owner's pid, host and start time, while a run trains there
+    """``<run dir>/.run.lock``, holding the owner's pid, host, start time and SLURM job, while a run trains there
     (``with RunLock(dir):``). A second run on the directory stops with a :class:`ConfigError` naming the first; a lock
-    whose process is gone (same host, dead pid) is taken over with a warning; a lock from another host cannot be checked
+    whose process is gone (same host, dead pid) is taken over with a warning, and so is one left by an earlier run of
+    this SLURM job on any host (killed with its node, then requeued); a lock from another host and job cannot be checked
     (the error says how to remove it). Creating the lock is the run's first write: an unwritable directory fails here,
     by its cause."""
 
@@ -59,14 +80,15 @@ class RunLock:
         self.release()
 
     def acquire(self) -> None:
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z")}
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "slurm_job": slurm_job()}
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             for _ in range(3):  # a stale lock is removed, then taken like a free one
                 try:
                     fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
                 except FileExistsError:
-                    self._remove_stale(me["host"])
+                    self._remove_stale(me["host"], me["slurm_job"])
                     continue
                 with os.fdopen(fd, "w") as f:
                     json.dump(me, f)
@@ -94,17 +116,21 @@ class RunLock:
             return {}  # being written, or damaged: nobody can say whose it is
         return owner if isinstance(owner, dict) else {}
 
-    def _remove_stale(self, host: str) -> None:
+    def _remove_stale(self, host: str, job: Optional[str]) -> None:
         owner = self._owner()
         if owner is None:  # released meanwhile
             return
-        pid, where = owner.get("pid"), owner.get("host")
-        if where == host and isinstance(pid, int) and not _alive(pid):
-            log.warning("taking over the lock of a run that is gone (pid %d on %s, started %s): %s", pid, where,
+        pid, where, owner_job = owner.get("pid"), owner.get("host"), owner.get("slurm_job")
+        here = where == host and isinstance(pid, int)
+        same_job = job is not None and owner_job == job  # a requeued job: its earlier run is gone, wherever it ran
+        if (here or same_job) and not (here and _alive(pid)):
+            why = f"an earlier run of SLURM job {job}" if same_job else "a run that is gone"
+            log.warning("taking over the lock of %s (pid %s on %s, started %s): %s", why, pid, where,
                         owner.get("started", "?"), self.path)
             self.path.unlink(missing_ok=True)
             return
-        who = f"pid {pid} on {where}, started {owner.get('started', '?')}" if owner else "an unreadable lock"
+        of_job = f", SLURM job {owner_job}" if owner_job else ""
+        who = f"pid {pid} on {where}{of_job}, started {owner.get('started', '?')}" if owner else "an unreadable lock"
         check = "" if where == host else "; if that run is gone, delete the lock"
         raise ConfigError(f"another run is using {self.path.parent} ({who}): use another output directory "
                           f"(hydra.run.dir=...) or wait for it to finish{check} ({self.path})")
