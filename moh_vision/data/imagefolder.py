@@ -39,7 +39,7 @@ from tqdm.auto import tqdm
 from ..errors import ConfigError
 from .file_index import Split, TreeWatch, as_split, built_once, cache_folder, cached_index
 from .sources import (SOURCES, class_index, hf_classes, hf_image_bytes, infer_source, load_hf_split, read_member,
-                      scan_tars, shard_lengths, split_path, wds_shards)
+                      scan_tars, shard_lengths, split_path, split_tars)
 from .transforms import (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, build_eval_transform, build_mixup,
                          build_train_transform)
 
@@ -438,7 +438,7 @@ class ImageFolderData:
             for split, path in self._locations().items():
                 if split == "train" and self.streaming:
                     continue  # streamed: counted by _stream
-                classes, folder, refs, labels = scan_tars(path, IMG_EXTENSIONS, self.val_labels, order, cmap, watch)
+                classes, folder, refs, labels = scan_tars(path, split, IMG_EXTENSIONS, self.val_labels, order, cmap, watch)
                 scanned[split] = classes, as_split(folder, refs, labels)
         if "train" in scanned and "val" in scanned:
             _check_same_classes(scanned["train"][0], scanned["val"][0], scanned["train"][1][0], scanned["val"][1][0])
@@ -450,7 +450,7 @@ class ImageFolderData:
         """The training shards of the wds source, streamed (:class:`~moh_vision.data.sources.ShardStream`)."""
         from .sources import ShardStream
         path = split_path(self.root, "train", "wds")
-        shards = wds_shards(path, "train") if path else []
+        shards = split_tars(path, "train") if path else []
         if not shards:
             raise ConfigError(f"no training shards under {self.root}; expected *-train-*.tar webdataset shards "
                               f"(<key>.jpg + <key>.cls), or train/ holding them")

@@ -66,17 +66,19 @@ def read_class_map(path: str) -> List[str]:
     return names
 
 
-def class_index(found: Sequence[str], class_order: str, class_map: Optional[str], where: str) -> List[str]:
-    """The class list (index -> name) for the class names ``found`` at ``where``: ``class_map``'s, else ``found`` in
-    ``class_order``. Names the map does not hold are a one-line error."""
+def class_index(found: Sequence[str], class_order: str, class_map, where: str) -> List[str]:
+    """The class list (index -> name) for the class names ``found`` at ``where``: ``class_map``'s (a file, or the
+    list itself), else ``found`` in ``class_order``. Names the map does not hold are a one-line error."""
     if not class_map:
         return order_classes(set(found), class_order)
-    classes = read_class_map(class_map)
+    listed = isinstance(class_map, (list, tuple))
+    classes = list(class_map) if listed else read_class_map(class_map)
     missing = sorted(set(found) - set(classes))
     if missing:
         shown = ", ".join(missing[:5]) + (f", ... ({len(missing)} in all)" if len(missing) > 5 else "")
-        raise ConfigError(f"{where} has classes that data.class_map={class_map} does not list ({shown}); expected "
-                          f"a class map with every class name of the data")
+        what = f"the {len(classes)} expected classes" if listed else f"data.class_map={class_map}"
+        raise ConfigError(f"{where} has classes that {what} does not list ({shown}); expected "
+                          f"{'only those' if listed else 'a class map with every class name of the data'}")
     return classes
 
 
@@ -142,27 +144,33 @@ def _imagenet_tar(root: str, split: str) -> Optional[str]:
 
 
 def split_path(root: str, split: str, source: str) -> Optional[str]:
-    """Where ``split`` (train or val) of ``root`` is for ``source`` (None: not there)."""
+    """Where ``split`` (train or val) of ``root`` is for ``source``: a folder, a tar file, or ``root`` itself when it
+    holds the split's shards (``*-train-*.tar``); None: not there."""
     if source in ("tar", "wds"):
         for path in (os.path.join(root, split), os.path.join(root, split) + ".tar", _imagenet_tar(root, split)):
             if path and (os.path.isfile(path) or (os.path.isdir(path) and _tars_in(path))):
                 return path
-        if source == "wds" and os.path.isdir(root) and wds_shards(root, split):
-            return root
-        return None
+        return root if os.path.isdir(root) and wds_shards(root, split, named_only=True) else None
     folder = os.path.join(root, split)
     return folder if os.path.isdir(folder) else None
 
 
-def wds_shards(folder: str, split: str) -> List[str]:
-    """Shards of ``split`` in ``folder``: ``*-train-*.tar`` / ``*-validation-*.tar`` (timm's names), else all tars of a
-    split folder."""
+def split_tars(path: str, split: str) -> List[str]:
+    """The tar files of ``split`` at ``path`` (from :func:`split_path`): the file, the split's shards, or every tar."""
+    if os.path.isfile(path):
+        return [path]
+    return wds_shards(path, split, named_only=True) or [os.path.join(path, t) for t in _tars_in(path)]
+
+
+def wds_shards(folder: str, split: str, named_only: bool = False) -> List[str]:
+    """Shards of ``split`` in ``folder``: ``*-train-*.tar`` / ``*-validation-*.tar`` (timm's names), else (unless
+    ``named_only``) all tars of a folder named after the split."""
     tars = _tars_in(folder)
     names = HF_SPLITS[split]
     mine = [t for t in tars if any(re.search(rf"(^|[-_.]){n}([-_.]|$)", t) for n in names)]
     if mine:
         return [os.path.join(folder, t) for t in mine]
-    if os.path.basename(os.path.normpath(folder)) in (split,) + names:
+    if not named_only and os.path.basename(os.path.normpath(folder)) in (split,) + names:
         return [os.path.join(folder, t) for t in tars]
     return []
 
@@ -204,10 +212,10 @@ def tar_members(path: str, extensions: Sequence[str], watch=None) -> List[Tuple[
     return found
 
 
-def scan_tars(path: str, extensions: Sequence[str], val_labels: Optional[str], class_order: str,
+def scan_tars(path: str, split: str, extensions: Sequence[str], val_labels: Optional[str], class_order: str,
               class_map: Optional[str], watch=None) -> Tuple[List[str], str, List[str], List[int]]:
-    """``(classes, folder, member references, labels)`` of the tar (or folder of tars) at ``path``."""
-    tars = [path] if os.path.isfile(path) else [os.path.join(path, t) for t in _tars_in(path)]
+    """``(classes, folder, member references, labels)`` of ``split``'s tar (or folder of tars, or shards) at ``path``."""
+    tars = split_tars(path, split)
     folder = os.path.dirname(path) if os.path.isfile(path) else path
     if watch is not None and os.path.isdir(path):
         watch.note(path)
@@ -371,7 +379,7 @@ class ShardStream(IterableDataset):
     ranks x workers shards), item order going through a shuffle buffer of ``buffer`` items. Every rank yields exactly
     ``steps`` batches per epoch (``total // world // batch_size``), split over its workers. Each item's augmentation is
     seeded from ``(seed, epoch, rank, worker, position)``, so an epoch is the same with the same workers; a run resumed mid-epoch (``set_epoch(epoch, start)``) reads the epoch again from its
-    start and skips the first ``start`` batches without decoding them (the same images only with the same number of
+    start and skips the batches before item ``start`` without decoding them (the same images only with the same number of
     loader workers: resume is exact at epoch boundaries). Items are ``(image, label)`` or a ``BadImage``."""
 
     def __init__(self, shards: Sequence[str], lengths: Sequence[int], transform, mode: str, on_bad_image: str,
@@ -381,21 +389,25 @@ class ShardStream(IterableDataset):
         self.transform, self.mode, self.on_bad_image = transform, mode, on_bad_image
         self.seed, self.rank, self.world, self.buffer = int(seed), int(rank), int(world_size), int(buffer)
         self.extensions = tuple(extensions)
-        self.batch_size = int(batch_size)
+        self.batch_size, self.repeats = int(batch_size), 1
         self.epoch, self.start = 0, 0
 
     def __len__(self) -> int:
         return sum(self.lengths)
 
-    def configure(self, batch_size: int, seed: int, rank: int, world_size: int) -> None:
+    def configure(self, batch_size: int, seed: int, rank: int, world_size: int, repeats: int = 1) -> None:
+        """The trainer's per-rank batch, seed, rank and ranks; ``repeats`` > 1: repeated augmentation (each image
+        ``repeats`` times in the shuffle buffer, each copy augmented on its own; the epoch keeps its length)."""
         self.batch_size, self.seed, self.rank, self.world = int(batch_size), int(seed), int(rank), int(world_size)
+        self.repeats = max(1, int(repeats))
 
     @property
     def steps(self) -> int:
         return len(self) // self.world // self.batch_size
 
     def set_epoch(self, epoch: int, start: int = 0) -> None:
-        self.epoch, self.start = int(epoch), int(start)
+        """Epoch ``epoch`` from its item ``start`` on (a whole number of batches, as the trainer resumes)."""
+        self.epoch, self.start = int(epoch), int(start) // self.batch_size
 
     def _raw(self, shard: str) -> Iterator[Tuple[str, bytes, int]]:
         """``(name, image bytes, label)`` of one shard in its order (a ``<key>.cls`` member gives the label)."""
@@ -428,8 +440,8 @@ class ShardStream(IterableDataset):
         while True:
             for shard in cycle:
                 for item in self._raw(self.shards[shard]):
-                    buffer.append(item)
-                    if len(buffer) >= self.buffer:
+                    buffer += [item] * self.repeats
+                    while len(buffer) >= self.buffer:
                         yield buffer.pop(int(rng.integers(len(buffer))))
             while buffer:
                 yield buffer.pop(int(rng.integers(len(buffer))))
