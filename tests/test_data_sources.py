@@ -158,7 +158,7 @@ TRAIN_WORDS = ("data=imagefolder", "data.img_size=32", "data.repeated_aug=1", "t
                "trainer.epochs=2", "trainer.max_steps=null", "data.index_cache=null")
 
 
-@pytest.mark.parametrize("source", ["tar", "wds"])
+@pytest.mark.parametrize("source", [pytest.param("tar", marks=pytest.mark.slow), "wds"])
 def test_training_runs_from_tars_and_from_streamed_shards(tree, tmp_path, source):
     root = fx.tars_of_folders(tree, tmp_path / "tars") if source == "tar" else \
         fx.wds_shards(tree, tmp_path / "wds", shards=(2, 1))
@@ -169,3 +169,11 @@ def test_training_runs_from_tars_and_from_streamed_shards(tree, tmp_path, source
     assert summary["steps"] == 6 and summary["val/count"] == 6, "9 images, batches of 3, 2 epochs; 6 val images"
     config = (out / "config.yaml").read_text()
     assert f"source: {source}" in config and "class_order: natural" in config
+    # its checkpoint evaluated on a folder that holds val/ alone
+    val_only = tmp_path / "val_only"
+    (val_only / "val").parent.mkdir()
+    import shutil
+    shutil.copytree(tree / "val", val_only / "val")
+    run_entry("eval.py", f"ckpt={out / 'checkpoints' / 'last.pt'}", f"+data.root={val_only}", "+data.source=folder",
+              "eval.num_workers=0", "eval.device=cpu", f"hydra.run.dir={tmp_path / 'eval'}", timeout=600)
+    assert read_summary(tmp_path / "eval")["val/count"] == 6

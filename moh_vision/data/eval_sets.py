@@ -128,10 +128,13 @@ class SetScore:
                 f"{name}/count": sums["count"]}
 
 
-def _folders(root: str, names: Sequence[str], transform):
+def _folders(root: str, names: Sequence[str], transform, what: str):
     """The class-folder tree at ``root`` with ``names`` as its class index (each folder must be one of them)."""
     from .imagefolder import ImageFileDataset, scan_class_folders
-    _, paths, labels = scan_class_folders(root, None, "sorted", list(names))
+    try:
+        _, paths, labels = scan_class_folders(root, None, "sorted", list(names))
+    except ConfigError as err:
+        raise ConfigError(f"{str(err).split('; expected')[0]}; expected {what}") from None
     return ImageFileDataset(root, paths, labels, names, transform)
 
 
@@ -187,10 +190,11 @@ def build_set(name: str, roots: Dict[str, str], val, transform) -> EvalSet:
                        left_out=len(dataset) - len(keep))
     if name == "v2":
         root = _root(roots, name, "ImageNet-V2: class folders 0 ... 999")
-        return EvalSet(name, root, _folders(root, [str(i) for i in range(1000)], transform))
+        return EvalSet(name, root, _folders(root, [str(i) for i in range(1000)], transform,
+                                            "ImageNet-V2: class folders 0 ... 999"))
     label = {"a": "ImageNet-A", "r": "ImageNet-R"}[name]
     root = _root(roots, name, f"{label}: its 200 wnid folders")
-    dataset = _folders(root, imagenet_synsets(), transform)
+    dataset = _folders(root, imagenet_synsets(), transform, f"{label}: its 200 wnid folders")
     restrict = subset_indices(name)
     outside = sorted(set(int(t) for t in dataset.targets) - set(restrict))
     if outside:
