@@ -4,6 +4,7 @@
     python tools/bench_data.py quick=true                        # a few seconds, for CI
     python tools/bench_data.py workers=0,4 rounds=5 out=bench_data.md   # + bench_data.json
     python tools/bench_data.py root=/data/flowers workers=0,8    # an existing train/ + val/ tree (only read)
+    python tools/bench_data.py source=wds                        # moh_vision reads a webdataset copy of the tree
 
 For each split (train: the TransNeXt recipe's augmentation; val: resize and crop) and worker count, one
 pass of this project's loader (``ImageFolderData`` in the trainer's loaders) and one of timm's
@@ -31,6 +32,8 @@ OPTIONS = (
     Option("splits", ["train", "val"], list_of(text), "which pipelines", choices=("train", "val")),
     Option("rounds", 3, integer, "timed passes per candidate (interleaved)", minimum=1),
     Option("seed", 0, integer, "the tree's and the sampler's seed", minimum=0),
+    Option("source", "folder", text, "what moh_vision's loader reads: the tree, or a copy as tar, wds (streamed) or "
+           "hfds (parquet)", choices=("folder", "tar", "wds", "hfds")),
     Option("quick", False, boolean, "a tiny tree, one round: a smoke test for CI"),
     Option("out", help="also write the markdown table here, and every number to .json beside it"),
 )
