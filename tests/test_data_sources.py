@@ -177,3 +177,29 @@ def test_training_runs_from_tars_and_from_streamed_shards(tree, tmp_path, source
     run_entry("eval.py", f"ckpt={out / 'checkpoints' / 'last.pt'}", f"+data.root={val_only}", "+data.source=folder",
               "eval.num_workers=0", "eval.device=cpu", f"hydra.run.dir={tmp_path / 'eval'}", timeout=600)
     assert read_summary(tmp_path / "eval")["val/count"] == 6
+
+
+def test_flat_val_labels_from_the_ilsvrc_devkit(tree, tmp_path):
+    """ILSVRC2012_img_val.tar's labels from ILSVRC2012_devkit_t12.tar.gz beside it (meta.mat + the ground truth
+    file, ILSVRC2012_IDs that are not the class order)."""
+    import tarfile
+
+    import scipy.io
+    root, truth = fx.ilsvrc_tars(tree, tmp_path / "ilsvrc")
+    (root / "LOC_val_solution.csv").unlink()
+    ids = {"eel": 1, "class10": 2, "class2": 3}  # the devkit's own numbering
+    kit = tmp_path / "kit" / "ILSVRC2012_devkit_t12" / "data"
+    kit.mkdir(parents=True)
+    synsets = np.array([(i, w, w, "", 0, [], 0, 0) for w, i in ids.items()],
+                       dtype=[("ILSVRC2012_ID", "O"), ("WNID", "O"), ("words", "O"), ("gloss", "O"),
+                              ("num_children", "O"), ("children", "O"), ("wordnet_height", "O"),
+                              ("num_train_images", "O")])
+    scipy.io.savemat(kit / "meta.mat", {"synsets": synsets})
+    names = sorted(truth)
+    (kit / "ILSVRC2012_validation_ground_truth.txt").write_text("".join(f"{ids[truth[n]]}\n" for n in names))
+    with tarfile.open(root / "ILSVRC2012_devkit_t12.tar.gz", "w:gz") as tf:
+        tf.add(kit.parent, arcname="ILSVRC2012_devkit_t12")
+    data = ImageFolderData(str(root), splits=("val",), **SMALL)
+    assert data.classes == fx.NATURAL
+    for index in range(len(data.val)):
+        assert data.classes[data.val.targets[index]] == truth[data.val.path(index).rsplit("/", 1)[-1]]

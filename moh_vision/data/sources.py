@@ -299,19 +299,26 @@ def read_val_labels(path: Optional[str], *near: str) -> Dict[str, str]:
 
 
 def _devkit_labels(path: str) -> Dict[str, str]:
-    """The ILSVRC2012 devkit's val labels (``ILSVRC2012_val_<n>`` -> wnid), read as torchvision's ImageNet does."""
+    """The ILSVRC2012 devkit's val labels (``ILSVRC2012_val_<n>`` -> wnid): ``data/meta.mat``'s leaf synsets map each
+    ``ILSVRC2012_ID`` to its wnid, ``data/ILSVRC2012_validation_ground_truth.txt`` holds one ID per val image."""
     import tempfile
 
-    from torchvision.datasets.imagenet import parse_meta_mat, parse_val_groundtruth_txt
+    import scipy.io
     with tempfile.TemporaryDirectory() as tmp:
         root = path
         if os.path.isfile(path):
             with tarfile.open(path) as tf:
                 tf.extractall(tmp, filter="data")
             root = os.path.join(tmp, os.listdir(tmp)[0])
-        idx_to_wnid, _ = parse_meta_mat(root)
-        ids = parse_val_groundtruth_txt(root)
-    return {f"ILSVRC2012_val_{i + 1:08d}": idx_to_wnid[n] for i, n in enumerate(ids)}
+        try:
+            synsets = scipy.io.loadmat(os.path.join(root, "data", "meta.mat"), squeeze_me=True)["synsets"]
+            with open(os.path.join(root, "data", "ILSVRC2012_validation_ground_truth.txt")) as f:
+                ids = [int(line) for line in f if line.strip()]
+        except (OSError, KeyError, ValueError) as err:
+            raise ConfigError(f"cannot read the ILSVRC2012 devkit {path} ({err}); expected data/meta.mat and "
+                              f"data/ILSVRC2012_validation_ground_truth.txt inside it") from None
+    wnid_of = {int(s["ILSVRC2012_ID"]): str(s["WNID"]) for s in synsets if int(s["num_children"]) == 0}
+    return {f"ILSVRC2012_val_{i + 1:08d}": wnid_of[n] for i, n in enumerate(ids)}
 
 
 # -- Hugging Face datasets ---------------------------------------------------------------------------------------------
