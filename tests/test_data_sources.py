@@ -1,5 +1,5 @@
-"""Every data source (class folders, tars, a tar of tars, folders of per-class tars, webdataset shards read map-style and
-streamed, Hugging Face parquet files) gives the images and labels of the class-folder tree it was made from; class
+"""Every data source (class folders, tars, a tar of tars, folders of per-class tars, webdataset shards read map-style
+and streamed, Hugging Face parquet files) gives the images and labels of the class-folder tree it was made from; class
 order and class maps; one-line errors; training runs from the tar and streamed sources."""
 import hashlib
 

@@ -200,7 +200,8 @@ def bench_data(bench: DataBench, out: Optional[str] = None) -> dict:
             root = copy / "tree"
         rows = measure(root, bench)
     header = (f"Loader images/s, {machine_description()}, torch {torch.__version__}, timm {timm.__version__}, "
-              f"Pillow {PIL.__version__}, moh_vision source {bench.source}: {tree['train_images']} train / {tree['val_images']} val JPEGs of "
+              f"Pillow {PIL.__version__}, moh_vision source {bench.source}: {tree['train_images']} train / "
+              f"{tree['val_images']} val JPEGs of "
               f"{bench.image_size[0]}x{bench.image_size[1]} ({tree['mean_jpeg_bytes'] // 1024} KiB on average), "
               f"{bench.img_size}px, batch {bench.batch}; median [quartiles] over {bench.rounds} interleaved passes")
     table = data_table(rows, header)

@@ -223,6 +223,24 @@ class ImageFileDataset(Dataset):
         return (self.transform(img) if self.transform is not None else img), label
 
 
+class BytesDecoder:
+    """``decoder(name, data)``: the image encoded in ``data``, or a ``BadImage`` (``on_bad_image="raise"``: a
+    ``BadImageError``) naming ``name``; a top-level class, so that it pickles into loader workers."""
+
+    def __init__(self, mode: str = "RGB", on_bad_image: str = "skip"):
+        self.mode, self.on_bad_image = mode, on_bad_image
+
+    def __call__(self, name: str, data: bytes):
+        try:
+            return decode_image(io.BytesIO(data), self.mode)
+        except Exception as exc:  # PIL raises many types on corrupt data
+            reason = f"{type(exc).__name__}: {exc}"
+            if self.on_bad_image == "raise":
+                raise BadImageError(f"cannot read image {name}: {reason}") from exc
+            logger.warning("skipping unreadable image %s (%s)", name, reason)
+            return BadImage(name, reason)
+
+
 class TarMemberDataset(ImageFileDataset):
     """Images inside tar files, read in place: ``paths`` are the file index's member references
     (:func:`~moh_vision.data.sources.read_member`)."""
@@ -414,9 +432,10 @@ class ImageFolderData:
             path = split_path(self.root, split, self.source) if os.path.isdir(self.root) else \
                 (self.root if split == "val" and self.splits == ("val",) else None)
             if path is None:
+                shards = f" or *-{'validation' if split == 'val' else split}-*.tar shards" if self.streaming else ""
                 raise ConfigError(f"no {split} tars under {self.root}; expected {self.root}/{split}.tar, "
                                   f"{self.root}/{split}/ holding .tar files, {self.root}/ILSVRC2012_img_{split}.tar"
-                                  f"{' or *-' + ('validation' if split == 'val' else split) + '-*.tar shards' if self.source == 'wds' else ''}")
+                                  f"{shards}")
             found[split] = path
         return found
 
@@ -438,7 +457,8 @@ class ImageFolderData:
             for split, path in self._locations().items():
                 if split == "train" and self.streaming:
                     continue  # streamed: counted by _stream
-                classes, folder, refs, labels = scan_tars(path, split, IMG_EXTENSIONS, self.val_labels, order, cmap, watch)
+                classes, folder, refs, labels = scan_tars(path, split, IMG_EXTENSIONS, self.val_labels, order, cmap,
+                                                          watch)
                 scanned[split] = classes, as_split(folder, refs, labels)
         if "train" in scanned and "val" in scanned:
             _check_same_classes(scanned["train"][0], scanned["val"][0], scanned["train"][1][0], scanned["val"][1][0])
@@ -454,8 +474,8 @@ class ImageFolderData:
         if not shards:
             raise ConfigError(f"no training shards under {self.root}; expected *-train-*.tar webdataset shards "
                               f"(<key>.jpg + <key>.cls), or train/ holding them")
-        return ShardStream(shards, shard_lengths(shards, IMG_EXTENSIONS), self.train_transform, mode,
-                           self.on_bad_image)
+        return ShardStream(shards, shard_lengths(shards, IMG_EXTENSIONS), self.train_transform,
+                           BytesDecoder(mode, self.on_bad_image))
 
     def _hf_splits(self, mode: str):
         """``(classes, train, val)`` of a Hugging Face dataset on disk."""

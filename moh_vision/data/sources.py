@@ -20,12 +20,11 @@ line number its index) replaces both."""
 from __future__ import annotations
 
 import glob
-import io
 import json
 import os
 import re
 import tarfile
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
@@ -214,7 +213,7 @@ def tar_members(path: str, extensions: Sequence[str], watch=None) -> List[Tuple[
 
 def scan_tars(path: str, split: str, extensions: Sequence[str], val_labels: Optional[str], class_order: str,
               class_map: Optional[str], watch=None) -> Tuple[List[str], str, List[str], List[int]]:
-    """``(classes, folder, member references, labels)`` of ``split``'s tar (or folder of tars, or shards) at ``path``."""
+    """``(classes, folder, member references, labels)`` of ``split``'s tar (folder of tars, shards) at ``path``."""
     tars = split_tars(path, split)
     folder = os.path.dirname(path) if os.path.isfile(path) else path
     if watch is not None and os.path.isdir(path):
@@ -385,15 +384,16 @@ class ShardStream(IterableDataset):
     each of its loader workers a share of those (wrapping round to the other shards when its own run out: give at least
     ranks x workers shards), item order going through a shuffle buffer of ``buffer`` items. Every rank yields exactly
     ``steps`` batches per epoch (``total // world // batch_size``), split over its workers. Each item's augmentation is
-    seeded from ``(seed, epoch, rank, worker, position)``, so an epoch is the same with the same workers; a run resumed mid-epoch (``set_epoch(epoch, start)``) reads the epoch again from its
-    start and skips the batches before item ``start`` without decoding them (the same images only with the same number of
-    loader workers: resume is exact at epoch boundaries). Items are ``(image, label)`` or a ``BadImage``."""
+    seeded from ``(seed, epoch, rank, worker, position)``, so an epoch is the same with the same workers. A run resumed
+    mid-epoch (``set_epoch(epoch, start)``) reads the epoch again from its start and skips the batches before item
+    ``start`` without decoding them (the same images only with the same number of loader workers: resume is exact at
+    epoch boundaries). Items are ``(image, label)`` or a ``BadImage``."""
 
-    def __init__(self, shards: Sequence[str], lengths: Sequence[int], transform, mode: str, on_bad_image: str,
+    def __init__(self, shards: Sequence[str], lengths: Sequence[int], transform, decode: Callable,
                  batch_size: int = 1, seed: int = 0, rank: int = 0, world_size: int = 1, buffer: int = 256,
                  extensions: Sequence[str] = (".jpg", ".jpeg", ".png", ".webp")):
         self.shards, self.lengths = list(shards), list(lengths)
-        self.transform, self.mode, self.on_bad_image = transform, mode, on_bad_image
+        self.transform, self.decode = transform, decode  # decode(name, bytes): an image, or a BadImage
         self.seed, self.rank, self.world, self.buffer = int(seed), int(rank), int(world_size), int(buffer)
         self.extensions = tuple(extensions)
         self.batch_size, self.repeats = int(batch_size), 1
@@ -454,14 +454,9 @@ class ShardStream(IterableDataset):
                 yield buffer.pop(int(rng.integers(len(buffer))))
 
     def _decode(self, name: str, data: bytes, label: int, item_seed: int):
-        from .imagefolder import BadImage, BadImageError, decode_image
-        try:
-            img = decode_image(io.BytesIO(data), self.mode)
-        except Exception as exc:
-            reason = f"{type(exc).__name__}: {exc}"
-            if self.on_bad_image == "raise":
-                raise BadImageError(f"cannot read image {name}: {reason}") from exc
-            return BadImage(name, reason)
+        img = self.decode(name, data)
+        if not hasattr(img, "mode"):  # unreadable: the decoder's BadImage
+            return img
         if self.transform is None:
             return img, label
         import random
