@@ -4,6 +4,7 @@
     python benchmarks/bench_data.py quick=true                        # a few seconds, for CI
     python benchmarks/bench_data.py workers=0,4 rounds=5 out=bench_data.md   # + bench_data.json
     python benchmarks/bench_data.py root=/data/flowers workers=0,8    # an existing train/ + val/ tree (only read)
+    python benchmarks/bench_data.py source=wds                        # moh_vision reads a webdataset copy of the tree
 
 For each split (train: the TransNeXt recipe's augmentation; val: resize and crop) and worker count, one
 pass of this project's loader (``ImageFolderData`` in the trainer's loaders) and one of timm's
@@ -60,6 +61,7 @@ class DataBench:
     splits: Sequence[str] = ("train", "val")
     rounds: int = 3
     seed: int = 0
+    source: str = "folder"  # what moh_vision reads: the tree, or a copy of it as tar / wds / hfds
 
 
 QUICK_DATA = dict(classes=2, train_per_class=8, val_per_class=4, image_size=(160, 120), img_size=64, batch=4,
@@ -105,9 +107,15 @@ def describe_tree(root: Path) -> Dict[str, int]:
 # -- The loaders -------------------------------------------------------------------------------------------------------
 def ours(root: Path, split: str, bench: DataBench, workers: int) -> DataLoader:
     """The trainer's loader of ``split`` over ``ImageFolderData`` with the recipe (no mixup: the step does it)."""
+    if bench.source != "folder":
+        root = root.parent / f"{root.name}_{bench.source}"
     data = ImageFolderData(str(root), img_size=bench.img_size, repeated_aug=1, mixup=None, cutmix=None,
-                           eval_crop_pct=EVAL_CROP_PCT, **RECIPE)
+                           eval_crop_pct=EVAL_CROP_PCT, source=bench.source, index_cache=None, **RECIPE)
     options = loader_options(workers, pin_memory=False)
+    if split == "train" and data.streaming:  # batches from the stream itself, workers started each pass
+        data.train.configure(bench.batch, bench.seed, 0, 1)
+        return DataLoader(data.train, batch_size=None, collate_fn=data.collate_fn,
+                          **{**options, "persistent_workers": False})
     if split == "train":
         sampler = EpochSampler(len(data.train), shuffle=True, seed=bench.seed, drop_last=True)
         return DataLoader(SeededItems(data.train, bench.seed), batch_size=bench.batch, sampler=EpochKeys(sampler),
@@ -198,9 +206,16 @@ def bench_data(bench: DataBench, out: Optional[str] = None) -> dict:
             make_jpeg_tree(root, bench.classes, bench.train_per_class, bench.val_per_class, bench.image_size,
                            bench.seed)
         tree = describe_tree(root)
+        if bench.source != "folder":  # a copy in the source's layout, beside the tree (a real tree is not written)
+            from pack import pack_tree
+            copy = Path(scratch) / "packed"
+            pack_tree(root, copy / f"tree_{bench.source}", bench.source)
+            (copy / "tree").symlink_to(root.resolve())
+            root = copy / "tree"
         rows = measure(root, bench)
     header = (f"Loader images/s, {machine_description()}, torch {torch.__version__}, timm {timm.__version__}, "
-              f"Pillow {PIL.__version__}: {tree['train_images']} train / {tree['val_images']} val JPEGs of "
+              f"Pillow {PIL.__version__}, moh_vision source {bench.source}: {tree['train_images']} train / "
+              f"{tree['val_images']} val JPEGs of "
               f"{bench.image_size[0]}x{bench.image_size[1]} ({tree['mean_jpeg_bytes'] // 1024} KiB on average), "
               f"{bench.img_size}px, batch {bench.batch}; median [quartiles] over {bench.rounds} interleaved passes")
     table = data_table(rows, header)
@@ -224,6 +239,8 @@ OPTIONS = (
     Option("splits", ["train", "val"], list_of(text), "which pipelines", choices=("train", "val")),
     Option("rounds", 3, integer, "timed passes per candidate (interleaved)", minimum=1),
     Option("seed", 0, integer, "the tree's and the sampler's seed", minimum=0),
+    Option("source", "folder", text, "what moh_vision's loader reads: the tree, or a copy as tar, wds (streamed) or "
+           "hfds (parquet)", choices=("folder", "tar", "wds", "hfds")),
     Option("quick", False, boolean, "a tiny tree, one round: a smoke test for CI"),
     Option("out", help="also write the markdown table here, and every number to .json beside it"),
 )

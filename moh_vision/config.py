@@ -288,6 +288,15 @@ class ImageFolderData:
     on_bad_image: str = option("skip", choices=("skip", "raise"))
     index_cache: Optional[str] = option("auto", help="where the file index is kept between runs: auto "
                                         "(~/.cache/moh_vision/file_index), a directory, or null (scan every time)")
+    source: str = option("auto", choices=("auto", "folder", "tar", "hfds", "wds"),
+                         help="class folders, tars, a Hugging Face dataset on disk, or webdataset shards streamed "
+                              "(wds: never inferred); auto: what the root's form says")
+    class_order: str = option("natural", choices=("natural", "sorted"),
+                              help="class indices: timm's natural sort of the class names, or the plain string sort "
+                                   "(runs saved before this option: sorted)")
+    class_map: Optional[str] = option(None, help="a text file of class names, one a line (its line number the index)")
+    val_labels: Optional[str] = option(None, help="labels of a flat val split (LOC_val_solution.csv, the ILSVRC2012 "
+                                                  "devkit, or '<image id> <class>' lines); null: found next to it")
 
 
 @dataclass
@@ -369,6 +378,8 @@ class EvalOptions:
     num_workers: int = option(2, at_least=0)
     device: str = option("auto", choices=DEVICES)
     amp: str = option("none", choices=AMP)
+    sets: List[str] = option([], help="evaluation sets besides data's val: in1k, real, v2, a, r")
+    roots: Dict[str, str] = option({}, help="each set's folder, e.g. {v2: <dir>} (in1k and real: data.root's val)")
 
 
 @dataclass
@@ -780,12 +791,15 @@ def group_name(group_cfg: Any) -> str:
     return values["name"]
 
 
-def build_data(data_cfg: Any) -> Any:
-    """The data object a ``data`` config names (``data=custom``: the class at ``module:Class``)."""
+def build_data(data_cfg: Any, splits: Optional[Tuple[str, ...]] = None) -> Any:
+    """The data object a ``data`` config names (``data=custom``: the class at ``module:Class``); ``splits``
+    (``("val",)`` for evaluation) reads only those splits where the data class can (image folders)."""
     name = group_name(data_cfg)
     values = {k: v for k, v in _options(data_cfg).items() if k != "_target_"}
     if ":" in name:
         return data_class(name)(**values["kwargs"])
+    if splits is not None and name in ("imagefolder", "imagenet"):
+        values["splits"] = tuple(splits)
     return _load(DATA_CLASSES[name])(**values)
 
 

@@ -52,7 +52,7 @@ class TreeWatch:
 
 
 def as_split(folder: str, paths: List[str], labels: List[int]) -> Split:
-    return folder, np.array([os.fsencode(p) for p in paths]), np.asarray(labels, dtype=np.int64)
+    return folder, np.array([os.fsencode(p) for p in paths], dtype=bytes), np.asarray(labels, dtype=np.int64)
 
 
 def cache_folder(index_cache: Optional[str]) -> Optional[Path]:

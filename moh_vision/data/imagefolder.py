@@ -24,10 +24,11 @@ torchvision's loader does), palette and 16-bit images all load."""
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import os
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -37,6 +38,8 @@ from tqdm.auto import tqdm
 
 from ..errors import ConfigError
 from .file_index import Split, TreeWatch, as_split, built_once, cache_folder, cached_index
+from .sources import (SOURCES, class_index, hf_classes, hf_image_bytes, infer_source, load_hf_split, read_member,
+                      scan_tars, shard_lengths, split_path, split_tars)
 from .transforms import (IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD, build_eval_transform, build_mixup,
                          build_train_transform)
 
@@ -78,13 +81,18 @@ def _to_mode(img: Image.Image, mode: str) -> Image.Image:
     return img if img.mode == mode else img.convert(mode)
 
 
+def decode_image(fileobj, mode: str = "RGB") -> Image.Image:
+    """Fully decode the image in the binary file ``fileobj`` into a PIL image of ``mode`` ("RGB" or "L")."""
+    img = Image.open(fileobj)
+    img.load()
+    return _to_mode(img, mode)
+
+
 def load_image(path: str, mode: str = "RGB") -> Image.Image:
     """Read and fully decode ``path`` into a PIL image of ``mode`` ("RGB" or "L"). Decoding happens here (not lazily in
     a transform), so truncated files fail in this call."""
     with open(path, "rb") as f:
-        img = Image.open(f)
-        img.load()
-        return _to_mode(img, mode)
+        return decode_image(f, mode)
 
 
 # -- Scanning folders --------------------------------------------------------------------------------------------------
@@ -129,18 +137,25 @@ def _require_dir(path: str, expected: str) -> None:
         raise ConfigError(f"{path} {what}; expected {expected}")
 
 
-def scan_class_folders(split_dir: str, watch: Optional[TreeWatch] = None) -> Tuple[List[str], List[str], List[int]]:
-    """``(classes, image paths relative to split_dir, labels)`` of a class-folder tree; ``watch`` notes folders read."""
+def scan_class_folders(split_dir: str, watch: Optional[TreeWatch] = None, class_order: str = "sorted",
+                       class_map: Optional[str] = None) -> Tuple[List[str], List[str], List[int]]:
+    """``(classes, image paths relative to split_dir, labels)`` of a class-folder tree; ``watch`` notes folders read.
+    Classes are the folder names in ``class_order`` (``sorted``: the plain string sort; ``natural``: timm's), or those
+    of ``class_map`` (a file, one name a line), which must list every folder."""
     _require_dir(split_dir, "a folder with one sub-folder of images per class")
-    classes = _subfolders(split_dir, watch)
-    if not classes:
+    folders = _subfolders(split_dir, watch)
+    if not folders:
         loose = [f for f in os.listdir(split_dir) if _is_image(f)]
         hint = f" (it holds {len(loose)} images directly)" if loose else ""
         raise ConfigError(f"{split_dir} has no class folders{hint}; expected one sub-folder of images per class")
+    classes = class_index(folders, class_order, class_map, split_dir)
+    present = set(folders)
     paths: List[str] = []
     labels: List[int] = []
     empty = []
     for index, name in enumerate(tqdm(classes, desc=f"indexing {split_dir}", leave=False, disable=None)):
+        if name not in present:  # a class map's class without a folder here
+            continue
         found = _images_under(os.path.join(split_dir, name), split_dir, watch)
         if not found:
             empty.append(name)
@@ -189,10 +204,14 @@ class ImageFileDataset(Dataset):
         """``[(path, label), ...]`` as in torchvision's ``ImageFolder`` (built on demand)."""
         return [(self.path(i), int(t)) for i, t in enumerate(self.targets)]
 
+    def read(self, index: int) -> Image.Image:
+        """The decoded image ``index`` (sources other than files override it)."""
+        return load_image(self.path(index), self.mode)
+
     def __getitem__(self, index: int):
         path, label = self.path(index), int(self.targets[index])
         try:
-            img = load_image(path, self.mode)
+            img = self.read(index)
         except Exception as exc:  # PIL raises many types on corrupt data (OSError, SyntaxError, ...)
             reason = f"{type(exc).__name__}: {exc}"
             if self.on_bad_image == "raise":
@@ -202,6 +221,56 @@ class ImageFileDataset(Dataset):
                 logger.warning("skipping unreadable image %s (%s)", path, reason)
             return BadImage(path, reason)
         return (self.transform(img) if self.transform is not None else img), label
+
+
+class BytesDecoder:
+    """``decoder(name, data)``: the image encoded in ``data``, or a ``BadImage`` (``on_bad_image="raise"``: a
+    ``BadImageError``) naming ``name``; a top-level class, so that it pickles into loader workers."""
+
+    def __init__(self, mode: str = "RGB", on_bad_image: str = "skip"):
+        self.mode, self.on_bad_image = mode, on_bad_image
+
+    def __call__(self, name: str, data: bytes):
+        try:
+            return decode_image(io.BytesIO(data), self.mode)
+        except Exception as exc:  # PIL raises many types on corrupt data
+            reason = f"{type(exc).__name__}: {exc}"
+            if self.on_bad_image == "raise":
+                raise BadImageError(f"cannot read image {name}: {reason}") from exc
+            logger.warning("skipping unreadable image %s (%s)", name, reason)
+            return BadImage(name, reason)
+
+
+class TarMemberDataset(ImageFileDataset):
+    """Images inside tar files, read in place: ``paths`` are the file index's member references
+    (:func:`~moh_vision.data.sources.read_member`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fds: dict = {}
+
+    def path(self, index: int) -> str:
+        rel, _, _, member = os.fsdecode(self._paths[index]).split("\t", 3)
+        return os.path.join(self.root, rel, member)
+
+    def read(self, index: int) -> Image.Image:
+        return decode_image(io.BytesIO(read_member(self.root, os.fsdecode(self._paths[index]), self._fds)), self.mode)
+
+
+class HfImageDataset(ImageFileDataset):
+    """The images of a Hugging Face ``datasets.Dataset`` (undecoded ``image`` column; ``labels`` already mapped)."""
+
+    def __init__(self, dataset, name: str, labels, classes, transform=None, mode: str = "RGB",
+                 on_bad_image: str = "skip"):
+        super().__init__(name, [], labels, classes, transform, mode, on_bad_image)
+        self.dataset = dataset
+
+    def path(self, index: int) -> str:
+        return f"{self.root}[{int(index)}]"
+
+    def read(self, index: int) -> Image.Image:
+        data, _ = hf_image_bytes(self.dataset, index)
+        return decode_image(io.BytesIO(data), self.mode)
 
 
 class SkippedImages(int):
@@ -286,7 +355,9 @@ class ImageFolderData:
                  label_smoothing: Optional[float] = 0.1, repeated_aug: Optional[Union[int, str]] = "auto",
                  eval_crop_pct: Optional[float] = 0.875, mean: Sequence[float] = IMAGENET_DEFAULT_MEAN,
                  std: Sequence[float] = IMAGENET_DEFAULT_STD, on_bad_image: str = "skip",
-                 index_cache: Optional[str] = "auto"):
+                 index_cache: Optional[str] = "auto", source: str = "auto", class_order: str = "sorted",
+                 class_map: Optional[str] = None, val_labels: Optional[str] = None,
+                 splits: Sequence[str] = ("train", "val")):
         if in_chans not in (1, 3):
             raise ConfigError(f"in_chans={in_chans}; image folders load as RGB (3) or grayscale (1)")
         if int(img_size) != img_size or img_size <= 0:
@@ -309,38 +380,119 @@ class ImageFolderData:
                                                      re_prob=re_prob, mean=mean, std=std)
         self.eval_transform = build_eval_transform(self.img_size, self.in_chans, crop_pct=eval_crop_pct,
                                                    interpolation=interpolation, mean=mean, std=std)
-        cache = cache_folder(index_cache)
-        classes, train_split, val_split = built_once(
-            lambda: cached_index(self._scan, self.root, f"{type(self).__name__}|{'/'.join(IMG_EXTENSIONS)}", cache))
+        if source not in SOURCES:
+            raise ConfigError(f"data.source={source!r}; expected one of {', '.join(SOURCES)}")
+        if not set(splits) <= {"train", "val"} or not splits:
+            raise ConfigError(f"splits={list(splits)}; expected train and/or val")
+        self.splits = tuple(s for s in ("train", "val") if s in splits)
+        self.class_order, self.class_map, self.val_labels = class_order, class_map, val_labels
+        self.source = infer_source(self.root) if source == "auto" else source
+        self.streaming = self.source == "wds"
+        mode = "RGB" if self.in_chans == 3 else "L"
+        if self.source == "hfds":
+            classes, train, val = built_once(lambda: self._hf_splits(mode))
+        else:
+            key = "|".join([type(self).__name__, "/".join(IMG_EXTENSIONS), self.source, class_order,
+                            os.path.abspath(os.path.expanduser(class_map)) if class_map else "",
+                            str(val_labels or ""), ",".join(self.splits)])
+            classes, train_split, val_split = built_once(
+                lambda: cached_index(self._scan, self.root, key, cache_folder(index_cache)))
+            files = TarMemberDataset if self.source in ("tar", "wds") else ImageFileDataset
+            train = files(*train_split, classes, self.train_transform, mode, on_bad_image) \
+                if "train" in self.splits else None
+            if self.streaming and train is not None:
+                train = built_once(lambda: self._stream(mode))
+            val = files(*val_split, classes, self.eval_transform, mode, on_bad_image) if "val" in self.splits else None
+        self.train, self.val = train, val
         self.classes = classes
         self.class_to_idx = {name: i for i, name in enumerate(classes)}
         self.num_classes = len(classes)
         self.mixup = build_mixup(self.num_classes, mixup=mixup, cutmix=cutmix, switch_prob=mixup_switch_prob,
                                  label_smoothing=label_smoothing, prob=mixup_prob)
-        mode = "RGB" if self.in_chans == 3 else "L"
-        self.train = ImageFileDataset(*train_split, classes, self.train_transform, mode, on_bad_image)
-        self.val = ImageFileDataset(*val_split, classes, self.eval_transform, mode, on_bad_image)
         self.collate_fn = SkipBadImagesCollate((self.in_chans, self.img_size, self.img_size))
 
     # -- layout ------------------------------------------------------------------------------------
 
-    def _split_dirs(self) -> Tuple[str, str]:
+    def _split_dirs(self) -> Tuple[Optional[str], Optional[str]]:
+        """(train, val) folders of the class-folder layout (None: a split not asked for). Asked for val alone, a root
+        without val/ that holds class folders is the val split itself."""
         expected = "a folder with train/ and val/ sub-folders, each holding one folder of images per class"
         _require_dir(self.root, expected)
-        train_dir, val_dir = (os.path.join(self.root, s) for s in ("train", "val"))
-        for d in (train_dir, val_dir):
+        found = {s: os.path.join(self.root, s) for s in self.splits}
+        if self.splits == ("val",) and not os.path.isdir(found["val"]) and _subfolders(self.root):
+            found["val"] = self.root  # any folder of class folders
+        for d in found.values():
             _require_dir(d, f"{os.path.basename(d)}/ inside {self.root}: {expected}")
-        return train_dir, val_dir
+        return found.get("train"), found.get("val")
+
+    def _locations(self) -> Dict[str, str]:
+        """Where each split asked for is, for the tar and wds sources."""
+        found = {}
+        for split in self.splits:
+            path = split_path(self.root, split, self.source) if os.path.isdir(self.root) else \
+                (self.root if split == "val" and self.splits == ("val",) else None)
+            if path is None:
+                shards = f" or *-{'validation' if split == 'val' else split}-*.tar shards" if self.streaming else ""
+                raise ConfigError(f"no {split} tars under {self.root}; expected {self.root}/{split}.tar, "
+                                  f"{self.root}/{split}/ holding .tar files, {self.root}/ILSVRC2012_img_{split}.tar"
+                                  f"{shards}")
+            found[split] = path
+        return found
 
     def _scan(self, watch: Optional[TreeWatch] = None) -> Tuple[List[str], Split, Split]:
-        """``(classes, train split, val split)``, with the same classes in both; ``watch`` notes every folder read."""
-        train_dir, val_dir = self._split_dirs()
-        if watch is not None:
+        """``(classes, train split, val split)``, with the same classes in both (a split not asked for is empty);
+        ``watch`` notes every folder and file read."""
+        if watch is not None and os.path.exists(self.root):
             watch.note(self.root)  # train/ or val/ replaced
-        classes, train_paths, train_labels = scan_class_folders(train_dir, watch)
-        val_classes, val_paths, val_labels = scan_class_folders(val_dir, watch)
-        _check_same_classes(classes, val_classes, train_dir, val_dir)
-        return classes, as_split(train_dir, train_paths, train_labels), as_split(val_dir, val_paths, val_labels)
+            if self.class_map and os.path.isfile(os.path.expanduser(self.class_map)):
+                watch.note(os.path.expanduser(self.class_map))
+        order, cmap = self.class_order, self.class_map
+        scanned: Dict[str, Tuple[List[str], Split]] = {}
+        if self.source == "folder":
+            for split, folder in zip(("train", "val"), self._split_dirs()):
+                if folder is not None:
+                    classes, paths, labels = scan_class_folders(folder, watch, order, cmap)
+                    scanned[split] = classes, as_split(folder, paths, labels)
+        else:
+            for split, path in self._locations().items():
+                if split == "train" and self.streaming:
+                    continue  # streamed: counted by _stream
+                classes, folder, refs, labels = scan_tars(path, split, IMG_EXTENSIONS, self.val_labels, order, cmap,
+                                                          watch)
+                scanned[split] = classes, as_split(folder, refs, labels)
+        if "train" in scanned and "val" in scanned:
+            _check_same_classes(scanned["train"][0], scanned["val"][0], scanned["train"][1][0], scanned["val"][1][0])
+        classes = next(iter(scanned.values()))[0]
+        empty = as_split("", [], [])
+        return classes, scanned.get("train", (None, empty))[1], scanned.get("val", (None, empty))[1]
+
+    def _stream(self, mode: str):
+        """The training shards of the wds source, streamed (:class:`~moh_vision.data.sources.ShardStream`)."""
+        from .sources import ShardStream
+        path = split_path(self.root, "train", "wds")
+        shards = split_tars(path, "train") if path else []
+        if not shards:
+            raise ConfigError(f"no training shards under {self.root}; expected *-train-*.tar webdataset shards "
+                              f"(<key>.jpg + <key>.cls), or train/ holding them")
+        return ShardStream(shards, shard_lengths(shards, IMG_EXTENSIONS), self.train_transform,
+                           BytesDecoder(mode, self.on_bad_image))
+
+    def _hf_splits(self, mode: str):
+        """``(classes, train, val)`` of a Hugging Face dataset on disk."""
+        _require_dir(self.root, "a Hugging Face dataset on disk (parquet files of ILSVRC/imagenet-1k or a "
+                                "save_to_disk folder)")
+        splits = {s: load_hf_split(self.root, s) for s in self.splits}
+        missing = [s for s, ds in splits.items() if ds is None]
+        if missing:
+            raise ConfigError(f"the Hugging Face dataset {self.root} has no {missing[0]} split; expected "
+                              f"data/{'validation' if missing[0] == 'val' else 'train'}-*.parquet or a saved split")
+        own = hf_classes(next(iter(splits.values())))
+        classes = class_index(own, self.class_order, self.class_map, self.root) if self.class_map else own
+        remap = np.array([classes.index(name) for name in own], dtype=np.int64)
+        transforms = {"train": self.train_transform, "val": self.eval_transform}
+        made = {s: HfImageDataset(ds, f"{self.root}:{s}", remap[np.asarray(ds["label"], dtype=np.int64)], classes,
+                                  transforms[s], mode, self.on_bad_image) for s, ds in splits.items()}
+        return classes, made.get("train"), made.get("val")
 
     # -- reporting ---------------------------------------------------------------------------------
 
@@ -353,8 +505,10 @@ class ImageFolderData:
             f"squash to {self.img_size}"
         mix = (f"mixup {self.mixup.mixup_alpha} cutmix {self.mixup.cutmix_alpha} switch {self.mixup.switch_prob}"
                if self.mixup is not None else "mixup off")
-        return (f"{type(self).__name__}: {self.root} | {self.num_classes} classes, {len(self.train)} train / "
-                f"{len(self.val)} val images | {self.in_chans}x{self.img_size}x{self.img_size} | "
+        sizes = " / ".join(f"{len(d) if d is not None else 'no'} {s}" for s, d in (("train", self.train),
+                                                                               ("val", self.val)))
+        return (f"{type(self).__name__}: {self.root} ({self.source}, {self.class_order} class order) | "
+                f"{self.num_classes} classes, {sizes} images | {self.in_chans}x{self.img_size}x{self.img_size} | "
                 f"train: aa {aug}, color jitter {jitter}, {r['interpolation']}, random erasing {r['re_prob'] or 0}, "
                 f"{mix}, label smoothing {self.label_smoothing}, repeated aug x{self.repeated_aug} | "
                 f"eval: {eval_desc} | bad images: {self.on_bad_image}")
@@ -400,37 +554,61 @@ class ImageNetData(ImageFolderData):
 
     def _base(self) -> str:
         _require_dir(self.root, "the ImageNet folder holding train/ and val/ (or ILSVRC/Data/CLS-LOC/)")
+        first = self.splits[0]  # train, or val when only val is asked for
         for base in (self.root, os.path.join(self.root, "ILSVRC", "Data", "CLS-LOC"),
                      os.path.join(self.root, "Data", "CLS-LOC")):
-            if os.path.isdir(os.path.join(base, "train")):
+            if os.path.isdir(os.path.join(base, first)):
                 return base
-        raise ConfigError(f"no ImageNet train/ folder under {self.root}; expected {self.root}/train and "
-                          f"{self.root}/val with one folder per wnid, or the ILSVRC layout "
-                          f"{self.root}/ILSVRC/Data/CLS-LOC/{{train,val}}")
+        if self.splits == ("val",) and _subfolders(self.root):
+            return self.root  # the wnid folders themselves
+        raise ConfigError(f"no ImageNet {first}/ folder under {self.root}; expected {self.root}/{first} "
+                          f"with one folder per wnid, or the ILSVRC layout {self.root}/ILSVRC/Data/CLS-LOC/{first}")
+
+    def _check_count(self, classes: List[str], where: str) -> None:
+        if len(classes) != self.expected_classes:
+            raise ConfigError(f"{where} has {len(classes)} class folders; ImageNet-1K expects "
+                              f"{self.expected_classes} (use data=imagefolder for other class counts)")
 
     def _scan(self, watch: Optional[TreeWatch] = None) -> Tuple[List[str], Split, Split]:
+        if self.source != "folder":
+            index = super()._scan(watch)
+            self._check_count(index[0], self.root)
+            return index
         base = self._base()
         if watch is not None:  # the folders from the root down to base decide the layout found
             for folder in _folders_down_to(self.root, base):
                 watch.note(folder)
+            if self.class_map and os.path.isfile(os.path.expanduser(self.class_map)):
+                watch.note(os.path.expanduser(self.class_map))
+        order, cmap = self.class_order, self.class_map
         train_dir, val_dir = os.path.join(base, "train"), os.path.join(base, "val")
-        _require_dir(val_dir, f"val/ next to {train_dir}, with one folder per wnid or the flat ILSVRC val images")
-        classes, train_paths, train_labels = scan_class_folders(train_dir, watch)
-        if _subfolders(val_dir, watch):
-            val_classes, val_paths, val_labels = scan_class_folders(val_dir, watch)
-            _check_same_classes(classes, val_classes, train_dir, val_dir)
-        else:
-            val_paths, val_labels = self._flat_val(base, val_dir, classes, watch)
-            present = sorted({classes[i] for i in val_labels})
-            _check_same_classes(classes, present, train_dir, val_dir)
-        if len(classes) != self.expected_classes:
-            raise ConfigError(f"{train_dir} has {len(classes)} class folders; ImageNet-1K expects "
-                              f"{self.expected_classes} (use data=imagefolder for other class counts)")
-        return classes, as_split(train_dir, train_paths, train_labels), as_split(val_dir, val_paths, val_labels)
+        if self.splits == ("val",) and not os.path.isdir(val_dir):
+            val_dir = base
+        classes, train = None, as_split("", [], [])
+        if "train" in self.splits:
+            classes, train_paths, train_labels = scan_class_folders(train_dir, watch, order, cmap)
+            train = as_split(train_dir, train_paths, train_labels)
+        val = as_split("", [], [])
+        if "val" in self.splits:
+            _require_dir(val_dir, f"val/ next to {train_dir}, with one folder per wnid or the flat ILSVRC val images")
+            if _subfolders(val_dir, watch):
+                val_classes, val_paths, val_labels = scan_class_folders(val_dir, watch, order, cmap)
+                if classes is not None:
+                    _check_same_classes(classes, val_classes, train_dir, val_dir)
+                classes = val_classes
+            else:
+                val_paths, val_labels, classes = self._flat_val(base, val_dir, classes, watch)
+                if "train" in self.splits:
+                    present = sorted({classes[i] for i in val_labels})
+                    _check_same_classes(classes, present, train_dir, val_dir)
+            val = as_split(val_dir, val_paths, val_labels)
+        self._check_count(classes, train_dir if "train" in self.splits else val_dir)
+        return classes, train, val
 
-    def _flat_val(self, base: str, val_dir: str, classes: List[str], watch: Optional[TreeWatch] = None
-                  ) -> Tuple[List[str], List[int]]:
-        """Labels of a flat ``val/`` from ``LOC_val_solution.csv``."""
+    def _flat_val(self, base: str, val_dir: str, classes: Optional[List[str]], watch: Optional[TreeWatch] = None
+                  ) -> Tuple[List[str], List[int], List[str]]:
+        """Labels of a flat ``val/`` from ``LOC_val_solution.csv``, and the classes (those of the labels when
+        ``classes`` is None: a val split read alone)."""
         images = _images_under(val_dir, val_dir, watch)
         if not images:
             raise ConfigError(f"{val_dir} holds no images; expected one folder per wnid or the flat ILSVRC val images")
@@ -449,6 +627,10 @@ class ImageNetData(ImageFolderData):
             for row in csv.reader(f):
                 if len(row) >= 2 and row[0] != "ImageId" and row[1].split():
                     wnid_of[row[0]] = row[1].split()[0]
+        if classes is None:
+            ids = {os.path.splitext(os.path.basename(rel))[0] for rel in images}
+            classes = class_index({w for i, w in wnid_of.items() if i in ids}, self.class_order, self.class_map,
+                                  csv_path)
         class_to_idx = {name: i for i, name in enumerate(classes)}
         labels = []
         for rel in images:
@@ -460,4 +642,4 @@ class ImageNetData(ImageFolderData):
                 raise ConfigError(f"{csv_path} labels {image_id} as {wnid}, which is not a class folder of "
                                   f"{base}/train")
             labels.append(class_to_idx[wnid])
-        return images, labels
+        return images, labels, classes

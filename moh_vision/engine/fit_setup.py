@@ -89,6 +89,8 @@ def build_loaders(cfg: Any, data: Data, dist: DistInfo, seed: int) -> Loaders:
         raise ConfigError(f"trainer.batch_size={global_batch} must be divisible by world size "
                           f"{dist.world_size} x grad_accum {accum}")
     per_rank_batch = global_batch // (dist.world_size * accum)
+    if getattr(data, "streaming", False):
+        return _stream_loaders(cfg, data, dist, seed, per_rank_batch, accum)
     items = SeededItems(data.train, seed=seed)
     sampler = EpochSampler(len(data.train), shuffle=True, seed=seed, rank=dist.rank, world_size=dist.world_size,
                            repeats=data.repeated_aug, drop_last=True)
@@ -107,6 +109,27 @@ def build_loaders(cfg: Any, data: Data, dist: DistInfo, seed: int) -> Loaders:
         raise ConfigError("an epoch has no optimizer step; lower trainer.batch_size or trainer.grad_accum")
     return Loaders(train=train, val=val, items=items, sampler=sampler, val_indices=val_indices,
                    per_rank_batch=per_rank_batch, accum=accum, steps_per_epoch=steps_per_epoch)
+
+
+def _stream_loaders(cfg: Any, data: Data, dist: DistInfo, seed: int, per_rank_batch: int, accum: int) -> Loaders:
+    """Loaders over a streamed training set (``data.streaming``: :class:`moh_vision.data.sources.ShardStream`, its
+    own sampler, fed batches; workers started afresh each epoch, so they see the epoch set on it)."""
+    stream = data.train
+    stream.configure(per_rank_batch, seed, dist.rank, dist.world_size, data.repeated_aug)
+    if stream.steps < 1:
+        raise ConfigError(f"trainer.batch_size={cfg.batch_size} is larger than the training set ({len(stream)} "
+                          f"items) allows per rank")
+    pin = dist.device.type == "cuda"
+    options = {**loader_options(cfg.num_workers, pin), "persistent_workers": False}
+    train = DataLoader(stream, batch_size=None, collate_fn=data.collate_fn, **options)
+    val_indices = HeldIndices(range(dist.rank, len(data.val), dist.world_size))
+    val_batch = cfg.val_batch_size if cfg.val_batch_size is not None else per_rank_batch
+    val = DataLoader(data.val, batch_size=val_batch, sampler=val_indices, collate_fn=data.collate_fn,
+                     **loader_options(cfg.num_workers, pin))
+    if stream.steps // accum < 1:
+        raise ConfigError("an epoch has no optimizer step; lower trainer.batch_size or trainer.grad_accum")
+    return Loaders(train=train, val=val, items=stream, sampler=stream, val_indices=val_indices,
+                   per_rank_batch=per_rank_batch, accum=accum, steps_per_epoch=stream.steps // accum)
 
 
 def first_readable_batch(items: SeededItems, collate: Callable, epoch: int, tries: int = 64) -> Any:

@@ -102,6 +102,41 @@ def released_classifier(model_cfg: Dict[str, Any], pretrained: str, num_classes:
     return model.eval(), weights
 
 
+def evaluate_sets(model: nn.Module, options, val, transform, device: torch.device, amp, dist=None) -> Dict[str, Any]:
+    """Top-1 / top-5 of ``model`` on each of ``eval.sets`` (:mod:`moh_vision.data.eval_sets`), ``eval.roots`` their
+    folders, ``val`` the data's val split (in1k and real without a root of their own); under torchrun each rank
+    scores every WORLD_SIZE-th image and the sums are all-reduced."""
+    from torch.utils.data import DataLoader
+
+    from moh_vision.data.eval_sets import SetScore, build_set
+    from moh_vision.data.imagefolder import SkipBadImagesCollate
+    from moh_vision.data.sampler import HeldIndices
+    rank, world = (dist.rank, dist.world_size) if dist is not None else (0, 1)
+    metrics: Dict[str, Any] = {}
+    sets = [build_set(name, dict(options.eval.roots), val, transform) for name in dict.fromkeys(options.eval.sets)]
+    model.eval()
+    for one in sets:
+        score = one.score()
+        loader = DataLoader(one.dataset, batch_size=options.eval.batch_size, num_workers=options.eval.num_workers,
+                            sampler=HeldIndices(range(rank, len(one.dataset), world)),
+                            collate_fn=SkipBadImagesCollate((3, 1, 1)))
+        with torch.no_grad():
+            for images, targets, _ in loader:
+                if images.shape[0]:
+                    with amp():
+                        logits = model(images.to(device))
+                    score.add(logits, targets)
+        sums = reduce_sums(score.sums, dist, device) if dist is not None else score.sums
+        result = SetScore.result(sums, one.name)
+        metrics.update(result)
+        metrics.setdefault("sets", {})[one.name] = {"top1": result[f"{one.name}/acc1"],
+                                                    "top5": result[f"{one.name}/acc5"], "images": int(sums["count"]),
+                                                    "left_out": one.left_out, "root": str(one.root)}
+        log.info("%s: top-1 %.2f, top-5 %.2f on %d images of %s", one.name, result[f"{one.name}/acc1"],
+                 result[f"{one.name}/acc5"], int(sums["count"]), one.root)
+    return metrics
+
+
 def evaluate_released(cfg: DictConfig, out_dir: Path, options) -> Dict[str, Any]:
     """Top-1 / top-5 of released classification weights on ``data``'s validation images (all ranks)."""
     from torch.utils.data import DataLoader
@@ -117,10 +152,12 @@ def evaluate_released(cfg: DictConfig, out_dir: Path, options) -> Dict[str, Any]
     check_released_classifier(model_cfg, cfg.data)
     dist = init_distributed(options.eval.device)
     try:
-        data = build_data(OmegaConf.to_container(cfg.data, resolve=True))
+        data = build_data(OmegaConf.to_container(cfg.data, resolve=True), splits=("val",))
         if getattr(data, "in_chans", 3) != 3 or not hasattr(data.val, "transform"):
             raise ConfigError(f"released weights are evaluated on RGB image folders (data=imagenet or "
                               f"data=imagefolder), not {type(data).__name__}")
+        from moh_vision.data.eval_sets import check_classes
+        check_classes(data.classes, data.num_classes, data.root)  # wnids: in the ImageNet order
         model, weights = released_classifier(model_cfg, pretrained, data.num_classes)
         model = model.to(dist.device)
         data.val.transform, data_config = timm_eval_transform(model)
@@ -133,14 +170,18 @@ def evaluate_released(cfg: DictConfig, out_dir: Path, options) -> Dict[str, Any]
         task = ClassificationTask(model=model_cfg, attention={}, aux_loss_weight=0.0)
         sums = task.evaluate(model, loader, dist.device, amp=amp_context(options.eval.amp, dist.device))
         metrics = task.finalize(reduce_sums(sums, dist, dist.device), prefix="val")
+        if options.eval.sets:
+            metrics.update(evaluate_sets(model, options, data.val, data.val.transform, dist.device,
+                                         amp_context(options.eval.amp, dist.device), dist))
         summary = {"model": name, "pretrained": pretrained, "weights_file": str(weights), "data_root": data.root,
+                   "class_order": getattr(data, "class_order", None), "data_source": getattr(data, "source", None),
                    "params": sum(p.numel() for p in model.parameters()), "world_size": dist.world_size,
                    "eval_transform": {k: list(v) if isinstance(v, tuple) else v for k, v in data_config.items()},
                    **metrics, "wall_time_s": time.time() - start}
         if dist.is_main:
             write_json(out_dir / "summary.json", summary)
             OmegaConf.save(cfg, out_dir / "config.yaml")
-            log.info("%s", ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
+            log.info("%s", ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if isinstance(v, float)))
         return summary
     finally:
         cleanup(dist)

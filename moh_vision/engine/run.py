@@ -177,7 +177,8 @@ class RebuiltRun(SimpleNamespace):
     (None when ``with_data=False``)."""
 
 
-def rebuild_run(ckpt: str, data: Optional[DictConfig] = None, with_data: bool = True) -> RebuiltRun:
+def rebuild_run(ckpt: str, data: Optional[DictConfig] = None, with_data: bool = True,
+                splits: Optional[tuple] = None) -> RebuiltRun:
     """Load ``ckpt`` and rebuild its task (and data) from the config inside it, as it was trained. ``data`` replaces
     the saved data config (another data group) or updates it (single keys). The model's ``checkpoint_path`` /
     ``init_from`` are cleared: the weights come from this checkpoint, the files that seeded the run may be gone."""
@@ -194,7 +195,7 @@ def rebuild_run(ckpt: str, data: Optional[DictConfig] = None, with_data: bool = 
     task = build_task(config["task"], model=config["model"], attention=config["attention"],
                       kernels=config.get("kernels"))  # runs written before the kernels config: every op auto
     return RebuiltRun(state=state, path=used, config=config, task=task,
-                      data=build_data(config["data"]) if with_data else None)
+                      data=build_data(config["data"], splits=splits) if with_data else None)
 
 
 def weights_of(run: RebuiltRun, use_ema: bool, off_switch: str = "eval.use_ema=false") -> Dict[str, torch.Tensor]:
@@ -219,7 +220,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     if options.pretrained is not None:  # released weights, evaluated as timm's validate.py does
         from .released import evaluate_released
         return evaluate_released(cfg, out_dir, options)
-    run = rebuild_run(options.ckpt, cfg.data)
+    run = rebuild_run(options.ckpt, cfg.data, splits=("val",))
     device = pick_device(options.eval.device)
     data, task, container, state, used = run.data, run.task, run.config, run.state, run.path
     use_ema = options.eval.use_ema
@@ -227,9 +228,18 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     log.info("evaluating the %s weights of %s%s", "EMA" if use_ema else "raw (non-EMA)", used,
              "" if use_ema or not has_ema else " (the checkpoint also holds EMA weights: eval.use_ema=true)")
     model = task.build_model(data)
+    problem = ckpt_io.state_dict_mismatch(model.state_dict(), weights_of(run, use_ema))
+    if problem:
+        raise ConfigError(f"{used} does not fit the model built for these data "
+                          f"({getattr(data, 'num_classes', '?')} classes): {problem}")
     model.load_state_dict(weights_of(run, use_ema))
     model = model.to(device)
     metrics = _EvalRunner(options, device, data, task).run(model)
+    if options.eval.sets:
+        from .fit_setup import amp_context
+        from .released import evaluate_sets
+        metrics.update(evaluate_sets(model, options, data.val, data.val.transform, device,
+                                     amp_context(options.eval.amp, device)))
     step = int(state.get("step") or 0)
     loggers = make_loggers(options.logger, None, out_dir, True, {"eval": OmegaConf.to_container(cfg, resolve=True)},
                            None, "eval")

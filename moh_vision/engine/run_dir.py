@@ -37,7 +37,8 @@ FREE_TO_CHANGE = (
 
 # Options added after runs were saved without them, with the value that keeps the training as it was then: a config
 # without one (a checkpoint of an earlier release) is compared as if it held that value.
-ADDED_LATER = {"optim.momentum": 0.9, "optim.layer_decay": None, "optim.kwargs": {}, "sched.cooldown_epochs": 0}
+ADDED_LATER = {"optim.momentum": 0.9, "optim.layer_decay": None, "optim.kwargs": {}, "sched.cooldown_epochs": 0,
+               "data.source": "auto", "data.class_order": "sorted", "data.class_map": None, "data.val_labels": None}
 
 
 # -- A SLURM job's directory -------------------------------------------------------------------------------------------
