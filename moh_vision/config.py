@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
@@ -414,14 +415,31 @@ SCHEMAS = {"data": {"digits": DigitsData, "imagefolder": ImageFolderData, "laten
            "kernels": {"default": KernelsConfig}}
 
 
+# -- A SLURM job's directory -------------------------------------------------------------------------------------------
+def slurm_job(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """This process's SLURM job as its requeues keep it: ``<job id>``, or ``<array job id>_<task id>`` for an array
+    task (``%A_%a`` in sbatch's file names); None outside SLURM."""
+    environ = os.environ if environ is None else environ
+    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array and task:
+        return f"{array}_{task}"
+    return environ.get("SLURM_JOB_ID") or None
+
+
+def run_name(job_name: str, default: str) -> str:
+    """The ``${run_name:}`` resolver of ``hydra.run.dir``: ``slurm-<job>`` for a ``train`` job inside SLURM, the same
+    after every requeue, so the requeued job resumes from its directory's last.pt; ``default`` (the date and time)
+    otherwise."""
+    job = slurm_job()
+    return f"slurm-{job}" if job and job_name == "train" else default
+
+
 def register_configs() -> None:
     """Put the schema and the model presets into Hydra's ConfigStore, once (the entry points and :func:`compose` call
     it before composing; storing every node again costs ~40 ms)."""
     from hydra.core.config_store import ConfigStore
 
     from moh_vision.models import list_models, model_family
-
-    from moh_vision.engine.run_dir import run_name
 
     if not OmegaConf.has_resolver("run_name"):  # hydra.run.dir's (configs/hydra/default.yaml)
         OmegaConf.register_new_resolver("run_name", run_name)

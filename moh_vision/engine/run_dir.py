@@ -14,6 +14,7 @@ from typing import Any, Dict, List, Mapping, Optional
 import yaml
 
 from moh_vision.checkpoints import atomic_write
+from moh_vision.config import slurm_job
 from moh_vision.errors import ConfigError, storage_problem
 
 log = logging.getLogger(__name__)
@@ -39,25 +40,6 @@ FREE_TO_CHANGE = (
 # without one (a checkpoint of an earlier release) is compared as if it held that value.
 ADDED_LATER = {"optim.momentum": 0.9, "optim.layer_decay": None, "optim.kwargs": {}, "sched.cooldown_epochs": 0,
                "data.source": "auto", "data.class_order": "sorted", "data.class_map": None, "data.val_labels": None}
-
-
-# -- A SLURM job's directory -------------------------------------------------------------------------------------------
-def slurm_job(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """This process's SLURM job as its requeues keep it: ``<job id>``, or ``<array job id>_<task id>`` for an array
-    task (``%A_%a`` in sbatch's file names); None outside SLURM."""
-    environ = os.environ if environ is None else environ
-    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    if array and task:
-        return f"{array}_{task}"
-    return environ.get("SLURM_JOB_ID") or None
-
-
-def run_name(job_name: str, default: str) -> str:
-    """The ``${run_name:}`` resolver of ``hydra.run.dir``: ``slurm-<job>`` for a ``train`` job inside SLURM, the same
-    after every requeue, so the requeued job resumes from its directory's last.pt; ``default`` (the date and time)
-    otherwise."""
-    job = slurm_job()
-    return f"slurm-{job}" if job and job_name == "train" else default
 
 
 # -- One run per directory ---------------------------------------------------------------------------------------------
