@@ -32,7 +32,8 @@ def main(name: str, occurrence: str, marker: str, script: str, *args: str) -> No
         return original(path, half_way, *rest, **options)
 
     for module in list(sys.modules.values()):  # the modules that imported it by name already, and the module itself
-        if getattr(module, "__name__", "").startswith("moh_vision") and getattr(module, "atomic_write", None) is original:
+        ours = getattr(module, "__name__", "").startswith("moh_vision")
+        if ours and getattr(module, "atomic_write", None) is original:
             module.atomic_write = stalled
     sys.argv = [script, *args]
     runpy.run_path(script, run_name="__main__")

@@ -251,9 +251,10 @@ def test_kills_inside_other_writes_leave_nothing_after_the_resume(tmp_path, targ
 
 # ---- many ranks ------------------------------------------------------------------------------------------------------
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
-RANKS = ("model=plain_vit_nano", "data.img_size=16", "trainer.batch_size=128", "trainer.epochs=1", "trainer.max_steps=6",
-         "trainer.deterministic=true", "trainer.ema.enabled=true", "trainer.ema.decay=0.9", "trainer.log_every=1",
-         "trainer.progress=false", "trainer.num_workers=0", "trainer.count_flops=false", "logger=csv")
+RANKS = ("model=plain_vit_nano", "data.img_size=16", "trainer.batch_size=128", "trainer.epochs=1",
+         "trainer.max_steps=6", "trainer.deterministic=true", "trainer.ema.enabled=true", "trainer.ema.decay=0.9",
+         "trainer.log_every=1", "trainer.progress=false", "trainer.num_workers=0", "trainer.count_flops=false",
+         "logger=csv")
 
 
 @pytest.mark.slow  # three torchrun runs: 90 s on the busy 2-core VM

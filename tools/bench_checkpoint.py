@@ -1,4 +1,4 @@
-"""Time a training checkpoint's save (blocking the loop: at once, or in the background) and load (with and without mmap).
+"""Time a training checkpoint's save (what blocks the loop: at once, or in the background) and load (mmap or not).
 
     python tools/bench_checkpoint.py                                   # the default model (transnext_nano)
     python tools/bench_checkpoint.py models=transnext_nano,dit_b_2 rounds=5 out=docs/bench/<folder>/checkpoint.json
