@@ -51,7 +51,8 @@ def _work(seconds_of_work: int = 40) -> Callable[[], None]:
 
 def time_checkpoint(state: Dict[str, Any], folder: Path, rounds: int) -> Dict[str, Any]:
     """Per round (after one more, untimed): a sync save (last.pt with a linked step file), two separate saves, an
-    async save (what blocks, and the whole write), the same work alone and during a background write, and loads with and without mmap."""
+    async save (what blocks, and the whole write), the same work alone and during a background write, and loads with
+    and without mmap."""
     last, numbered = folder / "last.pt", folder / "step_0000001.pt"
     times: Dict[str, List[float]] = {k: [] for k in (
         "sync_save_s", "two_serialisations_s", "async_blocking_s", "async_write_s", "work_alone_s",
