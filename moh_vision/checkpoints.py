@@ -132,7 +132,7 @@ PARTIAL_WRITE = re.compile(r"^\..+\.[A-Za-z0-9_]+\.tmp$")
 
 def remove_partial_writes(folder: os.PathLike, recursive: bool = False, skip: Sequence[str] = ()) -> List[Path]:
     """Delete the temporary files of writes killed half-way (SIGKILL, a node lost) in ``folder`` (and, ``recursive``,
-    its subfolders but those named in ``skip``); what was removed. :func:`atomic_write` removes its own on any error it
+    its subfolders but hidden ones and those named in ``skip``); what was removed. :func:`atomic_write` removes its own on any error it
     survives, so only a dead process leaves one: call this while no write can be under way there (a run holding its
     directory's lock, before its first write)."""
     removed = []
@@ -141,7 +141,8 @@ def remove_partial_writes(folder: os.PathLike, recursive: bool = False, skip: Se
     except (FileNotFoundError, NotADirectoryError):
         return removed
     for entry in entries:
-        if recursive and entry.is_dir(follow_symlinks=False) and entry.name not in skip:
+        if recursive and entry.is_dir(follow_symlinks=False) and entry.name not in skip \
+                and not entry.name.startswith("."):  # .hydra, .git: never written by atomic_write
             removed += remove_partial_writes(entry.path, recursive, skip)
         elif entry.is_file(follow_symlinks=False) and PARTIAL_WRITE.match(entry.name):
             try:

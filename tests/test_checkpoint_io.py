@@ -201,7 +201,8 @@ def test_an_async_write_that_fails_stops_the_run_with_its_error(tmp_path):
 def test_partial_writes_anywhere_in_the_run_directory_are_found(tmp_path):
     made = [tmp_path / ".routing.json.k2x_9a.tmp", tmp_path / "checkpoints" / ".step_0000004.pt.1f2e3d4c.tmp",
             tmp_path / "profile" / ".trace_steps1-2_rank0.json.tmp", tmp_path / "samples" / "e1" / ".grid.png.ab.tmp"]
-    kept = [tmp_path / "notes.tmp", tmp_path / "wandb" / ".run.wandb.x1.tmp", tmp_path / "checkpoints" / "last.pt"]
+    kept = [tmp_path / "notes.tmp", tmp_path / "wandb" / ".run.wandb.x1.tmp", tmp_path / "checkpoints" / "last.pt",
+            tmp_path / ".git" / ".index.ab12.tmp"]
     for path in made + kept:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(b"x")
