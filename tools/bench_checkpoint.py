@@ -8,7 +8,7 @@ For each model (timm's defaults), a state as the trainer saves it (weights, EMA 
 the file's size; the seconds a save blocks the loop with ``trainer.ckpt_async=false`` (``last.pt`` with a linked
 ``step_N.pt``: one serialisation; beside it the two serialisations of earlier releases) and ``true`` (the host copy);
 the background write's whole time; a fixed amount of work on the training thread alone and during a background
-write; and a resume's load (``torch.load`` and the weights copied in) with and without ``mmap``. Median and
+write; and a resume's load (the file read and the weights copied in) with and without ``mmap``. Median and
 quartiles over the rounds. The files go to a temporary folder (``root``: under that folder). How it times:
 :mod:`moh_vision.analysis.checkpoint_bench`.
 """
