@@ -180,6 +180,8 @@ class Trainer:
 
     def _run(self) -> None:
         batches_per_epoch = self.parts.loaders.steps_per_epoch * self.parts.loaders.accum
+        if self.batch_in_epoch and self.step >= self.parts.total_steps:
+            self._end_epoch()  # the run stopped between its last step's checkpoint and its last epoch's end
         while self.epoch < self.cfg.epochs and self.step < self.parts.total_steps:
             if self.batch_in_epoch >= batches_per_epoch:
                 self._end_epoch()  # the run stopped between the last step and validation
