@@ -243,9 +243,9 @@ def test_a_kill_inside_a_write_leaves_nothing_after_the_resume(tmp_path, target,
 
 @pytest.mark.slow
 @pytest.mark.parametrize("target,occurrence,extra", [
-    ("metrics.csv", 3, ()), ("last.pt", 2, ("trainer.ckpt_async=false",)), ("last.pt", 3, ("trainer.ckpt_async=true",)),
+    ("config.yaml", 1, ()), ("last.pt", 2, ("trainer.ckpt_async=false",)), ("last.pt", 3, ("trainer.ckpt_async=true",)),
     ("routing.json", 2, ("trainer.ckpt_history_every_steps=1", "trainer.ckpt_keep=2"))],
-    ids=["metrics.csv", "last.pt-sync", "last.pt-async", "routing.json-history"])
+    ids=["config.yaml", "last.pt-sync", "last.pt-async", "routing.json-history"])
 def test_kills_inside_other_writes_leave_nothing_after_the_resume(tmp_path, target, occurrence, extra):
     test_a_kill_inside_a_write_leaves_nothing_after_the_resume(tmp_path, target, occurrence, extra)
 
