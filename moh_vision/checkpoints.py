@@ -1,8 +1,11 @@
 """Checkpoint I/O, all of it: the trainer, ``eval.py``, the models' loaders and every tool use this module.
 
-A checkpoint is a dict of tensors and plain Python types only (loads with ``weights_only=True``). :func:`atomic_save`
-and :func:`atomic_write` write a fsynced temporary file and rename it over the target, so a crash or a full disk never
-leaves a half-written ``last.pt``; the previous one is kept as ``last.prev.pt`` for :func:`load_with_fallback`.
+A checkpoint is a dict of tensors and plain Python types only (loads with ``weights_only=True``, tensors mapped from
+the file, ``mmap``). :func:`atomic_save` and :func:`atomic_write` write a fsynced temporary file and rename it over the
+target, so a crash or a full disk never leaves a half-written ``last.pt``; the previous one is kept as ``last.prev.pt``
+for :func:`load_with_fallback`. One write can have further names (``also``: hard links of the file written, copies where
+a link fails), each renamed into place whole. :class:`BackgroundWriter` runs writes in a thread, one at a time, on a
+host copy of the state (:func:`host_copy`).
 :func:`load_file` reads any file (``.safetensors`` too) with one-line errors for a missing, truncated, corrupt or
 foreign one, and accepts ``argparse.Namespace`` (official TransNeXt / MoH / DiT releases pickle their arguments);
 :func:`find_weights` finds the weights in ours (``model`` / ``model_ema``), DiT's (``model`` / ``ema``), timm's
@@ -11,11 +14,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import logging
 import os
 import pickle
 import re
+import secrets
+import shutil
 import tempfile
+import threading
 import warnings
 import zipfile
 from collections.abc import Mapping
@@ -50,52 +57,94 @@ def _fsync_dir(path: Path) -> None:
 
 
 def atomic_write(path: os.PathLike, write: Callable[[BinaryIO], None], keep_previous: bool = False,
-                 what: str = "file") -> Path:
+                 what: str = "file", also: Sequence[os.PathLike] = ()) -> Path:
     """``write(file)`` into a temporary file beside ``path``, fsync, then rename it over ``path`` (keeping the old file
-    as ``*.prev.<suffix>`` with ``keep_previous``): readers never see a half-written file."""
+    as ``*.prev.<suffix>`` with ``keep_previous``): readers never see a half-written file. Each of ``also`` gets the
+    same file, written once: a hard link (a copy where the file system refuses one) made under a temporary name, then
+    renamed over it, before ``path`` itself."""
     path = Path(path)
-    tmp = None
+    temporary: List[str] = []
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=str(path.parent))
+        temporary.append(tmp)
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
             os.fsync(f.fileno())
+        for other in map(Path, also):  # first: a kill in between leaves the older path, which resumes to here
+            other_tmp = _second_name(tmp, other)
+            temporary.append(other_tmp)
+            os.replace(other_tmp, other)
+            if other.parent != path.parent:
+                _fsync_dir(other.parent)
         if keep_previous and path.exists():
             os.replace(path, previous_path(path))
         os.replace(tmp, path)
         _fsync_dir(path.parent)
     except BaseException as err:
-        if tmp is not None:
+        for name in temporary:
             with contextlib.suppress(OSError):
-                os.unlink(tmp)
+                os.unlink(name)
         if isinstance(err, (OSError, RuntimeError)):  # torch's zip writer reports a full disk as RuntimeError
             cause = os_error_in(err)  # the operating system's reason, not the zip writer's
             if cause is None:
                 reason = str(err).splitlines()[0]
             else:  # the temporary file's name says nothing to the user
-                reason = cause.strerror if cause.filename in (None, tmp) and cause.strerror else storage_problem(cause)
+                reason = cause.strerror if cause.filename in (None, *temporary) and cause.strerror \
+                    else storage_problem(cause)
             raise CheckpointWriteError(f"could not write {what} {path} ({reason}); the previous {what} is intact") \
                 from err
         raise
     return path
 
 
-PARTIAL_WRITE = re.compile(r"^\..+\.[A-Za-z0-9_]+\.tmp$")  # atomic_write's temporary files: .<name>.<random>.tmp
+def _second_name(written: str, target: Path) -> str:
+    """A temporary name beside ``target`` for the whole file ``written``: a hard link, else a fsynced copy."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(100):
+        name = str(target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp")
+        try:
+            os.link(written, name)
+            return name
+        except FileExistsError:
+            continue
+        except OSError as err:  # no hard links here (EPERM, EXDEV, EMLINK, ...): a copy
+            log.debug("cannot link %s to %s (%s): copying", written, target, err)
+            break
+    fd, name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=str(target.parent))
+    try:
+        with os.fdopen(fd, "wb") as out, open(written, "rb") as source:
+            shutil.copyfileobj(source, out, 16 << 20)
+            out.flush()
+            os.fsync(out.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise
+    return name
 
 
-def remove_partial_writes(folder: os.PathLike) -> List[Path]:
-    """Delete the temporary files of writes killed half-way (SIGKILL, a node lost) in ``folder``; what was removed.
-    :func:`atomic_write` removes its own on any error it survives, so only a dead process leaves one: call this while no
-    write can be under way there (a run holding its directory's lock, before its first save)."""
+# The temporary files of the project's writes: atomic_write's (and its further names'), .<name>.<random>.tmp, and the
+# profiler's trace, .<name>.json.tmp (moh_vision/engine/profiling.py)
+PARTIAL_WRITE = re.compile(r"^\..+\.[A-Za-z0-9_]+\.tmp$")
+
+
+def remove_partial_writes(folder: os.PathLike, recursive: bool = False, skip: Sequence[str] = ()) -> List[Path]:
+    """Delete the temporary files of writes killed half-way (SIGKILL, a node lost) in ``folder`` (and, ``recursive``,
+    its subfolders but hidden ones and those named in ``skip``); what was removed. :func:`atomic_write` removes its own on any error it
+    survives, so only a dead process leaves one: call this while no write can be under way there (a run holding its
+    directory's lock, before its first write)."""
     removed = []
     try:
         entries = list(os.scandir(folder))
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):
         return removed
     for entry in entries:
-        if entry.is_file(follow_symlinks=False) and PARTIAL_WRITE.match(entry.name):
+        if recursive and entry.is_dir(follow_symlinks=False) and entry.name not in skip \
+                and not entry.name.startswith("."):  # .hydra, .git: never written by atomic_write
+            removed += remove_partial_writes(entry.path, recursive, skip)
+        elif entry.is_file(follow_symlinks=False) and PARTIAL_WRITE.match(entry.name):
             try:
                 os.unlink(entry.path)
             except FileNotFoundError:
@@ -104,9 +153,81 @@ def remove_partial_writes(folder: os.PathLike) -> List[Path]:
     return removed
 
 
-def atomic_save(obj: Any, path: os.PathLike, keep_previous: bool = False) -> Path:
-    """``torch.save`` to ``path`` atomically: tmp file + fsync + rename (+ keep the old file as ``*.prev.pt``)."""
-    return atomic_write(path, lambda f: torch.save(obj, f), keep_previous, what="checkpoint")
+def atomic_save(obj: Any, path: os.PathLike, keep_previous: bool = False, also: Sequence[os.PathLike] = ()) -> Path:
+    """``torch.save`` to ``path`` atomically: tmp file + fsync + rename (+ keep the old file as ``*.prev.pt``); the
+    names in ``also`` get the same file (one serialisation: :func:`atomic_write`)."""
+    return atomic_write(path, lambda f: torch.save(obj, f), keep_previous, what="checkpoint", also=also)
+
+
+def host_copy(obj: Any) -> Any:
+    """A copy of ``obj`` (a checkpoint: containers, plain values, tensors) whose tensors are on the host and own their
+    memory, as ``torch.save`` would see ``obj`` now: tensors that shared a storage share one copy of it (views stay
+    views), so the saved file is the same. What a background write serialises while training changes the original."""
+    storages: Dict[Tuple[str, int], torch.UntypedStorage] = {}
+    memo: Dict[int, Any] = {}
+
+    def visit(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            if id(value) not in memo:
+                memo[id(value)] = _host_tensor(value, storages)
+        elif isinstance(value, Mapping):
+            for item in value.values():
+                visit(item)
+        elif isinstance(value, (list, tuple)):
+            for item in value:
+                visit(item)
+
+    visit(obj)
+    return copy.deepcopy(obj, memo)  # containers (and OrderedDict's metadata) copied; the tensors: the host copies
+
+
+def _host_tensor(tensor: torch.Tensor, storages: Dict[Tuple[str, int], torch.UntypedStorage]) -> torch.Tensor:
+    tensor = tensor.detach()
+    storage = tensor.untyped_storage()
+    key = (str(tensor.device), storage.data_ptr())
+    if key not in storages:
+        storages[key] = storage.clone() if tensor.device.type == "cpu" else storage.cpu()
+    return torch.empty((0,), dtype=tensor.dtype).set_(storages[key], tensor.storage_offset(), tensor.size(),
+                                                       tensor.stride())
+
+
+class BackgroundWriter:
+    """Writes run one at a time, in a thread (``threaded``) or at once. :meth:`submit` waits for the write before it;
+    :meth:`wait` waits for the one under way. A write's error is raised by the next :meth:`submit` or :meth:`wait`, on
+    the caller's thread; never lost."""
+
+    def __init__(self, threaded: bool):
+        self.threaded = threaded
+        self.thread: Optional[threading.Thread] = None
+        self.error: Optional[BaseException] = None
+
+    def submit(self, write: Callable[[], None]) -> None:
+        self.wait()
+        if not self.threaded:
+            write()
+            return
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as err:  # noqa: BLE001 - handed to the training thread
+                self.error = err
+
+        self.thread = threading.Thread(target=run, name="checkpoint-writer", daemon=True)
+        self.thread.start()
+
+    def wait(self) -> None:
+        """Wait for the write under way; raise its error, if it failed."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        error, self.error = self.error, None
+        if error is not None:
+            raise error
+
+    @property
+    def busy(self) -> bool:
+        return self.thread is not None and self.thread.is_alive()
 
 
 def previous_path(path: Path) -> Path:
@@ -179,7 +300,8 @@ SAFE_GLOBALS = (argparse.Namespace,)               # what released training chec
 def load_file(path: Union[str, os.PathLike], trust_pickle: bool = False) -> Any:
     """The object saved in ``path`` (on CPU), or a :class:`ConfigError` that says in one line why not. Tensors, plain
     Python types and ``argparse.Namespace`` load safely (``weights_only=True``); ``trust_pickle=True`` loads any pickled
-    object (run only on files you trust)."""
+    object (run only on files you trust). Files in torch's zip format load with ``mmap=True``: the tensors map the
+    file (private pages: writing to one never changes the file), so a load reads only what is used, once."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"{path} does not exist" if not path.exists() else f"{path} is not a file")
@@ -189,13 +311,14 @@ def load_file(path: Union[str, os.PathLike], trust_pickle: bool = False) -> Any:
             return load_safetensors(str(path), device="cpu")
         except Exception as err:  # noqa: BLE001 - any parse failure is a bad file
             raise ConfigError(f"{path} is not a readable safetensors file ({_first_line(err)})") from None
+    mmap = _is_zip(path)  # torch's zip format: tensors mapped from the file, read as they are used (not legacy pickles)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # torch's warnings about the pickle format are not the user's business
             if trust_pickle:
-                return torch.load(path, map_location="cpu", weights_only=False)
+                return torch.load(path, map_location="cpu", weights_only=False, mmap=mmap)
             with torch.serialization.safe_globals(list(SAFE_GLOBALS)):
-                return torch.load(path, map_location="cpu", weights_only=True)
+                return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         if "Unsupported global" in str(err) or "GLOBAL" in str(err):  # a pickled object, not a broken file
             raise ConfigError(
@@ -207,6 +330,14 @@ def load_file(path: Union[str, os.PathLike], trust_pickle: bool = False) -> Any:
     except (RuntimeError, EOFError, OSError, ValueError, AttributeError, ImportError) as err:
         raise ConfigError(f"{path} is not a readable checkpoint (truncated or not a torch file: "
                           f"{_first_line(err)})") from None
+
+
+def _is_zip(path: Path) -> bool:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read(4) == b"PK\x03\x04"
+    except OSError:
+        return False
 
 
 def find_weights(obj: Any, prefer: str = "auto", source: str = "checkpoint") -> Tuple[Dict[str, torch.Tensor], str]:

@@ -116,6 +116,8 @@ class TrainerConfig:
     ckpt_history_every_steps: int = option(0, at_least=0, help="a numbered checkpoints/step_<step>.pt every N steps")
     ckpt_history_every_epochs: int = option(0, at_least=0, help="a numbered checkpoint at every Nth epoch end")
     ckpt_keep: int = option(0, at_least=0, help="numbered checkpoints kept, the newest (0: all)")
+    ckpt_async: bool = option(True, help="write checkpoints in a background thread from a host copy of the state "
+                              "(the loop waits only for the copy; false: less host memory)")
     profile: Optional[str] = option(None, help="<first>:<last> optimizer steps (from 1): a torch.profiler trace and "
                                     "the time by kind of work in <run dir>/profile/")
     resume: str = option("auto", path="resume", help="auto: last.pt of this output dir; never; or a checkpoint")

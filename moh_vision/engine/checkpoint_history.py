@@ -1,6 +1,7 @@
 """Numbered checkpoints beside ``last.pt`` / ``last.prev.pt`` / ``best.pt``: ``checkpoints/step_0400000.pt`` every
 ``trainer.ckpt_history_every_steps`` optimizer steps and/or every ``trainer.ckpt_history_every_epochs`` epochs, the
-newest ``trainer.ckpt_keep`` kept (0: all). Each is a whole training checkpoint, written atomically, that
+newest ``trainer.ckpt_keep`` kept (0: all). Each is a whole training checkpoint, written atomically (the trainer's
+numbered file is a hard link of the ``last.pt`` written with it: one serialisation), that
 ``trainer.resume=``, ``eval.py ckpt=`` and ``tools/sample.py ckpt=`` take like any other. Newest means last written
 (after a resume from an earlier one, the abandoned trajectory's later-numbered files stay until they are the oldest);
 retention never deletes the newest whole one (:func:`moh_vision.checkpoints.is_whole_checkpoint`)."""
@@ -60,10 +61,15 @@ class CheckpointHistory:
     def write(self, state: Dict[str, Any], step: int) -> Path:
         """``state`` as ``step_<step>.pt`` (atomically), then the oldest beyond ``keep`` removed."""
         path = ckpt_io.atomic_save(state, self.folder / numbered_name(step))
+        self.prune()
+        return path
+
+    def prune(self) -> None:
+        """Remove the numbered checkpoints beyond the newest ``keep``. A numbered file may be a hard link of
+        ``last.pt`` or ``best.pt`` (one write, several names: ``Trainer.save``); removing the name leaves those."""
         for old in to_prune(numbered_checkpoints(self.folder), self.keep):
             try:
                 old.unlink()
             except FileNotFoundError:
                 continue
             log.info("removed %s (trainer.ckpt_keep=%d)", old, self.keep)
-        return path

@@ -20,7 +20,7 @@ from moh_vision.tasks.protocols import EpochContext
 from .distributed import broadcast_object, cleanup, init_distributed, settle_failure
 from .loggers import Loggers, write_json
 from .run_dir import RunLock
-from .trainer import Preempted, Trainer
+from .trainer import Preempted, Trainer, load_resume
 
 log = logging.getLogger(__name__)
 
@@ -65,18 +65,6 @@ def make_loggers(logger: Any, tag: Optional[str], out_dir: Path, is_main: bool, 
                          "name": names["name"], "tags": list(logger.tags), "mode": logger.mode}
     return Loggers(out_dir, kind=logger.name, enabled=is_main, wandb_options=wandb_options, config=config,
                    run_id=run_id, job_type=job_type)
-
-
-def _previous_wandb_id(resume: str, out_dir: Path) -> Optional[str]:
-    """Continue the same wandb run when resuming."""
-    try:
-        path = ckpt_io.resolve_resume(resume, out_dir)
-        if path is None:
-            return None
-        state, _ = ckpt_io.load_with_fallback(path)
-        return state.get("wandb_run_id")
-    except ConfigError:
-        return None
 
 
 def shared_output_dir(out_dir: Path, dist) -> Path:
@@ -143,10 +131,11 @@ def _train_in(out_dir: Path, run: TrainConfig, config: Dict[str, Any], dist) -> 
     try:
         data = build_data(run.data)
         task = build_task(run.task, model=config["model"], attention=config["attention"], kernels=config["kernels"])
+        resumed = load_resume(run.trainer.resume, out_dir)  # read once: the wandb run id, then the trainer's state
         loggers = make_loggers(run.logger, run.tag, out_dir, dist.is_main, config,
-                               _previous_wandb_id(run.trainer.resume, out_dir), "train")
+                               resumed[0].get("wandb_run_id") if resumed else None, "train")  # the same wandb run
         trainer = Trainer(run.trainer, out_dir, dist, loggers, optim=run.optim, sched=run.sched, config=config,
-                          seed=run.seed)
+                          seed=run.seed, resumed=resumed)
         summary = trainer.fit(task, data)
     except Preempted as stop:
         loggers.finish(exit_code=REQUEUE_EXIT_CODE)

@@ -33,7 +33,7 @@ FREE_TO_CHANGE = (
     "model.checkpoint_path", "model.init_from", "data.root", "task.sample", "task.vae",
     "trainer.ckpt_history_every_steps", "trainer.ckpt_history_every_epochs", "trainer.ckpt_keep", "trainer.profile",
     "data.index_cache", "trainer.ddp.broadcast_buffers", "trainer.ddp.gradient_as_bucket_view",
-    "trainer.ddp.bucket_cap_mb",
+    "trainer.ddp.bucket_cap_mb", "trainer.ckpt_async",
 )
 
 # Options added after runs were saved without them, with the value that keeps the training as it was then: a config

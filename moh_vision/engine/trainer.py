@@ -27,7 +27,7 @@ from moh_vision.ops import Kernels, resolved
 from moh_vision.ops.dispatch import RUNS
 from moh_vision.tasks.protocols import Data, EpochContext, Task
 from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, write_routing_artifacts
-from .checkpoint_history import CheckpointHistory
+from .checkpoint_history import CheckpointHistory, numbered_name
 from .costs import RunCosts, StepClock, reset_peak_memory
 from .device_settings import device_settings, optimizer_kernel_of
 from .distributed import DistInfo, broadcast_object, reduce_sums
@@ -67,6 +67,22 @@ def _previous_summary(out_dir: Path) -> Optional[Dict[str, Any]]:
     return previous if isinstance(previous, dict) else None
 
 
+def load_resume(resume: Optional[str], out_dir: Path) -> Optional[Tuple[Dict[str, Any], Path]]:
+    """The checkpoint ``trainer.resume`` names (auto: ``out_dir``'s last.pt, or its previous twin) loaded, and the file
+    it came from; None for a fresh run."""
+    path = ckpt_io.resolve_resume(resume, out_dir)
+    return None if path is None else ckpt_io.load_with_fallback(path)
+
+
+def own_memory(optimizer: torch.optim.Optimizer) -> None:
+    """Give the optimizer's state tensors memory of their own: loaded from a mapped checkpoint onto the CPU, they would
+    keep mapping that file (and its disk space once it is replaced) for the rest of the run."""
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor) and value.device.type == "cpu":
+                state[key] = value.clone()
+
+
 class Trainer:
     """The loop, and the run's progress (saved in checkpoints).
 
@@ -79,11 +95,14 @@ class Trainer:
         sched: the schedule config (``build_schedule``'s: timm's schedulers, lengths in epochs).
         config: the whole run config as a plain dict (saved into checkpoints and config.yaml).
         seed: the run's seed (each rank adds its rank).
+        resumed: the checkpoint ``trainer.resume`` names, already loaded, and the file it came from
+            (``load_resume``): the caller read it (for the wandb run id) and the file is not read again.
     """
 
     def __init__(self, cfg: Any, out_dir: Path, dist: DistInfo, loggers: Loggers, optim: Any, sched: Any,
-                 config: Dict[str, Any], seed: int = 0):
+                 config: Dict[str, Any], seed: int = 0, resumed: Optional[Tuple[Dict[str, Any], Path]] = None):
         self.cfg, self.out_dir, self.dist, self.loggers = cfg, Path(out_dir), dist, loggers
+        self.resumed = resumed
         self.optim_cfg, self.sched_cfg, self.config, self.seed = optim, sched, config, int(seed)
         self.device = dist.device
         self.ckpt_dir = self.out_dir / "checkpoints"
@@ -102,6 +121,7 @@ class Trainer:
         self.skipped = SkippedFiles(announce=dist.is_main)
         self.steps_at_start = 0
         self.last_good_checkpoint: Optional[str] = None
+        self.writer = ckpt_io.BackgroundWriter(threaded=bool(cfg.ckpt_async))  # the main rank's checkpoint writes
         # this process's fit
         self.parts: Optional[FitParts] = None  # built by fit()
         self.costs: Optional[RunCosts] = None  # built by fit()
@@ -130,9 +150,11 @@ class Trainer:
         self.step_hooks = optimizer_step_hooks(parts.model)  # found once: no walk of the model in a step
         self.params = list(parts.model.parameters())
         self.costs = RunCosts(parts.flops, self.device, self.cfg.amp, self.dist.world_size)
-        if self.dist.is_main:  # what writes killed half-way left (this process holds the run directory)
-            for leftover in ckpt_io.remove_partial_writes(self.ckpt_dir):
-                log.warning("removed %s, left by a checkpoint write that was killed", leftover)
+        if self.dist.is_main:  # what writes killed half-way left (this process holds the run directory; wandb's own
+            # files are its service's)
+            for leftover in ckpt_io.remove_partial_writes(self.out_dir, recursive=True, skip=("wandb",)):
+                what = "a checkpoint write" if leftover.parent == self.ckpt_dir else "a write"
+                log.warning("removed %s, left by %s that was killed", leftover, what)
         self._resume()
         if self.dist.is_main:  # only now: a run that fails to set up must not overwrite a good run's config
             record_config(self.out_dir, self.config, self.step)
@@ -146,7 +168,12 @@ class Trainer:
         with self.signals, self.profiler:
             parts.loaders.start_workers()
             self._validate_before_training()
-            self._run()
+            try:
+                self._run()
+            except BaseException:
+                self._wait_for_writes(failing=True)
+                raise
+            self._wait_for_writes()
         summary = self._summary(time.time() - start)
         if self.dist.is_main:
             write_json(self.out_dir / "summary.json", summary)
@@ -155,6 +182,8 @@ class Trainer:
 
     def _run(self) -> None:
         batches_per_epoch = self.parts.loaders.steps_per_epoch * self.parts.loaders.accum
+        if self.batch_in_epoch and self.step >= self.parts.total_steps:
+            self._end_epoch()  # the run stopped between its last step's checkpoint and its last epoch's end
         while self.epoch < self.cfg.epochs and self.step < self.parts.total_steps:
             if self.batch_in_epoch >= batches_per_epoch:
                 self._end_epoch()  # the run stopped between the last step and validation
@@ -225,6 +254,7 @@ class Trainer:
                 self.save(numbered=numbered)
             if self.signals.agreed():
                 self.save()
+                self._wait_for_writes()  # the checkpoint is on disk before a launcher's handler may end the process
                 self.signals.hand_over()
                 raise Preempted(self.signals.received or "signal")
             self.profiler.at_step(self.step)
@@ -362,9 +392,7 @@ class Trainer:
         self.epoch += 1
         self.batch_in_epoch = 0
         self.meters = EpochMeters()
-        self.save(numbered=self.history.due_after_epoch(self.epoch))
-        if improved:
-            self.save("best.pt")
+        self.save(numbered=self.history.due_after_epoch(self.epoch), best=improved)
 
     def _epoch_context(self, last_epoch: bool) -> EpochContext:
         parts = self.parts
@@ -392,18 +420,42 @@ class Trainer:
         return better
 
     # ---- checkpoints -------------------------------------------------------------------------
-    def save(self, name: str = "last.pt", numbered: bool = False) -> None:
-        """Write ``checkpoints/<name>`` and, if ``numbered``, ``checkpoints/step_<step>.pt`` (main rank; every rank
-        joins the RNG gather), every step so far counted."""
+    def save(self, name: str = "last.pt", numbered: bool = False, best: bool = False) -> None:
+        """Write ``checkpoints/<name>`` and, if ``numbered``, ``checkpoints/step_<step>.pt``, if ``best``,
+        ``checkpoints/best.pt`` (main rank; every rank joins the RNG gather), every step so far counted. The state is
+        serialised once: the other names are links of the file written. With ``trainer.ckpt_async`` the main rank takes
+        a host copy of the state here and a thread writes it while training goes on; the next save, or the end of the
+        fit, waits for it and raises its error."""
         self._settle()
         state = self._state()
-        if self.dist.is_main:
-            path = self.ckpt_dir / name
-            ckpt_io.atomic_save(state, path, keep_previous=name == "last.pt")
+        if not self.dist.is_main:
+            return
+        self.writer.wait()  # one write at a time; the previous one's error stops the run here
+        path = self.ckpt_dir / name
+        also = [self.ckpt_dir / numbered_name(self.step)] if numbered else []
+        if best and name != "best.pt":
+            also.append(self.ckpt_dir / "best.pt")
+        if self.writer.threaded:
+            state = ckpt_io.host_copy(state)  # consistent: taken before the next step changes the weights
+
+        def write() -> None:
+            ckpt_io.atomic_save(state, path, keep_previous=name == "last.pt", also=also)
             if name == "last.pt":
                 self.last_good_checkpoint = str(path)
             if numbered:
-                self.history.write(state, self.step)
+                self.history.prune()
+
+        self.writer.submit(write)
+
+    def _wait_for_writes(self, failing: bool = False) -> None:
+        """Wait for the checkpoint write under way. Its error is raised, unless the run is ``failing`` already (then
+        it is logged: the first error is the one the run stops with)."""
+        try:
+            self.writer.wait()
+        except Exception as err:  # noqa: BLE001
+            if not failing:
+                raise
+            log.error("the checkpoint write under way failed too: %s", err)
 
     def _state(self) -> Dict[str, Any]:
         """The checkpoint. Under DDP, ``rng`` and ``meters`` (this epoch's sums so far) hold one entry per rank."""
@@ -437,10 +489,12 @@ class Trainer:
         """Load ``trainer.resume`` (auto: this run's last.pt, if any): weights, optimizer, progress, records and RNG, so
         the run goes on as if never stopped."""
         parts = self.parts
-        path = ckpt_io.resolve_resume(self.cfg.resume, self.out_dir)
-        if path is None:
+        resumed, self.resumed = self.resumed, None  # the loaded checkpoint is not kept beyond this
+        if resumed is None:
+            resumed = load_resume(self.cfg.resume, self.out_dir)
+        if resumed is None:
             return
-        state, used = ckpt_io.load_with_fallback(path)
+        state, used = resumed
         self._check_resumable(state, used)
         problem = ckpt_io.state_dict_mismatch(parts.model.state_dict(), state["model"])
         if problem or (state.get("model_name") and state["model_name"] != parts.model_name):
@@ -448,6 +502,7 @@ class Trainer:
                               f"builds '{parts.model_name}' ({problem or 'different model'})")
         parts.model.load_state_dict(state["model"])
         parts.optimizer.load_state_dict(state["optimizer"])
+        own_memory(parts.optimizer)
         if parts.scaler is not None and state.get("scaler"):
             parts.scaler.load_state_dict(state["scaler"])
         if parts.ema is not None and "model_ema" in state:
