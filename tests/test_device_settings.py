@@ -6,7 +6,7 @@ import torch
 from helpers import ATTENTION_PRESET, model_config, trainer_config
 from moh_vision.config import ConstantSched, OptimConfig, compose, validate
 from moh_vision.data.digits import DigitsData
-from moh_vision.engine.device_settings import device_settings, optimizer_kernel, optimizer_kernel_of
+from moh_vision.engine.fit_setup import device_settings, optimizer_kernel, optimizer_kernel_of
 from moh_vision.engine.distributed import DistInfo
 from moh_vision.engine.loggers import Loggers
 from moh_vision.engine.trainer import Trainer

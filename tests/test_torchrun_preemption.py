@@ -11,7 +11,7 @@ import torch
 
 from helpers import REPO
 from test_reliability import wait_for_step
-from moh_vision.engine.preemption import StopSignals, slurm_torchrun_warning, torchrun_drops
+from moh_vision.engine.distributed import StopSignals, slurm_torchrun_warning, torchrun_drops
 
 UNDER_TORCHRUN = {"TORCHELASTIC_RUN_ID": "none"}
 # train.py as a torchrun worker that writes its exit status to $EXIT_FILE<rank> (torchrun does not report it

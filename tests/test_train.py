@@ -172,7 +172,7 @@ def test_bad_config_fails_with_one_line(tmp_path, override, fragment, train_in_p
 def test_ema_warmup_decay_forgets_the_init_and_counts_updates():
     from torch import nn
 
-    from moh_vision.engine.ema import EMA
+    from moh_vision.engine.fit_setup import EMA
     model = nn.Linear(2, 1, bias=False)
     nn.init.zeros_(model.weight)
     plain, warm = EMA(model, 0.999), EMA(model, 0.999, warmup=True)

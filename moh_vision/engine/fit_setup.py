@@ -5,11 +5,13 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import random
+import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Dict, Optional
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -19,9 +21,8 @@ from torch.utils.data import DataLoader
 from moh_vision.data.sampler import EpochKeys, EpochSampler, HeldIndices, SeededItems, loader_options
 from moh_vision.errors import ConfigError, RunError
 from moh_vision.tasks.protocols import Data, Task
-from .device_settings import optimizer_kernel
+
 from .distributed import DistInfo
-from .ema import EMA
 from .optim import Schedule, build_optimizer, build_schedule
 
 log = logging.getLogger(__name__)
@@ -264,3 +265,89 @@ def build_parts(cfg: Any, optim: Any, sched: Any, dist: DistInfo, seed: int, tas
         # data that never skip (digits, latents) get no skipped-image columns unless something was skipped
         may_skip_images=getattr(data.val, "on_bad_image", None) is not None,
     )
+
+
+# -- The EMA of the weights --------------------------------------------------------------------------------------------
+# Exponential moving average of model weights (DiT keeps one with decay 0.9999).
+class EMA:
+    """``ema = d * ema + (1 - d) * model`` for floating parameters, buffers copied; ``warmup=True`` at update ``n`` uses
+    ``d = min(decay, (1 + n) / (10 + n))``, so a short run is not dominated by its random initialisation."""
+
+    def __init__(self, model: nn.Module, decay: float = 0.9999, warmup: bool = False):
+        self.decay, self.warmup = float(decay), bool(warmup)
+        self.updates = 0
+        self.module = copy.deepcopy(model).eval().requires_grad_(False)
+        self._listed: Optional[Tuple[Any, Tuple[List[torch.Tensor], ...]]] = None
+
+    def current_decay(self) -> float:
+        return min(self.decay, (1 + self.updates) / (10 + self.updates)) if self.warmup else self.decay
+
+    @torch.no_grad()
+    def update(self, model: nn.Module) -> None:
+        ema_floats, floats, ema_buffers, buffers = self._pairs(model)
+        if floats:
+            torch._foreach_lerp_(ema_floats, floats, 1.0 - self.current_decay())
+        for e, b in zip(ema_buffers, buffers):
+            e.copy_(b)
+        self.updates += 1
+
+    def _pairs(self, model: nn.Module) -> Tuple[List[torch.Tensor], ...]:
+        """The tensors an update reads and writes, listed at the first update from ``model`` (a training step walks
+        neither model)."""
+        if self._listed is None or self._listed[0]() is not model:
+            floating = [(e, p.detach()) for e, p in zip(self.module.parameters(), model.parameters())
+                        if e.dtype.is_floating_point]
+            self._listed = (weakref.ref(model), ([e for e, _ in floating], [p for _, p in floating],
+                                                 list(self.module.buffers()), list(model.buffers())))
+        return self._listed[1]
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        return self.module.state_dict()
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        self.module.load_state_dict(state)
+
+
+# -- The GPU settings of a fit -----------------------------------------------------------------------------------------
+# The anchors' GPU settings, as options with the anchors' defaults, and what a run used of them.
+#
+# - ``trainer.tf32`` (on, as DiT's train.py sets ``allow_tf32`` for matmuls and cuDNN): fp32 matmuls and convolutions
+# run on TF32 tensor cores. CUDA only: on the CPU it would let oneDNN change what fp32 matmuls compute, for no TF32
+# gain. - cuDNN benchmarking (on, as in timm's train.py) unless ``trainer.deterministic``: cuDNN times its kernels for
+# each new shape and keeps the fastest (TransNeXt's depthwise convolutions otherwise take whatever its heuristic picks).
+# - Fused AdamW where torch has a fused kernel for the device (CUDA, CPU; foreach elsewhere): one kernel for the whole
+# update, and it takes the skip decision of a non-finite step on the device (``found_inf``), so the host never reads it.
+# - ``trainer.grad_checkpointing``: the model's ``set_grad_checkpointing`` (set by ``fit_setup.build_parts``).
+#
+# Process-wide flags are restored after a fit; ``summary.json`` records what the run used (:func:`device_settings`).
+FUSED_OPTIMIZER_DEVICES = ("cuda", "cpu")  # where torch's AdamW has a fused kernel that takes found_inf
+
+_FLAGS = ((torch.backends.cuda.matmul, "allow_tf32"), (torch.backends.cudnn, "allow_tf32"),
+          (torch.backends.cudnn, "benchmark"))
+
+
+@contextlib.contextmanager
+def device_settings(tf32: bool, deterministic: bool, device: torch.device) -> Iterator[Dict[str, bool]]:
+    """While entered: TF32 (``tf32``) and cuDNN benchmarking (unless ``deterministic``) on a CUDA ``device``.
+    Yields the settings in effect (``tf32``, ``cudnn_benchmark``: false on other devices)."""
+    previous = [getattr(owner, name) for owner, name in _FLAGS]
+    on_cuda = device.type == "cuda"
+    if on_cuda:
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = bool(tf32)
+        torch.backends.cudnn.benchmark = not deterministic
+    try:
+        yield {"tf32": on_cuda and bool(tf32), "cudnn_benchmark": on_cuda and not deterministic}
+    finally:
+        for (owner, name), value in zip(_FLAGS, previous):
+            setattr(owner, name, value)
+
+
+def optimizer_kernel(device: torch.device) -> Dict[str, bool]:
+    """The optimizer's implementation keyword for ``device``: ``fused`` where torch has the kernel, else ``foreach``."""
+    return {"fused": True} if device.type in FUSED_OPTIMIZER_DEVICES else {"foreach": True}
+
+
+def optimizer_kernel_of(optimizer: torch.optim.Optimizer) -> str:
+    """``fused``, ``foreach`` or ``for-loop``: how ``optimizer`` runs its update (summary.json's ``optimizer_impl``)."""
+    defaults: Dict[str, Any] = optimizer.defaults
+    return "fused" if defaults.get("fused") else "foreach" if defaults.get("foreach") else "for-loop"

@@ -33,7 +33,7 @@ import torch
 from moh_vision.checkpoints import atomic_write
 from moh_vision.config import build_data, group_name
 from moh_vision.errors import ConfigError
-from .device_settings import device_settings
+from .fit_setup import device_settings
 from .distributed import barrier, cleanup, init_distributed
 from .loggers import write_json
 from .run import rebuild_run, shared_output_dir, weights_of

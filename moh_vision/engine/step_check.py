@@ -26,9 +26,7 @@ import torch
 from moh_vision.config import build_task, compose
 from moh_vision.ops import Kernels, resolved
 from moh_vision.ops.dispatch import RUNS, first_line
-from .device_settings import optimizer_kernel
-from .ema import EMA
-from .fit_setup import amp_context
+from .fit_setup import EMA, amp_context, optimizer_kernel
 from .optim import build_optimizer
 from .step_on_device import gradient_norm, step_unless, takes_found_inf
 

@@ -29,12 +29,10 @@ from moh_vision.tasks.protocols import Data, EpochContext, Task
 from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, write_routing_artifacts
 from .checkpoint_history import CheckpointHistory, numbered_name
 from .costs import RunCosts, StepClock, reset_peak_memory
-from .device_settings import device_settings, optimizer_kernel_of
-from .distributed import DistInfo, broadcast_object, reduce_sums
-from .fit_setup import (FitParts, build_parts, first_readable_batch, flops_text, seed_everything, show_progress,
-                        uses_cuda_graphs)
+from .fit_setup import (FitParts, build_parts, device_settings, first_readable_batch, flops_text, optimizer_kernel_of,
+                        seed_everything, show_progress, uses_cuda_graphs)
+from .distributed import DistInfo, Preempted, StopSignals, broadcast_object, reduce_sums, slurm_torchrun_warning
 from .loggers import Loggers, write_json
-from .preemption import Preempted, StopSignals, slurm_torchrun_warning
 from .profiling import StepProfiler, parse_steps
 from .rng_state import capture_rng, restore_rng
 from .run_dir import config_changes, record_config
