@@ -24,12 +24,13 @@ from moh_vision import checkpoints as ckpt_io
 from moh_vision.attention import optimizer_step_hooks
 from moh_vision.errors import ConfigError, RunError
 from moh_vision.ops import Kernels, resolved
-from moh_vision.tasks.protocols import Data, EpochContext, Task
+from moh_vision.tasks.protocols import Data, EpochContext, StepContext, Task
 from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, write_routing_artifacts
 from .checkpoint_history import CheckpointHistory
 from .costs import RunCosts, StepClock, reset_peak_memory
 from .device_settings import device_settings, optimizer_kernel_of
 from .distributed import DistInfo, broadcast_object, reduce_sums
+from .rank_sampling import sample_images
 from .fit_setup import (FitParts, build_parts, first_readable_batch, flops_text, seed_everything, show_progress,
                         uses_cuda_graphs)
 from .loggers import Loggers, write_json
@@ -114,6 +115,8 @@ class Trainer:
         self.step_hooks: List[Callable[[], None]] = []  # the layers' after_optimizer_step, found once per fit
         self.params: List[nn.Parameter] = []  # the model's parameters, listed once per fit
         self.filler: Any = None  # the last batch with images (what an all-unreadable batch's zero step runs)
+        self.step_work: Optional[Callable[[StepContext], Dict[str, float]]] = None  # the task's step_hook(), per fit
+        self.step_metrics: List[Dict[str, Any]] = []  # what step_work returned, with its step (saved in checkpoints)
 
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self, task: Task, data: Data) -> Dict[str, Any]:
@@ -124,6 +127,8 @@ class Trainer:
 
     def _fit(self, task: Task, data: Data) -> Dict[str, Any]:
         seed_everything(self.seed + self.dist.rank, self.cfg.deterministic, self.device)
+        hook = getattr(task, "step_hook", None)  # optional (protocols.OPTIONAL_TASK_MEMBERS); checks its inputs now
+        self.step_work = hook() if hook is not None else None
         parts = self.parts = build_parts(self.cfg, self.optim_cfg, self.sched_cfg, self.dist, self.seed, task, data)
         self.step_hooks = optimizer_step_hooks(parts.model)  # found once: no walk of the model in a step
         self.params = list(parts.model.parameters())
@@ -221,6 +226,8 @@ class Trainer:
             numbered = self.history.due_after_step(self.step)
             if numbered or (self.cfg.ckpt_every_steps and self.step % self.cfg.ckpt_every_steps == 0):
                 self.save(numbered=numbered)
+            if self._after_step(numbered):
+                clock.restart()  # the task's work (FID) is not the next step's time
             if self.signals.agreed():
                 self.save()
                 self.signals.hand_over()
@@ -360,9 +367,33 @@ class Trainer:
         self.epoch += 1
         self.batch_in_epoch = 0
         self.meters = EpochMeters()
-        self.save(numbered=self.history.due_after_epoch(self.epoch))
+        numbered = self.history.due_after_epoch(self.epoch)
+        self.save(numbered=numbered)
+        self._after_step(numbered)
         if improved:
             self.save("best.pt")
+
+    def _after_step(self, numbered: bool) -> bool:
+        """The task's work between steps (``step_hook``; every rank): its metrics logged with the step and kept for
+        summary.json. True when it returned any."""
+        if self.step_work is None:
+            return False
+        parts = self.parts
+        metrics = self.step_work(StepContext(
+            step=self.step, epoch=self.epoch, numbered=numbered, is_main=self.dist.is_main,
+            world_size=self.dist.world_size, device=self.device, out_dir=self.out_dir,
+            model_for_eval=parts.ema.module if parts.ema is not None else parts.model,
+            progress=self.dist.is_main and show_progress(self.cfg.progress),
+            sample_images=functools.partial(sample_images, device=self.device, dist=self.dist),
+            share=functools.partial(broadcast_object, info=self.dist)))
+        if not metrics:
+            return False
+        parts.train_model.train()  # the work may have put the trained model in eval mode
+        self.step_metrics = [row for row in self.step_metrics if row["step"] != self.step]
+        self.step_metrics.append({"step": self.step, **metrics})
+        if self.dist.is_main:
+            self.loggers.log_epoch({**metrics, "epoch": self.epoch}, step=self.step)
+        return True
 
     def _epoch_context(self, last_epoch: bool) -> EpochContext:
         parts = self.parts
@@ -422,7 +453,7 @@ class Trainer:
             "best": dict(self.best), "counters": dict(self.counters),
             "skipped_files": self.skipped.state_dict(),
             "throughput": self.throughput.state_dict(),
-            "meters": meters,
+            "meters": meters, "step_metrics": [dict(row) for row in self.step_metrics],
             "config": self.config, "model_name": parts.model_name,
             "wandb_run_id": self.loggers.run_id,
         }
@@ -456,6 +487,7 @@ class Trainer:
         self.skipped.load_state_dict(state.get("skipped_files") or {})
         self.throughput.load_state_dict(state.get("throughput") or {})
         self.steps_at_start = self.step
+        self.step_metrics = [dict(row) for row in state.get("step_metrics") or [] if row["step"] <= self.step]
         self.meters = EpochMeters(self._own(state.get("meters")))
         rng = state["rng"]
         if isinstance(rng, list):
@@ -529,6 +561,10 @@ class Trainer:
                     and not isinstance(value, (list, dict)):
                 summary[key] = value
         summary.update({k: v for k, v in self.start_row.items() if not isinstance(v, (list, dict))})
+        if self.step_metrics:  # the task's step work (FID during training): every evaluation, and the last one's
+            summary["step_metrics"] = [dict(row) for row in self.step_metrics]
+            summary.update({k: v for k, v in self.step_metrics[-1].items() if k != "step"})
+            summary["step_metrics_step"] = self.step_metrics[-1]["step"]
         if self.best:
             summary[f"best/{self.best['metric']}"] = self.best["value"]
             summary["best/epoch"] = self.best["epoch"]
