@@ -164,3 +164,16 @@ def test_the_training_grids_sample_with_the_configured_sampler(checkpoint, tmp_p
     task.on_epoch_end(ctx)
     assert images and images[0].exists()
     assert solver_calls == [{"steps": 2, "num_timesteps": 1000, "batch": 6}]
+
+
+def test_compare_samplers_times_and_scores_each_arm_against_the_first(checkpoint, tmp_path):  # noqa: F811
+    out = tmp_path / "samplers.json"
+    record = load_tool("compare_samplers").main([f"ckpt={checkpoint}", "arms=ddpm:4,dpm++:2", "per_class=1",
+                                                 f"out={out}"])
+    assert json.loads(out.read_text())["arms"] == ["ddpm:4", "dpm++:2"]
+    assert [(r["sampler"], r["model_calls"]) for r in record["results"]] == [("ddpm", 4), ("dpm++", 2)]
+    (versus,) = record["vs_reference"]["dpm++:2"]
+    assert versus["step_ratio"] == 2 and versus["speedup"] > 0
+    first, second = record["results"]
+    assert versus["class_acc_diff"] == pytest.approx(second["sample/class_acc"] - first["sample/class_acc"])
+    assert versus["within_tolerance"] == (abs(versus["class_acc_diff"]) <= 3 and abs(versus["fd_digits_diff"]) <= 3)

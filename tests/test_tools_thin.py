@@ -27,8 +27,8 @@ FORBIDDEN = {
 
 def test_every_tool_is_listed():
     assert TOOLS == ["analyze_routing", "bench_backbones", "bench_data", "bench_index", "bench_kernels", "bench_models",
-                     "convert_checkpoint", "convert_dense_to_moh", "evaluate_samples", "extract_latents", "flops",
-                     "sample", "sweep_report"]
+                     "compare_samplers", "convert_checkpoint", "convert_dense_to_moh", "evaluate_samples",
+                     "extract_latents", "flops", "sample", "sweep_report"]
 
 
 @pytest.mark.parametrize("name", TOOLS)
