@@ -30,12 +30,12 @@ from .checkpoint_history import CheckpointHistory
 from .costs import RunCosts, StepClock, reset_peak_memory
 from .device_settings import device_settings, optimizer_kernel_of
 from .distributed import DistInfo, broadcast_object, reduce_sums
-from .rank_sampling import sample_images
 from .fit_setup import (FitParts, build_parts, first_readable_batch, flops_text, seed_everything, show_progress,
                         uses_cuda_graphs)
 from .loggers import Loggers, write_json
 from .preemption import Preempted, StopSignals, slurm_torchrun_warning
 from .profiling import StepProfiler, parse_steps
+from .rank_sampling import sample_images
 from .rng_state import capture_rng, restore_rng
 from .run_dir import config_changes, record_config
 from .step_on_device import PendingSteps, SettledStep, gradient_norm, loss_for_backward, step_unless, takes_found_inf
@@ -224,10 +224,10 @@ class Trainer:
                     self._log_window(self.window, bar)
                     self.window = StepWindow()
             numbered = self.history.due_after_step(self.step)
+            if self._after_step(numbered):  # before the checkpoint, which then holds what it found
+                clock.restart()  # the task's work (FID) is not the next step's time
             if numbered or (self.cfg.ckpt_every_steps and self.step % self.cfg.ckpt_every_steps == 0):
                 self.save(numbered=numbered)
-            if self._after_step(numbered):
-                clock.restart()  # the task's work (FID) is not the next step's time
             if self.signals.agreed():
                 self.save()
                 self.signals.hand_over()
@@ -364,12 +364,12 @@ class Trainer:
                                                          and not k.startswith("routing/") and k not in costs))
             log.info("epoch %d time: %s", self.epoch, self.costs.text(costs, "epoch/"))
         improved = self._track_best(row)
+        numbered = self.history.due_after_epoch(self.epoch + 1)
+        self._after_step(numbered)  # the task's work at a numbered checkpoint, before it is written
         self.epoch += 1
         self.batch_in_epoch = 0
         self.meters = EpochMeters()
-        numbered = self.history.due_after_epoch(self.epoch)
         self.save(numbered=numbered)
-        self._after_step(numbered)
         if improved:
             self.save("best.pt")
 

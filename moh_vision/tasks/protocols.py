@@ -76,8 +76,8 @@ class EpochContext:
 class StepContext:
     """What a task's work between optimizer steps may use (the function its optional ``step_hook()`` returns).
 
-    Built by the trainer on every rank after a step's checkpoints (``numbered``: ``checkpoints/step_<step>.pt`` was
-    written at this step), and once more after an epoch's. ``model_for_eval`` as in ``EpochContext`` (the trainer puts
+    Built by the trainer on every rank after each optimizer step and after each epoch's validation, before the
+    checkpoints of that moment (``numbered``: ``checkpoints/step_<step>.pt`` is written now). ``model_for_eval`` as in ``EpochContext`` (the trainer puts
     the model back in training mode afterwards). ``sample_images(task, model, mode, num_samples, num_classes, seed,
     parts, progress=...)``: every rank samples its share as ``tools/sample.py`` does (DiT's per-rank seeding); rank 0
     gets ``(uint8 NHWC images, labels)`` in output order, the others None. ``share(value)``: rank 0's value, on every
