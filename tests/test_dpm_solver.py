@@ -98,7 +98,8 @@ def test_only_the_epsilon_channels_of_a_learned_variance_model_are_read():
 
 
 def test_guidance_moves_the_samples_as_classifier_free_guidance_does():
-    """Class c's data N(m_c, s^2), the null class's N(m_u, s^2): guided eps is the eps of N(m_u + w (m_c - m_u), s^2)."""
+    """Class c's data N(m_c, s^2), the null class's N(m_u, s^2): the guided eps is the eps of N(m_u + w (m_c - m_u),
+    s^2)."""
     means, std, null = {0: 0.6, 1: -0.4}, 0.8, 2
     uncond = 0.0
 

@@ -1,4 +1,4 @@
-"""Samplers side by side on one digits checkpoint: quality (the digits proxies) and time (``tools/compare_samplers.py``).
+"""Samplers side by side on a digits checkpoint: quality (the digits proxies) and time (``tools/compare_samplers.py``).
 
 Every arm (``sampler:steps``, e.g. ``ddpm:250`` and ``dpm++:25``) samples the same balanced labels (``per_class`` of
 each class) from the same starting noise x_T (one batch, one seeded stream per arm), in one process, one after the

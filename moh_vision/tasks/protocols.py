@@ -77,11 +77,11 @@ class StepContext:
     """What a task's work between optimizer steps may use (the function its optional ``step_hook()`` returns).
 
     Built by the trainer on every rank after each optimizer step and after each epoch's validation, before the
-    checkpoints of that moment (``numbered``: ``checkpoints/step_<step>.pt`` is written now). ``model_for_eval`` as in ``EpochContext`` (the trainer puts
-    the model back in training mode afterwards). ``sample_images(task, model, mode, num_samples, num_classes, seed,
-    parts, progress=...)``: every rank samples its share as ``tools/sample.py`` does (DiT's per-rank seeding); rank 0
-    gets ``(uint8 NHWC images, labels)`` in output order, the others None. ``share(value)``: rank 0's value, on every
-    rank. ``progress``: whether the run shows progress bars."""
+    checkpoints of that moment (``numbered``: ``checkpoints/step_<step>.pt`` is written now). ``model_for_eval`` as in
+    ``EpochContext`` (the trainer puts the model back in training mode afterwards). ``sample_images(task, model, mode,
+    num_samples, num_classes, seed, parts, progress=...)``: every rank samples its share as ``tools/sample.py`` does
+    (DiT's per-rank seeding); rank 0 gets ``(uint8 NHWC images, labels)`` in output order, the others None.
+    ``share(value)``: rank 0's value, on every rank. ``progress``: whether the run shows progress bars."""
     step: int
     epoch: int
     numbered: bool
