@@ -328,8 +328,8 @@ class ClassificationTask:
 @dataclass
 class SampleConfig:
     every_epochs: int = option(20, at_least=0, help="a labelled grid every N epochs (0: only the final one)")
-    steps: str = option("ddim50", help="respaced steps: '250' (DDPM) or 'ddim50'")
-    sampler: str = option("ddim", choices=("ddpm", "ddim"))
+    steps: str = option("ddim50", help="respaced steps: '250' (DDPM) or 'ddim50'; sampler=dpm++: solver steps, '25'")
+    sampler: str = option("ddim", choices=("ddpm", "ddim", "dpm++"))
     cfg_scale: float = option(2.0, at_least=1.0)
     guidance_channels: Optional[int] = option(None, at_least=1, help="null: guide every channel; 3: DiT's")
     per_class: int = option(8, at_least=0, help="grid columns (0: no grid)")
@@ -339,6 +339,16 @@ class SampleConfig:
     seed: int = option(0, at_least=0)
     batch_size: int = option(250, at_least=1)
     decode_batch_size: int = option(32, at_least=1)
+    # FID (sFID, IS, precision, recall) during training, of the EMA weights (the model's without EMA)
+    fid_every_steps: int = option(0, at_least=0, help="FID every N optimizer steps (0: off)")
+    fid_at_checkpoints: bool = option(False, help="FID at every numbered checkpoint (trainer.ckpt_history_every_*)")
+    fid_samples: int = option(10000, at_least=1, help="samples per FID, shared by the ranks (10000: DiT's ablations)")
+    fid_ref: Optional[str] = option(None, help="ADM reference batch .npz (or folder of real images) to compare with")
+    inception_weights: Optional[str] = option(None, help="local torch-fidelity Inception weights file for the FID")
+    fid_sampler: str = option("dpm++", choices=("ddpm", "ddim", "dpm++"))
+    fid_steps: str = option("25", help="the FID sampler's steps (dpm++: solver steps; ddpm/ddim: respacing)")
+    fid_cfg_scale: Optional[float] = option(None, at_least=1.0, help="null: cfg_scale")
+    fid_metrics_batch_size: int = option(64, at_least=1, help="images per Inception call")
 
 
 @dataclass

@@ -30,8 +30,8 @@ FORBIDDEN = {
 
 
 def test_every_tool_is_listed():
-    assert TOOLS == ["analyze_routing", "convert_checkpoint", "convert_dense_to_moh", "evaluate_samples",
-                     "extract_latents", "flops", "sample", "sweep_report"]
+    assert TOOLS == ["analyze_routing", "compare_samplers", "convert_checkpoint", "convert_dense_to_moh",
+                     "evaluate_samples", "extract_latents", "flops", "sample", "sweep_report"]
     assert BENCHMARKS == ["bench_backbones", "bench_checkpoint", "bench_data", "bench_index", "bench_kernels",
                           "bench_models"]
 

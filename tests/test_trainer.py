@@ -165,7 +165,7 @@ def test_fit_writes_summary_checkpoint_and_gives_tasks_an_epoch_context(tmp_path
     state = torch.load(tmp_path / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)
     assert set(state) == {"format", "model", "optimizer", "scaler", "step", "epoch", "batch_in_epoch", "rng",
                           "world_size", "best", "counters", "skipped_files", "throughput", "meters", "config",
-                          "model_name", "wandb_run_id", "model_ema", "ema_updates"}
+                          "model_name", "wandb_run_id", "model_ema", "ema_updates", "step_metrics"}
     assert state["step"] == summary["steps"] and state["epoch"] == 2 and state["batch_in_epoch"] == 0
     assert state["ema_updates"] == summary["steps"]
     assert set(state["throughput"]) == {"time", "samples", "steps", "data_wait", "warmup_time", "warmup_samples",

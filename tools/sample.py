@@ -4,6 +4,7 @@
     python tools/sample.py ckpt=outputs/train/.../checkpoints/last.pt per_class=8
     torchrun --nproc_per_node=8 tools/sample.py ckpt=last.pt num_samples=50000 cfg_scale=1.5 steps=250 \\
         guidance_channels=3 out=samples/xl_90 [fid_ref=VIRTUAL_imagenet256_labeled.npz inception_weights=...]
+    python tools/sample.py ckpt=last.pt num_samples=10000 sampler=dpm++ steps=25    # DPM-Solver++, 10x fewer steps
 
 Seeds and labels as DiT's sample_ddp.py: rank r of W draws its labels (uniform) and noise from one stream seeded
 seed * W + r, so the samples of a seed depend on the number of ranks and the batch size (per_class= or
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Sequence
 
 from moh_vision.cli import Option, boolean, integer, number, run_tool, yaml_value
+from moh_vision.diffusion.samplers import SAMPLERS
 from moh_vision.engine.sampling import sample
 
 KEEP = "(default: the checkpoint's task.sample setting)"
@@ -34,8 +36,8 @@ OPTIONS = (
     Option("seed", 0, integer, "rank r of W draws from one stream seeded seed * W + r (DiT's sample_ddp.py)"),
     Option("batch_size", type=integer, minimum=1, help=f"samples per model call and rank {KEEP}"),
     Option("decode_batch_size", 32, integer, "latents per VAE decoder call", minimum=1),
-    Option("steps", type=yaml_value, help=f"respaced steps: 250, ddim50, ... {KEEP}"),
-    Option("sampler", choices=("ddpm", "ddim"), help=KEEP),
+    Option("steps", type=yaml_value, help=f"respaced steps: 250, ddim50, ...; sampler=dpm++: solver steps, 25 {KEEP}"),
+    Option("sampler", choices=SAMPLERS, help=f"ddpm | ddim | dpm++ (DPM-Solver++, diffusers' multistep) {KEEP}"),
     Option("cfg_scale", type=number, minimum=1, help=f"classifier-free guidance scale; 1 = no guidance {KEEP}"),
     Option("guidance_channels", help=f"3: guide the first 3 latent channels (DiT's sample.py) | all {KEEP}"),
     Option("clip_denoised", type=boolean, help=f"pixel space: true; latents: false {KEEP}"),

@@ -35,6 +35,7 @@ DEFINITIONS = {
     "precision": "share of samples inside the reference images' k=3 nearest-neighbour manifold (pool_3)",
     "recall": "share of reference images inside the samples' k=3 nearest-neighbour manifold (pool_3)",
 }
+ADM_METRICS = tuple(DEFINITIONS)  # the five numbers, in ADM's order
 
 
 # -- Image sources: batches of uint8 NHWC images -----------------------------------------------------------------------
@@ -161,14 +162,25 @@ def check_evaluation_inputs(ref: Union[str, Path], weights: Union[str, Path], re
 
 
 @full_float32()
-def evaluate_images(samples, reference: Reference, inception: InceptionActivations, batch_size: int = 64,
-                    progress: bool = True) -> Dict[str, Any]:
-    """ADM's five numbers of the sample images against the reference, and where each reference statistic came from."""
+def reference_activations(reference: Reference, inception: InceptionActivations, batch_size: int = 64,
+                          progress: bool = True) -> Dict[str, np.ndarray]:
+    """The reference images' pool and spatial activations with its stored statistics: what :func:`evaluate_images`
+    compares samples with (computed once and passed back in by who evaluates many times, as the FID in training)."""
     check_statistics_widths(reference.statistics, inception.widths())
-    fake = inception.of_batches(samples.batches(batch_size), samples.shape[0], "Inception: samples", progress)
     real = inception.of_batches(reference.images.batches(batch_size), reference.images.shape[0],
                                 "Inception: reference", progress)
-    real = {"pool": real["pool"], "spatial": real["spatial"], **reference.statistics}
+    return {"pool": real["pool"], "spatial": real["spatial"], **reference.statistics}
+
+
+@full_float32()
+def evaluate_images(samples, reference: Reference, inception: InceptionActivations, batch_size: int = 64,
+                    progress: bool = True, real: Optional[Dict[str, np.ndarray]] = None) -> Dict[str, Any]:
+    """ADM's five numbers of the sample images against the reference, and where each reference statistic came from;
+    ``real``: the reference's :func:`reference_activations`, when already computed."""
+    check_statistics_widths(reference.statistics, inception.widths())
+    fake = inception.of_batches(samples.batches(batch_size), samples.shape[0], "Inception: samples", progress)
+    if real is None:
+        real = reference_activations(reference, inception, batch_size, progress)
     metrics = adm_metrics(fake, real, device=inception.device)
     sources = {name: f"stored {mean}/{cov}" if mean in reference.statistics else "reference images"
                for name, (_, mean, cov) in FRECHET_INPUTS.items()}

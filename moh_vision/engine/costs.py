@@ -87,6 +87,10 @@ class StepClock:
             yield batch
             start = time.perf_counter()
 
+    def restart(self) -> None:
+        """The next lap starts now: time spent between steps on other work (the task's FID) is no step's."""
+        self.last, self.waited = time.perf_counter(), 0.0
+
     def lap(self, sync: bool = False) -> Tuple[float, float]:
         """``(seconds, data wait)`` since the previous lap; ``sync``: wait for the device first (a window's end)."""
         if sync and self.device.type == "cuda":

@@ -25,7 +25,7 @@ from moh_vision.attention import optimizer_step_hooks
 from moh_vision.errors import ConfigError, RunError
 from moh_vision.ops import Kernels, resolved
 from moh_vision.ops.dispatch import RUNS
-from moh_vision.tasks.protocols import Data, EpochContext, Task
+from moh_vision.tasks.protocols import Data, EpochContext, StepContext, Task
 from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, write_routing_artifacts
 from .checkpoint_history import CheckpointHistory, numbered_name
 from .costs import RunCosts, StepClock, reset_peak_memory
@@ -34,6 +34,7 @@ from .fit_setup import (FitParts, build_parts, device_settings, first_readable_b
 from .distributed import DistInfo, Preempted, StopSignals, broadcast_object, reduce_sums, slurm_torchrun_warning
 from .loggers import Loggers, write_json
 from .profiling import StepProfiler, parse_steps
+from .rank_sampling import sample_images
 from .rng_state import capture_rng, restore_rng
 from .run_dir import config_changes, record_config
 from .step_on_device import PendingSteps, SettledStep, gradient_norm, loss_for_backward, step_unless, takes_found_inf
@@ -133,6 +134,8 @@ class Trainer:
         self.step_hooks: List[Callable[[], None]] = []  # the layers' after_optimizer_step, found once per fit
         self.params: List[nn.Parameter] = []  # the model's parameters, listed once per fit
         self.filler: Any = None  # the last batch with images (what an all-unreadable batch's zero step runs)
+        self.step_work: Optional[Callable[[StepContext], Dict[str, float]]] = None  # the task's step_hook(), per fit
+        self.step_metrics: List[Dict[str, Any]] = []  # what step_work returned, with its step (saved in checkpoints)
 
     # ---- the loop ----------------------------------------------------------------------------
     def fit(self, task: Task, data: Data) -> Dict[str, Any]:
@@ -144,6 +147,8 @@ class Trainer:
     def _fit(self, task: Task, data: Data) -> Dict[str, Any]:
         RUNS.reset()  # which kernels ran, and fell back, in this run (summary.json)
         seed_everything(self.seed + self.dist.rank, self.cfg.deterministic, self.device)
+        hook = getattr(task, "step_hook", None)  # optional (protocols.OPTIONAL_TASK_MEMBERS); checks its inputs now
+        self.step_work = hook() if hook is not None else None
         parts = self.parts = build_parts(self.cfg, self.optim_cfg, self.sched_cfg, self.dist, self.seed, task, data)
         self.step_hooks = optimizer_step_hooks(parts.model)  # found once: no walk of the model in a step
         self.params = list(parts.model.parameters())
@@ -248,6 +253,8 @@ class Trainer:
                     self._log_window(self.window, bar)
                     self.window = StepWindow()
             numbered = self.history.due_after_step(self.step)
+            if self._after_step(numbered):  # before the checkpoint, which then holds what it found
+                clock.restart()  # the task's work (FID) is not the next step's time
             if numbered or (self.cfg.ckpt_every_steps and self.step % self.cfg.ckpt_every_steps == 0):
                 self.save(numbered=numbered)
             if self.signals.agreed():
@@ -387,10 +394,34 @@ class Trainer:
                                                          and not k.startswith("routing/") and k not in costs))
             log.info("epoch %d time: %s", self.epoch, self.costs.text(costs, "epoch/"))
         improved = self._track_best(row)
+        numbered = self.history.due_after_epoch(self.epoch + 1)
+        self._after_step(numbered)  # the task's work at a numbered checkpoint, before it is written
         self.epoch += 1
         self.batch_in_epoch = 0
         self.meters = EpochMeters()
-        self.save(numbered=self.history.due_after_epoch(self.epoch), best=improved)
+        self.save(numbered=numbered, best=improved)
+
+    def _after_step(self, numbered: bool) -> bool:
+        """The task's work between steps (``step_hook``; every rank): its metrics logged with the step and kept for
+        summary.json. True when it returned any."""
+        if self.step_work is None:
+            return False
+        parts = self.parts
+        metrics = self.step_work(StepContext(
+            step=self.step, epoch=self.epoch, numbered=numbered, is_main=self.dist.is_main,
+            world_size=self.dist.world_size, device=self.device, out_dir=self.out_dir,
+            model_for_eval=parts.ema.module if parts.ema is not None else parts.model,
+            progress=self.dist.is_main and show_progress(self.cfg.progress),
+            sample_images=functools.partial(sample_images, device=self.device, dist=self.dist),
+            share=functools.partial(broadcast_object, info=self.dist)))
+        if not metrics:
+            return False
+        parts.train_model.train()  # the work may have put the trained model in eval mode
+        self.step_metrics = [row for row in self.step_metrics if row["step"] != self.step]
+        self.step_metrics.append({"step": self.step, **metrics})
+        if self.dist.is_main:
+            self.loggers.log_epoch({**metrics, "epoch": self.epoch}, step=self.step)
+        return True
 
     def _epoch_context(self, last_epoch: bool) -> EpochContext:
         parts = self.parts
@@ -474,7 +505,7 @@ class Trainer:
             "best": dict(self.best), "counters": dict(self.counters),
             "skipped_files": self.skipped.state_dict(),
             "throughput": self.throughput.state_dict(),
-            "meters": meters,
+            "meters": meters, "step_metrics": [dict(row) for row in self.step_metrics],
             "config": self.config, "model_name": parts.model_name,
             "wandb_run_id": self.loggers.run_id,
         }
@@ -511,6 +542,7 @@ class Trainer:
         self.skipped.load_state_dict(state.get("skipped_files") or {})
         self.throughput.load_state_dict(state.get("throughput") or {})
         self.steps_at_start = self.step
+        self.step_metrics = [dict(row) for row in state.get("step_metrics") or [] if row["step"] <= self.step]
         self.meters = EpochMeters(self._own(state.get("meters")))
         rng = state["rng"]
         if isinstance(rng, list):
@@ -584,6 +616,10 @@ class Trainer:
                     and not isinstance(value, (list, dict)):
                 summary[key] = value
         summary.update({k: v for k, v in self.start_row.items() if not isinstance(v, (list, dict))})
+        if self.step_metrics:  # the task's step work (FID during training): every evaluation, and the last one's
+            summary["step_metrics"] = [dict(row) for row in self.step_metrics]
+            summary.update({k: v for k, v in self.step_metrics[-1].items() if k != "step"})
+            summary["step_metrics_step"] = self.step_metrics[-1]["step"]
         if self.best:
             summary[f"best/{self.best['metric']}"] = self.best["value"]
             summary["best/epoch"] = self.best["epoch"]

@@ -12,6 +12,7 @@ from torch import nn
 from moh_vision.attention import record_routing
 from moh_vision.config import SampleConfig, VaeConfig
 from moh_vision.diffusion import create_diffusion, guided_model_fn
+from moh_vision.diffusion.samplers import check_sampler, sample_with
 from moh_vision.errors import ConfigError
 from moh_vision.models import build_model, model_family
 from moh_vision.models.build import with_model_kwargs
@@ -34,7 +35,9 @@ class DiffusionTask:
     A ``Task`` (``moh_vision.tasks.protocols``): ``model`` is the model config (``name``, ``checkpoint_path``,
     ``init_from``, ``kwargs``), ``attention`` the attention config. ``sample`` controls the grids (rows = classes)
     written every ``every_epochs`` epochs and at the end, and the sample metrics (``sample/class_acc``,
-    ``sample/fd_digits``) on ``eval_per_class`` samples per class when the data declare ``digit_metrics``."""
+    ``sample/fd_digits``) on ``eval_per_class`` samples per class when the data declare ``digit_metrics``. ``sampler``
+    (``ddpm``, ``ddim``, ``dpm++``) and ``steps`` choose how (``moh_vision.diffusion.samplers``); ``fid_every_steps`` /
+    ``fid_at_checkpoints`` add ADM's FID during training (``step_hook``, ``moh_vision.tasks.diffusion_fid``)."""
     name = "diffusion"
     primary_metric, primary_mode = "val/loss", "min"
     # set from the data and the task's options, never by model.kwargs
@@ -56,6 +59,7 @@ class DiffusionTask:
         if unknown:
             raise ConfigError(f"task.sample got unknown option(s) {sorted(unknown)}; known: {sorted(DEFAULT_SAMPLE)}")
         self.sample_cfg = {**DEFAULT_SAMPLE, **dict(sample or {})}
+        check_sampler(self.sample_cfg["sampler"], self.sample_cfg["steps"], int(diffusion_steps))
         self.vae_cfg = {**DEFAULT_VAE, **dict(vae or {})}
         self._classifier = None
 
@@ -151,7 +155,6 @@ class DiffusionTask:
         """Class-conditional samples for ``labels`` (in data space, before any VAE decoding); every random draw comes
         from ``generator`` (on ``device``), else from one seeded with ``seed``."""
         cfg = self.sample_cfg
-        diffusion = create_diffusion(str(cfg["steps"]), **self.diffusion_args)
         fn = guided_model_fn(model, float(cfg["cfg_scale"]), self.null_class, cfg["guidance_channels"])
         clip = cfg["clip_denoised"]
         if clip is None:  # clip to [-1, 1] in pixel space, never for latents
@@ -162,9 +165,9 @@ class DiffusionTask:
         for chunk in labels.split(int(cfg["batch_size"])):
             chunk = chunk.to(device)
             noise = torch.randn((len(chunk), c, s, s), generator=g, device=device)
-            outs.append(diffusion.sample(fn, noise.shape, model_kwargs={"y": chunk}, sampler=cfg["sampler"],
-                                         noise=noise, clip_denoised=bool(clip), progress=progress,
-                                         device=device, generator=g))
+            outs.append(sample_with(cfg["sampler"], cfg["steps"], self.diffusion_args, fn, noise,
+                                    model_kwargs={"y": chunk}, clip_denoised=bool(clip), progress=progress,
+                                    generator=g))
         return torch.cat(outs)
 
     def on_epoch_end(self, ctx: EpochContext) -> Dict[str, float]:
@@ -187,6 +190,15 @@ class DiffusionTask:
             metrics = self.digits_metrics(model, device, ctx.out_dir)
             log.info("sample metrics: %s", ", ".join(f"{k}={v:.4g}" for k, v in metrics.items()))
         return metrics
+
+    def step_hook(self):
+        """FID during training (``task.sample.fid_every_steps``, ``fid_at_checkpoints``; :mod:`.diffusion_fid`): its
+        inputs checked now, before the first step; None when it is off."""
+        cfg = self.sample_cfg
+        if not (int(cfg["fid_every_steps"] or 0) or cfg["fid_at_checkpoints"]):
+            return None
+        from .diffusion_fid import TrainingFid
+        return TrainingFid(self)
 
     @property
     def is_digits(self) -> bool:

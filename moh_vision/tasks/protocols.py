@@ -1,7 +1,8 @@
 """The trainer's two collaborators, written down: a ``Task`` and a ``Data`` object.
 
 The trainer (``moh_vision.engine.trainer``) never asks what concrete class it was given: it calls the members below and
-nothing else. A task never sees the trainer: its end-of-epoch work gets an ``EpochContext``, a frozen snapshot.
+nothing else (and the optional ``OPTIONAL_TASK_MEMBERS``). A task never sees the trainer: its end-of-epoch work gets an
+``EpochContext``, its work between steps a ``StepContext``, frozen snapshots.
 
 Data may declare optional capabilities (``DATA_CAPABILITIES``); read them with ``capability``, which supplies the
 documented default for data that do not declare one."""
@@ -71,6 +72,29 @@ class EpochContext:
     log_image: Callable[..., None]
 
 
+@dataclass(frozen=True)
+class StepContext:
+    """What a task's work between optimizer steps may use (the function its optional ``step_hook()`` returns).
+
+    Built by the trainer on every rank after each optimizer step and after each epoch's validation, before the
+    checkpoints of that moment (``numbered``: ``checkpoints/step_<step>.pt`` is written now). ``model_for_eval`` as in
+    ``EpochContext`` (the trainer puts the model back in training mode afterwards). ``sample_images(task, model, mode,
+    num_samples, num_classes, seed, parts, progress=...)``: every rank samples its share as ``tools/sample.py`` does
+    (DiT's per-rank seeding); rank 0 gets ``(uint8 NHWC images, labels)`` in output order, the others None.
+    ``share(value)``: rank 0's value, on every rank. ``progress``: whether the run shows progress bars."""
+    step: int
+    epoch: int
+    numbered: bool
+    is_main: bool
+    world_size: int
+    device: torch.device
+    out_dir: Path
+    model_for_eval: nn.Module
+    progress: bool
+    sample_images: Callable[..., Any]
+    share: Callable[[Any], Any]
+
+
 @runtime_checkable
 class Task(Protocol):
     """What turns batches into losses and a model into metrics.
@@ -108,3 +132,11 @@ class Task(Protocol):
 
     def on_epoch_end(self, ctx: EpochContext) -> Dict[str, float]:
         """Work after validation (sample grids, sample metrics): metrics to add to the epoch row."""
+
+
+# Optional members of a task, which the trainer looks for and does without:
+#   step_hook() -> Optional[Callable[[StepContext], Dict[str, float]]]: called once on every rank before the first step
+#   (the place to check what the work needs, with a one-line error); the function it returns (None: no work between
+#   steps) runs on every rank after each optimizer step and returns metrics ({} most steps), which the trainer logs
+#   with the step to metrics.csv and wandb and keeps for summary.json (the diffusion task's FID during training).
+OPTIONAL_TASK_MEMBERS = ("step_hook",)
