@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from helpers import FAST_TRAIN, REPO, load_tool, read_summary, run_entry
-from moh_vision.engine.costs import MEASURED
+from moh_vision.engine.bookkeeping import MEASURED
 
 COPY = "zz_test_moh_copy"  # discovered like any module of the package
 RATIO = 0.5

@@ -9,7 +9,7 @@ from helpers import trainer_config
 from moh_vision.analysis.device_peaks import (PRECISIONS, match_device, peak_tflops, run_precision,
                                               training_gflops_per_image)
 from moh_vision.data.digits import DigitsData
-from moh_vision.engine.costs import RunCosts, StepClock, StepTimes, peak_memory_mb
+from moh_vision.engine.bookkeeping import RunCosts, StepClock, StepTimes, peak_memory_mb
 from moh_vision.engine.distributed import DistInfo
 from moh_vision.engine.fit_setup import build_loaders
 

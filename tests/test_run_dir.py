@@ -22,7 +22,7 @@ from helpers import ATTENTION_PRESET, model_config, trainer_config
 from step_waits import counting_trainer, waits_outside
 from moh_vision import checkpoints as ckpt_io
 from moh_vision.config import ConstantSched, OptimConfig
-from moh_vision.engine.costs import MEASURED
+from moh_vision.engine.bookkeeping import MEASURED
 from moh_vision.engine.distributed import DistInfo
 from moh_vision.engine.loggers import Loggers
 from moh_vision.engine.trainer import Preempted, Trainer

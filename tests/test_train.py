@@ -253,7 +253,7 @@ def test_cuda_graphs_are_marked_only_where_compiled_graphs_replay():
 def test_images_per_sec_leaves_out_compilation(tmp_path, monkeypatch):
     from types import SimpleNamespace
 
-    from moh_vision.engine import costs, fit_setup
+    from moh_vision.engine import bookkeeping as costs, fit_setup
     from moh_vision.engine import trainer as trainer_module
 
     class Clock:  # every reading advances 1 ms: the result does not depend on how busy the machine is

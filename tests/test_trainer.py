@@ -14,7 +14,7 @@ from helpers import ATTENTION_PRESET, model_config, read_summary, trainer_config
 from moh_vision.config import ConstantSched, OptimConfig
 from moh_vision.data.digits import DigitsData
 from moh_vision.data.sampler import EpochSampler, SeededItems
-from moh_vision.engine import bookkeeping, costs, distributed, fit_setup, step_on_device, trainer as trainer_module
+from moh_vision.engine import bookkeeping, distributed, fit_setup, step_on_device, trainer as trainer_module
 from moh_vision.engine.distributed import DistInfo
 from moh_vision.engine.loggers import Loggers
 from moh_vision.tasks.protocols import DATA_CAPABILITIES, Data, EpochContext, Task, capability
@@ -22,7 +22,7 @@ from moh_vision.engine.trainer import Trainer
 from moh_vision.tasks.classification import ClassificationTask
 from moh_vision.tasks.diffusion import DiffusionTask
 
-ENGINE_MODULES = (trainer_module, bookkeeping, costs, distributed, fit_setup, step_on_device)
+ENGINE_MODULES = (trainer_module, bookkeeping, distributed, fit_setup, step_on_device)
 
 
 def _self_assignments(function: ast.AST):

@@ -13,10 +13,12 @@ import functools
 import json
 import logging
 import math
+import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -26,16 +28,16 @@ from moh_vision.errors import ConfigError, RunError
 from moh_vision.ops import Kernels, resolved
 from moh_vision.ops.dispatch import RUNS
 from moh_vision.tasks.protocols import Data, EpochContext, StepContext, Task
-from .bookkeeping import EpochMeters, SkippedFiles, StepWindow, Throughput, write_routing_artifacts
+
+from .bookkeeping import (EpochMeters, RunCosts, SkippedFiles, StepClock, StepWindow, Throughput, reset_peak_memory,
+                          write_routing_artifacts)
 from .checkpoint_history import CheckpointHistory, numbered_name
-from .costs import RunCosts, StepClock, reset_peak_memory
+from .distributed import DistInfo, Preempted, StopSignals, broadcast_object, reduce_sums, slurm_torchrun_warning
 from .fit_setup import (FitParts, build_parts, device_settings, first_readable_batch, flops_text, optimizer_kernel_of,
                         seed_everything, show_progress, uses_cuda_graphs)
-from .distributed import DistInfo, Preempted, StopSignals, broadcast_object, reduce_sums, slurm_torchrun_warning
 from .loggers import Loggers, write_json
 from .profiling import StepProfiler, parse_steps
 from .rank_sampling import sample_images
-from .rng_state import capture_rng, restore_rng
 from .run_dir import config_changes, record_config
 from .step_on_device import PendingSteps, SettledStep, gradient_norm, loss_for_backward, step_unless, takes_found_inf
 
@@ -639,3 +641,35 @@ class Trainer:
                 if _missing(summary.get(key)) and not _missing(value):
                     summary[key] = value
         return summary
+
+
+# -- RNG state ---------------------------------------------------------------------------------------------------------
+# Random-number-generator states as plain data (saved in checkpoints so a resumed run continues bit-exactly).
+def capture_rng() -> Dict[str, Any]:
+    state = {"python": random.getstate(), "numpy": _numpy_state_to_plain(np.random.get_state()),
+             "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def restore_rng(state: Dict[str, Any]) -> None:
+    random.setstate(_to_tuple(state["python"]))
+    np.random.set_state(_numpy_state_from_plain(state["numpy"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _to_tuple(x):
+    return tuple(_to_tuple(v) for v in x) if isinstance(x, (list, tuple)) else x
+
+
+def _numpy_state_to_plain(st) -> Dict[str, Any]:
+    name, keys, pos, has_gauss, cached = st
+    return {"name": name, "keys": torch.from_numpy(keys.astype("int64")), "pos": int(pos),
+            "has_gauss": int(has_gauss), "cached": float(cached)}
+
+
+def _numpy_state_from_plain(d: Dict[str, Any]):
+    return (d["name"], d["keys"].numpy().astype(np.uint32), d["pos"], d["has_gauss"], d["cached"])
