@@ -28,6 +28,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 from omegaconf import MISSING, DictConfig, OmegaConf
 
 from moh_vision.cli import CONFIG_DIR, run_cli
+from moh_vision.checkpoints import run_name
 from moh_vision.errors import ConfigError, os_error_line
 
 
@@ -425,25 +426,6 @@ SCHEMAS = {"data": {"digits": DigitsData, "imagefolder": ImageFolderData, "laten
            "logger": {"csv": CsvLogger, "none": NoneLogger, "wandb": WandbLogger},
            "model": {"model": ModelConfig}, "optim": {"optim": OptimConfig}, "trainer": {"default": TrainerConfig},
            "kernels": {"default": KernelsConfig}}
-
-
-# -- A SLURM job's directory -------------------------------------------------------------------------------------------
-def slurm_job(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """This process's SLURM job as its requeues keep it: ``<job id>``, or ``<array job id>_<task id>`` for an array
-    task (``%A_%a`` in sbatch's file names); None outside SLURM."""
-    environ = os.environ if environ is None else environ
-    array, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    if array and task:
-        return f"{array}_{task}"
-    return environ.get("SLURM_JOB_ID") or None
-
-
-def run_name(job_name: str, default: str) -> str:
-    """The ``${run_name:}`` resolver of ``hydra.run.dir``: ``slurm-<job>`` for a ``train`` job inside SLURM, the same
-    after every requeue, so the requeued job resumes from its directory's last.pt; ``default`` (the date and time)
-    otherwise."""
-    job = slurm_job()
-    return f"slurm-{job}" if job and job_name == "train" else default
 
 
 def register_configs() -> None:

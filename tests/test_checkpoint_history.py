@@ -12,7 +12,7 @@ import torch
 
 from helpers import REPO, load_tool, read_summary
 from moh_vision import checkpoints as ckpt_io
-from moh_vision.engine.checkpoint_history import CheckpointHistory, numbered_checkpoints, to_prune
+from moh_vision.checkpoints import CheckpointHistory, numbered_checkpoints, to_prune
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

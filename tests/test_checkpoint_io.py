@@ -14,7 +14,7 @@ import torch
 
 from helpers import REPO, read_summary, run_entry
 from moh_vision import checkpoints as ckpt_io
-from moh_vision.engine.checkpoint_history import CheckpointHistory
+from moh_vision.checkpoints import CheckpointHistory
 from test_reliability import ENV, assert_same_run, wait_for_step
 
 pytestmark = pytest.mark.usefixtures("one_thread")

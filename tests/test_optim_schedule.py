@@ -179,7 +179,7 @@ def test_an_optimizer_state_of_an_earlier_release_loads():
 def test_a_run_saved_before_these_options_resumes_without_extend():
     """A checkpoint of an earlier release holds no optim.momentum / layer_decay / kwargs nor sched.cooldown_epochs:
     their defaults train as it did, so resuming it is no change; setting one is."""
-    from moh_vision.engine.run_dir import config_changes
+    from moh_vision.checkpoints import config_changes
 
     current = OmegaConf.to_container(compose("train", []), resolve=True)
     saved = OmegaConf.to_container(compose("train", []), resolve=True)

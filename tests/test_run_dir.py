@@ -276,7 +276,7 @@ def test_run_directory_that_is_a_file_is_one_error_line(tmp_path, train_in_proce
     path.write_text("a file")
     code, stderr = train_in_process(*RUN, f"hydra.run.dir={path}")
     assert code == 2 and stderr.strip().splitlines()[-1] == f"error: {path} is a file, not a directory", stderr[-2000:]
-    from moh_vision.engine.run_dir import RunLock
+    from moh_vision.checkpoints import RunLock
     with pytest.raises(ConfigError, match=r"cannot use the run directory .*: .* is a file, not a directory"):
         RunLock(path / "inner").acquire()
 
@@ -301,7 +301,7 @@ def test_second_run_on_a_live_runs_directory_stops_naming_it(tmp_path, train_in_
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "metrics.csv").exists()
     assert json.loads((tmp_path / LOCK_NAME).read_text())["pid"] == first.pid, "the first run's lock is kept"
     (tmp_path / LOCK_NAME).write_text(_lock_of(first.pid, host="elsewhere"))  # another host's: cannot be checked
-    from moh_vision.engine.run_dir import RunLock
+    from moh_vision.checkpoints import RunLock
     with pytest.raises(ConfigError, match="pid .* on elsewhere.*if that run is gone, delete the lock"):
         RunLock(tmp_path).acquire()
 

@@ -11,8 +11,8 @@ import pytest
 
 from helpers import REPO, read_summary
 from test_reliability import CLS, assert_same_run, wait_for_step
-from moh_vision.config import run_name, slurm_job
-from moh_vision.engine.run_dir import LOCK_NAME, RunLock
+from moh_vision.checkpoints import run_name, slurm_job
+from moh_vision.checkpoints import LOCK_NAME, RunLock
 from moh_vision.errors import ConfigError
 
 # What `exec torchrun ... train.py` of one task in an sbatch job sees (srun sets the same for each task it starts).

@@ -19,7 +19,7 @@ from moh_vision.errors import ConfigError, RunError, os_error_line
 from moh_vision.tasks.protocols import EpochContext
 from .distributed import broadcast_object, cleanup, init_distributed, settle_failure
 from .loggers import Loggers, write_json
-from .run_dir import RunLock
+from moh_vision.checkpoints import RunLock
 from .trainer import Preempted, Trainer, load_resume
 
 log = logging.getLogger(__name__)

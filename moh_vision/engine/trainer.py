@@ -31,14 +31,14 @@ from moh_vision.tasks.protocols import Data, EpochContext, StepContext, Task
 
 from .bookkeeping import (EpochMeters, RunCosts, SkippedFiles, StepClock, StepWindow, Throughput, reset_peak_memory,
                           write_routing_artifacts)
-from .checkpoint_history import CheckpointHistory, numbered_name
+from moh_vision.checkpoints import CheckpointHistory, numbered_name
 from .distributed import DistInfo, Preempted, StopSignals, broadcast_object, reduce_sums, slurm_torchrun_warning
 from .fit_setup import (FitParts, build_parts, device_settings, first_readable_batch, flops_text, optimizer_kernel_of,
                         seed_everything, show_progress, uses_cuda_graphs)
 from .loggers import Loggers, write_json
 from .profiling import StepProfiler, parse_steps
 from .rank_sampling import sample_images
-from .run_dir import config_changes, record_config
+from moh_vision.checkpoints import config_changes, record_config
 from .step_on_device import PendingSteps, SettledStep, gradient_norm, loss_for_backward, step_unless, takes_found_inf
 
 __all__ = ["NonFiniteLoss", "Preempted", "Trainer"]
