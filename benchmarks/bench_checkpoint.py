@@ -14,7 +14,6 @@ quartiles over the rounds. The files go to a temporary folder (``root``: under t
 from __future__ import annotations
 
 import copy
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -22,8 +21,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from harness import Spread, machine_description
-from moh_vision.checkpoints import BackgroundWriter, atomic_save, atomic_write, host_copy
+from harness import Spread, machine_description, print_json_record
+from moh_vision.checkpoints import BackgroundWriter, atomic_save, host_copy
 from moh_vision.cli import Option, integer, list_of, run_tool, text
 
 
@@ -108,11 +107,7 @@ def bench_checkpoint(models: List[str], rounds: int, root: Optional[str] = None,
             timed = time_checkpoint(state, Path(folder), rounds)
         timed["blocking_sync_over_async"] = timed["sync_save_s"]["median"] / timed["async_blocking_s"]["median"]
         record["models"][name] = {"params_m": params / 1e6, **timed}
-    text = json.dumps(record, indent=1) + "\n"
-    print(text, end="")
-    if out:
-        atomic_write(out, lambda f: f.write(text.encode()), what="record")
-    return record
+    return print_json_record(record, out)
 
 
 OPTIONS = (

@@ -11,7 +11,6 @@ all an index reads: :mod:`moh_vision.data.file_index`).
 """
 from __future__ import annotations
 
-import json
 import tempfile
 import time
 from pathlib import Path
@@ -19,8 +18,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from tqdm.auto import tqdm
 
-from harness import Spread, machine_description
-from moh_vision.checkpoints import atomic_write
+from harness import Spread, machine_description, print_json_record
 from moh_vision.cli import Option, integer, run_tool
 
 SCAN_ONLY = dict(img_size=32, auto_augment=None, mixup=None, cutmix=None, re_prob=None, repeated_aug=1)
@@ -72,11 +70,7 @@ def bench_index(classes: int, train_per_class: int, val_per_class: int, rounds: 
                   "train_per_class": train_per_class, "val_per_class": val_per_class, "rounds": rounds,
                   **time_index(tree, rounds, settle_s)}
     record["speedup_second_over_scan"] = record["scan_s"]["median"] / record["second_s"]["median"]
-    text = json.dumps(record, indent=1) + "\n"
-    print(text, end="")
-    if out:
-        atomic_write(out, lambda f: f.write(text.encode()), what="record")
-    return record
+    return print_json_record(record, out)
 
 
 OPTIONS = (

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from moh_vision.analysis.device_peaks import cpu_name
+from moh_vision.checkpoints import atomic_write
 from moh_vision.cli import Option, integer, number
 from moh_vision.ops import Kernels
 
@@ -342,6 +343,15 @@ def write_record(out: Optional[str], table: str, record: Dict) -> None:
     if out:
         Path(out).write_text(table)
         Path(out).with_suffix(".json").write_text(json.dumps(record, indent=1))
+
+
+def print_json_record(record: Dict, out: Optional[str]) -> Dict:
+    """Print ``record`` as JSON and, if ``out``, write it there atomically; returns ``record``."""
+    text = json.dumps(record, indent=1) + "\n"
+    print(text, end="")
+    if out:
+        atomic_write(out, lambda f: f.write(text.encode()), what="record")
+    return record
 
 
 def kernels_text(kernels: Kernels) -> str:
