@@ -6,7 +6,7 @@ from moh_vision.config import hydra_main
 
 @hydra_main("eval")
 def main(cfg) -> None:
-    from moh_vision.engine.run import evaluate
+    from moh_vision.apps.run import evaluate
     evaluate(cfg)
 
 

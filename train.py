@@ -7,7 +7,7 @@ from moh_vision.config import hydra_main
 
 @hydra_main("train")
 def main(cfg) -> float:
-    from moh_vision.engine.run import train
+    from moh_vision.apps.run import train
     summary = train(cfg)
     return summary.get("val/acc1", summary.get("sample/class_acc", 0.0))  # the value Optuna sweeps optimise
 

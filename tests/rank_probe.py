@@ -35,7 +35,7 @@ def observing(trainer_class: type, record: Dict[str, Any]) -> type:
                 if parts.ema is not None:
                     record["ema"] = {k: v.clone() for k, v in parts.ema.state_dict().items()}
                 sampler, record["keys"] = parts.loaders.sampler, {}
-                for epoch in range(self.epoch):
+                for epoch in range(self.epoch if hasattr(sampler, "indices") else 0):  # (a stream has no keys)
                     sampler.set_epoch(epoch)
                     keyed = getattr(sampler, "keyed", None)  # (the sampler before copy numbers: indices alone)
                     record["keys"][epoch] = keyed() if keyed else [(i, 0) for i in sampler.indices()]
@@ -68,7 +68,7 @@ def observing(trainer_class: type, record: Dict[str, Any]) -> type:
 def main(out: str, script: str, *args: str) -> None:
     import torch
 
-    import moh_vision.engine.run as run
+    import moh_vision.apps.run as run
     record: Dict[str, Any] = {"images": [], "forwards": {}, "val_reads": []}
     run.Trainer = observing(run.Trainer, record)
     sys.argv = [script, *args]

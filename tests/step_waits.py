@@ -220,7 +220,7 @@ def counting_trainer(trainer_class: type, tables: List[Dict[str, Any]]) -> type:
 def main(out: str, script: str, *args: str) -> None:
     import runpy
 
-    import moh_vision.engine.run as run
+    import moh_vision.apps.run as run
     tables: List[Dict[str, Any]] = []
     run.Trainer = counting_trainer(run.Trainer, tables)
     sys.argv = [script, *args]

@@ -15,7 +15,7 @@ from moh_vision.errors import ConfigError
 
 from helpers import ATTENTION_PRESET, load_tool as load, model_config, run_entry
 from moh_vision.analysis.routing_analysis import analyse, layer_statistics, write_outputs
-from moh_vision.engine.analyze_routing import task_forward
+from moh_vision.apps.analyze_routing import task_forward
 
 PNGS = ("head_load.png", "gate_mass.png", "router_entropy.png", "head_utility.png")
 

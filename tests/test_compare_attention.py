@@ -8,7 +8,7 @@ import yaml
 from hydra import compose, initialize_config_dir
 
 from helpers import REPO, load_tool, run_entry
-from moh_vision.engine import sweep_report
+from moh_vision.apps import sweep_report
 
 ARMS = ("mha", "moh_50", "moh_75", "moh_90", "moa_matched")
 DIGITS = dict(num_classes=10, in_chans=1)  # what the classification task passes for the digits (and img_size)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from helpers import load_tool
-from moh_vision.engine.sweep_report import load_jobs
+from moh_vision.apps.sweep_report import load_jobs
 
 TINY = ("trainer.epochs=1", "trainer.max_steps=1", "trainer.batch_size=16", "trainer.progress=false",
         "trainer.log_every=1", "data.val_fraction=0.05")  # 90 validation digits

@@ -31,6 +31,12 @@ def rank_lines(tmp_path, rank):
     return [line[len(tag):] for line in (tmp_path / "out.txt").read_text().splitlines() if line.startswith(tag)]
 
 
+def wait_for_error_line(tmp_path, rank, seconds=30.0):
+    end = time.monotonic() + seconds
+    while time.monotonic() < end and not any(line.startswith("error:") for line in rank_lines(tmp_path, rank)):
+        time.sleep(0.2)
+
+
 def test_a_rank_that_fails_ends_the_others_with_its_error(tmp_path):  # 15 s on 2 quiet cores
     job, out = start_job(tmp_path, "disk_full=200000")  # rank 0 cannot write its checkpoint (~5 MB)
     try:
@@ -56,6 +62,7 @@ def test_a_rank_left_waiting_stops_at_the_timeout_with_an_error(tmp_path):  # 20
         while not (tmp_path / "exit1").exists() and job.poll() is None and time.monotonic() < end:
             time.sleep(0.2)
         stalled = not (tmp_path / "stall_done").exists()
+        wait_for_error_line(tmp_path, 1)  # torchrun's --tee copies a rank's output to out.txt a moment later
     finally:
         os.killpg(job.pid, signal.SIGKILL)  # rank 0 is still in its write; torchrun would give it 30 s more
         job.wait()

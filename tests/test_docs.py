@@ -379,7 +379,7 @@ def test_drift_is_caught(tmp_path):
 
     # what a command prints
     promised = promised_output(edited_readme(tmp_path, "- done: val/loss=", "- finished: val/loss="))
-    printed = "[2026-11-26 03:14:34,276][moh_vision.engine.run][INFO] - done: val/loss=2.264, val/acc1=12.53, " \
+    printed = "[2026-11-26 03:14:34,276][moh_vision.apps.run][INFO] - done: val/loss=2.264, val/acc1=12.53, " \
               "val/acc5=61.28, val/count=359, best/val/acc1=12.53"
     assert unprinted(promised_output(REPO / "README.md")[:1], printed) == [] and unprinted(promised[:1], printed)
 

@@ -154,7 +154,7 @@ def test_tools_sample_samples_with_dpm_solver(checkpoint, tmp_path, solver_calls
 
 def test_the_training_grids_sample_with_the_configured_sampler(checkpoint, tmp_path, solver_calls):  # noqa: F811
     from moh_vision.cli import parse_options
-    from moh_vision.engine import sampling
+    from moh_vision.apps import sampling
     from moh_vision.tasks.protocols import EpochContext
     words = [f"ckpt={checkpoint}", "sampler=dpm++", "steps=2"]
     task, model, _, _ = sampling.load_model(parse_options(words, load_tool("sample").OPTIONS)[0], torch.device("cpu"))

@@ -10,7 +10,7 @@ import torch
 from PIL import Image
 
 from moh_vision.config import compose, validate
-from moh_vision.engine import released
+from moh_vision.apps import released
 from moh_vision.engine.distributed import DistInfo
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -9,7 +9,7 @@ import torch
 
 import moh_vision  # noqa: F401  (registers the models)
 from helpers import REPO, load_tool
-from moh_vision.engine.flops_table import COLUMNS, PUBLISHED_GFLOPS, format_table
+from moh_vision.apps.flops_table import COLUMNS, PUBLISHED_GFLOPS, format_table
 from moh_vision.analysis.flop_count import FREE_OPS, count_flops, flop_report, op_handles
 from moh_vision.attention import build_attention, record_routing, routed_modules
 from moh_vision.cli import parse_options
@@ -264,7 +264,7 @@ def test_tool_counts_the_input_channels_and_reads_them_from_a_run(tmp_path):
     ("plain_vit_nano", dict(name="mha"), "mha"),
 ])
 def test_flops_labels_say_realised_and_requested_ratio_the_same_way_for_every_variant(name, attention, label):
-    from moh_vision.engine.flops_table import attention_label
+    from moh_vision.apps.flops_table import attention_label
     from moh_vision.models import build_model
     with torch.device("meta"):
         model = build_model(name, attention=attention)

@@ -142,7 +142,7 @@ def test_balanced_samples_are_written_in_an_order_that_keeps_the_inception_score
     """tools/sample.py's balanced labels (per_class=), 10 of each of 1000 classes: the Inception Score over ADM's
     consecutive splits of 5,000 is the score of the same samples in a random order, not the collapsed score of
     samples sorted by class (each split would see 500 classes)."""
-    from moh_vision.engine.sampling import balanced_labels
+    from moh_vision.apps.sampling import balanced_labels
 
     rng = np.random.default_rng(0)
     labels = balanced_labels(10_000, 1000, seed=0).numpy()

@@ -229,11 +229,11 @@ def test_a_train_py_run_reports_the_fallback_in_summary_json(tmp_path):
 
 
 def test_the_gpu_checks_step_of_each_recipe_runs_on_the_cpu_and_records_what_ran(tmp_path, monkeypatch):
-    """``tools/gpu_checks.sh`` part ``steps`` (``moh_vision.engine.step_check``), as its ``quick`` dry run: each recipe
+    """``tools/gpu_checks.sh`` part ``steps`` (``moh_vision.apps.step_check``), as its ``quick`` dry run: each recipe
     with a tiny model (the recipe's AMP, scaler, clipping, EMA, mixup and task kept), a warm-up step and the checked
     step (CUDA's sync debug mode needs CUDA: on the CPU the steps just run); with a kernel failing, the record names
     the fallback, and a recipe that cannot be built is a failed entry, not a crash."""
-    from moh_vision.engine import step_check
+    from moh_vision.apps import step_check
     failing_impl(monkeypatch, "depthwise_conv", "channels_last")
     out = tmp_path / "steps.json"
     status = step_check.main([str(out), "2",

@@ -1,9 +1,10 @@
-"""Layers import one way (ARCHITECTURE.md): ops <- attention <- models <- tasks, engine <- entry points, tools and
-benchmarks/; analysis and data never import engine; the package never imports benchmarks/ (they stand beside it);
+"""Layers import one way (ARCHITECTURE.md, docs/layout.md): ops <- attention <- models <- tasks <- engine <- apps <-
+entry points, tools and benchmarks/; analysis and data never import engine; the package never imports benchmarks/ (they stand beside it);
 no import circle, lazy imports inside functions included."""
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 from typing import Dict, List, Set
 
@@ -20,9 +21,10 @@ ALLOWED = {
     "tasks": {"attention", "models", "ops", "data", "diffusion", "analysis", "config"},
     "config": {"attention", "models", "ops"},  # the schema; it names data and task classes by import path only
     "engine": {"attention", "models", "ops", "data", "diffusion", "analysis", "tasks", "config"},
+    "apps": {"attention", "models", "ops", "data", "diffusion", "analysis", "tasks", "config", "engine"},
 }
 BASE = {"errors", "cli", "checkpoints"}  # the bottom: imported by anyone, importing no other layer
-# command-line applications outside engine/: tools/convert_checkpoint.py's and tools/extract_latents.py's logic
+# command-line applications outside apps/: tools/convert_checkpoint.py's and tools/extract_latents.py's logic
 APPLICATIONS = {"moh_vision.models.conversion", "moh_vision.data.extract_latents"}
 
 
@@ -126,13 +128,27 @@ def test_the_package_never_imports_the_benchmarks():
 
 
 def test_every_library_module_serves_the_library():
-    """moh_vision holds no module that only tools/ or benchmarks/ import (issue 60): each module outside engine/ (whose
-    applications are what train.py, eval.py and tools/ call) is imported by another module of the package, is a
+    """moh_vision holds no module that only tools/ or benchmarks/ import (issue 60): each module outside apps/ (the
+    applications that train.py, eval.py and tools/ call) is imported by another module of the package, is a
     package's face (``__init__``), an attention variant (the registry imports every module of its package) or one of
     the two command-line applications that live with what they convert (APPLICATIONS)."""
     graph = module_imports()
     imported = {dep for deps in graph.values() for dep in deps}
     imported |= {dep.rsplit(".", 1)[0] for dep in imported}
-    lonely = [m for m in graph if layer(m) not in ("engine", "attention") and m not in imported
+    lonely = [m for m in graph if layer(m) not in ("apps", "attention") and m not in imported
               and m not in APPLICATIONS and not (REPO / m.replace(".", "/") / "__init__.py").exists()]
     assert not lonely, f"only tools, benchmarks or tests import {sorted(lonely)}: move them beside the package"
+
+
+def test_the_layout_page_draws_every_room_and_module():
+    """docs/layout.md draws each layer of ALLOWED in its diagram and names every module of the package in its listing,
+    so that a new room or file cannot land without the page saying where it sits."""
+    page = (REPO / "docs" / "layout.md").read_text()
+    diagram, listing = page.split("```")[1], page.split("```")[3]
+    missing = [name for name in ALLOWED if f"moh_vision/{name}" not in diagram]
+    assert not missing, f"docs/layout.md's diagram has no room for {missing}"
+    words = set(re.findall(r"[\w.]+", listing.replace("(+ ", " ")))
+    unnamed = [str(path.relative_to(REPO)) for path in sorted((REPO / "moh_vision").rglob("*.py"))
+               if path.stem != "__init__" and path.stem not in words and path.stem.lstrip("_") not in words
+               and f"{path.stem}.py" not in words]
+    assert not unnamed, f"docs/layout.md's listing does not name {unnamed}"

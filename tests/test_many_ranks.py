@@ -93,3 +93,21 @@ def test_a_rank_whose_batch_is_all_unreadable_keeps_in_step(tmp_path):  # two pr
     assert same_weights(records[0]["model"], records[1]["model"])
     summary = read_summary(tmp_path / "run")
     assert summary["steps"] == 3 * 6 and summary["skipped_images"] == 3  # the unreadable files, each named once
+
+
+def test_streamed_shards_give_every_rank_the_same_steps(tmp_path):  # two processes: ~20 s
+    """``data.source=wds`` on two ranks whose shards hold different numbers of images (3 shards of 9 images: rank 0
+    reads two, rank 1 one): every rank takes the same number of steps each epoch (a rank that ran out first would leave
+    the other in its gradient all-reduce) and the ranks stay identical. (On so small a set every rank's shuffle buffer
+holds copies of every shard, so the ranks' images are not disjoint here, only in a different order.)"""
+    import fixtures_sources as fx
+    root = fx.wds_shards(fx.make_tree(tmp_path / "tree"), tmp_path / "wds", shards=(3, 1))
+    records, _ = probe(tmp_path, 2, *IMAGES, f"data.root={root}", "data.source=wds",
+                       "data.repeated_aug=1", "trainer.epochs=2", "trainer.batch_size=4", "data.index_cache=null",
+                       timeout=240)
+    assert records[0]["forwards"] == records[1]["forwards"] == {0: 2, 1: 2}, "9 images, 2 ranks of 2: 2 steps each"
+    assert same_weights(records[0]["model"], records[1]["model"])
+    for epoch in range(2):
+        seen = [[h for e, hashes in record["images"] if e == epoch for h in hashes] for record in records]
+        assert len(seen[0]) == len(seen[1]) == 4 and seen[0] != seen[1], seen
+    assert read_summary(tmp_path / "run")["steps"] == 4

@@ -21,7 +21,7 @@ from moh_vision.models.vit import build_attention_stack
 KERNELS_CONFIG = {"kernels", "Kernels", "KernelsConfig", "TRACED_KERNELS", "traced_kernels", "_kernel_choices",
                   "kernels_ran", "kernel_fallbacks", "kernels_in_use"}  # summary.json: which implementations ran
 OPTIMIZER = {"optimizer_kernel", "optimizer_kernel_of"}
-OPTIMIZER_KEYWORD = {"engine/optim.py", "engine/fit_setup.py", "engine/step_check.py"}  # build_optimizer(..., kernel=optimizer_kernel(...))
+OPTIMIZER_KEYWORD = {"engine/optim.py", "engine/fit_setup.py", "apps/step_check.py"}  # build_optimizer(..., kernel=optimizer_kernel(...))
 
 
 def _names(node: ast.AST):

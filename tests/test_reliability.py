@@ -78,7 +78,8 @@ def kill_and_resume(args, out_dir: Path, kill_steps) -> None:
     run_entry("train.py", *args, f"hydra.run.dir={out_dir}", env={"PYTHONPATH": ENV["PYTHONPATH"]})
 
 
-@pytest.mark.parametrize("args,total", [(CLS, 10), (DIFF, 10)], ids=["classification", "diffusion"])
+@pytest.mark.parametrize("args,total", [(CLS, 10), pytest.param(DIFF, 10, marks=pytest.mark.slow)],
+                         ids=["classification", "diffusion"])  # diffusion's resume: also test_checkpoint_history's
 def test_sigkill_then_resume_is_bit_identical(tmp_path, args, total):
     ref = tmp_path / "uninterrupted"
     run_entry("train.py", *args, f"hydra.run.dir={ref}")
@@ -100,7 +101,7 @@ def test_repeated_random_kills_match_uninterrupted_run(tmp_path, args, total):
     assert_same_run(ref, out)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.slow), signal.SIGUSR1])
 def test_preemption_signal_saves_and_exits_for_requeue(tmp_path, sig):
     proc = start(CLS, tmp_path)
     wait_for_step(proc, tmp_path, 3)

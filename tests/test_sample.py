@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from helpers import REPO, load_tool, run_entry
 from moh_vision.analysis.metrics import DigitsClassifier
 from moh_vision.cli import parse_options
-from moh_vision.engine import sampling as sampler
+from moh_vision.apps import sampling as sampler
 from moh_vision.engine.distributed import DistInfo
 from moh_vision.errors import ConfigError
 

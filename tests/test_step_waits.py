@@ -16,7 +16,7 @@ from helpers import ATTENTION_PRESET, REPO, model_config, read_summary, run_entr
 from step_waits import StepWaits, counting_trainer, waits_outside
 from moh_vision.config import ConstantSched, OptimConfig
 from moh_vision.data.digits import DigitsData
-from moh_vision.engine import run as run_module
+from moh_vision.apps import run as run_module
 from moh_vision.engine.distributed import DistInfo
 from moh_vision.engine.loggers import Loggers
 from moh_vision.engine.trainer import Trainer

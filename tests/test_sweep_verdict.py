@@ -1,5 +1,5 @@
 """The sweep report's verdict: Welch's difference of means against the dense arm, the margin, and the
-convergence of every run (moh_vision.engine.comparison), checked against values worked out by hand."""
+convergence of every run (moh_vision.apps.comparison), checked against values worked out by hand."""
 import csv
 import json
 import math
@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from helpers import load_tool
-from moh_vision.engine import comparison, sweep_report
+from moh_vision.apps import comparison, sweep_report
 
 
 # ---------------------------------------------------------------------------------------------

@@ -196,7 +196,7 @@ def train_here(out_dir, monkeypatch, *overrides):
     from hydra import compose, initialize_config_dir
 
     from helpers import REPO
-    from moh_vision.engine.run import train
+    from moh_vision.apps.run import train
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = compose("train", overrides=[*FAST_TRAIN, "trainer.count_flops=false", "trainer.batch_size=8",
                                           "trainer.val_batch_size=128", *overrides])

@@ -121,7 +121,8 @@ def test_create_model_passes_attention_options_and_overrides():
     assert stage_attention(per_stage, 4)[0].topk == 3
 
 
-def test_pretrained_download_is_refused():
+def test_pretrained_download_is_refused(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # (this machine has no network: the Hub's retries took 20 s)
     with pytest.raises(ConfigError, match="checkpoint_path"):
         timm.create_model("transnext_micro", pretrained=True)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Sequence
 
 from moh_vision.cli import Option, integer, run_tool
-from moh_vision.engine.analyze_routing import analyze_checkpoint
+from moh_vision.apps.analyze_routing import analyze_checkpoint
 
 OPTIONS = (
     Option("ckpt", required=True, help="a checkpoint written by train.py"),

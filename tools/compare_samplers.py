@@ -6,14 +6,14 @@
 
 Every arm samples the same labels from the same noise in one process, one after the other, and is timed and scored
 with the digits classifier (sample/class_acc, sample/fd_digits); the first arm is the reference the others are
-compared with (differences, tolerances, speed-up against the step ratio). :mod:`moh_vision.engine.sampler_comparison`.
+compared with (differences, tolerances, speed-up against the step ratio). :mod:`moh_vision.apps.sampler_comparison`.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, Optional, Sequence
 
 from moh_vision.cli import Option, boolean, integer, list_of, number, run_tool, text
-from moh_vision.engine.sampler_comparison import compare_samplers
+from moh_vision.apps.sampler_comparison import compare_samplers
 
 OPTIONS = (
     Option("ckpt", required=True, help="a digits diffusion checkpoint written by train.py"),

@@ -12,7 +12,7 @@
         activation_ratio=0.5 out=nano_moh50.pt data=digits
 
 ``data=...`` / ``data.<key>=...`` (and ``task.<key>=...``) evaluate dense and converted on that validation split
-(:mod:`moh_vision.engine.dense_to_moh`). Exit status: 0 written; 1 the checkpoint does not fit the model
+(:mod:`moh_vision.apps.dense_to_moh`). Exit status: 0 written; 1 the checkpoint does not fit the model
 (nothing written); 2 bad arguments or unreadable input.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from moh_vision.cli import Option, boolean, integer, list_of, number, run_tool, yaml_value
-from moh_vision.engine.dense_to_moh import convert_dense_to_moh
+from moh_vision.apps.dense_to_moh import convert_dense_to_moh
 from moh_vision.models.continue_tuning import DEFAULT_ROUTER_STD
 
 OPTIONS = (

@@ -8,13 +8,13 @@
     python tools/flops.py run=outputs/train/2025-01-01/12-00-00   # the model exactly as that run built it
 
 Without ``attention`` a model keeps its own (the MoH presets their official per-layer heads, the others
-dense ``mha``). What is counted: :mod:`moh_vision.engine.flops_table`.
+dense ``mha``). What is counted: :mod:`moh_vision.apps.flops_table`.
 """
 from __future__ import annotations
 
 from typing import Any, Dict, List, Optional, Sequence
 
-from moh_vision.engine.flops_table import flops_table
+from moh_vision.apps.flops_table import flops_table
 from moh_vision.cli import Option, attention_config, integer, list_of, run_tool, text, yaml_value
 
 OPTIONS = (

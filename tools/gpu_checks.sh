@@ -12,7 +12,7 @@
 #              experiment=moh_dit_xl_2_90: MoH-DiT-XL/2-90 on ImageNet-256's latents, EMA), batch STEP_BATCH (default
 #              4), after a warm-up step, under torch.cuda.set_sync_debug_mode("error") (the batch copied to the device
 #              before it): runs/steps.json records per recipe whether it passed, the error and its stack, and which
-#              kernels ran and which fell back to their formulas (python -m moh_vision.engine.step_check; needs
+#              kernels ran and which fell back to their formulas (python -m moh_vision.apps.step_check; needs
 #              Hydra: see `wheels`). TIMEOUT_STEPS, default 300 s.
 #   backbones  TransNeXt-T beside Swin-T, bf16, batch 64: a profile (each model's time by kind of work and top
 #              kernels) with TransNeXt-T's pieces under every CUDA implementation (components); then
@@ -73,7 +73,7 @@ if [[ $parts == *,steps,* ]]; then
   recipes=(moh_transnext_small_80 moh_dit_xl_2_90)
   [[ -n "$quick" ]] && recipes=("moh_transnext_small_80+model=transnext_nano+attention=moh+data.img_size=32"
                                 "moh_dit_xl_2_90+model=dit_tiny_2+attention=moh")
-  timeout "${TIMEOUT_STEPS:-300}" python3 -m moh_vision.engine.step_check "$out/runs/steps.json" "${STEP_BATCH:-4}" \
+  timeout "${TIMEOUT_STEPS:-300}" python3 -m moh_vision.apps.step_check "$out/runs/steps.json" "${STEP_BATCH:-4}" \
     "${recipes[@]}" 2>&1 | tail -40 | tee "$out/runs/steps.log"
   pack
 fi

@@ -9,7 +9,7 @@
 Seeds and labels as DiT's sample_ddp.py: rank r of W draws its labels (uniform) and noise from one stream seeded
 seed * W + r, so the samples of a seed depend on the number of ranks and the batch size (per_class= or
 labels=balanced: every class equally often, shuffled). Writes ``samples.npz`` (ADM's evaluator input), ``labels.npy``,
-``samples.png`` and ``sample.json`` into ``out`` (:mod:`moh_vision.engine.sampling`); the metric inputs are checked
+``samples.png`` and ``sample.json`` into ``out`` (:mod:`moh_vision.apps.sampling`); the metric inputs are checked
 before the first sample, the metrics computed in float32.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional, Sequence
 
 from moh_vision.cli import Option, boolean, integer, number, run_tool, yaml_value
 from moh_vision.diffusion.samplers import SAMPLERS
-from moh_vision.engine.sampling import sample
+from moh_vision.apps.sampling import sample
 
 KEEP = "(default: the checkpoint's task.sample setting)"
 OPTIONS = (

@@ -5,13 +5,13 @@
 Jobs that differ only in their seed form one arm; per arm the report gives mean and standard deviation
 over seeds of the metric, active GFLOPs, GFLOPs, parameters and training images/s; each arm's difference
 of means against the dense arm with its 95% interval (Welch) and a verdict for the margin; and flags every
-run that had not converged (:mod:`moh_vision.engine.sweep_report`).
+run that had not converged (:mod:`moh_vision.apps.sweep_report`).
 """
 from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from moh_vision.engine.sweep_report import DEFAULT_EXTRA, DEFAULT_MARGIN, write_sweep_report
+from moh_vision.apps.sweep_report import DEFAULT_EXTRA, DEFAULT_MARGIN, write_sweep_report
 from moh_vision.cli import Option, list_of, number, run_tool, text
 
 OPTIONS = (

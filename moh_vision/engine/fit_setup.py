@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import inspect
 import logging
 import os
 import random
@@ -191,6 +192,9 @@ def wrap_model(model: nn.Module, compile_model: bool, dist: DistInfo, compile_mo
         options = {k: v for k, v in (ddp or {}).items() if v is not None}  # none given: torch's defaults
         hook = options.pop("comm_hook", "none")
         ids = [dist.device.index] if dist.device.type == "cuda" else None
+        if "broadcast_buffers" in options and "forward_sync_buffers" in inspect.signature(DDP).parameters:
+            # torch >= 2.14's name for the per-forward broadcast; buffers are then still synced once, at init
+            options["forward_sync_buffers"] = options.pop("broadcast_buffers")
         wrapped = DDP(wrapped, device_ids=ids, **options)
         if hook != "none":  # torch's own: gradients cast to bf16 / fp16 for the all-reduce, back to fp32 after
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks

@@ -5,7 +5,7 @@ A job's arm is what its Hydra overrides set to values that vary across the sweep
 (``+experiment/compare=moh_50`` gives ``moh_50``, ``attention.activation_ratio=0.5`` gives ``activation_ratio=0.5``);
 without Hydra's records, its model and full attention config. Per arm: mean and standard deviation over seeds of the
 metric, active GFLOPs, GFLOPs, parameters and training images/s; the verdict against the reference arm (the dense one
-unless ``reference=`` names another, :mod:`moh_vision.engine.comparison`) within ``margin`` (default 0.5, in the
+unless ``reference=`` names another, :mod:`moh_vision.apps.comparison`) within ``margin`` (default 0.5, in the
 metric's units: points of top-1); the runs that had not converged (from their ``metrics.csv``).
 :func:`write_sweep_report` writes ``sweep_report.md``, ``.csv``, ``.json`` and ``.png`` (:func:`make_figure`)."""
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import yaml
 
-from moh_vision.engine import comparison
+from moh_vision.apps import comparison
 from moh_vision.checkpoints import run_config
 from moh_vision.errors import ConfigError
 

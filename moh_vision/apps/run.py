@@ -17,10 +17,10 @@ from moh_vision.config import EvalConfig, TrainConfig, build_data, build_task, g
 from moh_vision.cli import user_error_in
 from moh_vision.errors import ConfigError, RunError, os_error_line
 from moh_vision.tasks.protocols import EpochContext
-from .distributed import broadcast_object, cleanup, init_distributed, settle_failure
-from .loggers import Loggers, write_json
+from moh_vision.engine.distributed import broadcast_object, cleanup, init_distributed, settle_failure
+from moh_vision.engine.loggers import Loggers, write_json
 from moh_vision.checkpoints import RunLock
-from .trainer import Preempted, Trainer, load_resume
+from moh_vision.engine.trainer import Preempted, Trainer, load_resume
 
 log = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     """Top-1/top-5 (or the diffusion task's metrics) of a checkpoint, whose config travels inside it, and the task's
     end-of-run work (diffusion: a sample grid in ``samples/``, the sample metrics); the weights used (EMA or raw) are
     logged and in ``summary.json``. Released weights (``model=<preset> pretrained=...``):
-    :mod:`moh_vision.engine.released`."""
+    :mod:`moh_vision.apps.released`."""
     from moh_vision.engine.distributed import pick_device
 
     options: EvalConfig = validate(cfg)
@@ -225,7 +225,7 @@ def evaluate(cfg: DictConfig) -> Dict[str, Any]:
     model = model.to(device)
     metrics = _EvalRunner(options, device, data, task).run(model)
     if options.eval.sets:
-        from .fit_setup import amp_context
+        from moh_vision.engine.fit_setup import amp_context
         from .released import evaluate_sets
         metrics.update(evaluate_sets(model, options, data.val, data.val.transform, device,
                                      amp_context(options.eval.amp, device)))
@@ -254,7 +254,7 @@ class _EvalRunner:
     def __init__(self, options: EvalConfig, device: torch.device, data, task):
         from torch.utils.data import DataLoader
 
-        from .fit_setup import amp_context
+        from moh_vision.engine.fit_setup import amp_context
         self.device, self.data, self.task = device, data, task
         self.loader = DataLoader(data.val, batch_size=options.eval.batch_size, shuffle=False,
                                  num_workers=options.eval.num_workers, collate_fn=data.collate_fn)

@@ -26,7 +26,7 @@ from moh_vision.errors import ConfigError, RunError
 from moh_vision.models import build_model, list_models, model_family
 from moh_vision.models.continue_tuning import (DEFAULT_ROUTER_STD, ContinueTuningError, init_from_dense,
                                                read_dense_checkpoint, routing_like)
-from .distributed import pick_device
+from moh_vision.engine.distributed import pick_device
 
 log = logging.getLogger(__name__)
 

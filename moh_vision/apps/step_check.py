@@ -1,7 +1,7 @@
 """One training step of a recipe's model on a device, checked: does it run, which kernels ran, and (CUDA) does it make
 the host wait for the device? ``tools/gpu_checks.sh`` part ``steps`` runs it on a lent GPU.
 
-``python -m moh_vision.engine.step_check <record.json> <batch> <experiment> [<experiment> ...]`` composes each
+``python -m moh_vision.apps.step_check <record.json> <batch> <experiment> [<experiment> ...]`` composes each
 ``experiment=<name>`` config as ``train.py`` would (``+``-joined words are further overrides:
 ``moh_transnext_small_80+data.img_size=64``), builds its task and model, its optimizer, AMP, gradient scaler,
 clipping and EMA as the trainer does, and takes two optimizer steps on a random batch of ``batch`` images (or latents):
@@ -9,8 +9,8 @@ a warm-up (Triton's compiles, the optimizer's state, the diffusion schedules pla
 under ``torch.cuda.set_sync_debug_mode("error")`` on CUDA (the batch's copy to the device made before it). The record,
 one entry per experiment: ``passed``, the error's first line and the stack where a step failed (a synchronising call
 raises there), ``kernels_ran``, ``kernel_fallbacks`` and ``kernels_in_use`` (:mod:`moh_vision.ops.dispatch`), the
-device and torch's version. On the CPU there is no sync debug mode: the steps just run
-(``tests/test_kernel_fallback.py`` runs it so). The data are never read: the recipe's image size, channels and classes are the config's (latents: 32 x 32
+device and torch's version. On the CPU there is no sync debug mode: the steps just run (``tests/test_kernel_fallback.py``
+runs it so). The data are never read: the recipe's image size, channels and classes are the config's (latents: 32 x 32
 x 4, ImageNet-256's, 1000 classes); the recipe's mixup and cutmix are applied to the batch as the loader's would be."""
 from __future__ import annotations
 
@@ -26,9 +26,9 @@ import torch
 from moh_vision.config import build_task, compose
 from moh_vision.ops import Kernels, resolved
 from moh_vision.ops.dispatch import RUNS, first_line
-from .fit_setup import EMA, amp_context, optimizer_kernel
-from .optim import build_optimizer
-from .step_on_device import gradient_norm, step_unless, takes_found_inf
+from moh_vision.engine.fit_setup import EMA, amp_context, optimizer_kernel
+from moh_vision.engine.optim import build_optimizer
+from moh_vision.engine.step_on_device import gradient_norm, step_unless, takes_found_inf
 
 LATENTS = {"img_size": 32, "in_chans": 4, "num_classes": 1000}  # ImageNet-256 through the SD VAE
 

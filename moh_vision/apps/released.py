@@ -20,8 +20,8 @@ from torch import nn
 
 from moh_vision.checkpoints import read_weights, state_dict_mismatch
 from moh_vision.errors import ConfigError
-from .distributed import cleanup, init_distributed, reduce_sums
-from .loggers import write_json
+from moh_vision.engine.distributed import cleanup, init_distributed, reduce_sums
+from moh_vision.engine.loggers import write_json
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def evaluate_released(cfg: DictConfig, out_dir: Path, options) -> Dict[str, Any]
     from moh_vision.data.imagefolder import SkipBadImagesCollate
     from moh_vision.data.sampler import HeldIndices
     from moh_vision.tasks.classification import ClassificationTask
-    from .fit_setup import amp_context
+    from moh_vision.engine.fit_setup import amp_context
     start = time.time()
     model_cfg = OmegaConf.to_container(cfg.model, resolve=True)
     name, pretrained = model_cfg["name"], str(options.pretrained)

@@ -21,7 +21,7 @@ import torch
 from moh_vision.cli import Options
 from moh_vision.diffusion.samplers import check_sampler
 from moh_vision.errors import ConfigError
-from .loggers import write_json
+from moh_vision.engine.loggers import write_json
 from .sampling import load_model
 
 log = logging.getLogger(__name__)

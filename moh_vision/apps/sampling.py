@@ -35,12 +35,13 @@ from moh_vision.analysis.adm_evaluation import ADM_METRICS
 from moh_vision.config import build_data, group_name
 from moh_vision.diffusion.samplers import check_sampler
 from moh_vision.errors import ConfigError
-from .fit_setup import device_settings
-from .distributed import cleanup, init_distributed
-from .loggers import write_json
+from moh_vision.engine.fit_setup import device_settings
+from moh_vision.engine.distributed import cleanup, init_distributed
+from moh_vision.engine.loggers import write_json
 # the rank sharing lives in rank_sampling (the trainer uses it too); its names stay importable from here
-from .rank_sampling import (LABEL_STREAM, balanced_labels, batches_per_rank, merge_parts, part_path,  # noqa: F401
-                            rank_seed, sample_images, sample_indices, sample_rank)
+from moh_vision.engine.rank_sampling import (  # noqa: F401
+    LABEL_STREAM, balanced_labels, batches_per_rank, merge_parts, part_path, rank_seed, sample_images, sample_indices,
+    sample_rank)
 from .run import rebuild_run, shared_output_dir, weights_of
 
 log = logging.getLogger(__name__)

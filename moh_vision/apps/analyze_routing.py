@@ -16,7 +16,7 @@ from moh_vision.attention import routed_layer_names
 from moh_vision.config import compose
 from moh_vision.errors import ConfigError
 from moh_vision.tasks.classification import split_batch
-from .distributed import pick_device
+from moh_vision.engine.distributed import pick_device
 from .run import rebuild_run, weights_of
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def log_to_wandb(mode: str, container: Dict[str, Any], state: Dict[str, Any], ou
     options = WandbOptions(**{**saved, "name": "wandb"})  # a csv run's analysis: the schema's defaults
     run_id = state.get("wandb_run_id")
     try:
-        from .loggers import WandbLogger
+        from moh_vision.engine.loggers import WandbLogger
         run = WandbLogger(out.parent if run_id else out, {"trained": container},
                           project=options.project, entity=options.entity,
                           group=options.group, name=None if run_id else f"routing-{summary['model']}",
