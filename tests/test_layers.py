@@ -152,3 +152,12 @@ def test_the_layout_page_draws_every_room_and_module():
                if path.stem != "__init__" and path.stem not in words and path.stem.lstrip("_") not in words
                and f"{path.stem}.py" not in words]
     assert not unnamed, f"docs/layout.md's listing does not name {unnamed}"
+
+
+def test_the_engine_holds_the_loop_and_its_parts_only():
+    """engine/ is the trainer and its components (issue 60: at most 12 files, none a fragment under 80 lines but the
+    package's face); the applications that drive it are apps/ (which the engine may not import: ALLOWED)."""
+    files = sorted((REPO / "moh_vision" / "engine").glob("*.py"))
+    assert len(files) <= 12, [p.name for p in files]
+    small = [p.name for p in files if p.name != "__init__.py" and len(p.read_text().splitlines()) < 80]
+    assert not small, f"fold these into the module whose job they are part of: {small}"
