@@ -86,6 +86,7 @@ def test_bench_models_times_a_dense_model_as_moh_against_itself():
     assert layers and all(m.active_heads() == m.num_heads // 2 for m in layers)
 
 
+@pytest.mark.slow  # every model through torch.compile: 14 s (benchmarks/, not the library)
 def test_bench_models_compiles_every_model_and_leaves_compilation_untimed(monkeypatch):
     compiled = []
 

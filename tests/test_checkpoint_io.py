@@ -228,8 +228,6 @@ def kill_inside(target, occurrence, args, run_dir: Path, timeout=300):
 @pytest.mark.parametrize("target,occurrence,extra", [("routing.json", 1, ())], ids=["routing.json"])
 def test_a_kill_inside_a_write_leaves_nothing_after_the_resume(tmp_path, target, occurrence, extra):
     args = (*(a for a in SMALL if not a.startswith("trainer.batch_size=")), "trainer.batch_size=512", *extra)  # 4 steps
-    ref = tmp_path / "uninterrupted"
-    run_entry("train.py", *args, f"hydra.run.dir={ref}")
     run = tmp_path / "killed"
     kill_inside(target, occurrence, args, run)
     left = temporaries(run)
@@ -237,8 +235,7 @@ def test_a_kill_inside_a_write_leaves_nothing_after_the_resume(tmp_path, target,
     proc = run_entry("train.py", *args, f"hydra.run.dir={run}")
     assert f"removed {left[0]}, left by" in proc.stdout + proc.stderr
     assert temporaries(run) == []
-    assert read_summary(run)["steps"] == 4
-    assert_same_run(ref, run)
+    assert read_summary(run)["steps"] == 4  # (its weights equal an uninterrupted run's: test_reliability)
 
 
 @pytest.mark.slow

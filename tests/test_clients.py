@@ -110,11 +110,12 @@ def test_onnx_legacy_exporter_runs_in_onnxruntime(family, attention):
 
 # the torch.export-based exporter takes 6-30 s a model on one CPU thread: moh (the case with a data-dependent
 # path) in the default run, the dense and MoA layers (one static path each) with the slow tests
-DYNAMO_ATTENTIONS = [pytest.param(a, marks=() if a == "moh" else pytest.mark.slow) for a in ATTENTIONS]
+# (TransNeXt's, 18 s, with the slow ones too)
+DYNAMO_CASES = [pytest.param(f, a, marks=() if a == "moh" and f != "transnext" else pytest.mark.slow)
+                for f in FAMILIES for a in ATTENTIONS]
 
 
-@pytest.mark.parametrize("attention", DYNAMO_ATTENTIONS)
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family,attention", DYNAMO_CASES)
 def test_onnx_dynamo_exporter_runs_in_onnxruntime(family, attention):
     model = make_model(family, attention)
     logging.getLogger("torch.onnx").setLevel(logging.ERROR)

@@ -4,6 +4,7 @@ batch held only unreadable images neither hangs the others nor changes the weigh
 are not trained; validation reads the device once, not per batch; a SLURM log gets no progress bar; DDP's options
 are configuration, recorded in summary.json. ``tests/rank_probe.py`` records what each process saw."""
 import collections
+import csv
 import sys
 
 import pytest
@@ -35,10 +36,13 @@ def test_two_ranks_keep_one_model_and_one_ema(tmp_path):  # two processes: ~15 s
     must start from those (the EMA built before DDP started from each rank's own weights: rank 1's differed). With
     ``grad_accum=2`` and an odd number of batches per rank the last micro-batch of an epoch is not trained (it carried
     its gradient into the next epoch's first step). Validation reads the device once per set (it read three scalars a
-    batch), and the log of a run without a terminal has no progress bar."""
+    batch), and the log of a run without a terminal has no progress bar. DDP's options are configuration: buffers
+    broadcast only where training changes them (none here), gradients as bucket views, and torch's bf16 compression
+    hook, recorded in summary.json; the validation metrics and the step times are reduced over both ranks."""
     records, output = probe(tmp_path, 2, "model=plain_vit_nano", "data.img_size=16", "trainer.epochs=2",
                             "trainer.batch_size=256", "trainer.grad_accum=2", "trainer.val_batch_size=16",
-                            "trainer.ema.enabled=true", "trainer.ema.decay=0.99", "trainer.count_flops=false")
+                            "trainer.ema.enabled=true", "trainer.ema.decay=0.99", "trainer.count_flops=false",
+                            "trainer.ddp.comm_hook=bf16", "trainer.log_every=1")
     first, second = records
     assert same_weights(first["model"], second["model"])
     assert same_weights(first["ema"], second["ema"]), "rank 1's EMA is not rank 0's"
@@ -50,17 +54,15 @@ def test_two_ranks_keep_one_model_and_one_ema(tmp_path):  # two processes: ~15 s
         assert record["forwards"] == {0: trained, 1: trained}
         assert record["val_batches"] >= 10 and max(record["val_reads"]) <= 4, record["val_reads"]
     assert "it/s]" not in output and "s/it]" not in output, "no progress bar in a log"
-
-
-def test_ddp_options_are_configuration(tmp_path):
-    """Buffers broadcast only where training changes them (none here), gradients as bucket views, and torch's bf16
-    compression hook: the ranks stay identical, and summary.json says what DDP was built with."""
-    records, _ = probe(tmp_path, 2, "model=plain_vit_nano", "data.img_size=16", "trainer.epochs=1",
-                       "trainer.max_steps=3", "trainer.batch_size=64", "trainer.count_flops=false",
-                       "trainer.ddp.comm_hook=bf16")
-    assert same_weights(records[0]["model"], records[1]["model"])
-    assert read_summary(tmp_path / "run")["ddp"] == {"broadcast_buffers": False, "gradient_as_bucket_view": True,
-                                                     "comm_hook": "bf16", "bucket_cap_mb": None}
+    summary = read_summary(tmp_path / "run")
+    assert summary["ddp"] == {"broadcast_buffers": False, "gradient_as_bucket_view": True, "comm_hook": "bf16",
+                              "bucket_cap_mb": None}
+    assert summary["val/count"] == 359, "validation metrics are all-reduced over both ranks"
+    # the slowest rank's times (one all-reduce per window, per epoch and for the summary)
+    assert 0 <= summary["data_wait_ms"] <= summary["step_ms"] and summary["peak_memory_mb"] > 0
+    windows = [r for r in csv.DictReader(open(tmp_path / "run" / "metrics.csv")) if r.get("train/loss")]
+    assert len(windows) == summary["steps"] >= 2
+    assert all(0 <= float(r["train/data_wait_ms"]) <= float(r["train/step_ms"]) for r in windows)
 
 
 IMAGES = ("data=imagefolder", "model=plain_vit_nano", "data.img_size=16", "data.mixup=0", "data.cutmix=0",

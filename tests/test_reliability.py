@@ -201,13 +201,13 @@ def test_data_root_without_images_and_empty_class(tmp_path, train_in_process):
     assert code == 2 and "error: " in stderr.strip().splitlines()[-1]
 
 
-def test_resume_or_eval_with_a_checkpoint_of_another_model(tmp_path):
-    run_entry("train.py", *CLS, "trainer.max_steps=1", f"hydra.run.dir={tmp_path}")
+def test_resume_or_eval_with_a_checkpoint_of_another_model(tmp_path, train_in_process):
+    assert train_in_process(*CLS, "trainer.max_steps=1", f"hydra.run.dir={tmp_path}")[0] == 0
     before = (tmp_path / "checkpoints" / "last.pt").read_bytes()
     config_before = (tmp_path / "config.yaml").read_text()
-    proc = run_entry("train.py", *CLS, "model=plain_vit_nano", f"hydra.run.dir={tmp_path}", check=False)
-    assert proc.returncode == 2
-    last_line = proc.stderr.strip().splitlines()[-1]
+    code, stderr = train_in_process(*CLS, "model=plain_vit_nano", f"hydra.run.dir={tmp_path}")
+    assert code == 2
+    last_line = stderr.strip().splitlines()[-1]
     assert "cannot resume" in last_line and "transnext_nano" in last_line and "plain_vit_nano" in last_line
     assert (tmp_path / "checkpoints" / "last.pt").read_bytes() == before, "the good checkpoint is untouched"
     assert (tmp_path / "config.yaml").read_text() == config_before, "and so is its config"

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from helpers import REPO, read_summary
-from test_reliability import CLS, assert_same_run, wait_for_step
+from test_reliability import CLS, wait_for_step
 from moh_vision.checkpoints import run_name, slurm_job
 from moh_vision.checkpoints import LOCK_NAME, RunLock
 from moh_vision.errors import ConfigError
@@ -58,13 +58,10 @@ def plant_lock(run_dir, job, host="node-that-died"):
                                                  "slurm_job": job}))
 
 
-def test_a_requeued_job_continues_in_its_directory(tmp_path):  # 3 short runs: ~30 s on 2 quiet cores
-    """(Another job's lock refuses the run: test_the_lock_of_the_same_job_is_taken_over, with its one-line error.)"""
-    code, out = finish(start(tmp_path, job_env(tmp_path, job="4241")))  # an uninterrupted job: the reference
-    reference = tmp_path / "outputs" / "train" / "slurm-4241"
-    assert code == 0 and read_summary(reference)["steps"] == STEPS, out[-3000:]
-    assert not (tmp_path / "scontrol").exists(), "no requeue without a preemption"
-
+def test_a_requeued_job_continues_in_its_directory(tmp_path):  # 2 short runs: ~20 s on 2 quiet cores
+    """The documented line's run, stopped by SIGUSR1, asks for its requeue after releasing its lock; the requeued job
+    (same id, another node, a lock of this job left behind) takes the lock over and resumes in the same directory at
+    the step it stopped. (Another job's lock refuses the run: test_the_lock_of_the_same_job_is_taken_over.)"""
     run_dir = tmp_path / "outputs" / "train" / "slurm-4242"
     proc = start(tmp_path, job_env(tmp_path))
     wait_for_step(proc, run_dir, 2)
@@ -82,9 +79,9 @@ def test_a_requeued_job_continues_in_its_directory(tmp_path):  # 3 short runs: ~
     assert code == 0, out[-3000:]
     assert "taking over the lock of an earlier run of SLURM job 4242" in out
     assert f"at step {step} " in next(line for line in out.splitlines() if "resumed from" in line)
-    assert sorted(p.name for p in (tmp_path / "outputs" / "train").iterdir()) == ["slurm-4241", "slurm-4242"]
+    assert [p.name for p in (tmp_path / "outputs" / "train").iterdir()] == ["slurm-4242"], "one directory"
     assert read_summary(run_dir)["steps"] == STEPS and not (run_dir / LOCK_NAME).exists()
-    assert_same_run(reference, run_dir)
+    # (that a resume gives the uninterrupted run's weights and metrics: test_reliability's SIGKILL resume)
     assert len((tmp_path / "scontrol").read_text().splitlines()) == 3, "the finished run asked for no requeue"
 
 
