@@ -158,10 +158,15 @@ TRAIN_WORDS = ("data=imagefolder", "data.img_size=32", "data.repeated_aug=1", "t
                "trainer.epochs=2", "trainer.max_steps=null", "data.index_cache=null")
 
 
-@pytest.mark.parametrize("source", [pytest.param("tar", marks=pytest.mark.slow), "wds"])
+MAKERS = {"tar": lambda tree, out: fx.tars_of_folders(tree, out), "hfds": fx.hf_parquet,
+          "wds": lambda tree, out: fx.wds_shards(tree, out, shards=(2, 1))}
+
+
+@pytest.mark.parametrize("source", [pytest.param("tar", marks=pytest.mark.slow),
+                                    pytest.param("hfds", marks=pytest.mark.slow), "wds"])
 def test_training_runs_from_tars_and_from_streamed_shards(tree, tmp_path, source):
-    root = fx.tars_of_folders(tree, tmp_path / "tars") if source == "tar" else \
-        fx.wds_shards(tree, tmp_path / "wds", shards=(2, 1))
+    """(The map-style sources share the folder's loader: tar and hfds with the slow tests, the stream by default.)"""
+    root = MAKERS[source](tree, tmp_path / source)
     out = tmp_path / "run"
     run_entry("train.py", *FAST_TRAIN, *TRAIN_WORDS, f"data.root={root}", f"data.source={source}",
               f"hydra.run.dir={out}", timeout=900)

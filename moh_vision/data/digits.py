@@ -4,8 +4,11 @@
 same validation images."""
 from __future__ import annotations
 
+import importlib.util
+from pathlib import Path
 from typing import List, Sequence, Tuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
@@ -13,14 +16,29 @@ from torch.utils.data import Dataset
 from moh_vision.errors import ConfigError
 
 
-def load_digits_tensors(img_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
-    """All digits as float images in [0, 1], shape [N, 1, img_size, img_size], and int labels."""
+def _digits_arrays() -> Tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's digits, [1797, 8, 8] pixels in 0..16 and their labels: read from the file it ships
+    (``sklearn/datasets/data/digits.csv.gz``, 64 pixel columns and the label), as ``load_digits`` reads it, without
+    importing scikit-learn (2.4 s a process: every run on the default data paid it); its loader where the file moved."""
+    spec = importlib.util.find_spec("sklearn")
+    found = [Path(p) / "datasets" / "data" / "digits.csv.gz" for p in (spec.submodule_search_locations or [])] \
+        if spec is not None else []
+    for path in found:
+        if path.is_file():
+            table = np.loadtxt(path, delimiter=",")
+            return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int)
     from sklearn.datasets import load_digits
     digits = load_digits()
-    images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    return digits.images, digits.target
+
+
+def load_digits_tensors(img_size: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """All digits as float images in [0, 1], shape [N, 1, img_size, img_size], and int labels."""
+    pixels, target = _digits_arrays()
+    images = torch.tensor(pixels, dtype=torch.float32).unsqueeze(1) / 16.0
     if img_size != 8:
         images = F.interpolate(images, size=(img_size, img_size), mode="bilinear", align_corners=False).clamp(0, 1)
-    return images, torch.tensor(digits.target, dtype=torch.long)
+    return images, torch.tensor(target, dtype=torch.long)
 
 
 def stratified_split(labels: torch.Tensor, val_fraction: float, seed: int) -> Tuple[torch.Tensor, torch.Tensor]:
