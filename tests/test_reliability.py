@@ -134,6 +134,7 @@ def _limit_file_size(limit):
     return preexec
 
 
+@pytest.mark.slow  # by default: test_run_dir's in-process full disk, and test_dist_timeout's file size limit on rank 0
 def test_full_disk_during_save_keeps_previous_checkpoint(tmp_path):
     run_entry("train.py", *CLS, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}")
     before = weights(tmp_path)
