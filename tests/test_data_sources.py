@@ -158,7 +158,7 @@ TRAIN_WORDS = ("data=imagefolder", "data.img_size=32", "data.repeated_aug=1", "t
                "trainer.epochs=2", "trainer.max_steps=null", "data.index_cache=null")
 
 
-MAKERS = {"tar": lambda tree, out: fx.tars_of_folders(tree, out), "hfds": fx.hf_parquet,
+MAKERS = {"tar": fx.tars_of_folders, "hfds": fx.hf_parquet,
           "wds": lambda tree, out: fx.wds_shards(tree, out, shards=(2, 1))}
 
 

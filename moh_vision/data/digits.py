@@ -21,9 +21,8 @@ def _digits_arrays() -> Tuple[np.ndarray, np.ndarray]:
     (``sklearn/datasets/data/digits.csv.gz``, 64 pixel columns and the label), as ``load_digits`` reads it, without
     importing scikit-learn (2.4 s a process: every run on the default data paid it); its loader where the file moved."""
     spec = importlib.util.find_spec("sklearn")
-    found = [Path(p) / "datasets" / "data" / "digits.csv.gz" for p in (spec.submodule_search_locations or [])] \
-        if spec is not None else []
-    for path in found:
+    for location in (spec.submodule_search_locations or []) if spec is not None else []:
+        path = Path(location) / "datasets" / "data" / "digits.csv.gz"
         if path.is_file():
             table = np.loadtxt(path, delimiter=",")
             return table[:, :-1].reshape(-1, 8, 8), table[:, -1].astype(int)
