@@ -39,9 +39,10 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def entry_in_process(script, monkeypatch, capsys):
+def entry_in_process(script, monkeypatch, capsys=None):
     """``run(*words)``: ``python <script> <words>`` in this process (Hydra, the schema, the run); returns (exit
-    code, stderr), 0 when it finished. Hydra's logging set-up for the job is undone afterwards."""
+    code, stderr), 0 when it finished (stderr is "" without ``capsys``: a module-scoped fixture's run, with
+    ``pytest.MonkeyPatch.context()``). Hydra's logging set-up for the job is undone afterwards."""
     spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / script)
     entry = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(entry)
@@ -51,13 +52,16 @@ def entry_in_process(script, monkeypatch, capsys):
 
     def run(*words):
         monkeypatch.setattr(sys, "argv", [script, *words])
-        capsys.readouterr()
+        if capsys is not None:
+            capsys.readouterr()
         try:
             entry.main()
             code = 0
         except SystemExit as stop:
             code = stop.code
-        return code, capsys.readouterr().err
+        captured = capsys.readouterr() if capsys is not None else None
+        run.stdout = captured.out if captured else ""  # what it printed (``--cfg job``)
+        return code, captured.err if captured else ""
     return run
 
 

@@ -13,7 +13,8 @@ from moh_vision.analysis import routing_plots
 from moh_vision.attention import routed_modules
 from moh_vision.errors import ConfigError
 
-from helpers import ATTENTION_PRESET, load_tool as load, model_config, run_entry
+from conftest import entry_in_process
+from helpers import ATTENTION_PRESET, FAST_TRAIN, load_tool as load, model_config
 from moh_vision.analysis.routing_analysis import analyse, layer_statistics, write_outputs
 from moh_vision.apps.analyze_routing import task_forward
 
@@ -28,8 +29,9 @@ def load_tool():
 def trained(tmp_path_factory):
     """The default run (MoH TransNeXt-nano on the digits), shrunk to 3 steps."""
     out = tmp_path_factory.mktemp("routing_run")
-    run_entry("train.py", "trainer.epochs=1", "trainer.max_steps=3", "trainer.batch_size=32", "trainer.progress=false",
-              "trainer.num_workers=0", f"hydra.run.dir={out}")
+    with pytest.MonkeyPatch.context() as patch:
+        code, _ = entry_in_process("train.py", patch)(*FAST_TRAIN, f"hydra.run.dir={out}")
+    assert code == 0
     return out
 
 

@@ -183,9 +183,9 @@ def _tensors(tree, prefix=""):
     return {k: v for key, value in items for k, v in _tensors(value, f"{prefix}/{key}").items()}
 
 
-def test_an_async_write_that_fails_stops_the_run_with_its_error(tmp_path):
+def test_an_async_write_that_fails_stops_the_run_with_its_error(tmp_path, train_in_process):
     from test_reliability import _limit_file_size
-    run_entry("train.py", *SMALL, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}")
+    assert train_in_process(*SMALL, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}")[0] == 0
     size = (tmp_path / "checkpoints" / "last.pt").stat().st_size
     proc = subprocess.run([sys.executable, str(REPO / "train.py"), *SMALL, "trainer.max_steps=4", "trainer.extend=true",
                            "trainer.ckpt_async=true", f"hydra.run.dir={tmp_path}"], cwd=REPO, env=ENV,

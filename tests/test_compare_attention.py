@@ -7,7 +7,7 @@ import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 
-from helpers import REPO, load_tool, run_entry
+from helpers import REPO, load_tool
 from moh_vision.apps import sweep_report
 
 ARMS = ("mha", "moh_50", "moh_75", "moh_90", "moa_matched")
@@ -57,11 +57,11 @@ def test_moa_matches_the_active_compute_of_moh_50(caplog):
     assert flops["moh_50"] < flops["moh_75"] < flops["mha"]
 
 
-def test_shrunk_multirun_and_report(tmp_path, capsys):
+def test_shrunk_multirun_and_report(tmp_path, capsys, train_in_process):
     """2 arms x 1 seed, two steps each, through the real experiment; then the report."""
     arms = 'hydra.sweeper.params={+experiment/compare:"moh_50,moa_matched",seed:"0"}'
-    run_entry("train.py", "experiment=compare_attention", arms, "trainer.epochs=1", "trainer.max_steps=2",
-              "trainer.batch_size=32", "trainer.progress=false", f"hydra.sweep.dir={tmp_path}")
+    assert train_in_process("experiment=compare_attention", arms, "trainer.epochs=1", "trainer.max_steps=2",
+                            "trainer.batch_size=32", "trainer.progress=false", f"hydra.sweep.dir={tmp_path}")[0] == 0
     # one flat directory per job, named by its arm and seed (the group's '/' does not nest it)
     assert sorted(p.parent.name for p in tmp_path.glob("*/summary.json")) == \
         ["0_compare=moh_50,seed=0", "1_compare=moa_matched,seed=0"]

@@ -258,10 +258,10 @@ def test_tool_measures_the_step0_drop(digits_dense, tmp_path, capsys):
     assert not (tmp_path / "x.pt").exists()
 
 
-def test_train_continues_from_a_dense_checkpoint(digits_dense, tmp_path):
-    proc = run_entry("train.py", "experiment=continue_digits", f"model.init_from={digits_dense}", *FAST_TRAIN,
-                     "trainer.max_steps=2", f"hydra.run.dir={tmp_path}")
-    assert "copied 162 dense tensors" in proc.stderr + proc.stdout
+def test_train_continues_from_a_dense_checkpoint(digits_dense, tmp_path, train_in_process):
+    code, _ = train_in_process("experiment=continue_digits", f"model.init_from={digits_dense}", *FAST_TRAIN,
+                               "trainer.max_steps=2", f"hydra.run.dir={tmp_path}")
+    assert code == 0 and "copied 162 dense tensors" in (tmp_path / "train.log").read_text()
     summary = read_summary(tmp_path)
     assert summary["steps"] == 2 and summary["attention"] == "moh" and summary["activation_ratio"] == 0.5
     # val_at_start=auto: the converted model is validated before its first step (epoch -1, step 0)

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import fixtures_sources as fx
-from helpers import FAST_TRAIN, read_summary, run_entry
+from helpers import FAST_TRAIN, read_summary
 from moh_vision.data.imagefolder import ImageFolderData, ImageNetData
 from moh_vision.errors import ConfigError
 
@@ -164,12 +164,12 @@ MAKERS = {"tar": fx.tars_of_folders, "hfds": fx.hf_parquet,
 
 @pytest.mark.parametrize("source", [pytest.param("tar", marks=pytest.mark.slow),
                                     pytest.param("hfds", marks=pytest.mark.slow), "wds"])
-def test_training_runs_from_tars_and_from_streamed_shards(tree, tmp_path, source):
+def test_training_runs_from_tars_and_from_streamed_shards(tree, tmp_path, source, train_in_process, eval_in_process):
     """(The map-style sources share the folder's loader: tar and hfds with the slow tests, the stream by default.)"""
     root = MAKERS[source](tree, tmp_path / source)
     out = tmp_path / "run"
-    run_entry("train.py", *FAST_TRAIN, *TRAIN_WORDS, f"data.root={root}", f"data.source={source}",
-              f"hydra.run.dir={out}", timeout=900)
+    assert train_in_process(*FAST_TRAIN, *TRAIN_WORDS, f"data.root={root}", f"data.source={source}",
+                            f"hydra.run.dir={out}")[0] == 0
     summary = read_summary(out)
     assert summary["steps"] == 6 and summary["val/count"] == 6, "9 images, batches of 3, 2 epochs; 6 val images"
     config = (out / "config.yaml").read_text()
@@ -179,8 +179,8 @@ def test_training_runs_from_tars_and_from_streamed_shards(tree, tmp_path, source
     (val_only / "val").parent.mkdir()
     import shutil
     shutil.copytree(tree / "val", val_only / "val")
-    run_entry("eval.py", f"ckpt={out / 'checkpoints' / 'last.pt'}", f"+data.root={val_only}", "+data.source=folder",
-              "eval.num_workers=0", "eval.device=cpu", f"hydra.run.dir={tmp_path / 'eval'}", timeout=600)
+    assert eval_in_process(f"ckpt={out / 'checkpoints' / 'last.pt'}", f"+data.root={val_only}", "+data.source=folder",
+                           "eval.num_workers=0", "eval.device=cpu", f"hydra.run.dir={tmp_path / 'eval'}")[0] == 0
     assert read_summary(tmp_path / "eval")["val/count"] == 6
 
 

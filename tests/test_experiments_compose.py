@@ -1,8 +1,6 @@
 """Every experiment (``configs/experiment/**``, the comparison arms included) and every sweep composes and
 passes the schema's checks, as ``python train.py experiment=<name> --cfg job`` does, and composes what its
 file says: the model, attention, data and task its defaults list (and the experiments it extends) choose."""
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -122,11 +120,10 @@ def test_sweep_composes_and_sweeps_existing_options(name):
     assert swept and all(OmegaConf.select(cfg, key, default=missing) is not missing for key in swept), swept
 
 
-def test_train_py_cfg_job_prints_the_composed_experiment():
-    """The real entry point (one subprocess: Hydra's own command line, the schema's registration)."""
-    result = subprocess.run([sys.executable, "train.py", "experiment=compare_attention", "--cfg", "job"], cwd=REPO,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    printed = yaml.safe_load(result.stdout)
+def test_train_py_cfg_job_prints_the_composed_experiment(train_in_process):
+    """The real entry point (Hydra's own command line, the schema's registration)."""
+    code, err = train_in_process("experiment=compare_attention", "--cfg", "job")
+    assert code == 0, err
+    printed = yaml.safe_load(train_in_process.stdout)
     assert printed["model"]["name"] == "plain_vit_nano" and printed["model"]["kwargs"]["num_heads"] == 8
     assert printed["data"]["name"] == "digits" and printed["attention"]["name"] == "moh"

@@ -35,12 +35,12 @@ def fid_rows(run_dir):
         return [row for row in csv.DictReader(f) if row.get("fid/fid")]
 
 
-def test_a_run_logs_fid_with_its_steps_every_n_steps_and_at_numbered_checkpoints(tmp_path, reference,
-                                                                                   random_inception_weights):
+def test_a_run_logs_fid_with_its_steps_every_n_steps_and_at_numbered_checkpoints(tmp_path, reference, tiny_inception,
+                                                                                   train_in_process):
     run = tmp_path / "run"
-    proc = run_entry(WRAPPER, "train.py", *TINY, "trainer.max_steps=3", f"hydra.run.dir={run}",
-                     *fid_options(reference, random_inception_weights, "task.sample.fid_every_steps=3",
-                                  "task.sample.fid_at_checkpoints=true", "trainer.ckpt_history_every_steps=2"))
+    assert train_in_process(*TINY, "trainer.max_steps=3", f"hydra.run.dir={run}",
+                            *fid_options(reference, tiny_inception, "task.sample.fid_every_steps=3",
+                                         "task.sample.fid_at_checkpoints=true", "trainer.ckpt_history_every_steps=2"))[0] == 0
     rows = fid_rows(run)
     assert [int(row["step"]) for row in rows] == [2, 3]  # 2: a numbered checkpoint; 3: every 3 steps
     for row in rows:
@@ -51,7 +51,7 @@ def test_a_run_logs_fid_with_its_steps_every_n_steps_and_at_numbered_checkpoints
     assert [entry["step"] for entry in summary["step_metrics"]] == [2, 3]
     assert summary["fid/fid"] == pytest.approx(float(rows[-1]["fid/fid"])) and summary["step_metrics_step"] == 3
     assert summary["step_metrics"][0]["fid/fid"] == pytest.approx(float(rows[0]["fid/fid"]))
-    log = proc.stdout + proc.stderr
+    log = (run / "train.log").read_text()
     assert "FID at step 3: sampling 4 images (dpm++, 2 steps, guidance 2) on 1 rank(s)" in log
     assert not list((run / "fid").glob(".parts-*"))  # the shared samples are removed once scored
 

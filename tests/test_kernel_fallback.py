@@ -2,8 +2,8 @@
 op's reference formula for the rest of the run, with one warning naming the op, the implementation and the error's
 first line, and ``summary.json`` says what ran (``kernels_ran``, ``kernel_fallbacks``); an error the formula raises too
 is the caller's and is raised as it was. The failures are made on the CPU: an implementation (or an operator's kernel)
-replaced by one that raises as Triton does when it cannot compile; ``tests/failing_kernels.py`` does it in a real
-``train.py``."""
+replaced by one that raises as Triton does when it cannot compile, in a test of the kernels and in a real ``train.py``
+run."""
 import dataclasses
 import json
 import logging
@@ -11,7 +11,7 @@ import logging
 import pytest
 import timm
 import torch
-from helpers import FAST_TRAIN, read_summary, run_entry, run_in_triton_interpreter
+from helpers import FAST_TRAIN, read_summary, run_in_triton_interpreter
 
 from moh_vision.attention import record_routing
 from moh_vision.ops import OPS, depthwise_conv
@@ -208,14 +208,17 @@ def test_the_fused_routings_backward_kernel_takes_the_formulas_gradients():
     run_in_triton_interpreter(ROUTING_BACKWARD_SCRIPT)
 
 
-def test_a_train_py_run_reports_the_fallback_in_summary_json(tmp_path):
+def test_a_train_py_run_reports_the_fallback_in_summary_json(tmp_path, monkeypatch, train_in_process):
     """The default run (MoH TransNeXt-nano on the digits, CPU), its depthwise convolution's kernel and the aggregated
-    attention's backward kernel failing: the run trains, warns once for each, and summary.json says what ran."""
+    attention's backward kernel failing: the run trains, warns once for each in its log, and summary.json says what
+    ran."""
     out = tmp_path / "run"
-    proc = run_entry("tests/failing_kernels.py", "depthwise_conv/channels_last,moh_vision.ops.aggregated:_cpu_backward",
-                     "train.py", *FAST_TRAIN, "trainer.count_flops=false", f"hydra.run.dir={out}", timeout=900)
+    injected = lambda target: RuntimeError(f"injected failure of {target}\n(a second line)")  # noqa: E731
+    failing_impl(monkeypatch, "depthwise_conv", "channels_last", injected("depthwise_conv/channels_last"))
+    monkeypatch.setattr(ops_aggregated, "_cpu_backward", Failing(injected("_cpu_backward")))
+    assert train_in_process(*FAST_TRAIN, "trainer.count_flops=false", f"hydra.run.dir={out}")[0] == 0
     summary = read_summary(out)
-    warnings = [line for line in (proc.stdout + proc.stderr).splitlines() if "kernel fallback" in line]
+    warnings = [line for line in (out / "train.log").read_text().splitlines() if "kernel fallback" in line]
     assert len(warnings) == 2, warnings
     assert summary["steps"] == 3
     assert summary["kernel_fallbacks"]["depthwise_conv"] == {

@@ -9,7 +9,7 @@ import pytest
 import torch
 from PIL import Image
 
-from helpers import ATTENTION_PRESET, load_tool, model_config, read_summary, run_entry
+from helpers import ATTENTION_PRESET, load_tool, model_config, read_summary
 from moh_vision.data.extract_latents import Extraction, extract_latents
 from moh_vision.data.latents import SCALE_FACTOR, LatentsData, center_crop_arr, load_shard, load_vae
 from moh_vision.data.sampler import SeededItems
@@ -149,12 +149,12 @@ def test_missing_latents_and_vae_fail_with_one_line(tmp_path, capsys):
     assert exited.value.code == 2 and err[-1].startswith("error: VAE path") and "nothing is downloaded" in err[-1]
 
 
-def test_train_diffusion_on_latents_end_to_end(latents, tmp_path):
+def test_train_diffusion_on_latents_end_to_end(latents, tmp_path, train_in_process):
     # one config choice sets what latent diffusion needs; the VAE comes from the latents' index
-    run_entry("train.py", "experiment=latent_diffusion", f"data.root={latents['out']}", "data.val_size=4",
-              "model=dit_tiny_2", "task.sample.steps=2", "task.sample.per_class=1", "trainer.epochs=1", "trainer.max_steps=2",
-              "trainer.batch_size=4", "trainer.progress=false", "trainer.count_flops=false",
-              f"hydra.run.dir={tmp_path}")
+    assert train_in_process(
+        "experiment=latent_diffusion", f"data.root={latents['out']}", "data.val_size=4", "model=dit_tiny_2",
+        "task.sample.steps=2", "task.sample.per_class=1", "trainer.epochs=1", "trainer.max_steps=2",
+        "trainer.batch_size=4", "trainer.progress=false", "trainer.count_flops=false", f"hydra.run.dir={tmp_path}")[0] == 0
     summary = read_summary(tmp_path)
     assert summary["steps"] == 2 and summary["model"] == "dit_tiny_2" and summary["val/count"] == 4
     assert np.isfinite(summary["val/loss"]) and np.isfinite(summary["val_ema/loss"])

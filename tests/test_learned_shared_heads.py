@@ -25,7 +25,7 @@ from moh_vision.attention.routing import resolve_moh_heads
 from moh_vision.errors import ConfigError
 from moh_vision.ops import merge_heads
 
-from helpers import FAST_TRAIN, load_tool, run_entry
+from helpers import FAST_TRAIN, load_tool
 
 ROUTERS = ("wg", "wg_0", "wg_1")
 
@@ -399,9 +399,9 @@ def test_real_layer_stats_and_plots(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # A real run: train.py attention.shared_heads=learned, then tools/analyze_routing.py
 # ---------------------------------------------------------------------------------------------
-def test_train_run_logs_and_plots_the_learned_heads(tmp_path):
-    run_entry("train.py", *FAST_TRAIN, "attention.shared_heads=learned", "attention.learn_shared_steps=2",
-              f"hydra.run.dir={tmp_path}")
+def test_train_run_logs_and_plots_the_learned_heads(tmp_path, train_in_process):
+    assert train_in_process(*FAST_TRAIN, "attention.shared_heads=learned", "attention.learn_shared_steps=2",
+                            f"hydra.run.dir={tmp_path}")[0] == 0
     learned_layers = ("block3.0.attn", "block3.1.attn", "block4.0.attn")  # transnext_nano at 0.75
     epoch = json.loads((tmp_path / "routing.json").read_text())["0"]
     state = torch.load(tmp_path / "checkpoints" / "last.pt", map_location="cpu", weights_only=False)["model"]

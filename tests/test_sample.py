@@ -73,8 +73,8 @@ def sampling(ckpt, *overrides):
 
 
 def test_cli_writes_adm_npz_grid_labels_and_digits_metrics(checkpoint, tmp_path):
-    run_entry("tools/sample.py", f"ckpt={checkpoint}", "num_samples=23", "steps=3", "cfg_scale=2", "batch_size=8",
-              f"out={tmp_path}", "progress=false")
+    load_tool("sample").main([f"ckpt={checkpoint}", "num_samples=23", "steps=3", "cfg_scale=2", "batch_size=8",
+                              f"out={tmp_path}", "progress=false"])
     with np.load(tmp_path / "samples.npz") as npz:
         assert npz.files == ["arr_0"]
         arr = npz["arr_0"]

@@ -128,6 +128,7 @@ def test_the_default_run_steps_without_host_waits(tmp_path, train_in_process, mo
     assert sum(tables[0][str(LOG_EVERY)]["reads"].values()) > 0, "a log step reads, and the counter sees it"
 
 
+@pytest.mark.slow  # by default two gloo ranks are counted by test_run_dir.py::test_ddp_steps_do_not_wait
 def test_two_gloo_ranks_step_without_host_waits(tmp_path):  # torchrun, two processes: 10 s on 2 quiet cores
     out = tmp_path / "waits.json"
     run_entry(str(REPO / "tests" / "step_waits.py"), str(out), str(REPO / "train.py"), *SHRUNK,

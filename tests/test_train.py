@@ -56,12 +56,12 @@ def test_checkpoint_is_plain_and_carries_what_resume_needs(trained):
     assert state["step"] == 3 and state["config"]["model"]["name"] == "transnext_nano"
 
 
-def test_eval_reproduces_training_validation(trained, tmp_path):
-    run_entry("eval.py", f"ckpt={trained / 'checkpoints' / 'last.pt'}", f"hydra.run.dir={tmp_path}")
+def test_eval_reproduces_training_validation(trained, tmp_path, eval_in_process):
+    assert eval_in_process(f"ckpt={trained / 'checkpoints' / 'last.pt'}", f"hydra.run.dir={tmp_path}")[0] == 0
     assert read_summary(tmp_path)["val/acc1"] == pytest.approx(read_summary(trained)["val/acc1"], abs=1e-9)
-    proc = run_entry("eval.py", f"ckpt={trained / 'checkpoints' / 'last.pt'}", "eval.use_ema=true",
-                     f"hydra.run.dir={tmp_path / 'ema'}", check=False)
-    assert proc.returncode == 2 and "no EMA weights" in proc.stderr
+    code, err = eval_in_process(f"ckpt={trained / 'checkpoints' / 'last.pt'}", "eval.use_ema=true",
+                                f"hydra.run.dir={tmp_path / 'ema'}")
+    assert code == 2 and "no EMA weights" in err
 
 
 @pytest.mark.slow  # CI covers resume with the SIGKILL tests of test_reliability.py
@@ -112,21 +112,21 @@ def _image_tree(root, classes=3, per_class=6, size=(40, 36)):
     (root / "train" / "class0" / "broken.jpg").write_bytes(b"not a jpeg")
 
 
-def test_imagenet_recipe_on_a_tiny_image_folder(tmp_path):
+def test_imagenet_recipe_on_a_tiny_image_folder(tmp_path, train_in_process):
     data = tmp_path / "data"
     _image_tree(data)
     out = tmp_path / "run"
-    run_entry("train.py", "data=imagefolder", f"data.root={data}", "data.img_size=32", *FAST_TRAIN,
-              "data.repeated_aug=1", "trainer.batch_size=19", "trainer.epochs=2", "trainer.max_steps=null",
-              "+model.kwargs.drop_path_rate=0.1", f"hydra.run.dir={out}")
+    assert train_in_process("data=imagefolder", f"data.root={data}", "data.img_size=32", *FAST_TRAIN,
+                            "data.repeated_aug=1", "trainer.batch_size=19", "trainer.epochs=2", "trainer.max_steps=null",
+                            "+model.kwargs.drop_path_rate=0.1", f"hydra.run.dir={out}")[0] == 0
     summary = read_summary(out)
     assert summary["steps"] == 2 and summary["val/count"] == 18
     assert summary["skipped_images"] == 1, "the unreadable file is counted once, though met in both epochs"
     assert summary["train/skipped_images"] == 1 and summary["val/skipped_images"] == 0
     assert "broken.jpg" in (out / "train.log").read_text(), "train.log names the skipped file"
-    proc = run_entry("train.py", "data=imagenet", f"data.root={data}", "data.img_size=32", *FAST_TRAIN,
-                     f"hydra.run.dir={tmp_path / 'in1k'}", check=False)
-    assert proc.returncode == 2 and "1000" in proc.stderr
+    code, err = train_in_process("data=imagenet", f"data.root={data}", "data.img_size=32", *FAST_TRAIN,
+                                 f"hydra.run.dir={tmp_path / 'in1k'}")
+    assert code == 2 and "1000" in err
 
 
 def test_wandb_logger_works_offline(tmp_path):
