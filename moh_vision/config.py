@@ -329,8 +329,8 @@ class ClassificationTask:
 @dataclass
 class SampleConfig:
     every_epochs: int = option(20, at_least=0, help="a labelled grid every N epochs (0: only the final one)")
-    steps: str = option("ddim50", help="respaced steps: '250' (DDPM) or 'ddim50'; sampler=dpm++: solver steps, '25'")
-    sampler: str = option("ddim", choices=("ddpm", "ddim", "dpm++"))
+    steps: str = option("ddim50", help="respaced steps: '250' (DDPM) or 'ddim50'; sampler=dpm++(sde): solver steps, '25'")
+    sampler: str = option("ddim", choices=("ddpm", "ddim", "dpm++", "dpm++sde"))
     cfg_scale: float = option(2.0, at_least=1.0)
     guidance_channels: Optional[int] = option(None, at_least=1, help="null: guide every channel; 3: DiT's")
     per_class: int = option(8, at_least=0, help="grid columns (0: no grid)")
@@ -346,7 +346,7 @@ class SampleConfig:
     fid_samples: int = option(10000, at_least=1, help="samples per FID, shared by the ranks (10000: DiT's ablations)")
     fid_ref: Optional[str] = option(None, help="ADM reference batch .npz (or folder of real images) to compare with")
     inception_weights: Optional[str] = option(None, help="local torch-fidelity Inception weights file for the FID")
-    fid_sampler: str = option("dpm++", choices=("ddpm", "ddim", "dpm++"))
+    fid_sampler: str = option("dpm++", choices=("ddpm", "ddim", "dpm++", "dpm++sde"))
     fid_steps: str = option("25", help="the FID sampler's steps (dpm++: solver steps; ddpm/ddim: respacing)")
     fid_cfg_scale: Optional[float] = option(None, at_least=1.0, help="null: cfg_scale")
     fid_metrics_batch_size: int = option(64, at_least=1, help="images per Inception call")

@@ -69,40 +69,42 @@ def assert_same_run(a: Path, b: Path) -> None:
             assert ra[key] == rb[key], f"{key}: {ra[key]} vs {rb[key]}"
 
 
-def kill_and_resume(args, out_dir: Path, kill_steps) -> None:
+def kill_and_resume(args, out_dir: Path, kill_steps, train_in_process) -> None:
+    """A run in its own process SIGKILLed at each of ``kill_steps``, each time started again; then resumed to its end
+    in this process (one thread, as the killed processes: the numbers are bit for bit theirs)."""
     for step in kill_steps:
         proc = start(args, out_dir)
         wait_for_step(proc, out_dir, step)
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    run_entry("train.py", *args, f"hydra.run.dir={out_dir}", env={"PYTHONPATH": ENV["PYTHONPATH"]})
+    assert train_in_process(*args, f"hydra.run.dir={out_dir}")[0] == 0
 
 
 @pytest.mark.parametrize("args,total", [(CLS, 10), pytest.param(DIFF, 10, marks=pytest.mark.slow)],
                          ids=["classification", "diffusion"])  # diffusion's resume: also test_checkpoint_history's
-def test_sigkill_then_resume_is_bit_identical(tmp_path, args, total):
+def test_sigkill_then_resume_is_bit_identical(tmp_path, args, total, one_thread, train_in_process):
     ref = tmp_path / "uninterrupted"
-    run_entry("train.py", *args, f"hydra.run.dir={ref}")
+    assert train_in_process(*args, f"hydra.run.dir={ref}")[0] == 0
     killed = tmp_path / "killed"
-    kill_and_resume(args, killed, [random.Random(0).randint(2, total - 2)])
+    kill_and_resume(args, killed, [random.Random(0).randint(2, total - 2)], train_in_process)
     assert read_summary(killed)["steps"] == total
     assert_same_run(ref, killed)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("args,total", [(CLS, 10), (DIFF, 10)], ids=["classification", "diffusion"])
-def test_repeated_random_kills_match_uninterrupted_run(tmp_path, args, total):
+def test_repeated_random_kills_match_uninterrupted_run(tmp_path, args, total, one_thread, train_in_process):
     ref = tmp_path / "uninterrupted"
-    run_entry("train.py", *args, f"hydra.run.dir={ref}")
+    assert train_in_process(*args, f"hydra.run.dir={ref}")[0] == 0
     rng = random.Random(1)
     kills = sorted(rng.sample(range(1, total), 4))
     out = tmp_path / "killed"
-    kill_and_resume(args, out, kills)
+    kill_and_resume(args, out, kills, train_in_process)
     assert_same_run(ref, out)
 
 
 @pytest.mark.parametrize("sig", [pytest.param(signal.SIGTERM, marks=pytest.mark.slow), signal.SIGUSR1])
-def test_preemption_signal_saves_and_exits_for_requeue(tmp_path, sig):
+def test_preemption_signal_saves_and_exits_for_requeue(tmp_path, sig, train_in_process):
     proc = start(CLS, tmp_path)
     wait_for_step(proc, tmp_path, 3)
     proc.send_signal(sig)
@@ -111,7 +113,7 @@ def test_preemption_signal_saves_and_exits_for_requeue(tmp_path, sig):
     assert "stopped by" in out and "resume with" in out
     stopped_at = weights(tmp_path)["step"]
     assert 3 <= stopped_at < 10
-    run_entry("train.py", *CLS, f"hydra.run.dir={tmp_path}")
+    assert train_in_process(*CLS, f"hydra.run.dir={tmp_path}")[0] == 0
     assert read_summary(tmp_path)["steps"] == 10
 
 

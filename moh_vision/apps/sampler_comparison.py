@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Mapping, Tuple
 import torch
 
 from moh_vision.cli import Options
-from moh_vision.diffusion.samplers import check_sampler
+from moh_vision.diffusion.samplers import SOLVERS, check_sampler
 from moh_vision.errors import ConfigError
 from moh_vision.engine.loggers import write_json
 from .sampling import load_model
@@ -37,7 +37,7 @@ def parse_arm(text: str) -> Tuple[str, str]:
 def model_calls(sampler: str, steps: str) -> int:
     """Model calls of one sample (each a guided pair when cfg_scale > 1)."""
     from moh_vision.diffusion.schedule import space_timesteps
-    return int(steps) if sampler == "dpm++" else len(space_timesteps(1000, steps))
+    return int(steps) if sampler in SOLVERS else len(space_timesteps(1000, steps))
 
 
 def compare_samplers(cfg: Mapping[str, Any]) -> Dict[str, Any]:

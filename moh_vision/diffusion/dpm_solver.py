@@ -1,4 +1,4 @@
-"""DPM-Solver++ (Lu et al., 2022): a fast deterministic sampler of the diffusion ODE, for epsilon-predicting DiTs.
+"""DPM-Solver++ (Lu et al., 2022): a fast sampler of the diffusion ODE (or SDE), for epsilon-predicting DiTs.
 
 The multistep second-order solver on the data prediction, with the settings diffusers' ``DPMSolverMultistepScheduler``
 uses by default (what its DiT pipeline is run with at 25 steps): ``solver_order=2``, ``algorithm_type="dpmsolver++"``,
@@ -13,7 +13,14 @@ h = lambda_next - lambda_now, one step from x at t to t_next with data predictio
 
     x_next = sigma_next / sigma_now * x - alpha_next * (exp(-h) - 1) * (D0 + 0.5 * (D0 - D_prev) * h / h_prev)
 
-(the last term only in second-order steps; h_prev is the previous step's h). A learned-variance model returns 2C
+(the last term only in second-order steps; h_prev is the previous step's h). ``stochastic=True`` is diffusers'
+``algorithm_type="sde-dpmsolver++"`` (the same midpoint multistep on the SDE, a fresh normal draw z each step)::
+
+    x_next = sigma_next / sigma_now * exp(-h) * x
+             + alpha_next * (1 - exp(-2h)) * (D0 + 0.5 * (D0 - D_prev) * h / h_prev)
+             + sigma_next * sqrt(1 - exp(-2h)) * z
+
+whose first-order step is DDPM's ancestral step in lambda. A learned-variance model returns 2C
 channels; as diffusers' DiT pipeline does, the solver reads only the first C (epsilon). Guidance is the model function's
 business (:func:`~moh_vision.diffusion.guidance.guided_model_fn`), as for the other samplers."""
 from __future__ import annotations
@@ -36,11 +43,12 @@ def dpm_solver_timesteps(num_timesteps: int, steps: int) -> List[int]:
 
 
 def dpm_solver_sample(diffusion, model_fn: Callable, noise: torch.Tensor, steps: int = 25,
-                      model_kwargs: Optional[dict] = None, clip_denoised: bool = False,
-                      progress: bool = False) -> torch.Tensor:
+                      model_kwargs: Optional[dict] = None, clip_denoised: bool = False, progress: bool = False,
+                      stochastic: bool = False, generator: Optional[torch.Generator] = None) -> torch.Tensor:
     """x_0 from ``noise`` (x_T) by ``steps`` DPM-Solver++ steps over ``diffusion``'s own timesteps (give the training
     process, unrespaced: every model call goes through its ``timestep_map``). ``clip_denoised`` clamps each data
-    prediction to [-1, 1] (pixel space; diffusers' thresholding with ratio 1). Deterministic: no random draw.
+    prediction to [-1, 1] (pixel space; diffusers' thresholding with ratio 1). Deterministic (no random draw) unless
+    ``stochastic``: then each step but the last draws its noise from ``generator``.
 
     The schedule's coefficients are computed once on the host in float64, so a step is tensor arithmetic with Python
     numbers: no device read, no host-to-device copy."""
@@ -56,7 +64,7 @@ def dpm_solver_sample(diffusion, model_fn: Callable, noise: torch.Tensor, steps:
     order = range(len(timesteps))
     if progress:
         from tqdm.auto import tqdm
-        order = tqdm(order, desc=f"dpm++ sampling ({len(timesteps)} steps)")
+        order = tqdm(order, desc=f"dpm++{'sde' if stochastic else ''} sampling ({len(timesteps)} steps)")
     for i in order:
         t = torch.full((x.shape[0],), timesteps[i], device=x.device, dtype=torch.long)
         with torch.no_grad():
@@ -73,7 +81,13 @@ def dpm_solver_sample(diffusion, model_fn: Callable, noise: torch.Tensor, steps:
             if previous is not None:  # second order (midpoint), from the last two data predictions
                 r = (lam[i] - lam[i - 1]) / h
                 direction = data + 0.5 * (data - previous) / r
-            x_work = (sigma[i + 1] / sigma[i]) * x_work - (alpha[i + 1] * math.expm1(-h)) * direction
+            if stochastic:
+                kept = -math.expm1(-2.0 * h)  # 1 - exp(-2h)
+                z = torch.randn(x.shape, generator=generator, device=x.device, dtype=dtype)
+                x_work = ((sigma[i + 1] / sigma[i] * math.exp(-h)) * x_work + (alpha[i + 1] * kept) * direction
+                          + (sigma[i + 1] * math.sqrt(kept)) * z)
+            else:
+                x_work = (sigma[i + 1] / sigma[i]) * x_work - (alpha[i + 1] * math.expm1(-h)) * direction
         previous = data
         x = x_work.to(noise.dtype)
     return x
