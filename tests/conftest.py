@@ -42,13 +42,17 @@ def one_thread():
 def entry_in_process(script, monkeypatch, capsys=None):
     """``run(*words)``: ``python <script> <words>`` in this process (Hydra, the schema, the run); returns (exit
     code, stderr), 0 when it finished (stderr is "" without ``capsys``: a module-scoped fixture's run, with
-    ``pytest.MonkeyPatch.context()``). Hydra's logging set-up for the job is undone afterwards."""
+    ``pytest.MonkeyPatch.context()``). Hydra's logging set-up for the job and its config are undone afterwards."""
+    from hydra.core.hydra_config import HydraConfig
+
     spec = importlib.util.spec_from_file_location(Path(script).stem, REPO / script)
     entry = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(entry)
     root = logging.getLogger()
     monkeypatch.setattr(root, "handlers", root.handlers[:])
     monkeypatch.setattr(root, "level", root.level)
+    # the run's Hydra config, which Hydra keeps in a process-wide singleton, is the run's alone: it is dropped after
+    monkeypatch.setattr(HydraConfig.instance(), "cfg", HydraConfig.instance().cfg)
 
     def run(*words):
         monkeypatch.setattr(sys, "argv", [script, *words])

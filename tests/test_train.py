@@ -187,8 +187,10 @@ def train_here(out_dir, monkeypatch, *overrides):
         cfg = compose("train", overrides=[*FAST_TRAIN, "trainer.count_flops=false", "trainer.batch_size=8",
                                           "trainer.val_batch_size=128", *overrides])
     out_dir.mkdir(parents=True, exist_ok=True)
+    from hydra.core.hydra_config import HydraConfig
     with monkeypatch.context() as m:
         m.chdir(out_dir)  # outside @hydra.main the run directory is the working directory
+        m.setattr(HydraConfig.instance(), "cfg", None)  # (and no Hydra run's config is there)
         m.delenv("WORLD_SIZE", raising=False)
         return train(cfg)
 
