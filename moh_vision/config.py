@@ -329,7 +329,7 @@ class ClassificationTask:
 @dataclass
 class SampleConfig:
     every_epochs: int = option(20, at_least=0, help="a labelled grid every N epochs (0: only the final one)")
-    steps: str = option("ddim50", help="respaced steps: '250' (DDPM) or 'ddim50'; sampler=dpm++(sde): solver steps, '25'")
+    steps: str = option("ddim50", help="respaced steps: '250' (DDPM), 'ddim50'; sampler=dpm++(sde): solver steps, '25'")
     sampler: str = option("ddim", choices=("ddpm", "ddim", "dpm++", "dpm++sde"))
     cfg_scale: float = option(2.0, at_least=1.0)
     guidance_channels: Optional[int] = option(None, at_least=1, help="null: guide every channel; 3: DiT's")

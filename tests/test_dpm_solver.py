@@ -145,8 +145,17 @@ def test_a_sampler_that_cannot_take_its_steps_is_one_error():
     samplers.check_sampler("ddim", "ddim50")
     samplers.check_sampler("dpm++", 25)
     samplers.check_sampler("dpm++sde", "25")
-    with pytest.raises(ConfigError, match="takes steps=<number of solver steps>"):
+    with pytest.raises(ConfigError, match="sampler=dpm\\+\\+sde takes steps=<number of solver steps>"):
         samplers.check_sampler("dpm++sde", "250x")
+
+
+def test_the_config_offers_every_sampler():
+    """The schema's sampler choices (written out: the config imports no torch) are the samplers'."""
+    import dataclasses
+    from moh_vision.config import SampleConfig
+    fields = {f.name: f for f in dataclasses.fields(SampleConfig)}
+    for name in ("sampler", "fid_sampler"):
+        assert fields[name].metadata["choices"] == samplers.SAMPLERS, name
 
 
 @pytest.fixture

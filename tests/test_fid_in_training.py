@@ -38,9 +38,11 @@ def fid_rows(run_dir):
 def test_a_run_logs_fid_with_its_steps_every_n_steps_and_at_numbered_checkpoints(tmp_path, reference, tiny_inception,
                                                                                    train_in_process):
     run = tmp_path / "run"
-    assert train_in_process(*TINY, "trainer.max_steps=3", f"hydra.run.dir={run}",
-                            *fid_options(reference, tiny_inception, "task.sample.fid_every_steps=3",
-                                         "task.sample.fid_at_checkpoints=true", "trainer.ckpt_history_every_steps=2"))[0] == 0
+    code, err = train_in_process(*TINY, "trainer.max_steps=3", f"hydra.run.dir={run}",
+                                 *fid_options(reference, tiny_inception, "task.sample.fid_every_steps=3",
+                                              "task.sample.fid_at_checkpoints=true",
+                                              "trainer.ckpt_history_every_steps=2"))
+    assert code == 0, err
     rows = fid_rows(run)
     assert [int(row["step"]) for row in rows] == [2, 3]  # 2: a numbered checkpoint; 3: every 3 steps
     for row in rows:

@@ -19,11 +19,11 @@ SAMPLERS = ("ddpm", "ddim", "dpm++", "dpm++sde")
 SOLVERS = ("dpm++", "dpm++sde")  # steps: solver steps, not a respacing
 
 
-def solver_steps(steps: Any) -> int:
+def solver_steps(steps: Any, sampler: str = "dpm++") -> int:
     """``steps`` of ``sampler=dpm++`` (or ``dpm++sde``): a positive integer (not a respacing such as ``ddim50``)."""
     text = str(steps).strip()
     if not text.isdigit() or int(text) < 1:
-        raise ConfigError(f"sampler=dpm++ takes steps=<number of solver steps> (e.g. 25), not steps={steps}")
+        raise ConfigError(f"sampler={sampler} takes steps=<number of solver steps> (e.g. 25), not steps={steps}")
     return int(text)
 
 
@@ -33,7 +33,7 @@ def check_sampler(sampler: str, steps: Any, diffusion_steps: int = 1000) -> None
         raise ConfigError(f"sampler={sampler}: use {', '.join(SAMPLERS)}")
     if sampler in SOLVERS:
         from .dpm_solver import dpm_solver_timesteps
-        dpm_solver_timesteps(diffusion_steps, solver_steps(steps))
+        dpm_solver_timesteps(diffusion_steps, solver_steps(steps, sampler))
     else:
         from .schedule import space_timesteps
         space_timesteps(diffusion_steps, str(steps))
@@ -46,7 +46,7 @@ def sample_with(sampler: str, steps: Any, diffusion_args: Mapping[str, Any], mod
     (the training process's options: schedule, steps, learned sigma). ``generator`` gives the noise of every step of
     DDPM and ``dpm++sde``; DDIM (eta 0) and DPM-Solver++ draw nothing."""
     if sampler in SOLVERS:
-        return dpm_solver_sample(create_diffusion("", **diffusion_args), model_fn, noise, solver_steps(steps),
+        return dpm_solver_sample(create_diffusion("", **diffusion_args), model_fn, noise, solver_steps(steps, sampler),
                                  model_kwargs=model_kwargs, clip_denoised=clip_denoised, progress=progress,
                                  stochastic=sampler == "dpm++sde", generator=generator)
     if sampler not in SAMPLERS:
