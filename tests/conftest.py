@@ -26,7 +26,11 @@ def pytest_configure(config):
     register_configs()  # the schema and the model presets, for tests that compose with Hydra's own API
     if os.environ.get("PYTEST_XDIST_WORKER"):
         torch.set_num_threads(1)
-        os.environ["OMP_NUM_THREADS"] = "1"  # subprocesses the tests start inherit it
+        # numpy's OpenBLAS too (the Frechet distances' 2048-d eigensolves): it read the thread count when numpy
+        # was imported, before this hook, and two spinning BLAS threads a worker doubled those tests' CPU time
+        from threadpoolctl import threadpool_limits
+        threadpool_limits(limits=1, user_api="blas")
+        os.environ["OMP_NUM_THREADS"] = "1"  # subprocesses the tests start inherit it (OpenBLAS reads it too)
 
 
 @pytest.fixture

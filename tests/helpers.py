@@ -136,15 +136,35 @@ def assert_compiles_for_hopper_without_spills(fn, meta: dict, pointer_types: Dic
     assert " 0 bytes spill stores" in report, (fn.fn.__name__, report)
 
 
-def run_in_triton_interpreter(script: str) -> None:
-    """Run ``script`` (Python; ``sys.argv[1]`` is the tests folder) in a fresh process with ``TRITON_INTERPRET=1``
-    (Triton decides at import whether its language is interpreted); fails with its output."""
+# Runs each named script in turn in one process and writes {name: None, or the traceback of its failure} as JSON.
+_INTERPRETER_RUNNER = r"""
+import json, sys, traceback
+scripts, tests, out = json.loads(open(sys.argv[1]).read()), sys.argv[2], sys.argv[3]
+results = {}
+for name, source in scripts.items():
+    sys.argv = ["-c", tests]
+    try:
+        exec(compile(source, name, "exec"), {"__name__": "__main__"})
+        results[name] = None
+    except BaseException:
+        results[name] = traceback.format_exc()[-4000:]
+open(out, "w").write(json.dumps(results))
+"""
+
+
+def run_in_triton_interpreter(scripts: Dict[str, str], tmp: Path) -> Dict[str, Optional[str]]:
+    """Run the named ``scripts`` (Python; ``sys.argv[1]`` is the tests folder) in turn in one fresh process with
+    ``TRITON_INTERPRET=1`` (Triton decides at import whether its language is interpreted): for each name, None or
+    the traceback of its failure. One process for them all: each would spend 5 s of CPU importing torch and Triton."""
     import pytest
     pytest.importorskip("triton")
+    (tmp / "scripts.json").write_text(json.dumps(scripts))
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONWARNINGS="ignore")
-    done = subprocess.run([sys.executable, "-c", script, str(Path(__file__).parent)], cwd=REPO, env=env,
+    done = subprocess.run([sys.executable, "-c", _INTERPRETER_RUNNER, str(tmp / "scripts.json"),
+                           str(Path(__file__).parent), str(tmp / "results.json")], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    return json.loads((tmp / "results.json").read_text())
 
 
 class Spy(TorchDispatchMode):

@@ -104,7 +104,8 @@ def test_rank_zero_alone_indexes_and_the_other_ranks_get_its_index_or_its_error(
     for image in (broken / "val" / "bee").rglob("*.jpg"):
         image.unlink()
     roots = [str(good), str(broken)]
-    torch.multiprocessing.spawn(_rank_worker, args=(str(tmp_path / "init"), roots, str(tmp_path)), nprocs=2)
+    torch.multiprocessing.start_processes(_rank_worker, args=(str(tmp_path / "init"), roots, str(tmp_path)), nprocs=2,
+                                          start_method="fork")  # as tests/test_run_dir.py's ranks
     rank0, rank1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert rank0 == rank1
     assert rank0[0]["classes"] == ["ant", "bee", "cow"] and len(rank0[0]["train"]) == 15

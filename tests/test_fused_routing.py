@@ -4,7 +4,7 @@ gates, probabilities, selections, the load-balance loss and every gradient, unde
 compiled for Hopper, and (``gpu``) in the layer on CUDA; and where the formulas run instead."""
 import pytest
 import torch
-from helpers import Spy, run_in_triton_interpreter
+from helpers import Spy
 
 from moh_vision.attention import build_attention, record_routing
 from moh_vision.errors import ConfigError
@@ -67,6 +67,7 @@ def test_the_formulas_run_wherever_the_kernels_do_not():
 # ---------------------------------------------------------------------------------------------
 # the routing and the gated merge in one kernel each way (routing_triton.TritonRouteMerge) against the formulas
 # and merge_heads: the heads in SDPA's layout and contiguous, with and without the loss
+# (run under the interpreter by tests/test_triton_interpreter.py)
 TRITON_MERGE_SCRIPT = """
 import sys, torch
 sys.path.insert(0, sys.argv[1])
@@ -113,10 +114,6 @@ torch.testing.assert_close(out[5], ref.loss, rtol=1e-6, atol=0)
 # (the bf16 merged output itself: the gpu test; the interpreter does not emulate bf16 stores)
 print("triton route_merge: all equal")
 """
-
-
-def test_triton_route_merge_in_the_interpreter_equals_the_formulas_and_merge_heads():
-    run_in_triton_interpreter(TRITON_MERGE_SCRIPT)
 
 
 @pytest.mark.parametrize("layout", [(6, 2, 2), (8, 1, 3), (4, 0, 2), (16, 4, 7)])
