@@ -19,11 +19,18 @@ FAST_TRAIN = ("trainer.epochs=1", "trainer.max_steps=3", "trainer.batch_size=32"
 
 
 def run_entry(script: str, *args: str, env: Optional[Dict[str, str]] = None, timeout: int = 600,
-              check: bool = True, launcher: Sequence[str] = (), root: Path = REPO) -> subprocess.CompletedProcess:
+              check: bool = True, launcher: Sequence[str] = (), root: Path = REPO,
+              fork: bool = False) -> subprocess.CompletedProcess:
     """``python <script> <args>`` from the repository root (or a copy of it: ``root``); raises with the
-    output on failure."""
+    output on failure. ``fork=True``: a process forked from this one (:class:`Forked`), not a fresh interpreter."""
     full_env = {**os.environ, "WANDB_MODE": "disabled", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
                 "HYDRA_FULL_ERROR": "1", **(env or {})}
+    if fork:
+        assert not launcher and root == REPO, "a forked child runs this process's package"
+        child = Forked([root / script, *args], env=full_env, cwd=root, stderr=True)
+        proc = subprocess.CompletedProcess(child.args, None, *child.communicate(timeout=timeout))
+        proc.returncode = child.returncode
+        return _checked(proc, check)
     cmd = [*launcher, str(root / script), *args] if launcher else [sys.executable, str(root / script), *args]
     with subprocess.Popen(cmd, cwd=root, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as child:  # its own process group: a hung run goes whole
@@ -34,11 +41,132 @@ def run_entry(script: str, *args: str, env: Optional[Dict[str, str]] = None, tim
             stdout, stderr = child.communicate()
             raise AssertionError(f"{' '.join(cmd)} did not finish in {timeout} s\n--- stdout\n{stdout[-4000:]}\n"
                                  f"--- stderr\n{stderr[-6000:]}") from None
-    proc = subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr)
+    return _checked(subprocess.CompletedProcess(cmd, child.returncode, stdout, stderr), check)
+
+
+def _checked(proc: subprocess.CompletedProcess, check: bool) -> subprocess.CompletedProcess:
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n"
-                             f"--- stderr\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{' '.join(map(str, proc.args))} exited {proc.returncode}\n--- stdout\n"
+                             f"{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+class Forked:
+    """``python <argv...>`` as a process forked from this one: a process of its own (pid, signals, exit status,
+    environment, working directory, resource limits: ``preexec`` runs in it first), without the 5-7 s of CPU a fresh
+    interpreter spends importing torch, timm and Hydra. ``argv[0]`` (a script) runs as ``__main__`` with that
+    ``sys.argv``; ``code=`` runs a string instead (as ``python -c``). Its output goes to a file, stdout and stderr
+    together unless ``stderr=True``; the interface is Popen's (``poll``, ``wait``, ``send_signal``, ``communicate``,
+    ``returncode``). Where the fresh interpreter is what a test is about (the README's command, what a process
+    imports, torchrun's processes, the SLURM line) the test starts one with ``subprocess`` instead."""
+
+    def __init__(self, argv: Sequence[str] = (), env: Optional[Dict[str, str]] = None, cwd: Path = REPO,
+                 preexec=None, code: Optional[str] = None, stderr: bool = False):
+        import tempfile
+        self.args, self.returncode = [*argv], None
+        self._out = tempfile.TemporaryFile()
+        self._err = tempfile.TemporaryFile() if stderr else self._out
+        env = {**os.environ, "WANDB_MODE": "disabled", "MPLBACKEND": "Agg", **(env or {})}
+        sys.stdout.flush(), sys.stderr.flush()
+        self.pid = os.fork()
+        if self.pid == 0:  # the child: never returns
+            _forked_child(self.args, env, cwd, preexec, code, self._out.fileno(), self._err.fileno())
+
+    def poll(self) -> Optional[int]:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        import time
+        end = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if end is not None and time.monotonic() > end:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def send_signal(self, sig: int) -> None:
+        if self.poll() is None:
+            os.kill(self.pid, sig)
+
+    def kill(self) -> None:
+        if self.poll() is None:
+            os.killpg(self.pid, signal.SIGKILL)  # its loader workers too
+
+    def _read(self, f) -> str:
+        f.seek(0)
+        return f.read().decode(errors="replace")
+
+    def communicate(self, timeout: Optional[float] = None):
+        """(its output, its stderr: None unless ``stderr=True``) once it ends; killed, with its output in the error,
+        if it is not done within ``timeout`` s."""
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            self.wait()
+            raise AssertionError(f"{self.args} did not finish in {timeout} s\n{self._read(self._out)[-6000:]}") from None
+        return self._read(self._out), (self._read(self._err) if self._err is not self._out else None)
+
+
+def _forked_child(argv, env, cwd, preexec, code, out_fd, err_fd) -> None:
+    """In the forked child: this test process's state undone where a fresh interpreter would differ (fds, streams,
+    signal handlers, exit handlers, logging, Hydra's singletons, environment, directory, ``sys.argv`` and
+    ``sys.path[0]``), then the script; ``os._exit`` with its status, as the interpreter would end."""
+    import atexit
+    import logging
+    import runpy
+    import traceback
+    status = 1
+    try:
+        os.setsid()  # its own process group, as run_entry's children: a kill takes its loader workers too
+        os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # not the test worker's channel to pytest
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        sys.stdin = open(0, closefd=False)
+        sys.stdout = sys.__stdout__ = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = sys.__stderr__ = open(2, "w", buffering=1, closefd=False)
+        for sig in (signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP, signal.SIGQUIT, signal.SIGALRM):
+            signal.signal(sig, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        atexit._clear()  # the test process's; the script's own run at the end
+        logging.getLogger().handlers.clear()
+        logging.getLogger().setLevel(logging.WARNING)
+        from hydra.core.global_hydra import GlobalHydra
+        from hydra.core.hydra_config import HydraConfig
+        GlobalHydra.instance().clear()
+        HydraConfig.instance().cfg = None
+        os.environ.clear()
+        os.environ.update(env)
+        os.chdir(cwd)
+        if preexec is not None:
+            preexec()
+        first = "" if code is not None else str(Path(argv[0]).resolve().parent)  # as python -c / python script
+        sys.path[:0] = [first, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+        if code is not None:
+            sys.argv = ["-c", *map(str, argv)]
+            exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
+        else:
+            sys.argv = [str(a) for a in argv]
+            runpy.run_path(str(argv[0]), run_name="__main__")
+        status = 0
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            status = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(status)
 
 
 def load_tool(name: str, folder: str = "tools"):

@@ -3,14 +3,12 @@ newest ``trainer.ckpt_keep`` kept and never the newest readable one deleted; ``t
 ``tools/sample.py`` take any of them; what a killed write leaves is removed by the next run in the directory."""
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, load_tool, read_summary
+from helpers import Forked, load_tool, read_summary
 from moh_vision import checkpoints as ckpt_io
 from moh_vision.checkpoints import CheckpointHistory, numbered_checkpoints, to_prune
 
@@ -121,9 +119,8 @@ atomic_write(sys.argv[1], write)
 def test_a_write_killed_half_way_leaves_a_file_the_next_run_removes(tmp_path, train_in_process):
     run = tmp_path / "run"
     last = run / "checkpoints" / "last.pt"
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    killed = subprocess.run([sys.executable, "-c", KILLED_WRITE, str(last)], env=env, capture_output=True)
-    assert killed.returncode == -9
+    killed = Forked([last], code=KILLED_WRITE)
+    assert killed.wait(timeout=120) == -9
     leftovers = list(last.parent.glob(".last.pt.*.tmp"))
     assert len(leftovers) == 1 and not last.exists()
     (last.parent / "notes.tmp").write_text("not ours")  # only atomic_write's own names are removed

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import REPO, read_summary, run_entry
+from helpers import REPO, Forked, read_summary, run_entry
 from moh_vision import checkpoints as ckpt_io
 from moh_vision.checkpoints import CheckpointHistory
 from test_reliability import ENV, assert_same_run, wait_for_step
@@ -187,11 +187,11 @@ def test_an_async_write_that_fails_stops_the_run_with_its_error(tmp_path, train_
     from test_reliability import _limit_file_size
     assert train_in_process(*SMALL, "trainer.max_steps=2", f"hydra.run.dir={tmp_path}")[0] == 0
     size = (tmp_path / "checkpoints" / "last.pt").stat().st_size
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), *SMALL, "trainer.max_steps=4", "trainer.extend=true",
-                           "trainer.ckpt_async=true", f"hydra.run.dir={tmp_path}"], cwd=REPO, env=ENV,
-                          capture_output=True, text=True, timeout=300, preexec_fn=_limit_file_size(size // 2))
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    last_line = proc.stderr.strip().splitlines()[-1]
+    proc = Forked([REPO / "train.py", *SMALL, "trainer.max_steps=4", "trainer.extend=true", "trainer.ckpt_async=true",
+                   f"hydra.run.dir={tmp_path}"], env=ENV, preexec=_limit_file_size(size // 2), stderr=True)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 1, stderr[-3000:]
+    last_line = stderr.strip().splitlines()[-1]
     assert last_line.startswith("error: could not write checkpoint") and "File too large" in last_line
     assert ckpt_io.load_file(tmp_path / "checkpoints" / "last.pt")["step"] == 2, "the previous checkpoint is intact"
     assert temporaries(tmp_path) == []
@@ -213,9 +213,7 @@ def test_partial_writes_anywhere_in_the_run_directory_are_found(tmp_path):
 def kill_inside(target, occurrence, args, run_dir: Path, timeout=300):
     """train.py with the ``occurrence``-th write of ``target`` stalled half-way, SIGKILLed there."""
     marker = run_dir.parent / f"{run_dir.name}.{target}.stalled"
-    proc = subprocess.Popen([sys.executable, SLOW_WRITE, target, str(occurrence), str(marker), str(REPO / "train.py"),
-                             *args, f"hydra.run.dir={run_dir}"], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = Forked([SLOW_WRITE, target, occurrence, marker, REPO / "train.py", *args, f"hydra.run.dir={run_dir}"], env=ENV)
     end = time.time() + timeout
     while not marker.exists() and proc.poll() is None and time.time() < end:
         time.sleep(0.05)

@@ -4,15 +4,13 @@ import os
 import random
 import resource
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, read_summary, run_entry
+from helpers import REPO, Forked, read_summary, run_entry
 from moh_vision.analysis.routing_stats import RoutingMeter
 
 # Deterministic, checkpoint every step, log every step.
@@ -26,9 +24,9 @@ ENV = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "MPLBACKE
        "PYTHONPATH": f"{REPO / 'tests'}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
 
-def start(args, out_dir, **popen):
-    return subprocess.Popen([sys.executable, str(REPO / "train.py"), *args, f"hydra.run.dir={out_dir}"], cwd=REPO,
-                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+def start(args, out_dir, preexec=None):
+    """``python train.py <args>`` in a process of its own (forked: ``helpers.Forked``), its output in one stream."""
+    return Forked([REPO / "train.py", *args, f"hydra.run.dir={out_dir}"], env=ENV, preexec=preexec)
 
 
 def logged_step(out_dir: Path) -> int:
@@ -143,7 +141,7 @@ def test_full_disk_during_save_keeps_previous_checkpoint(tmp_path):
     before = weights(tmp_path)
     size = (tmp_path / "checkpoints" / "last.pt").stat().st_size
     proc = start((*CLS, "trainer.extend=true"), tmp_path,  # past max_steps; the next save cannot fit
-                 preexec_fn=_limit_file_size(size // 2))
+                 preexec=_limit_file_size(size // 2))
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 1, out[-3000:]
     last_line = out.strip().splitlines()[-1]
@@ -249,9 +247,7 @@ def test_preemption_hands_the_signal_to_the_launchers_handler_after_saving(tmp_p
     wrapper.write_text(LAUNCHER_HANDLER)
     marker = tmp_path / "requeued"
     run_dir = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, str(wrapper), str(REPO / "train.py"), *CLS, f"hydra.run.dir={run_dir}"],
-                            cwd=REPO, env={**ENV, "MARKER": str(marker)}, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = Forked([wrapper, REPO / "train.py", *CLS, f"hydra.run.dir={run_dir}"], env={**ENV, "MARKER": str(marker)})
     wait_for_step(proc, run_dir, 2)
     proc.send_signal(signal.SIGUSR2)
     out, _ = proc.communicate(timeout=300)

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import REPO, read_summary
+from helpers import REPO, Forked, read_summary
 from test_reliability import CLS, wait_for_step
 from moh_vision.checkpoints import run_name, slurm_job
 from moh_vision.checkpoints import LOCK_NAME, RunLock
@@ -75,7 +75,10 @@ def test_a_requeued_job_continues_in_its_directory(tmp_path):  # 2 short runs: ~
                                                                 "checkpoint: saved"], "requeued after the release"
 
     plant_lock(run_dir, "4242")  # this job's earlier run, killed with its node before the requeue
-    code, out = finish(start(tmp_path, job_env(tmp_path, SLURM_RESTART_COUNT="1", SLURMD_NODENAME="node-b")))
+    # the requeued job: a process forked from this one (helpers.Forked; the first run was the fresh interpreter)
+    requeued = Forked([REPO / "train.py", *TINY], env=job_env(tmp_path, SLURM_RESTART_COUNT="1",
+                                                               SLURMD_NODENAME="node-b"), cwd=tmp_path)
+    code, out = finish(requeued)
     assert code == 0, out[-3000:]
     assert "taking over the lock of an earlier run of SLURM job 4242" in out
     assert f"at step {step} " in next(line for line in out.splitlines() if "resumed from" in line)

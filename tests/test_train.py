@@ -80,7 +80,7 @@ def test_auto_resume_continues_the_run(tmp_path):
 
 def test_multirun_sweep_and_report(tmp_path, capsys):
     run_entry("train.py", "-m", "attention.activation_ratio=0.5,1.0", *FAST_TRAIN, "trainer.max_steps=2",
-              f"hydra.sweep.dir={tmp_path}")
+              f"hydra.sweep.dir={tmp_path}", fork=True)
     summaries = sorted(tmp_path.rglob("summary.json"))
     assert len(summaries) == 2
     assert load_tool("sweep_report").main([f"dir={tmp_path}"]) == 0  # in-process: no second package import
@@ -131,7 +131,7 @@ def test_imagenet_recipe_on_a_tiny_image_folder(tmp_path, train_in_process):
 
 def test_wandb_logger_works_offline(tmp_path):
     run_entry("train.py", *FAST_TRAIN, "trainer.max_steps=1", "logger=wandb", f"hydra.run.dir={tmp_path}",
-              env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"})
+              env={"WANDB_MODE": "offline", "WANDB_SILENT": "true"}, fork=True)
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
     assert len(runs) == 1 and any(runs[0].glob("*.wandb"))
     state = torch.load(tmp_path / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
