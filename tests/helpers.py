@@ -28,9 +28,8 @@ def run_entry(script: str, *args: str, env: Optional[Dict[str, str]] = None, tim
     if fork:
         assert not launcher and root == REPO, "a forked child runs this process's package"
         child = Forked([root / script, *args], env=full_env, cwd=root, stderr=True)
-        proc = subprocess.CompletedProcess(child.args, None, *child.communicate(timeout=timeout))
-        proc.returncode = child.returncode
-        return _checked(proc, check)
+        stdout, stderr = child.communicate(timeout=timeout)
+        return _checked(subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr), check)
     cmd = [*launcher, str(root / script), *args] if launcher else [sys.executable, str(root / script), *args]
     with subprocess.Popen(cmd, cwd=root, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as child:  # its own process group: a hung run goes whole
@@ -67,7 +66,8 @@ class Forked:
         self._out = tempfile.TemporaryFile()
         self._err = tempfile.TemporaryFile() if stderr else self._out
         env = {**os.environ, "WANDB_MODE": "disabled", "MPLBACKEND": "Agg", **(env or {})}
-        sys.stdout.flush(), sys.stderr.flush()
+        sys.stdout.flush()  # nothing buffered here is written twice, by the child too
+        sys.stderr.flush()
         self.pid = os.fork()
         if self.pid == 0:  # the child: never returns
             _forked_child(self.args, env, cwd, preexec, code, self._out.fileno(), self._err.fileno())
@@ -108,7 +108,8 @@ class Forked:
         except subprocess.TimeoutExpired:
             self.kill()
             self.wait()
-            raise AssertionError(f"{self.args} did not finish in {timeout} s\n{self._read(self._out)[-6000:]}") from None
+            output = self._read(self._out)[-6000:]
+            raise AssertionError(f"{self.args} did not finish in {timeout} s\n{output}") from None
         return self._read(self._out), (self._read(self._err) if self._err is not self._out else None)
 
 

@@ -213,7 +213,8 @@ def test_partial_writes_anywhere_in_the_run_directory_are_found(tmp_path):
 def kill_inside(target, occurrence, args, run_dir: Path, timeout=300):
     """train.py with the ``occurrence``-th write of ``target`` stalled half-way, SIGKILLed there."""
     marker = run_dir.parent / f"{run_dir.name}.{target}.stalled"
-    proc = Forked([SLOW_WRITE, target, occurrence, marker, REPO / "train.py", *args, f"hydra.run.dir={run_dir}"], env=ENV)
+    proc = Forked([SLOW_WRITE, target, occurrence, marker, REPO / "train.py", *args, f"hydra.run.dir={run_dir}"],
+                  env=ENV)
     end = time.time() + timeout
     while not marker.exists() and proc.poll() is None and time.time() < end:
         time.sleep(0.05)
