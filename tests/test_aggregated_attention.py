@@ -139,6 +139,23 @@ def test_cpu_kernels_are_built_for_the_vector_instructions_aten_uses(monkeypatch
     assert name == suffix and (flags == ["-mavx2", "-mfma"]) == bool(suffix)
 
 
+def test_the_build_is_named_by_the_sources_content_not_its_path(tmp_path, monkeypatch):
+    """Two checkouts of the same source share one build made from one copy of it (from each path, each rebuilt the
+    kernel after the other: a test's copy of the project cost 12 s of CPU twice); a changed source is another."""
+    from moh_vision.ops import extensions
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "cache"))
+    first, second, changed = (tmp_path / name / "kernel.cpp" for name in ("a", "b", "c"))
+    for path, code in ((first, "int f();\n"), (second, "int f();\n"), (changed, "int g();\n")):
+        path.parent.mkdir()
+        path.write_text(code)
+    (shared, digest), (again, same) = extensions.shared_source(first), extensions.shared_source(second)
+    assert (shared, digest) == (again, same) and shared.read_text() == "int f();\n"
+    assert shared.is_relative_to(tmp_path / "cache") and shared.name == "kernel.cpp"
+    other, changed_digest = extensions.shared_source(changed)
+    assert changed_digest != digest and other != shared and other.read_text() == "int g();\n"
+    assert not list((tmp_path / "cache").rglob("*.tmp"))
+
+
 @pytest.mark.parametrize("shape", SHAPES)
 def test_flex_candidate_forward_equals_the_unfold_form(shape):
     """The FlexAttention candidate (moh_vision.ops.aggregated_flex) on the CPU, forward only (FlexAttention has

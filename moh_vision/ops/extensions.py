@@ -1,7 +1,8 @@
 """This package's C++ CPU kernels (one source file each under ``csrc/``, registering ``torch.library`` operators), built
-on first use by torch's extension builder (g++ and ninja, ~10 s once per machine, torch version and vector instruction
-set, :func:`vector_flags`; cached under ``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``). Without a
-compiler the callers run their ATen formulas (same values) and say so once; ``kernels=reference`` never builds them."""
+on first use by torch's extension builder (g++ and ninja, ~10 s once per machine, torch version, vector instruction
+set (:func:`vector_flags`) and source's content (:func:`shared_source`); cached under ``TORCH_EXTENSIONS_DIR``,
+default ``~/.cache/torch_extensions``). Without a compiler the callers run their ATen formulas (same values) and say
+so once; ``kernels=reference`` never builds them."""
 from __future__ import annotations
 
 import logging
@@ -37,6 +38,27 @@ def load_cpu_kernels(library: str, op: str, source: Path, what: str) -> bool:
     return _loaded[library]
 
 
+def shared_source(source: Path) -> Tuple[Path, str]:
+    """``source`` as a file named by its content (``<TORCH_EXTENSIONS_DIR>/moh_vision_sources/<sha1>/``) and that
+    digest's first 12 digits: the build's inputs are the content alone, not where the checkout is. (Built from each
+    checkout's own path, two checkouts of the same code, or a test's copy of the project, rebuilt the kernel, 12 s of
+    CPU, each time the other had built it: the build's command line names the source's path.)"""
+    import hashlib
+    import os
+
+    from torch.utils.cpp_extension import get_default_build_root
+    code = source.read_bytes()
+    digest = hashlib.sha1(code).hexdigest()
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or get_default_build_root())
+    shared = root / "moh_vision_sources" / digest / source.name
+    if not shared.is_file():
+        shared.parent.mkdir(parents=True, exist_ok=True)
+        part = shared.with_name(f".{source.name}.{os.getpid()}.tmp")
+        part.write_bytes(code)
+        os.replace(part, shared)  # whole, never half-written, for a process that builds beside this one
+    return shared, digest[:12]
+
+
 def build(library: str, op: str, source: Path, what: str) -> bool:
     """Build and load ``source`` unless ``torch.ops.<library>.<op>`` exists already: False (said once) if it cannot
     be built. ``what`` names the kernel in messages."""
@@ -48,7 +70,8 @@ def build(library: str, op: str, source: Path, what: str) -> bool:
         log.info("loading %s's C++ kernel (compiled on first use: ~10 s once per machine)", what)
         version = "".join(c if c.isalnum() else "_" for c in torch.__version__)  # a build per torch (its ABI)
         isa, flags = vector_flags()
-        cpp_extension.load(name=f"moh_vision_{library}_{version}{isa}", sources=[str(source)],
+        shared, digest = shared_source(source)
+        cpp_extension.load(name=f"moh_vision_{library}_{version}{isa}_{digest}", sources=[str(shared)],
                            extra_cflags=["-O3", *flags], is_python_module=False, verbose=False)
         return True
     except Exception as error:  # no compiler, no ninja, a read-only cache: the formulas are exact too
