@@ -7,7 +7,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import Dict, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -18,18 +18,24 @@ FAST_TRAIN = ("trainer.epochs=1", "trainer.max_steps=3", "trainer.batch_size=32"
               "trainer.log_every=1", "trainer.num_workers=0")
 
 
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")  # + --nproc_per_node=N
+
+
 def run_entry(script: str, *args: str, env: Optional[Dict[str, str]] = None, timeout: int = 600,
               check: bool = True, launcher: Sequence[str] = (), root: Path = REPO,
               fork: bool = False) -> subprocess.CompletedProcess:
     """``python <script> <args>`` from the repository root (or a copy of it: ``root``); raises with the
-    output on failure. ``fork=True``: a process forked from this one (:class:`Forked`), not a fresh interpreter."""
+    output on failure. ``fork=True``: a process forked from this one (:class:`Forked`), not a fresh interpreter;
+    with torchrun as the ``launcher``, its agent is the forked process (:func:`torchrun`)."""
     full_env = {**os.environ, "WANDB_MODE": "disabled", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1",
                 "HYDRA_FULL_ERROR": "1", **(env or {})}
-    if fork:
-        assert not launcher and root == REPO, "a forked child runs this process's package"
-        child = Forked([root / script, *args], env=full_env, cwd=root, stderr=True)
+    if fork:  # the script, or torchrun's agent, forked
+        assert root == REPO, "a forked child runs this process's package"
+        assert not launcher or tuple(launcher[:3]) == TORCHRUN[:3], "torchrun is the launcher a fork knows"
+        child = (torchrun(*launcher[3:], root / script, *args, env=full_env) if launcher else
+                 Forked([root / script, *args], env=full_env, cwd=root, stderr=True))
         stdout, stderr = child.communicate(timeout=timeout)
-        return _checked(subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr), check)
+        return _checked(subprocess.CompletedProcess(child.args, child.returncode, stdout, stderr or ""), check)
     cmd = [*launcher, str(root / script), *args] if launcher else [sys.executable, str(root / script), *args]
     with subprocess.Popen(cmd, cwd=root, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                           start_new_session=True) as child:  # its own process group: a hung run goes whole
@@ -100,6 +106,10 @@ class Forked:
         f.seek(0)
         return f.read().decode(errors="replace")
 
+    def output(self) -> str:
+        """What it has written so far (to stdout, and to stderr unless ``stderr=True``)."""
+        return self._read(self._out)
+
     def communicate(self, timeout: Optional[float] = None):
         """(its output, its stderr: None unless ``stderr=True``) once it ends; killed, with its output in the error,
         if it is not done within ``timeout`` s."""
@@ -168,6 +178,54 @@ def _forked_child(argv, env, cwd, preexec, code, out_fd, err_fd) -> None:
             sys.stderr.flush()
         finally:
             os._exit(status)
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(ranks: int, script, *args: str, env: Optional[Dict[str, str]] = None, timeout: float = 300,
+              check: bool = True) -> List[Forked]:
+    """``python <script> <args>`` on ``ranks`` gloo ranks of this machine, each a :class:`Forked` process with the
+    variables torchrun gives its workers (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+    ``MASTER_ADDR``/``MASTER_PORT``; rank 0 hosts the rendezvous's store, as without torchrun's agent). For what
+    many ranks do in training; what torchrun itself does (its signals, its ending of the other workers) is tested
+    under :func:`torchrun`. The ended ranks (their output: ``rank.output()``). With ``check``, raises with every rank's
+    output when one fails (the others are ended 30 s later: they could be waiting in a collective) or time runs out."""
+    import time
+
+    import torch.distributed as dist
+    assert not dist.is_initialized(), "a forked rank would inherit this process's group"
+    shared = {"WANDB_MODE": "disabled", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1", "HYDRA_FULL_ERROR": "1",
+              **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(ranks),
+              "LOCAL_WORLD_SIZE": str(ranks)}
+    procs = [Forked([script, *args], env={**shared, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(ranks)]
+    end = time.monotonic() + timeout
+    while any(p.poll() is None for p in procs) and time.monotonic() < end:
+        if any(p.returncode for p in procs):
+            end = min(end, time.monotonic() + 30)
+        time.sleep(0.05)
+    for p in procs:
+        p.kill()
+        p.wait()
+    if check and any(p.returncode for p in procs):
+        told = "\n".join(f"--- rank {r} exited {p.returncode}\n{p.output()[-4000:]}" for r, p in enumerate(procs))
+        raise AssertionError(f"{script} on {ranks} ranks\n{told}")
+    return procs
+
+
+TORCHRUN_MAIN = "import runpy; runpy.run_module('torch.distributed.run', run_name='__main__', alter_sys=True)"
+
+
+def torchrun(*argv: str, env: Optional[Dict[str, str]] = None, cwd: Path = REPO) -> Forked:
+    """``python -m torch.distributed.run <argv>``: torchrun's agent, forked from this process (its workers are the fresh
+    interpreters it starts), its output in one stream; a process group of its own, which :meth:`Forked.kill` ends
+    whole. The agent's own 2.5 s of importing torch are spared; what it does is torchrun's."""
+    full_env = {"WANDB_MODE": "disabled", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1", **(env or {})}
+    return Forked([str(a) for a in argv], env=full_env, cwd=cwd, code=TORCHRUN_MAIN)
 
 
 def load_tool(name: str, folder: str = "tools"):

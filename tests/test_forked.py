@@ -26,7 +26,7 @@ def test_a_forked_child_is_a_process_of_its_own(tmp_path):
 
 def test_a_forked_script_ends_by_its_signal_and_with_its_traceback(tmp_path):
     sleeper = Forked(code="import time; print('up', flush=True); time.sleep(60)")
-    while "up" not in sleeper._read(sleeper._out):
+    while "up" not in sleeper.output():
         assert sleeper.poll() is None
         time.sleep(0.02)
     sleeper.send_signal(signal.SIGTERM)

@@ -1,30 +1,34 @@
-"""What a cluster run relies on, checked with real torchrun processes and gloo ranks on the CPU (issue 57): every rank
-holds the same model and EMA; the copies of a repeated-augmentation image are augmented differently; a rank whose
-batch held only unreadable images neither hangs the others nor changes the weights; an epoch's leftover micro-batches
-are not trained; validation reads the device once, not per batch; a SLURM log gets no progress bar; DDP's options
-are configuration, recorded in summary.json. ``tests/rank_probe.py`` records what each process saw."""
+"""What a cluster run relies on, checked with real processes and gloo ranks on the CPU (issue 57): every rank holds
+the same model and EMA; the copies of a repeated-augmentation image are augmented differently; a rank whose batch held
+only unreadable images neither hangs the others nor changes the weights; an epoch's leftover micro-batches are not
+trained; validation reads the device once, not per batch; a SLURM log gets no progress bar; DDP's options are
+configuration, recorded in summary.json. ``tests/rank_probe.py`` records what each process saw. The first run is a
+torchrun job (its agent forked: ``helpers.torchrun``); the others' ranks are forked with the variables torchrun gives
+its workers (``helpers.run_ranks``), sparing each rank the 5-7 s a fresh interpreter spends importing."""
 import collections
 import csv
-import sys
 
 import pytest
 import torch
 
-from helpers import REPO, read_summary, run_entry
+from helpers import REPO, TORCHRUN, read_summary, run_entry, run_ranks
 from test_data_imagefolder import add_bad_files, make_tree
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone")
 PROBE = str(REPO / "tests" / "rank_probe.py")
 
 
-def probe(tmp_path, ranks, *args, timeout=300):
+def probe(tmp_path, ranks, *args, timeout=300, under_torchrun=False):
     """``train.py <args>`` on ``ranks`` gloo ranks, observed; (each rank's record, the run's output)."""
     out = tmp_path / "probe"
-    proc = run_entry(PROBE, str(out), str(REPO / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}",
-                     launcher=(*TORCHRUN, f"--nproc_per_node={ranks}"), timeout=timeout)
-    return [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(ranks)], proc.stdout + proc.stderr
+    argv = (str(out), str(REPO / "train.py"), *args, f"hydra.run.dir={tmp_path / 'run'}")
+    if under_torchrun:
+        proc = run_entry(PROBE, *argv, launcher=(*TORCHRUN, f"--nproc_per_node={ranks}"), timeout=timeout, fork=True)
+        output = proc.stdout + proc.stderr
+    else:
+        output = "\n".join(rank.output() for rank in run_ranks(ranks, PROBE, *argv, timeout=timeout))
+    return [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(ranks)], output
 
 
 def same_weights(a, b):
@@ -42,7 +46,7 @@ def test_two_ranks_keep_one_model_and_one_ema(tmp_path):  # two processes: ~15 s
     records, output = probe(tmp_path, 2, "model=plain_vit_nano", "data.img_size=16", "trainer.epochs=2",
                             "trainer.batch_size=256", "trainer.grad_accum=2", "trainer.val_batch_size=16",
                             "trainer.ema.enabled=true", "trainer.ema.decay=0.99", "trainer.count_flops=false",
-                            "trainer.ddp.comm_hook=bf16", "trainer.log_every=1")
+                            "trainer.ddp.comm_hook=bf16", "trainer.log_every=1", under_torchrun=True)
     first, second = records
     assert same_weights(first["model"], second["model"])
     assert same_weights(first["ema"], second["ema"]), "rank 1's EMA is not rank 0's"

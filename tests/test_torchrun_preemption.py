@@ -3,13 +3,10 @@ sends it, reaches every worker; they stop at the same step, save one checkpoint 
 workers the trainers forked get the signal too (torchrun signals each worker's process group) and ignore it."""
 import os
 import signal
-import subprocess
-import sys
 
-import pytest
 import torch
 
-from helpers import REPO
+from helpers import REPO, torchrun
 from test_reliability import wait_for_step
 from moh_vision.engine.distributed import StopSignals, slurm_torchrun_warning, torchrun_drops
 
@@ -59,14 +56,11 @@ def test_a_forked_loader_worker_ignores_the_stop_signals():
 def test_usr1_to_torchrun_stops_every_worker_at_one_step(tmp_path):  # a real torchrun: 12 s on 2 quiet cores
     run_dir, worker = tmp_path / "run", tmp_path / "worker.py"
     worker.write_text(RECORD_EXIT)
-    env = {**os.environ, "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1", "MPLBACKEND": "Agg",
-           "EXIT_FILE": str(tmp_path / "exit")}
-    agent = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-         "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", str(worker), str(REPO / "train.py"),
-         "model=plain_vit_nano", "data.img_size=16", "trainer.epochs=1", "trainer.batch_size=32", "trainer.log_every=1",
-         "trainer.num_workers=1", "trainer.progress=false", "trainer.count_flops=false", f"hydra.run.dir={run_dir}"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    agent = torchrun(
+        "--standalone", "--nproc_per_node=2", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", worker,
+        REPO / "train.py", "model=plain_vit_nano", "data.img_size=16", "trainer.epochs=1", "trainer.batch_size=32",
+        "trainer.log_every=1", "trainer.num_workers=1", "trainer.progress=false", "trainer.count_flops=false",
+        f"hydra.run.dir={run_dir}", env={"EXIT_FILE": str(tmp_path / "exit")})
     wait_for_step(agent, run_dir, 3)
     agent.send_signal(signal.SIGUSR1)
     out, _ = agent.communicate(timeout=300)
