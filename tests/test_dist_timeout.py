@@ -5,8 +5,9 @@ import time
 
 from helpers import REPO, torchrun
 
-TINY = ("model=plain_vit_nano", "data.img_size=16", "trainer.epochs=1", "trainer.batch_size=32", "trainer.max_steps=6",
-        "trainer.ckpt_every_steps=2", "trainer.progress=false", "trainer.count_flops=false", "trainer.num_workers=0")
+TINY = ("model=plain_vit_nano", "+model.kwargs.depth=2", "data.img_size=16", "trainer.epochs=1", "trainer.batch_size=32",
+        "trainer.max_steps=6", "trainer.ckpt_every_steps=2", "trainer.progress=false", "trainer.count_flops=false",
+        "trainer.num_workers=0")
 
 
 def start_job(tmp_path, fault, *args):

@@ -43,8 +43,8 @@ def test_two_ranks_keep_one_model_and_one_ema(tmp_path):  # two processes: ~15 s
     batch), and the log of a run without a terminal has no progress bar. DDP's options are configuration: buffers
     broadcast only where training changes them (none here), gradients as bucket views, and torch's bf16 compression
     hook, recorded in summary.json; the validation metrics and the step times are reduced over both ranks."""
-    records, output = probe(tmp_path, 2, "model=plain_vit_nano", "data.img_size=16", "trainer.epochs=2",
-                            "trainer.batch_size=256", "trainer.grad_accum=2", "trainer.val_batch_size=16",
+    records, output = probe(tmp_path, 2, "model=plain_vit_nano", "+model.kwargs.depth=2", "data.img_size=16",
+                            "trainer.epochs=2", "trainer.batch_size=256", "trainer.grad_accum=2", "trainer.val_batch_size=16",
                             "trainer.ema.enabled=true", "trainer.ema.decay=0.99", "trainer.count_flops=false",
                             "trainer.ddp.comm_hook=bf16", "trainer.log_every=1", under_torchrun=True)
     first, second = records
@@ -69,8 +69,8 @@ def test_two_ranks_keep_one_model_and_one_ema(tmp_path):  # two processes: ~15 s
     assert all(0 <= float(r["train/data_wait_ms"]) <= float(r["train/step_ms"]) for r in windows)
 
 
-IMAGES = ("data=imagefolder", "model=plain_vit_nano", "data.img_size=16", "data.mixup=0", "data.cutmix=0",
-          "trainer.count_flops=false", "trainer.num_workers=0")
+IMAGES = ("data=imagefolder", "model=plain_vit_nano", "+model.kwargs.depth=2", "data.img_size=16", "data.mixup=0",
+          "data.cutmix=0", "trainer.count_flops=false", "trainer.num_workers=0")
 
 
 def test_the_copies_of_a_repeated_image_are_augmented_differently(tmp_path):  # three processes: ~20 s

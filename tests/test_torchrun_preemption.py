@@ -58,9 +58,9 @@ def test_usr1_to_torchrun_stops_every_worker_at_one_step(tmp_path):  # a real to
     worker.write_text(RECORD_EXIT)
     agent = torchrun(
         "--standalone", "--nproc_per_node=2", "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", worker,
-        REPO / "train.py", "model=plain_vit_nano", "data.img_size=16", "trainer.epochs=1", "trainer.batch_size=32",
-        "trainer.log_every=1", "trainer.num_workers=1", "trainer.progress=false", "trainer.count_flops=false",
-        f"hydra.run.dir={run_dir}", env={"EXIT_FILE": str(tmp_path / "exit")})
+        REPO / "train.py", "model=plain_vit_nano", "+model.kwargs.depth=2", "data.img_size=16", "trainer.epochs=1",
+        "trainer.batch_size=32", "trainer.log_every=1", "trainer.num_workers=1", "trainer.progress=false",
+        "trainer.count_flops=false", f"hydra.run.dir={run_dir}", env={"EXIT_FILE": str(tmp_path / "exit")})
     wait_for_step(agent, run_dir, 3)
     agent.send_signal(signal.SIGUSR1)
     out, _ = agent.communicate(timeout=300)
