@@ -29,11 +29,19 @@ from moh_vision.engine.trainer import Preempted, Trainer
 from moh_vision.errors import ConfigError, RunError
 from moh_vision.tasks.classification import ClassificationTask
 
-# Deterministic, small, checkpoint every 2 steps (the digits: 1438 training images, 11 steps of 128).
+# Deterministic, small, checkpoint every 2 steps (the digits: 1438 training images, 11 steps of 128), the ViT cut to 2
+# blocks (the runs' behaviour is the subject, not the model).
 RUN = ("trainer.deterministic=true", "trainer.progress=false", "trainer.num_workers=0", "trainer.epochs=1",
        "trainer.batch_size=128", "trainer.count_flops=false", "trainer.ckpt_every_steps=2", "model=plain_vit_nano",
-       "data.img_size=16")
+       "+model.kwargs.depth=2", "data.img_size=16")
+VIT = {"kwargs": {"depth": 2}}
 MOH = {"name": "moh", "aux_loss_weight": 0.01, "activation_ratio": 0.5}
+
+
+def vit_task(attention=MOH) -> ClassificationTask:
+    return ClassificationTask(model_config("plain_vit_nano", **VIT), attention)
+
+
 LOCK_NAME = ".run.lock"
 
 
@@ -75,7 +83,7 @@ class NaNLossOnRank1(ClassificationTask):
     gradients stay finite, and only the skip decision keeps the ranks' weights equal."""
 
     def __init__(self, rank: int):
-        super().__init__(model_config("plain_vit_nano"), MOH)
+        super().__init__(model_config("plain_vit_nano", **VIT), MOH)
         self.rank, self.calls = rank, 0
 
     def training_step(self, model, batch, device):
@@ -114,7 +122,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, out: str) -> None:
     logging.getLogger().setLevel(logging.INFO)
     try:
         digits = DigitsData(img_size=16)
-        task = lambda: ClassificationTask(model_config("plain_vit_nano"), MOH)  # noqa: E731
+        task = lambda: vit_task(MOH)  # noqa: E731
         tables = []
         _fit(out / "whole", dist, task(), digits, trainer_class=counting_trainer(Trainer, tables))
         (out / f"waits_rank{rank}.json").write_text(json.dumps(tables[0]))
@@ -129,8 +137,7 @@ def _ddp_worker(rank: int, world: int, init_file: str, out: str) -> None:
         _fit(out / "stopped", dist, task(), digits)
         images = ImageFolderData(root=str(out / "images"), img_size=32, repeated_aug=1, mixup=None, cutmix=None,
                                  auto_augment=None, re_prob=None)
-        _fit(out / "images_run", dist, ClassificationTask(model_config("plain_vit_nano"), ATTENTION_PRESET), images,
-             epochs=2, batch_size=4, ckpt_every_steps=0)
+        _fit(out / "images_run", dist, vit_task(ATTENTION_PRESET), images, epochs=2, batch_size=4, ckpt_every_steps=0)
     finally:
         handler.close()
         tdist.destroy_process_group()
@@ -189,7 +196,7 @@ def test_world_size_change_mid_epoch_is_refused(ddp_runs, tmp_path):
     shutil.copy(ddp_runs / "mid_epoch.pt", tmp_path / "checkpoints" / "last.pt")
     from moh_vision.data.digits import DigitsData
     with pytest.raises(ConfigError, match="saved mid-epoch .* by 2 processes and this run has 1"):
-        _fit(tmp_path, DistInfo(), ClassificationTask(model_config("plain_vit_nano"), MOH), DigitsData(img_size=16))
+        _fit(tmp_path, DistInfo(), vit_task(MOH), DigitsData(img_size=16))
 
 
 # ----------------------------------------------------------------------------------------------
