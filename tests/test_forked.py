@@ -5,7 +5,9 @@ import os
 import signal
 import time
 
-from helpers import Forked
+import pytest
+
+from helpers import Forked, run_ranks
 
 SHOW = """
 import os, signal, sys
@@ -36,3 +38,16 @@ def test_a_forked_script_ends_by_its_signal_and_with_its_traceback(tmp_path):
     failed = Forked([script, "a"])
     out, _ = failed.communicate(timeout=60)
     assert failed.returncode == 1 and "ValueError: from the script" in out
+
+
+def test_forked_ranks_get_torchruns_variables_and_a_failure_names_its_rank(tmp_path):
+    script = tmp_path / "rank.py"
+    script.write_text("import os, sys\nenv = os.environ\n"
+                      "print('rank', env['RANK'], env['LOCAL_RANK'], env['WORLD_SIZE'], env['MASTER_ADDR'])\n"
+                      "sys.exit(int(env['RANK']) * int(sys.argv[1]))\n")
+    ranks = run_ranks(2, script, "0", timeout=60)
+    assert [r.output().split() for r in ranks] == [["rank", "0", "0", "2", "127.0.0.1"],
+                                                  ["rank", "1", "1", "2", "127.0.0.1"]]
+    assert len({r.pid for r in ranks}) == 2
+    with pytest.raises(AssertionError, match=r"(?s)rank 1 exited 3.*rank 1 1 2"):
+        run_ranks(2, script, "3", timeout=60)
