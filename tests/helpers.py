@@ -222,8 +222,9 @@ TORCHRUN_MAIN = "import runpy; runpy.run_module('torch.distributed.run', run_nam
 
 def torchrun(*argv: str, env: Optional[Dict[str, str]] = None, cwd: Path = REPO) -> Forked:
     """``python -m torch.distributed.run <argv>``: torchrun's agent, forked from this process (its workers are the fresh
-    interpreters it starts), its output in one stream; a process group of its own, which :meth:`Forked.kill` ends
-    whole. The agent's own 2.5 s of importing torch are spared; what it does is torchrun's."""
+    interpreters it starts), its output in one stream. :meth:`Forked.kill` ends the agent's process group, not its
+    workers: torchrun starts each in a session of its own. The agent's own 2.5 s of importing torch are spared; what
+    it does is torchrun's."""
     full_env = {"WANDB_MODE": "disabled", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1", **(env or {})}
     return Forked([str(a) for a in argv], env=full_env, cwd=cwd, code=TORCHRUN_MAIN)
 
