@@ -48,6 +48,20 @@ def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: rank.get(item.path.name, len(FIRST)))  # stable
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _own_cache_dir(tmp_path_factory):
+    """The suite's own MOH_VISION_CACHE_DIR (the digits classifier, file indexes), empty at the start as on a fresh
+    machine: no test reads what an earlier run left in ~/.cache, or leaves anything there."""
+    from moh_vision.data import CACHE_ENV
+    before = os.environ.get(CACHE_ENV)
+    os.environ[CACHE_ENV] = str(tmp_path_factory.mktemp("cache"))
+    yield
+    if before is None:
+        os.environ.pop(CACHE_ENV, None)
+    else:
+        os.environ[CACHE_ENV] = before
+
+
 @pytest.fixture
 def one_thread():
     """One intra-op thread for a test of tiny models (thread start-up and spinning cost more than they give on a
