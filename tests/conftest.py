@@ -91,11 +91,15 @@ def entry_in_process(script, monkeypatch, capsys=None):
         monkeypatch.setattr(sys, "argv", [script, *words])
         if capsys is not None:
             capsys.readouterr()
+        deterministic = (torch.are_deterministic_algorithms_enabled(),
+                         torch.is_deterministic_algorithms_warn_only_enabled())
         try:
             entry.main()
             code = 0
         except SystemExit as stop:
             code = stop.code
+        finally:  # trainer.deterministic=true is the run's, not the rest of the test process's
+            torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
         captured = capsys.readouterr() if capsys is not None else None
         run.stdout = captured.out if captured else ""  # what it printed (``--cfg job``)
         return code, captured.err if captured else ""

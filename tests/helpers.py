@@ -152,6 +152,9 @@ def _forked_child(argv, env, cwd, preexec, code, out_fd, err_fd) -> None:
         HydraConfig.instance().cfg = None
         os.environ.clear()
         os.environ.update(env)
+        if "torch" in sys.modules:  # one intra-op thread: the OpenMP pool of this process's threads is not in the
+            import torch  # child, whose first parallel region would wait for it forever (a suite run with -n 0)
+            torch.set_num_threads(1)
         os.chdir(cwd)
         if preexec is not None:
             preexec()
