@@ -9,8 +9,8 @@ from helpers import REPO, load_benchmark
 
 
 def test_bench_models_quick_compares_moh_with_its_dense_twin(tmp_path, capsys):
-    rows = load_benchmark("bench_models").main(["quick=true", "rounds=1", "warmup=0", "kernels.routing=reference",
-                                                f"out={tmp_path / 't.md'}"])
+    rows = load_benchmark("bench_models").main(["quick=true", "img_size=32", "rounds=1", "warmup=0",
+                                                "kernels.routing=reference", f"out={tmp_path / 't.md'}"])
     assert [r["model"] for r in rows] == ["dit_s_2", "moh_dit_s_2_75"]
     assert rows[0]["infer_x_dense"]["median"] == 1.0 and rows[0]["train_x_dense"]["n"] == 1
     assert all(r["infer_img_s"] > 0 and r["train_img_s"] > 0 and r["train_peak_mb"] > 0 for r in rows)
@@ -28,7 +28,7 @@ def test_bench_models_counts_what_each_step_launches(tmp_path):
     operators to every layer, inference and training alike; the table gets the two columns."""
     from harness import launches
 
-    rows = load_benchmark("bench_models").main(["quick=true", "rounds=1", "warmup=0", "launches=true",
+    rows = load_benchmark("bench_models").main(["quick=true", "img_size=32", "rounds=1", "warmup=0", "launches=true",
                                                 f"out={tmp_path / 't.md'}"])
     dense, moh = rows
     for mode in ("infer", "train"):
@@ -78,10 +78,10 @@ def test_bench_models_times_a_dense_model_as_moh_against_itself():
     from harness import build_for_bench
     from moh_vision.attention import find_attention
 
-    rows = load_benchmark("bench_models").main(["pairs=dit_s_2:dit_s_2", "img_size=64", "rounds=1", "warmup=0",
+    rows = load_benchmark("bench_models").main(["pairs=dit_s_2:dit_s_2", "img_size=32", "rounds=1", "warmup=0",
                                                 "attention=moh", "attention.activation_ratio=0.5"])
     assert [r["model"] for r in rows] == ["dit_s_2", "dit_s_2 (moh 0.5)"]
-    model = build_for_bench("dit_s_2", 64, torch.device("cpu"), {"name": "moh", "activation_ratio": 0.5})
+    model = build_for_bench("dit_s_2", 32, torch.device("cpu"), {"name": "moh", "activation_ratio": 0.5})
     layers = [m for _, m in find_attention(model)]
     assert layers and all(m.active_heads() == m.num_heads // 2 for m in layers)
 

@@ -45,20 +45,20 @@ def test_classification_comparison_through_the_report(train_in_process, tmp_path
 
 @pytest.fixture
 def untrained_digits_classifier(monkeypatch, tmp_path):
-    """A cached (random) digits classifier for 16x16, so that the sample metrics do not train one."""
+    """A cached (random) digits classifier for 8x8 (the runs' size), so that the sample metrics do not train one."""
     from moh_vision.analysis.metrics import DigitsClassifier, classifier_cache_path, classifier_key
     monkeypatch.setenv("MOH_VISION_CACHE_DIR", str(tmp_path / "cache"))
-    path = classifier_cache_path(16)
+    path = classifier_cache_path(8)
     path.parent.mkdir(parents=True)
     torch.manual_seed(1)
-    torch.save({"model": DigitsClassifier().state_dict(), "img_size": 16, "key": classifier_key(16)}, path)
+    torch.save({"model": DigitsClassifier().state_dict(), "img_size": 8, "key": classifier_key(8)}, path)
     return path
 
 
 def test_diffusion_comparison_through_the_report(train_in_process, untrained_digits_classifier, tmp_path):
     arms = ["mha", "moh_90"]  # the dense DiT and one MoH-DiT (moh_75 differs by its ratio alone)
     out = tmp_path / "sweep"
-    sampling = ("task.sample.steps=ddim2", "task.sample.eval_per_class=2", "task.sample.per_class=1",
+    sampling = ("data.img_size=8", "task.sample.steps=ddim2", "task.sample.eval_per_class=2", "task.sample.per_class=1",
                 "task.sample.batch_size=20")
     code, err = train_in_process("experiment=compare_diffusion", f"+experiment/compare={','.join(arms)}",
                                  "seed=0,1", *TINY, *sampling, f"hydra.sweep.dir={out}")

@@ -405,6 +405,7 @@ def test_eval_of_a_diffusion_run_samples_and_reports_the_sample_metrics(checkpoi
                metrics.classifier_cache_path(16))
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)
     state["config"]["task"]["sample"].update(steps="ddim2", eval_per_class=2, per_class=1)  # tiny sampling
+    state["config"]["data"]["val_fraction"] = 0.05  # and 90 validation digits for the losses
     path = tmp_path / "last.pt"
     torch.save(state, path)
     out = tmp_path / "eval"
