@@ -8,8 +8,9 @@ rank 0 works alone while the others go on to their next collective.
 - ``stall=<seconds>``: rank 0's first checkpoint write takes that long (a hung network file system); when it is over,
   the file ``$STALL_DONE`` is written.
 
-Each rank writes its exit status to ``$EXIT_FILE<rank>`` (torchrun reports only the first failure's). What the other
-ranks do is what ``tests/test_dist_timeout.py`` checks."""
+Each rank writes its process id to ``$EXIT_FILE<rank>.pid`` when it starts (torchrun starts its workers in sessions of
+their own: a test ends a stalled one by this) and its exit status to ``$EXIT_FILE<rank>`` (torchrun reports only the
+first failure's). What the other ranks do is what ``tests/test_dist_timeout.py`` checks."""
 from __future__ import annotations
 
 import os
@@ -37,6 +38,7 @@ def stall_first_save(seconds: float) -> None:
 
 def main(fault: str, script: str, *args: str) -> None:
     kind, _, value = fault.partition("=")
+    Path(f"{os.environ['EXIT_FILE']}{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
     if os.environ.get("RANK", "0") == "0":
         if kind == "disk_full":
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing

@@ -1,6 +1,8 @@
 """A failure on one rank ends every rank with that error, and no rank waits longer than ``trainer.dist_timeout_s``
 (issue 57, item 7): real torchrun jobs of two gloo ranks whose rank 0 alone meets a fault in its first checkpoint write
 (``tests/rank_faults.py``), while rank 1 has gone on into its next step's gradient all-reduce."""
+import os
+import signal
 import time
 
 from helpers import REPO, torchrun
@@ -16,6 +18,17 @@ def start_job(tmp_path, fault, *args):
     return torchrun("--standalone", "--nproc_per_node=2", "--tee=3", REPO / "tests" / "rank_faults.py", fault,
                     REPO / "train.py", *TINY, *args, f"hydra.run.dir={tmp_path / 'run'}",
                     env={"EXIT_FILE": str(tmp_path / "exit"), "STALL_DONE": str(tmp_path / "stall_done")})
+
+
+def end_unfinished_ranks(tmp_path):
+    """SIGKILL to each rank that has not written its exit status: the agent's end does not reach them (torchrun starts
+    its workers in sessions of their own), and a stalled rank 0 would sleep on for minutes after the test."""
+    for pid_file in tmp_path.glob("exit*.pid"):
+        if not pid_file.with_suffix("").exists():
+            try:
+                os.kill(int(pid_file.read_text()), signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
 
 def rank_lines(job, rank):
@@ -35,6 +48,7 @@ def test_a_rank_that_fails_ends_the_others_with_its_error(tmp_path):  # 15 s on 
         assert job.wait(timeout=300) != 0
     finally:
         job.kill()
+        end_unfinished_ranks(tmp_path)
     mine = [line for line in rank_lines(job, 0) if line.startswith("error:")]
     assert len(mine) == 1 and "could not write checkpoint" in mine[0] and "File too large" in mine[0], mine
     told = [line for line in rank_lines(job, 1) if line.startswith("error:")]
@@ -58,6 +72,7 @@ def test_a_rank_left_waiting_stops_at_the_timeout_with_an_error(tmp_path):  # 20
     finally:
         job.kill()  # the agent's process group: rank 0 is still in its write, torchrun would give it 30 s more
         job.wait()
+        end_unfinished_ranks(tmp_path)
     lines = rank_lines(job, 1)
     assert (tmp_path / "exit1").exists() and stalled, lines[-20:]
     assert (tmp_path / "exit1").read_text() == "1"
