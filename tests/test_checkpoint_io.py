@@ -4,15 +4,13 @@ background thread from a host copy (``trainer.ckpt_async``) with the same guaran
 the run directory by a process killed inside any atomic write."""
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import REPO, Forked, read_summary, run_entry
+from helpers import REPO, TORCHRUN, Forked, read_summary, run_entry, torchrun
 from moh_vision import checkpoints as ckpt_io
 from moh_vision.checkpoints import CheckpointHistory
 from test_reliability import ENV, assert_same_run, wait_for_step
@@ -248,30 +246,29 @@ def test_kills_inside_other_writes_leave_nothing_after_the_resume(tmp_path, targ
 
 
 # ---- many ranks ------------------------------------------------------------------------------------------------------
-TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2")
-RANKS = ("model=plain_vit_nano", "data.img_size=16", "trainer.batch_size=128", "trainer.epochs=1",
-         "trainer.max_steps=6", "trainer.deterministic=true", "trainer.ema.enabled=true", "trainer.ema.decay=0.9",
+TWO_RANKS = (*TORCHRUN, "--nproc_per_node=2")
+RANKS = ("model=plain_vit_nano", "+model.kwargs.depth=2", "data.img_size=16", "trainer.batch_size=128",
+         "trainer.epochs=1", "trainer.max_steps=6", "trainer.deterministic=true", "trainer.ema.enabled=true", "trainer.ema.decay=0.9",
          "trainer.log_every=1", "trainer.progress=false", "trainer.num_workers=0", "trainer.count_flops=false",
          "logger=csv")
 
 
-@pytest.mark.slow  # three torchrun runs: 90 s on the busy 2-core VM
+@pytest.mark.slow  # three torchrun runs (agents forked, the 2-block ViT): 28 s on the 2-core VM
 def test_two_ranks_resume_with_ema_from_an_async_checkpoint(tmp_path):
     """Two gloo ranks, the EMA on: a run preempted by SIGUSR1 (its last checkpoint written in the background, waited
     for before the exit) and resumed, asynchronous throughout, ends where an uninterrupted synchronous run ends."""
     ref = tmp_path / "uninterrupted"
-    run_entry("train.py", *RANKS, "trainer.ckpt_async=false", f"hydra.run.dir={ref}", launcher=TORCHRUN)
+    run_entry("train.py", *RANKS, "trainer.ckpt_async=false", f"hydra.run.dir={ref}", launcher=TWO_RANKS, fork=True)
     run = tmp_path / "preempted"
     args = (*RANKS, "trainer.ckpt_async=true", "trainer.ckpt_every_steps=2", f"hydra.run.dir={run}")
-    agent = subprocess.Popen([*TORCHRUN, "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1",
-                              str(REPO / "train.py"), *args], cwd=REPO, env=ENV, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+    agent = torchrun(*TWO_RANKS[3:], "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", REPO / "train.py",
+                     *args, env=ENV)
     wait_for_step(agent, run, 2)
     agent.send_signal(signal.SIGUSR1)
     out, _ = agent.communicate(timeout=300)
     assert out.count("stopped by SIGUSR1 at step") == 2, out[-4000:]
     stopped = ckpt_io.load_file(run / "checkpoints" / "last.pt")
     assert 2 <= stopped["step"] < 6 and stopped["world_size"] == 2 and "model_ema" in stopped
-    run_entry("train.py", *args, launcher=TORCHRUN)
+    run_entry("train.py", *args, launcher=TWO_RANKS, fork=True)
     assert read_summary(run)["steps"] == 6 and temporaries(run) == []
     assert_same_run(ref, run)
