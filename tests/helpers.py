@@ -248,6 +248,19 @@ def load_benchmark(name: str):
     return load_tool(name, "benchmarks")
 
 
+def save_untrained_classifier(path: Path, img_size: int) -> Path:
+    """An untrained digits proxy classifier for ``img_size`` saved at ``path``, as the trainer saves a trained one (a
+    run's copy, ``digits_classifier=``, or ``classifier_cache_path(img_size)``: it carries the cache's key): the sample
+    metrics' plumbing without training one, which takes minutes (the tests of that training aside)."""
+    import torch
+
+    from moh_vision.analysis.metrics import DigitsClassifier, classifier_key
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"model": DigitsClassifier().state_dict(), "img_size": img_size, "key": classifier_key(img_size)}, path)
+    return path
+
+
 def read_summary(run_dir: Path) -> dict:
     return json.loads((Path(run_dir) / "summary.json").read_text())
 

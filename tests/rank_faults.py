@@ -38,8 +38,9 @@ def stall_first_save(seconds: float) -> None:
 
 def main(fault: str, script: str, *args: str) -> None:
     kind, _, value = fault.partition("=")
-    Path(f"{os.environ['EXIT_FILE']}{os.environ.get('RANK', '0')}.pid").write_text(str(os.getpid()))
-    if os.environ.get("RANK", "0") == "0":
+    rank = os.environ.get("RANK", "0")
+    Path(f"{os.environ['EXIT_FILE']}{rank}.pid").write_text(str(os.getpid()))
+    if rank == "0":
         if kind == "disk_full":
             signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails (EFBIG) instead of killing
             resource.setrlimit(resource.RLIMIT_FSIZE, (int(value), int(value)))
@@ -56,7 +57,7 @@ def main(fault: str, script: str, *args: str) -> None:
         code = stop.code
         raise
     finally:
-        Path(os.environ["EXIT_FILE"] + os.environ.get("RANK", "0")).write_text(str(code))
+        Path(os.environ["EXIT_FILE"] + rank).write_text(str(code))
 
 
 if __name__ == "__main__":

@@ -8,9 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import Forked, load_tool, read_summary
+from helpers import Forked, load_tool, read_summary, save_untrained_classifier
 from moh_vision import checkpoints as ckpt_io
-from moh_vision.analysis.metrics import DigitsClassifier
 from moh_vision.checkpoints import CheckpointHistory, numbered_checkpoints, to_prune
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -60,14 +59,13 @@ def test_numbered_checkpoints_resume_and_evaluate_like_last(tmp_path, train_in_p
 
 def test_sampling_takes_a_numbered_checkpoint(tmp_path, train_in_process):
     run = tmp_path / "run"
-    code, err = train_in_process("experiment=diffusion", "data.img_size=8", "trainer.epochs=1", "trainer.max_steps=2",
-                                 "trainer.batch_size=16", "trainer.ckpt_history_every_steps=1", "trainer.progress=false",
-                                 "trainer.count_flops=false", "task.sample.per_class=0", "task.sample.eval_per_class=0",
-                                 "logger=csv", f"hydra.run.dir={run}")
+    code, err = train_in_process("experiment=diffusion", "data.img_size=8", "trainer.epochs=1",
+                                 "trainer.max_steps=2", "trainer.batch_size=16", "trainer.ckpt_history_every_steps=1",
+                                 "trainer.progress=false", "trainer.count_flops=false", "task.sample.per_class=0",
+                                 "task.sample.eval_per_class=0", "logger=csv", f"hydra.run.dir={run}")
     assert code == 0, err
     assert _steps(run) == [1, 2]
-    out, classifier = tmp_path / "samples", tmp_path / "untrained_digits_classifier.pt"
-    torch.save({"model": DigitsClassifier().state_dict(), "img_size": 8}, classifier)  # the metrics' (not trained)
+    out, classifier = tmp_path / "samples", save_untrained_classifier(tmp_path / "digits_classifier.pt", 8)
     load_tool("sample").main([f"ckpt={run}/checkpoints/step_0000001.pt", "num_samples=2", "steps=2", "batch_size=2",
                               f"out={out}", "progress=false", f"digits_classifier={classifier}"])
     info = json.loads((out / "sample.json").read_text())

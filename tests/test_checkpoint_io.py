@@ -248,9 +248,9 @@ def test_kills_inside_other_writes_leave_nothing_after_the_resume(tmp_path, targ
 # ---- many ranks ------------------------------------------------------------------------------------------------------
 TWO_RANKS = (*TORCHRUN, "--nproc_per_node=2")
 RANKS = ("model=plain_vit_nano", "+model.kwargs.depth=2", "data.img_size=16", "trainer.batch_size=128",
-         "trainer.epochs=1", "trainer.max_steps=6", "trainer.deterministic=true", "trainer.ema.enabled=true", "trainer.ema.decay=0.9",
-         "trainer.log_every=1", "trainer.progress=false", "trainer.num_workers=0", "trainer.count_flops=false",
-         "logger=csv")
+         "trainer.epochs=1", "trainer.max_steps=6", "trainer.deterministic=true", "trainer.ema.enabled=true",
+         "trainer.ema.decay=0.9", "trainer.log_every=1", "trainer.progress=false", "trainer.num_workers=0",
+         "trainer.count_flops=false", "logger=csv")
 
 
 @pytest.mark.slow  # three torchrun runs (agents forked, the 2-block ViT): 28 s on the 2-core VM

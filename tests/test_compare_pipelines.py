@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from helpers import load_tool
+from helpers import load_tool, save_untrained_classifier
 from moh_vision.apps.sweep_report import load_jobs
 
 TINY = ("trainer.epochs=1", "trainer.max_steps=1", "trainer.batch_size=16", "trainer.progress=false",
@@ -46,13 +46,10 @@ def test_classification_comparison_through_the_report(train_in_process, tmp_path
 @pytest.fixture
 def untrained_digits_classifier(monkeypatch, tmp_path):
     """A cached (random) digits classifier for 8x8 (the runs' size), so that the sample metrics do not train one."""
-    from moh_vision.analysis.metrics import DigitsClassifier, classifier_cache_path, classifier_key
+    from moh_vision.analysis.metrics import classifier_cache_path
     monkeypatch.setenv("MOH_VISION_CACHE_DIR", str(tmp_path / "cache"))
-    path = classifier_cache_path(8)
-    path.parent.mkdir(parents=True)
     torch.manual_seed(1)
-    torch.save({"model": DigitsClassifier().state_dict(), "img_size": 8, "key": classifier_key(8)}, path)
-    return path
+    return save_untrained_classifier(classifier_cache_path(8), 8)
 
 
 def test_diffusion_comparison_through_the_report(train_in_process, untrained_digits_classifier, tmp_path):

@@ -43,6 +43,8 @@ import pytest
 from sybil import Sybil
 from sybil.parsers.markdown import CodeBlockParser, PythonCodeBlockParser, SkipParser
 
+from helpers import save_untrained_classifier
+
 REPO = Path(__file__).resolve().parents[1]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 BENCH = REPO / "docs" / "bench"
@@ -170,12 +172,8 @@ class Runner:
 
     def untrained_classifier(self) -> Path:
         """The digits metrics' classifier, untrained (training it is not what the docs test)."""
-        import torch
-        from moh_vision.analysis.metrics import DigitsClassifier
-        path = self.tmp / "untrained_digits_classifier.pt"
         img_size = int(next(w for w in TINY["train.py experiment=diffusion"] if w.startswith("data.img_size="))[14:])
-        torch.save({"model": DigitsClassifier().state_dict(), "img_size": img_size}, path)
-        return path
+        return save_untrained_classifier(self.tmp / "untrained_digits_classifier.pt", img_size)
 
     def written(self, name: str) -> bool:
         """``name`` (a glob) exists in the last run directory, or, as ``./<path>``, in the working directory."""

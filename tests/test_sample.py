@@ -11,8 +11,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from helpers import REPO, load_tool, run_entry
-from moh_vision.analysis.metrics import DigitsClassifier
+from helpers import REPO, load_tool, run_entry, save_untrained_classifier
 from moh_vision.cli import parse_options
 from moh_vision.apps import sampling as sampler
 from moh_vision.engine.distributed import DistInfo
@@ -58,7 +57,7 @@ def checkpoint(tmp_path_factory):
     torch.save({**weights, "config": config, "step": 7, "epoch": 0}, path)
     # The proxy-metric classifier the training run would have left (avoids training one here).
     torch.manual_seed(1)
-    torch.save({"model": DigitsClassifier().state_dict(), "img_size": 16}, run / "digits_classifier.pt")
+    save_untrained_classifier(run / "digits_classifier.pt", 16)
     return path
 
 
@@ -400,9 +399,7 @@ def test_eval_of_a_diffusion_run_samples_and_reports_the_sample_metrics(checkpoi
     from moh_vision.analysis import metrics
 
     monkeypatch.setenv("MOH_VISION_CACHE_DIR", str(tmp_path / "cache"))  # a cached proxy classifier: no training
-    metrics.classifier_cache_path(16).parent.mkdir(parents=True)
-    torch.save({"model": DigitsClassifier().state_dict(), "img_size": 16, "key": metrics.classifier_key(16)},
-               metrics.classifier_cache_path(16))
+    save_untrained_classifier(metrics.classifier_cache_path(16), 16)
     state = torch.load(checkpoint, map_location="cpu", weights_only=True)
     state["config"]["task"]["sample"].update(steps="ddim2", eval_per_class=2, per_class=1)  # tiny sampling
     state["config"]["data"]["val_fraction"] = 0.05  # and 90 validation digits for the losses
