@@ -18,6 +18,8 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+log = logging.getLogger(__name__)
+
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -93,8 +95,12 @@ def settle_failure(err: BaseException, info: DistInfo, line: str) -> Optional[st
     """Called by a rank that fails with ``err`` (``line``: its one-line message) before it leaves the process group.
     When another rank failed first and ``err`` is what that did to this rank (a collective that broke or timed out: a
     RuntimeError), returns ``rank N failed: <its line>``, the error to stop with. Otherwise posts ``line`` (a timeout's
-    own line: what it means) for the others and returns None, or the timeout's line; rank 0 then waits (at most
-    ``WAIT_FOR_READERS_S``) until every rank read or posted one."""
+    own line: what it means) for the others and returns None, or the timeout's line.
+
+    A rank in a collective reads a failure only once the failing rank left the group (its collective breaks then).
+    torchrun's agent holds the store (``TORCHELASTIC_USE_AGENT_STORE``), which outlives its workers: rank 0 leaves at
+    once. Where rank 0 hosts it (submitit, srun), rank 0 keeps it up (at most ``WAIT_FOR_READERS_S``) until every rank
+    read or posted one, and warns when time ran out."""
     store = info.store
     if store is None or not info.enabled:
         return None
@@ -110,9 +116,14 @@ def settle_failure(err: BaseException, info: DistInfo, line: str) -> Optional[st
         line = own or line
         number = store.add(FAILURES, 1)
         store.set(f"{FAILURES}/{number}", f"{info.rank}\t{line}")
-        if info.is_main:  # every other rank read a failure or posted its own, or the time is up
-            end = time.monotonic() + min(WAIT_FOR_READERS_S, info.timeout_s)
-            while store.add(SEEN, 0) + store.add(FAILURES, 0) < info.world_size and time.monotonic() < end:
+        if info.is_main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # until each one read or posted
+            wait_s = min(WAIT_FOR_READERS_S, info.timeout_s)
+            end = time.monotonic() + wait_s
+            while (settled := store.add(SEEN, 0) + store.add(FAILURES, 0)) < info.world_size:
+                if time.monotonic() > end:
+                    log.warning("%d of %d ranks had not read this failure after %g s: they stop when this rank leaves, "
+                                "maybe with an error of their own", info.world_size - settled, info.world_size, wait_s)
+                    break
                 time.sleep(0.05)
     except Exception:  # the store is gone (the rank that hosted it left): nothing more to learn
         return own
@@ -175,7 +186,6 @@ def cleanup(info: DistInfo) -> None:
 # ``sbatch --signal=B:USR1`` needs ``torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``; the first
 # rank warns at the start when a SLURM job runs torchrun without it (:func:`slurm_torchrun_warning`). The agent signals
 # each worker's process group: the loader workers a trainer forked get it too, and ignore it.
-log = logging.getLogger(__name__)
 
 # SLURM sends SIGTERM on preemption and, with --signal, SIGUSR1/SIGUSR2 before a time limit
 # (the submitit launcher uses SIGUSR2 and requeues the job from its own handler).
