@@ -1,11 +1,18 @@
 """A failure on one rank ends every rank with that error, and no rank waits longer than ``trainer.dist_timeout_s``
 (issue 57, item 7): real torchrun jobs of two gloo ranks whose rank 0 alone meets a fault in its first checkpoint write
-(``tests/rank_faults.py``), while rank 1 has gone on into its next step's gradient all-reduce."""
+(``tests/rank_faults.py``), while rank 1 has gone on into its next step's gradient all-reduce; and the same failure
+on two ranks with no agent to serve their store, as srun and the submitit launcher start them."""
 import os
 import signal
+import socket
 import time
+from datetime import timedelta
 
-from helpers import REPO, torchrun
+import pytest
+
+from helpers import REPO, run_ranks, torchrun
+from moh_vision.engine.distributed import _fork_store_server
+from moh_vision.errors import RunError
 
 TINY = ("model=plain_vit_nano", "+model.kwargs.depth=2", "data.img_size=16", "trainer.epochs=1", "trainer.batch_size=32",
         "trainer.max_steps=6", "trainer.ckpt_every_steps=2", "trainer.progress=false", "trainer.count_flops=false",
@@ -54,8 +61,6 @@ def test_a_rank_that_fails_ends_the_others_with_its_error(tmp_path):  # 7 s on 2
     told = [line for line in rank_lines(job, 1) if line.startswith("error:")]
     assert told == [f"error: rank 0 failed: {mine[0][len('error: '):]}"], rank_lines(job, 1)[-20:]
     assert "Connection closed by peer" not in "\n".join(rank_lines(job, 1)), "not gloo's broken connection"
-    # torchrun's agent holds the store: rank 0 left at once, rank 1 did not wait for it to give up waiting for readers
-    assert not any("had not read this failure" in line for line in rank_lines(job, 0)), rank_lines(job, 0)[-20:]
     assert (tmp_path / "exit0").read_text() == "1"
     if (tmp_path / "exit1").exists():  # (torchrun may end rank 1 after it printed its line, before it wrote this)
         assert (tmp_path / "exit1").read_text() == "1"
@@ -80,3 +85,27 @@ def test_a_rank_left_waiting_stops_at_the_timeout_with_an_error(tmp_path):  # 20
     assert (tmp_path / "exit1").read_text() == "1"
     errors = [line for line in lines if line.startswith("error:")]
     assert len(errors) == 1 and "waited trainer.dist_timeout_s=5 s in a collective" in errors[0], lines[-20:]
+
+
+def test_without_torchrun_the_store_outlives_rank_0(tmp_path):
+    """With no agent to serve the store (srun, the submitit launcher: rank 0 forks its server), rank 0's failure still
+    reaches rank 1, which can read it only once rank 0 left the group (with the store in rank 0: gloo's broken
+    connection, 10 s later)."""
+    procs = run_ranks(2, str(REPO / "tests" / "rank_faults.py"), "disk_full=200000", str(REPO / "train.py"), *TINY,
+                      f"hydra.run.dir={tmp_path / 'run'}", env={"EXIT_FILE": str(tmp_path / "exit")}, check=False)
+    mine = [line for line in procs[0].output().splitlines() if line.startswith("error:")]
+    assert len(mine) == 1 and "could not write checkpoint" in mine[0], procs[0].output()[-3000:]
+    told = [line for line in procs[1].output().splitlines() if line.startswith("error:")]
+    assert told == [f"error: rank 0 failed: {mine[0][len('error: '):]}"], procs[1].output()[-3000:]
+    assert [p.returncode for p in procs] == [1, 1]
+
+
+def test_a_port_in_use_is_one_error_line():
+    """Rank 0 forks the store's server; a MASTER_PORT another job holds is said in one line, not a traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(RunError, match=rf"could not serve the job's store at MASTER_ADDR:MASTER_PORT=127.0.0.1:"
+                                           rf"{port} \(.*\): is another job using that port\?"):
+            _fork_store_server("127.0.0.1", port, 2, timedelta(seconds=5))

@@ -73,34 +73,81 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
     Joining (the rendezvous) and every collective wait at most ``timeout_s``."""
     info = dataclasses.replace(process_info(device), timeout_s=float(timeout_s))
     if info.world_size > 1 and not dist.is_initialized():
+        timeout = timedelta(seconds=timeout_s)
+        store = _job_store(info, timeout)  # kept: failures are posted there
         if info.device.type == "cuda":
             torch.cuda.set_device(info.device)
-        timeout = timedelta(seconds=timeout_s)
-        # the rendezvous init_process_group would make, done here to keep its store (failures are posted there)
-        store, rank, world_size = next(dist.rendezvous("env://", timeout=timeout))
-        store.set_timeout(timeout)
-        dist.init_process_group(backend="nccl" if info.device.type == "cuda" else "gloo", store=store, rank=rank,
-                                world_size=world_size, timeout=timeout)
+        dist.init_process_group(backend="nccl" if info.device.type == "cuda" else "gloo", store=store, rank=info.rank,
+                                world_size=info.world_size, timeout=timeout)
         info = dataclasses.replace(info, store=store)
     return info
+
+
+def _job_store(info: DistInfo, timeout: timedelta) -> "dist.Store":
+    """The store the ranks join by (``MASTER_ADDR:MASTER_PORT``), a client on every rank of a server that outlives each
+    rank, so that what a failing rank 0 posts as it leaves is there for the others to read (:func:`settle_failure`).
+    torchrun's agent serves it (``TORCHELASTIC_USE_AGENT_STORE``); without an agent (submitit, srun), rank 0 forks a
+    process that serves it (:func:`_fork_store_server`) where torch's rendezvous would serve it from rank 0 itself."""
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and info.is_main:
+        _fork_store_server(host, port, info.world_size, timeout)
+    return dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
+
+
+def _fork_store_server(host: str, port: int, world_size: int, timeout: timedelta) -> None:
+    """Fork (before any store, process group or CUDA context exists) a process that serves the job's store until rank 0
+    (this process) is gone, then until every rank read the failure it posted (``WAIT_FOR_READERS_S`` at most; at once
+    when none was posted). It ignores the preemption signals (the trainer's to handle) and writes nothing."""
+    read_end, write_end = os.pipe()
+    parent = os.getpid()
+    pid = os.fork()
+    if pid == 0:  # the server: never returns
+        try:
+            os.close(read_end)
+            for name in ("SIGINT", "SIGHUP", *PREEMPT_SIGNALS):
+                signal.signal(getattr(signal, name), signal.SIG_IGN)
+            quiet = os.open(os.devnull, os.O_RDWR)
+            for fd in (0, 1, 2):
+                os.dup2(quiet, fd)
+            try:
+                server = dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout, wait_for_workers=False)
+            except Exception as err:
+                os.write(write_end, f"{type(err).__name__}: {str(err).strip().splitlines()[0]}".encode())
+                os._exit(1)
+            os.write(write_end, b"serving")
+            os.close(write_end)
+            while os.getppid() == parent:
+                time.sleep(0.1)
+            end = time.monotonic() + WAIT_FOR_READERS_S
+            while 0 < (failed := server.add(FAILURES, 0)) and server.add(SEEN, 0) + failed < world_size:
+                if time.monotonic() > end:
+                    break
+                time.sleep(0.05)
+        finally:
+            os._exit(0)
+    os.close(write_end)
+    told = os.read(read_end, 4096).decode(errors="replace")
+    os.close(read_end)
+    if told != "serving":
+        os.waitpid(pid, 0)
+        from moh_vision.errors import RunError
+        raise RunError(f"rank 0 could not serve the job's store at MASTER_ADDR:MASTER_PORT={host}:{port} "
+                       f"({told or 'its process died'}): is another job using that port?")
 
 
 # -- A failure on one rank ends every rank with its error --------------------------------------------------------------
 FAILURES = "moh_vision/failures"  # the store's count of ranks that posted a failure; each is at FAILURES/<n>
 SEEN = "moh_vision/failures_seen"  # how many ranks read one
-WAIT_FOR_READERS_S = 10.0  # a failing rank keeps its store (under submitit: rank 0 hosts it) this long for the others
+WAIT_FOR_READERS_S = 10.0  # how long the store's server keeps serving the others once a failing rank 0 is gone
 
 
 def settle_failure(err: BaseException, info: DistInfo, line: str) -> Optional[str]:
     """Called by a rank that fails with ``err`` (``line``: its one-line message) before it leaves the process group.
     When another rank failed first and ``err`` is what that did to this rank (a collective that broke or timed out: a
     RuntimeError), returns ``rank N failed: <its line>``, the error to stop with. Otherwise posts ``line`` (a timeout's
-    own line: what it means) for the others and returns None, or the timeout's line.
-
-    A rank in a collective reads a failure only once the failing rank left the group (its collective breaks then).
-    torchrun's agent holds the store (``TORCHELASTIC_USE_AGENT_STORE``), which outlives its workers: rank 0 leaves at
-    once. Where rank 0 hosts it (submitit, srun), rank 0 keeps it up (at most ``WAIT_FOR_READERS_S``) until every rank
-    read or posted one, and warns when time ran out."""
+    own line: what it means) for the others and returns None, or the timeout's line. A rank in a collective reads it
+    once the failing rank left the group (its collective breaks then), from a store that outlives every rank
+    (:func:`_job_store`)."""
     store = info.store
     if store is None or not info.enabled:
         return None
@@ -116,15 +163,6 @@ def settle_failure(err: BaseException, info: DistInfo, line: str) -> Optional[st
         line = own or line
         number = store.add(FAILURES, 1)
         store.set(f"{FAILURES}/{number}", f"{info.rank}\t{line}")
-        if info.is_main and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":  # until each one read or posted
-            wait_s = min(WAIT_FOR_READERS_S, info.timeout_s)
-            end = time.monotonic() + wait_s
-            while (settled := store.add(SEEN, 0) + store.add(FAILURES, 0)) < info.world_size:
-                if time.monotonic() > end:
-                    log.warning("%d of %d ranks had not read this failure after %g s: they stop when this rank leaves, "
-                                "maybe with an error of their own", info.world_size - settled, info.world_size, wait_s)
-                    break
-                time.sleep(0.05)
     except Exception:  # the store is gone (the rank that hosted it left): nothing more to learn
         return own
     return own
