@@ -10,7 +10,7 @@ from datetime import timedelta
 
 import pytest
 
-from helpers import REPO, run_ranks, torchrun
+from helpers import REPO, read_summary, run_ranks, torchrun
 from moh_vision.engine.distributed import _fork_store_server
 from moh_vision.errors import RunError
 
@@ -98,6 +98,12 @@ def test_without_torchrun_the_store_outlives_rank_0(tmp_path):
     told = [line for line in procs[1].output().splitlines() if line.startswith("error:")]
     assert told == [f"error: rank 0 failed: {mine[0][len('error: '):]}"], procs[1].output()[-3000:]
     assert [p.returncode for p in procs] == [1, 1]
+
+
+def test_without_torchrun_each_job_of_a_multirun_serves_the_store_anew(tmp_path):
+    """The store's server rank 0 forks ends with its job (``cleanup``), before the next job of a sweep binds the port."""
+    run_ranks(2, str(REPO / "train.py"), "-m", "seed=0,1", *TINY, f"hydra.sweep.dir={tmp_path}")
+    assert [read_summary(job)["steps"] for job in sorted(tmp_path.glob("[01]_*"))] == [6, 6]
 
 
 def test_a_port_in_use_is_one_error_line():

@@ -29,6 +29,7 @@ class DistInfo:
     device: torch.device = torch.device("cpu")
     timeout_s: float = 1800.0  # the process group's and each collective's limit (trainer.dist_timeout_s)
     store: Any = dataclasses.field(default=None, compare=False, repr=False)  # the process group's store, when joined
+    store_server: Optional[int] = dataclasses.field(default=None, compare=False, repr=False)  # its pid, rank 0 forked
 
     @property
     def is_main(self) -> bool:
@@ -74,30 +75,26 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
     info = dataclasses.replace(process_info(device), timeout_s=float(timeout_s))
     if info.world_size > 1 and not dist.is_initialized():
         timeout = timedelta(seconds=timeout_s)
-        store = _job_store(info, timeout)  # kept: failures are posted there
+        host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+        server = None  # the store outlives each rank: torchrun's agent serves it, or a process rank 0 forks
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and info.is_main:
+            server = _fork_store_server(host, port, info.world_size, timeout)
+        store = dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)  # failures are posted here
         if info.device.type == "cuda":
             torch.cuda.set_device(info.device)
         dist.init_process_group(backend="nccl" if info.device.type == "cuda" else "gloo", store=store, rank=info.rank,
                                 world_size=info.world_size, timeout=timeout)
-        info = dataclasses.replace(info, store=store)
+        info = dataclasses.replace(info, store=store, store_server=server)
     return info
 
 
-def _job_store(info: DistInfo, timeout: timedelta) -> "dist.Store":
-    """The store the ranks join by (``MASTER_ADDR:MASTER_PORT``), a client on every rank of a server that outlives each
-    rank, so that what a failing rank 0 posts as it leaves is there for the others to read (:func:`settle_failure`).
-    torchrun's agent serves it (``TORCHELASTIC_USE_AGENT_STORE``); without an agent (submitit, srun), rank 0 forks a
-    process that serves it (:func:`_fork_store_server`) where torch's rendezvous would serve it from rank 0 itself."""
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and info.is_main:
-        _fork_store_server(host, port, info.world_size, timeout)
-    return dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)
-
-
-def _fork_store_server(host: str, port: int, world_size: int, timeout: timedelta) -> None:
-    """Fork (before any store, process group or CUDA context exists) a process that serves the job's store until rank 0
-    (this process) is gone, then until every rank read the failure it posted (``WAIT_FOR_READERS_S`` at most; at once
-    when none was posted). It ignores the preemption signals (the trainer's to handle) and writes nothing."""
+def _fork_store_server(host: str, port: int, world_size: int, timeout: timedelta) -> int:
+    """The job's store (``MASTER_ADDR:MASTER_PORT``) where no torchrun agent serves it (submitit, srun): served by a
+    process forked before any store, process group or CUDA context exists, not by rank 0 itself as torch's rendezvous
+    would, so that what a failing rank 0 posts as it leaves is there for the others to read (:func:`settle_failure`).
+    It serves until rank 0 (this process) is gone or its job is over (:func:`cleanup`), then until every rank read the
+    failure rank 0 posted (``WAIT_FOR_READERS_S`` at most; at once when none was posted). It ignores the preemption
+    signals (the trainer's to handle) and writes nothing. Returns its pid."""
     read_end, write_end = os.pipe()
     parent = os.getpid()
     pid = os.fork()
@@ -116,7 +113,7 @@ def _fork_store_server(host: str, port: int, world_size: int, timeout: timedelta
                 os._exit(1)
             os.write(write_end, b"serving")
             os.close(write_end)
-            while os.getppid() == parent:
+            while os.getppid() == parent and not server.check([JOB_OVER]):
                 time.sleep(0.1)
             end = time.monotonic() + WAIT_FOR_READERS_S
             while 0 < (failed := server.add(FAILURES, 0)) and server.add(SEEN, 0) + failed < world_size:
@@ -133,11 +130,13 @@ def _fork_store_server(host: str, port: int, world_size: int, timeout: timedelta
         from moh_vision.errors import RunError
         raise RunError(f"rank 0 could not serve the job's store at MASTER_ADDR:MASTER_PORT={host}:{port} "
                        f"({told or 'its process died'}): is another job using that port?")
+    return pid
 
 
 # -- A failure on one rank ends every rank with its error --------------------------------------------------------------
 FAILURES = "moh_vision/failures"  # the store's count of ranks that posted a failure; each is at FAILURES/<n>
 SEEN = "moh_vision/failures_seen"  # how many ranks read one
+JOB_OVER = "moh_vision/job_over"  # set by rank 0's cleanup: the store's server may go
 WAIT_FOR_READERS_S = 10.0  # how long the store's server keeps serving the others once a failing rank 0 is gone
 
 
@@ -147,7 +146,7 @@ def settle_failure(err: BaseException, info: DistInfo, line: str) -> Optional[st
     RuntimeError), returns ``rank N failed: <its line>``, the error to stop with. Otherwise posts ``line`` (a timeout's
     own line: what it means) for the others and returns None, or the timeout's line. A rank in a collective reads it
     once the failing rank left the group (its collective breaks then), from a store that outlives every rank
-    (:func:`_job_store`)."""
+    (:func:`_fork_store_server`)."""
     store = info.store
     if store is None or not info.enabled:
         return None
@@ -208,8 +207,17 @@ def reduce_sums(sums: Dict[str, float], info: DistInfo, device: torch.device) ->
 
 
 def cleanup(info: DistInfo) -> None:
+    """Leave the process group; on rank 0, end the store's server it forked: at once (before the next job of a
+    multirun binds the same port) when no failure was posted, else once the others read it."""
     if info.enabled and dist.is_initialized():
         dist.destroy_process_group()
+    if info.store_server is not None:
+        try:
+            info.store.set(JOB_OVER, "1")
+            if info.store.add(FAILURES, 0) == 0:
+                os.waitpid(info.store_server, 0)
+        except (ChildProcessError, RuntimeError):  # ended by an earlier call
+            pass
 
 
 # -- Preemption --------------------------------------------------------------------------------------------------------
