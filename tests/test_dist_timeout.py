@@ -10,8 +10,10 @@ from datetime import timedelta
 
 import pytest
 
-from helpers import REPO, read_summary, run_ranks, torchrun
-from moh_vision.engine.distributed import _fork_store_server
+from torch.distributed import DistStoreError
+
+from helpers import REPO, Forked, free_port, read_summary, run_ranks, torchrun
+from moh_vision.engine.distributed import _fork_store_server, is_timeout
 from moh_vision.errors import RunError
 
 TINY = ("model=plain_vit_nano", "+model.kwargs.depth=2", "data.img_size=16", "trainer.epochs=1", "trainer.batch_size=32",
@@ -104,6 +106,29 @@ def test_without_torchrun_each_job_of_a_multirun_serves_the_store_anew(tmp_path)
     """The store's server rank 0 forks ends with its job (``cleanup``), before the next job of a sweep binds the port."""
     run_ranks(2, str(REPO / "train.py"), "-m", "seed=0,1", *TINY, f"hydra.sweep.dir={tmp_path}")
     assert [read_summary(job)["steps"] for job in sorted(tmp_path.glob("[01]_*"))] == [6, 6]
+
+
+def test_a_rank_whose_peers_never_join_stops_at_the_timeout_with_an_error(tmp_path):
+    """Rank 1 of two, alone (rank 0 never started: no store to join): one line after trainer.dist_timeout_s."""
+    port = free_port()
+    rank_1 = Forked([REPO / "train.py", *TINY, "trainer.dist_timeout_s=2", f"hydra.run.dir={tmp_path}"],
+                    env={"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2", "RANK": "1",
+                         "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "OMP_NUM_THREADS": "1"})
+    out, _ = rank_1.communicate(timeout=120)
+    assert rank_1.returncode == 1 and out.strip().splitlines()[-1] == (
+        "error: rank 1 waited trainer.dist_timeout_s=2 s for the 2 ranks to join at MASTER_ADDR:MASTER_PORT="
+        f"127.0.0.1:{port}: a rank did not start, failed before it joined, or started later than that")
+
+
+@pytest.mark.parametrize("err,timed_out", [
+    (DistStoreError("wait timeout after 5000ms, keys: /0//1//cpu//0/0"), True),  # a group's creation, a rank late
+    (RuntimeError("[gloo/transport/tcp/unbound_buffer.cc:81] Timed out waiting 5000ms for recv operation to complete"),
+     True),
+    (RuntimeError("[gloo/transport/tcp/pair.cc:561] Connection closed by peer [127.0.0.1]:64704"), False),
+    (ValueError("timeout=3 is not allowed"), False),  # not a collective's
+])
+def test_what_counts_as_a_timeout(err, timed_out):
+    assert is_timeout(err) is timed_out
 
 
 def test_a_port_in_use_is_one_error_line():

@@ -79,11 +79,19 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
         server = None  # the store outlives each rank: torchrun's agent serves it, or a process rank 0 forks
         if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True" and info.is_main:
             server = _fork_store_server(host, port, info.world_size, timeout)
-        store = dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)  # failures are posted here
-        if info.device.type == "cuda":
-            torch.cuda.set_device(info.device)
-        dist.init_process_group(backend="nccl" if info.device.type == "cuda" else "gloo", store=store, rank=info.rank,
-                                world_size=info.world_size, timeout=timeout)
+        try:
+            store = dist.TCPStore(host, port, info.world_size, is_master=False, timeout=timeout)  # failures go here
+            if info.device.type == "cuda":
+                torch.cuda.set_device(info.device)
+            dist.init_process_group(backend="nccl" if info.device.type == "cuda" else "gloo", store=store,
+                                    rank=info.rank, world_size=info.world_size, timeout=timeout)
+        except RuntimeError as err:
+            if not is_timeout(err):
+                raise
+            from moh_vision.errors import RunError
+            raise RunError(f"rank {info.rank} waited trainer.dist_timeout_s={timeout_s:g} s for the {info.world_size} "
+                           f"ranks to join at MASTER_ADDR:MASTER_PORT={host}:{port}: a rank did not start, failed "
+                           f"before it joined, or started later than that") from err
         info = dataclasses.replace(info, store=store, store_server=server)
     return info
 
@@ -140,6 +148,14 @@ JOB_OVER = "moh_vision/job_over"  # set by rank 0's cleanup: the store's server 
 WAIT_FOR_READERS_S = 10.0  # how long the store's server keeps serving the others once a failing rank 0 is gone
 
 
+def is_timeout(err: BaseException) -> bool:
+    """Whether ``err`` is a collective or a store wait that ran out of time: gloo's ``Timed out waiting ...``, the
+    store's ``wait timeout after ...`` (a group's creation, joining), NCCL's watchdog, a ``*Timeout*`` exception."""
+    text = str(err).lower()
+    return ((isinstance(err, RuntimeError) and ("timed out" in text or "timeout" in text))
+            or "Timeout" in type(err).__name__)
+
+
 def settle_failure(err: BaseException, info: DistInfo, line: str) -> Optional[str]:
     """Called by a rank that fails with ``err`` (``line``: its one-line message) before it leaves the process group.
     When another rank failed first and ``err`` is what that did to this rank (a collective that broke or timed out: a
@@ -150,10 +166,9 @@ def settle_failure(err: BaseException, info: DistInfo, line: str) -> Optional[st
     store = info.store
     if store is None or not info.enabled:
         return None
-    timed_out = (isinstance(err, RuntimeError) and "timed out" in str(err).lower()) or "Timeout" in type(err).__name__
     own = (f"waited trainer.dist_timeout_s={info.timeout_s:g} s in a collective and no rank reported an error: a rank "
            f"is stuck, or works alone for longer than that (a slow checkpoint write: raise it) ({line})"
-           if timed_out else None)
+           if is_timeout(err) else None)
     try:
         if isinstance(err, RuntimeError) and store.add(FAILURES, 0) > 0:
             rank, _, first = store.get(f"{FAILURES}/1").decode().partition("\t")
