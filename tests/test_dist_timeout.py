@@ -9,7 +9,6 @@ import time
 from datetime import timedelta
 
 import pytest
-
 from torch.distributed import DistStoreError
 
 from helpers import REPO, Forked, free_port, read_summary, run_ranks, torchrun

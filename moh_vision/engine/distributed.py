@@ -18,6 +18,8 @@ from typing import Any, Dict, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from moh_vision.errors import RunError
+
 log = logging.getLogger(__name__)
 
 
@@ -88,7 +90,6 @@ def init_distributed(device: str = "auto", timeout_s: float = 1800.0) -> DistInf
         except RuntimeError as err:
             if not is_timeout(err):
                 raise
-            from moh_vision.errors import RunError
             raise RunError(f"rank {info.rank} waited trainer.dist_timeout_s={timeout_s:g} s for the {info.world_size} "
                            f"ranks to join at MASTER_ADDR:MASTER_PORT={host}:{port}: a rank did not start, failed "
                            f"before it joined, or started later than that") from err
@@ -135,7 +136,6 @@ def _fork_store_server(host: str, port: int, world_size: int, timeout: timedelta
     os.close(read_end)
     if told != "serving":
         os.waitpid(pid, 0)
-        from moh_vision.errors import RunError
         raise RunError(f"rank 0 could not serve the job's store at MASTER_ADDR:MASTER_PORT={host}:{port} "
                        f"({told or 'its process died'}): is another job using that port?")
     return pid
